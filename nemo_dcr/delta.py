@@ -1,0 +1,310 @@
+"""Diff and apply on dicts of tensors: the Python API the CLI and the callbacks call.
+
+    blob = diff(base, target)                 # bytes of one delta
+    report = apply(tensors, blob)             # in place, verified bit-exactly
+
+``base``/``target`` may be any Mapping (a lazy one that loads a tensor per lookup keeps memory
+at one tensor). ``shards`` gives, per name, where a local tensor sits in the canonical tensor
+(``ShardSpec``); without it every tensor is whole. Sender and receiver may shard differently.
+"""
+from __future__ import annotations
+
+import io
+import time
+from dataclasses import dataclass, field
+from typing import BinaryIO, Mapping, MutableMapping
+
+import torch
+
+from . import __version__
+from .chunk import AUTO, CHOICES, OVERWRITE, XOR, decode_chunk, encode_chunk
+from .digest import state_digest, tensor_digest, values_digest
+from .dtypes import dtype_from_name, dtype_name, int_view, itemsize
+from .errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
+from .flat import FlatAccess
+from .format import FORMAT_VERSION, DeltaReader, DeltaWriter
+from .index_map import IndexMap, ShardSpec
+from .parallel import ordered_map
+from .progress import NullProgress, Progress
+
+DEFAULT_CHUNK = 1 << 20  # elements per chunk: bounds encode/apply scratch
+DEFAULT_LEVEL = 3
+
+
+# ----------------------------------------------------------------------------- encode
+
+def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
+         level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
+         workers: int | None = None, meta: dict | None = None, out: BinaryIO | None = None,
+         progress: bool | None = None):
+    """Encode ``target`` as a delta against ``base``.
+
+    Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
+    delta into it and returns the header dict.
+    """
+    if encoding not in CHOICES:
+        raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
+    if chunk_elems < 1:
+        raise DcrError("chunk_elems must be >= 1")
+    shards = shards or {}
+    sink = out if out is not None else io.BytesIO()
+    w = DeltaWriter(sink)
+    names = sorted(set(base.keys()) | set(target.keys()))
+    total = getattr(target, "total_bytes", None)
+    if total is None and isinstance(target, dict):
+        total = sum(t.numel() * t.element_size() for t in target.values())
+    total = total or 0
+    entries, base_digests, target_digests = [], {}, {}
+    bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
+    with bar:
+        for name in names:
+            entry = _encode_tensor(name, base, target, shards.get(name), w, encoding, level, chunk_elems, workers, bar)
+            entries.append(entry)
+            if "base_digest" in entry:
+                base_digests[name] = entry["base_digest"]
+            if entry["kind"] != "removed":
+                target_digests[name] = entry["target_digest"]
+    header = {
+        "format": FORMAT_VERSION,
+        "tool": f"nemo-dcr {__version__}",
+        "created": time.time(),
+        "byte_order": "little",
+        "encoding": encoding,
+        "level": level,
+        "chunk_elems": chunk_elems,
+        "base_digest": state_digest(base_digests),
+        "target_digest": state_digest(target_digests),
+        "tensors": entries,
+        "meta": meta or {},
+    }
+    w.finish(header)
+    return header if out is not None else sink.getvalue()
+
+
+def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, workers, bar):
+    if name not in target:
+        return {"name": name, "kind": "removed"}
+    new = target[name]
+    dtype_name(new.dtype)
+    if spec is None:
+        spec = ShardSpec.full(new.shape)
+    if tuple(new.shape) != spec.shape:
+        raise DcrError(f"{name}: tensor shape {tuple(new.shape)} differs from its shard shape {spec.shape}")
+    old = base[name] if name in base else None
+    if old is not None and (old.dtype != new.dtype or old.shape != new.shape):
+        old = None  # dtype or shape changed: send whole
+    kind = "delta" if old is not None else "full"
+    if kind == "full" and not spec.is_full:
+        raise DcrError(f"{name}: a tensor absent from the base can only be sent whole, not as a shard")
+    nf = FlatAccess(new)
+    of = FlatAccess(old) if old is not None else None
+    n = nf.numel
+    ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
+
+    def job(r):
+        s, e = r
+        c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level)
+        return c, (e - s) * new.element_size()
+
+    chunks = []
+    for c, nbytes in ordered_map(job, ranges, workers):
+        bar.update(nbytes)
+        if c is not None:
+            off = w.add_payload(c.pos_bytes, c.val_bytes)
+            h = c.header(off)
+            h["alt"] = c.alt_val_len
+            chunks.append(h)
+    entry = {
+        "name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
+        "region": spec.to_json(), "target_digest": tensor_digest(new), "chunks": chunks,
+    }
+    if old is not None:
+        entry["base_digest"] = entry["target_digest"] if not chunks else tensor_digest(old)
+    return entry
+
+
+# ----------------------------------------------------------------------------- apply
+
+@dataclass
+class ApplyReport:
+    tensors_changed: int = 0
+    tensors_skipped: int = 0  # already at the target
+    tensors_added: list = field(default_factory=list)
+    tensors_removed: list = field(default_factory=list)
+    chunks_applied: int = 0
+    chunks_already_applied: int = 0
+    elements_changed: int = 0
+    unverified: list = field(default_factory=list)  # entries only partly held: no digest check possible
+    seconds: float = 0.0
+
+
+@dataclass
+class _Plan:
+    entry: dict
+    tensor: torch.Tensor | None
+    recv: ShardSpec | None
+    region: ShardSpec | None
+    covered: bool
+    action: str  # apply | skip | resume | unverified | create | remove | ignore
+
+
+def plan_entry(entry: dict, tensor: torch.Tensor | None, recv: ShardSpec | None, *, verify: bool = True,
+               resume: bool = False) -> _Plan:
+    """Decide what to do with one delta entry, checking the base. Mutates nothing."""
+    name, kind = entry["name"], entry["kind"]
+    if kind == "removed":
+        return _Plan(entry, tensor, recv, None, False, "remove" if tensor is not None else "ignore")
+    dtype = dtype_from_name(entry["dtype"])
+    region = ShardSpec.of(entry["shape"], entry["region"]["offsets"], entry["region"]["shape"])
+    if kind == "full":
+        if recv is not None and not recv.is_full:
+            raise DcrError(f"{name}: the delta sends this tensor whole; a sharded receiver cannot take it")
+        return _Plan(entry, tensor, recv, region, True, "create")
+    if tensor is None:
+        raise BaseMismatchError(f"{name}: the delta changes this tensor but the receiver has none")
+    if tensor.dtype != dtype:
+        raise BaseMismatchError(f"{name}: receiver dtype {tensor.dtype} but the delta was built on {dtype}")
+    if recv is None:
+        recv = ShardSpec.full(tensor.shape)
+    if tuple(tensor.shape) != recv.shape:
+        raise DcrError(f"{name}: tensor shape {tuple(tensor.shape)} differs from its shard shape {recv.shape}")
+    if tuple(recv.global_shape) != tuple(region.global_shape):
+        raise BaseMismatchError(f"{name}: receiver's global shape {recv.global_shape} but the delta's is {region.global_shape}")
+    if recv.contains(region):
+        if not verify:
+            return _Plan(entry, tensor, recv, region, True, "resume")
+        d = tensor_digest(tensor[recv.slices_of(region)])
+        if d == entry["base_digest"]:
+            action = "apply" if entry["chunks"] else "skip"
+        elif d == entry["target_digest"]:
+            action = "skip"
+        elif resume:
+            action = "resume"
+        else:
+            raise BaseMismatchError(f"{name}: receiver tensor is not the base this delta was built from "
+                                    f"(digest {d}, expected {entry['base_digest']})")
+        return _Plan(entry, tensor, recv, region, True, action)
+    if _overlaps(recv, region):
+        return _Plan(entry, tensor, recv, region, False, "unverified")
+    return _Plan(entry, tensor, recv, region, False, "ignore")
+
+
+def _overlaps(a: ShardSpec, b: ShardSpec) -> bool:
+    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape)) \
+        and a.numel > 0 and b.numel > 0
+
+
+def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int | None = None, bar=None):
+    """Apply one planned entry in place. Returns the tensor (a new one for ``create``)."""
+    entry = plan.entry
+    if plan.action in ("ignore", "remove"):
+        return plan.tensor
+    if plan.action == "skip":
+        report.tensors_skipped += 1
+        return plan.tensor
+    dtype = dtype_from_name(entry["dtype"])
+    w = itemsize(dtype)
+    if plan.action == "create":
+        t = torch.empty(plan.region.shape, dtype=dtype)
+        fa = FlatAccess(t)
+
+        def fill(c):
+            idx, vals = decode_chunk(c, reader.payload(c), w)
+            fa.scatter(idx + c["start"], vals)
+            return c["k"]
+
+        for k in ordered_map(fill, entry["chunks"], workers):
+            report.elements_changed += k
+            if bar:
+                bar.update(k * w)
+        report.chunks_applied += len(entry["chunks"])
+        report.tensors_added.append(entry["name"])
+        return t
+    tensor = plan.tensor
+    fa = FlatAccess(tensor)
+    region_map = IndexMap(plan.region)
+    recv_map = IndexMap(plan.recv)
+    check = plan.covered
+
+    def one(c):
+        idx, vals = decode_chunk(c, reader.payload(c), w)
+        if region_map.identity and recv_map.identity:
+            local = idx + c["start"]
+        else:
+            local, mask = recv_map.to_local(region_map.to_global(idx + c["start"]))
+            if not check:
+                vals = vals[mask]
+        cur = fa.gather(local)
+        if check:
+            d = values_digest(cur)
+            if d == c["post"]:
+                return "already", 0
+            if d != c["pre"]:
+                raise BaseMismatchError(f"{entry['name']}: chunk at element {c['start']} does not match its base")
+        new = vals if c["enc"] == OVERWRITE else torch.bitwise_xor(cur, vals)
+        fa.scatter(local, new)
+        return "applied", int(local.numel())
+
+    for status, k in ordered_map(one, entry["chunks"], workers):
+        if status == "applied":
+            report.chunks_applied += 1
+            report.elements_changed += k
+        else:
+            report.chunks_already_applied += 1
+    if bar:
+        bar.update(1)
+    report.tensors_changed += 1
+    if plan.action == "unverified":
+        report.unverified.append(entry["name"])
+    return tensor
+
+
+def verify_plan(plan: _Plan, tensor: torch.Tensor) -> None:
+    if plan.action in ("ignore", "remove", "unverified"):
+        return
+    view = tensor if plan.action == "create" else tensor[plan.recv.slices_of(plan.region)]
+    d = tensor_digest(view)
+    if d != plan.entry["target_digest"]:
+        raise TargetMismatchError(f"{plan.entry['name']}: result does not match the target digest "
+                                  f"(got {d}, expected {plan.entry['target_digest']})")
+
+
+def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
+          verify: bool = True, resume: bool = False, workers: int | None = None,
+          progress: bool | None = None) -> ApplyReport:
+    """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
+
+    Before anything is changed: the container and every chunk checksum are checked, and every
+    entry's base digest (where the receiver holds the entry's whole region). While applying,
+    each chunk's pre-image is checked; a chunk already applied is skipped, so re-delivery of
+    an XOR delta is harmless. After applying, target digests are checked. A failure after the
+    first write raises ``PartialApplyError``; calling again with ``resume=True`` finishes.
+    """
+    t0 = time.perf_counter()
+    reader = DeltaReader.open(delta)
+    reader.check_payloads()
+    shards = shards or {}
+    plans = [plan_entry(e, tensors.get(e["name"]), shards.get(e["name"]), verify=verify, resume=resume)
+             for e in reader.header["tensors"]]
+    report = ApplyReport()
+    started = False
+    try:
+        with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
+            for p in plans:
+                if p.action in ("apply", "resume", "unverified", "create"):
+                    started = True
+                out = run_plan(reader, p, report, workers, bar)
+                if verify:
+                    verify_plan(p, out)
+                if p.action == "create":
+                    tensors[p.entry["name"]] = out
+                elif p.action == "remove":
+                    del tensors[p.entry["name"]]
+                    report.tensors_removed.append(p.entry["name"])
+    except (DcrError, DeltaFormatError) as e:
+        if started:
+            raise PartialApplyError(f"apply stopped after changing tensors in place: {e}. "
+                                    "Call apply again with resume=True to finish, or reload the base.") from e
+        raise
+    report.seconds = time.perf_counter() - t0
+    return report
