@@ -83,7 +83,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
 
 def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, workers, bar):
     if name not in target:
-        return {"name": name, "kind": "removed"}
+        return {"name": name, "kind": "removed", "base_digest": tensor_digest(base[name])}
     new = target[name]
     dtype_name(new.dtype)
     if spec is None:
@@ -199,7 +199,7 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
     entry = plan.entry
     if plan.action in ("ignore", "remove"):
         return plan.tensor
-    if plan.action == "skip":
+    if plan.action == "skip" or (plan.action != "create" and not entry["chunks"]):
         report.tensors_skipped += 1
         return plan.tensor
     dtype = dtype_from_name(entry["dtype"])

@@ -22,4 +22,6 @@ def join(raw: bytes, k: int, w: int) -> torch.Tensor:
     if k == 0:
         return torch.empty(0, dtype=INT_VIEW[w])
     planes = torch.frombuffer(bytearray(raw), dtype=torch.uint8).reshape(w, k)
-    return planes.t().contiguous().view(INT_VIEW[w]).reshape(k)
+    # flatten first: with k == 1 the (1, w) transpose keeps stride 1 on its size-1 dim, which
+    # Tensor.view(dtype) rejects for a wider dtype
+    return planes.t().contiguous().reshape(-1).view(INT_VIEW[w])
