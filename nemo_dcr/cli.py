@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from . import __version__
@@ -86,6 +87,15 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         print("nemo-dcr: interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        print(f"nemo-dcr: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug: still one line, the traceback with NEMO_DCR_DEBUG=1
+        if os.environ.get("NEMO_DCR_DEBUG"):
+            raise
+        print(f"nemo-dcr: internal error (please report; NEMO_DCR_DEBUG=1 shows the traceback): "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

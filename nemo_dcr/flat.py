@@ -17,7 +17,9 @@ class FlatAccess:
         self.bits = int_view(t)
         self.numel = t.numel()
         self.contiguous = t.is_contiguous()
-        self._flat = self.bits.view(-1) if self.contiguous else None
+        # as_strided, not view(-1): a contiguous tensor with a size-1 dim may carry any stride
+        # there (e.g. buf[1::2] of one element), and a flat view must have unit stride
+        self._flat = self.bits.as_strided((self.numel,), (1,)) if self.contiguous else None
         self._shape = tuple(t.shape)
 
     def _unravel(self, idx: torch.Tensor):

@@ -185,7 +185,7 @@ def write_file(path: str, header_text: str, produce) -> None:
                 if b < pos:
                     raise DcrError(f"{path}: overlapping tensor data in header at {name!r}")
                 f.write(b"\0" * (b - pos))
-            data = t.contiguous().view(torch.uint8).numpy().data if t.numel() else b""
+            data = t.contiguous().reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
             f.write(data)
             pos = e
         f.flush()

@@ -10,6 +10,7 @@ from .format import FOOTER, PREAMBLE, DeltaReader
 
 def inspect(delta) -> dict:
     r = DeltaReader.open(delta)
+    r.check_payloads()
     h = r.header
     elements = changed = dense = 0
     by_stream = Counter()

@@ -1,0 +1,27 @@
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view for bit-exact comparison."""
+    from nemo_dcr.dtypes import int_view
+    return int_view(t)
+
+
+def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
+    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
+    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
+    assert torch.equal(bits(a), bits(b)), f"{what}: bits differ"
+
+
+@pytest.fixture
+def nemo_dcr_cmd():
+    """The installed console script, next to the running interpreter."""
+    exe = os.path.join(os.path.dirname(sys.executable), "nemo-dcr")
+    assert os.path.exists(exe), "nemo-dcr console script not installed in this environment"
+    return exe

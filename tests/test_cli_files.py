@@ -1,0 +1,186 @@
+"""The offline CLI on real safetensors files: single files and sharded directories."""
+import hashlib
+import json
+import os
+import subprocess
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from conftest import assert_bits_equal
+from nemo_dcr.demo import save_sharded
+
+
+def sha(path):
+    if os.path.isdir(path):
+        h = hashlib.sha256()
+        for n in sorted(os.listdir(path)):
+            h.update(n.encode() + open(os.path.join(path, n), "rb").read())
+        return h.hexdigest()
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def states(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = {
+        "layers.0.w": torch.randn(257, 129, generator=g).bfloat16(),
+        "layers.0.b": torch.randn(129, generator=g),
+        "emb": torch.randn(100, 64, generator=g).half(),
+        "steps": torch.tensor(7),
+        "mask": torch.rand(33, generator=g) > 0.5,
+        "f8": torch.randn(40, generator=g).to(torch.float8_e4m3fn),
+        "empty": torch.empty(0, 5),
+    }
+    target = {k: v.clone() for k, v in base.items()}
+    m = torch.rand(257, 129, generator=g) < 0.02
+    target["layers.0.w"].view(torch.int16)[m] ^= 1
+    target["layers.0.b"][5] = float("nan")
+    target["layers.0.b"][6] = -0.0
+    target["emb"][3:5] += 1
+    target["steps"] = torch.tensor(8)
+    target["f8"].view(torch.uint8)[::7] ^= 0x80
+    return base, target
+
+
+def run(cmd, *args):
+    return subprocess.run([cmd, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_single_file_round_trip_is_byte_identical(tmp_path, nemo_dcr_cmd):
+    base, target = states()
+    save_file(base, tmp_path / "base.safetensors", metadata={"step": "1"})
+    save_file(target, tmp_path / "target.safetensors", metadata={"step": "2"})
+    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
+            "-o", str(tmp_path / "d.dcr"))
+    assert r.returncode == 0, r.stderr
+    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "base.safetensors"), str(tmp_path / "d.dcr"),
+            "-o", str(tmp_path / "out.safetensors"))
+    assert r.returncode == 0, r.stderr
+    assert sha(tmp_path / "out.safetensors") == sha(tmp_path / "target.safetensors")
+    with safe_open(str(tmp_path / "out.safetensors"), "pt") as f:
+        assert f.metadata() == {"step": "2"}
+        for k in target:
+            assert_bits_equal(f.get_tensor(k), target[k], k)
+
+
+@pytest.mark.parametrize("encoding", ["auto", "xor", "overwrite"])
+def test_sharded_directory_round_trip(tmp_path, nemo_dcr_cmd, encoding):
+    base, target = states(1)
+    target["new.tensor"] = torch.arange(12, dtype=torch.int32).reshape(3, 4)
+    del target["mask"]
+    save_sharded(base, str(tmp_path / "base"), shards=3)
+    save_sharded(target, str(tmp_path / "target"), shards=2)
+    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "base"), str(tmp_path / "target"), "-o", str(tmp_path / "d.dcr"),
+            "--encoding", encoding, "--level", "5")
+    assert r.returncode == 0, r.stderr
+    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "base"), str(tmp_path / "d.dcr"), "-o", str(tmp_path / "out"))
+    assert r.returncode == 0, r.stderr
+    assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(tmp_path / "target"))
+    assert sha(tmp_path / "out") == sha(tmp_path / "target")
+    r = run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr"), "--json")
+    s = json.loads(r.stdout)
+    assert s["encoding"] == encoding
+    if encoding != "auto":
+        assert set(s["bytes_by_encoding"]) <= {encoding, "overwrite"}  # new tensors are always overwrite
+
+
+def test_apply_in_place_over_base_directory(tmp_path, nemo_dcr_cmd):
+    base, target = states(2)
+    save_sharded(base, str(tmp_path / "rollout"))
+    save_sharded(base, str(tmp_path / "base"))
+    save_sharded(target, str(tmp_path / "target"))
+    assert run(nemo_dcr_cmd, "diff", str(tmp_path / "base"), str(tmp_path / "target"), "-o",
+               str(tmp_path / "d.dcr")).returncode == 0
+    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "rollout"), str(tmp_path / "d.dcr"), "-o", str(tmp_path / "rollout"))
+    assert r.returncode == 0, r.stderr
+    assert sha(tmp_path / "rollout") == sha(tmp_path / "target")
+    assert sorted(os.listdir(tmp_path)) == ["base", "d.dcr", "rollout", "target"]  # no temp left behind
+
+
+def _prepare(tmp_path, cmd):
+    base, target = states(3)
+    save_file(base, tmp_path / "base.safetensors")
+    save_file(target, tmp_path / "target.safetensors")
+    assert run(cmd, "diff", str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
+               "-o", str(tmp_path / "d.dcr")).returncode == 0
+    return base, target
+
+
+def _assert_failed_cleanly(r, tmp_path, before):
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("nemo-dcr: error:"), r.stderr
+    assert sorted(os.listdir(tmp_path)) == before  # no OUT, no temp file
+
+
+def test_wrong_base_fails_without_output(tmp_path, nemo_dcr_cmd):
+    base, target = _prepare(tmp_path, nemo_dcr_cmd)
+    wrong = dict(base)
+    wrong["layers.0.b"] = base["layers.0.b"].clone()
+    wrong["layers.0.b"][0] = -wrong["layers.0.b"][0]  # one sign bit
+    save_file(wrong, tmp_path / "wrong.safetensors")
+    before = sorted(os.listdir(tmp_path))
+    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "wrong.safetensors"), str(tmp_path / "d.dcr"),
+            "-o", str(tmp_path / "out.safetensors"))
+    _assert_failed_cleanly(r, tmp_path, before)
+    assert "layers.0.b" in r.stderr
+
+    extra = dict(base, intruder=torch.zeros(3))
+    save_file(extra, tmp_path / "extra.safetensors")
+    before = sorted(os.listdir(tmp_path))
+    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "extra.safetensors"), str(tmp_path / "d.dcr"),
+            "-o", str(tmp_path / "out.safetensors"))
+    _assert_failed_cleanly(r, tmp_path, before)
+    assert "intruder" in r.stderr
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty"])
+def test_damaged_delta_fails_and_leaves_existing_output_untouched(tmp_path, nemo_dcr_cmd, damage):
+    _prepare(tmp_path, nemo_dcr_cmd)
+    blob = (tmp_path / "d.dcr").read_bytes()
+    if damage == "truncate":
+        blob = blob[: len(blob) // 2]
+    elif damage == "flip":
+        blob = bytearray(blob)
+        blob[40] ^= 0x10  # inside the first chunk's payload
+        blob = bytes(blob)
+    elif damage == "foreign":
+        blob = (tmp_path / "base.safetensors").read_bytes()
+    else:
+        blob = b""
+    (tmp_path / "bad.dcr").write_bytes(blob)
+    (tmp_path / "out.safetensors").write_bytes(b"previous contents")
+    before = sorted(os.listdir(tmp_path))
+    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "base.safetensors"), str(tmp_path / "bad.dcr"),
+            "-o", str(tmp_path / "out.safetensors"))
+    _assert_failed_cleanly(r, tmp_path, before)
+    assert (tmp_path / "out.safetensors").read_bytes() == b"previous contents"
+    r = run(nemo_dcr_cmd, "inspect", str(tmp_path / "bad.dcr"))
+    assert r.returncode != 0 and r.stderr.startswith("nemo-dcr: error:")
+
+
+def test_not_a_checkpoint(tmp_path, nemo_dcr_cmd):
+    (tmp_path / "junk.safetensors").write_bytes(os.urandom(100))
+    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "junk.safetensors"), str(tmp_path / "junk.safetensors"),
+            "-o", str(tmp_path / "d.dcr"))
+    assert r.returncode == 1 and "not a safetensors file" in r.stderr
+    assert not (tmp_path / "d.dcr").exists()
+    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "missing"), str(tmp_path / "junk.safetensors"),
+            "-o", str(tmp_path / "d.dcr"))
+    assert r.returncode == 1 and "no such file" in r.stderr
+
+
+def test_inspect_reports_streams_and_rates(tmp_path, nemo_dcr_cmd):
+    base, target = _prepare(tmp_path, nemo_dcr_cmd)
+    s = json.loads(run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr"), "--json").stdout)
+    from nemo_dcr.dtypes import int_view
+    changed = sum(int((int_view(base[k]) != int_view(target[k])).sum()) for k in base)
+    assert s["changed"] == changed
+    assert s["elements"] == sum(t.numel() for t in target.values())
+    assert s["bytes"] == os.path.getsize(tmp_path / "d.dcr")
+    assert sum(s["bytes_by_stream"].values()) == s["bytes"]
+    assert s["bytes_per_changed"] == pytest.approx(s["bytes"] / changed)
+    text = run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr")).stdout
+    assert "bytes per change" in text and "by stream" in text
