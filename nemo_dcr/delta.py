@@ -153,6 +153,9 @@ def plan_entry(entry: dict, tensor: torch.Tensor | None, recv: ShardSpec | None,
     """Decide what to do with one delta entry, checking the base. Mutates nothing."""
     name, kind = entry["name"], entry["kind"]
     if kind == "removed":
+        if tensor is not None and verify and entry.get("base_digest") and (recv is None or recv.is_full) \
+                and tensor_digest(tensor) != entry["base_digest"]:
+            raise BaseMismatchError(f"{name}: the delta removes this tensor, but the receiver's is not the base's")
         return _Plan(entry, tensor, recv, None, False, "remove" if tensor is not None else "ignore")
     dtype = dtype_from_name(entry["dtype"])
     region = ShardSpec.of(entry["shape"], entry["region"]["offsets"], entry["region"]["shape"])
@@ -205,7 +208,10 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
     dtype = dtype_from_name(entry["dtype"])
     w = itemsize(dtype)
     if plan.action == "create":
-        t = torch.empty(plan.region.shape, dtype=dtype)
+        try:
+            t = torch.empty(plan.region.shape, dtype=dtype)
+        except RuntimeError as e:
+            raise DcrError(f"{entry['name']}: cannot allocate the new tensor {plan.region.shape}: {e}") from None
         fa = FlatAccess(t)
 
         def fill(c):

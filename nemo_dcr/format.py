@@ -158,6 +158,8 @@ def validate_header(h: dict, payload_end: int) -> None:
         if t["kind"] == "removed":
             continue
         _need(t.get("dtype") in DTYPES, f"{name}: dtype")
+        _need(isinstance(t.get("target_digest"), str), f"{name}: target_digest")
+        _need(t["kind"] != "delta" or isinstance(t.get("base_digest"), str), f"{name}: base_digest")
         for key in ("shape",):
             _need(isinstance(t.get(key), list) and all(isinstance(x, int) and x >= 0 for x in t[key]), f"{name}: {key}")
         r = t.get("region")
