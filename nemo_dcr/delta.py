@@ -94,8 +94,6 @@ def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, wo
     if old is not None and (old.dtype != new.dtype or old.shape != new.shape):
         old = None  # dtype or shape changed: send whole
     kind = "delta" if old is not None else "full"
-    if kind == "full" and not spec.is_full:
-        raise DcrError(f"{name}: a tensor absent from the base can only be sent whole, not as a shard")
     nf = FlatAccess(new)
     of = FlatAccess(old) if old is not None else None
     n = nf.numel
@@ -159,9 +157,11 @@ def plan_entry(entry: dict, tensor: torch.Tensor | None, recv: ShardSpec | None,
         return _Plan(entry, tensor, recv, None, False, "remove" if tensor is not None else "ignore")
     dtype = dtype_from_name(entry["dtype"])
     region = ShardSpec.of(entry["shape"], entry["region"]["offsets"], entry["region"]["shape"])
-    if kind == "full":
-        if recv is not None and not recv.is_full:
-            raise DcrError(f"{name}: the delta sends this tensor whole; a sharded receiver cannot take it")
+    if kind == "full" and (tensor is None or tensor.dtype != dtype
+                           or tuple((recv or ShardSpec.full(tensor.shape)).global_shape) != region.global_shape):
+        # new tensor (or new dtype/shape): only a whole tensor can be created from a whole region
+        if not region.is_full or (recv is not None and not recv.is_full):
+            raise DcrError(f"{name}: the receiver has no matching tensor to write this shard into")
         return _Plan(entry, tensor, recv, region, True, "create")
     if tensor is None:
         raise BaseMismatchError(f"{name}: the delta changes this tensor but the receiver has none")
@@ -173,23 +173,28 @@ def plan_entry(entry: dict, tensor: torch.Tensor | None, recv: ShardSpec | None,
         raise DcrError(f"{name}: tensor shape {tuple(tensor.shape)} differs from its shard shape {recv.shape}")
     if tuple(recv.global_shape) != tuple(region.global_shape):
         raise BaseMismatchError(f"{name}: receiver's global shape {recv.global_shape} but the delta's is {region.global_shape}")
-    if recv.contains(region):
-        if not verify:
-            return _Plan(entry, tensor, recv, region, True, "resume")
-        d = tensor_digest(tensor[recv.slices_of(region)])
-        if d == entry["base_digest"]:
-            action = "apply" if entry["chunks"] else "skip"
-        elif d == entry["target_digest"]:
-            action = "skip"
-        elif resume:
-            action = "resume"
-        else:
-            raise BaseMismatchError(f"{name}: receiver tensor is not the base this delta was built from "
-                                    f"(digest {d}, expected {entry['base_digest']})")
-        return _Plan(entry, tensor, recv, region, True, action)
-    if _overlaps(recv, region):
+    covered = recv.contains(region)
+    if not covered and not _overlaps(recv, region):
+        return _Plan(entry, tensor, recv, region, False, "ignore")
+    if kind == "full":  # the region's whole content, written over whatever is there
+        if covered and verify and tensor_digest(tensor[recv.slices_of(region)]) == entry["target_digest"]:
+            return _Plan(entry, tensor, recv, region, True, "skip")
+        return _Plan(entry, tensor, recv, region, covered, "overwrite")
+    if not covered:
         return _Plan(entry, tensor, recv, region, False, "unverified")
-    return _Plan(entry, tensor, recv, region, False, "ignore")
+    if not verify:
+        return _Plan(entry, tensor, recv, region, True, "resume")
+    d = tensor_digest(tensor[recv.slices_of(region)])
+    if d == entry["base_digest"]:
+        action = "apply" if entry["chunks"] else "skip"
+    elif d == entry["target_digest"]:
+        action = "skip"
+    elif resume:
+        action = "resume"
+    else:
+        raise BaseMismatchError(f"{name}: receiver tensor is not the base this delta was built from "
+                                f"(digest {d}, expected {entry['base_digest']})")
+    return _Plan(entry, tensor, recv, region, True, action)
 
 
 def _overlaps(a: ShardSpec, b: ShardSpec) -> bool:
@@ -197,58 +202,70 @@ def _overlaps(a: ShardSpec, b: ShardSpec) -> bool:
         and a.numel > 0 and b.numel > 0
 
 
-def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int | None = None, bar=None):
-    """Apply one planned entry in place. Returns the tensor (a new one for ``create``)."""
+def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int | None = None, bar=None,
+             journal: set | None = None, on_change=None):
+    """Apply one planned entry in place. Returns the tensor (a new one for ``create``).
+
+    ``journal``: a set of ``(name, chunk start)`` already applied; those chunks are skipped and
+    each chunk applied is added (re-delivery safety where pre-images cannot be checked).
+    ``on_change(name, dtype, global_shape, global_idx, old_bits, new_bits)`` is called for every
+    chunk written (``old_bits`` is None for a new tensor): incremental digests hang off it.
+    """
     entry = plan.entry
+    name = entry["name"]
     if plan.action in ("ignore", "remove"):
         return plan.tensor
     if plan.action == "skip" or (plan.action != "create" and not entry["chunks"]):
         report.tensors_skipped += 1
         return plan.tensor
     dtype = dtype_from_name(entry["dtype"])
+    gshape = tuple(entry["shape"])
     w = itemsize(dtype)
     if plan.action == "create":
         try:
-            t = torch.empty(plan.region.shape, dtype=dtype)
+            tensor = torch.empty(plan.region.shape, dtype=dtype)
         except RuntimeError as e:
-            raise DcrError(f"{entry['name']}: cannot allocate the new tensor {plan.region.shape}: {e}") from None
-        fa = FlatAccess(t)
-
-        def fill(c):
-            idx, vals = decode_chunk(c, reader.payload(c), w)
-            fa.scatter(idx + c["start"], vals)
-            return c["k"]
-
-        for k in ordered_map(fill, entry["chunks"], workers):
-            report.elements_changed += k
-            if bar:
-                bar.update(k * w)
-        report.chunks_applied += len(entry["chunks"])
-        report.tensors_added.append(entry["name"])
-        return t
-    tensor = plan.tensor
+            raise DcrError(f"{name}: cannot allocate the new tensor {plan.region.shape}: {e}") from None
+        recv = plan.region
+    else:
+        tensor, recv = plan.tensor, plan.recv
     fa = FlatAccess(tensor)
     region_map = IndexMap(plan.region)
-    recv_map = IndexMap(plan.recv)
-    check = plan.covered
+    recv_map = IndexMap(recv)
+    identity = region_map.identity and recv_map.identity
+    check = plan.covered and plan.action in ("apply", "resume")
+    xor_ok = plan.action in ("apply", "resume", "unverified")
 
     def one(c):
+        key = (name, c["start"])
+        if journal is not None and key in journal:
+            return "already", 0
         idx, vals = decode_chunk(c, reader.payload(c), w)
-        if region_map.identity and recv_map.identity:
-            local = idx + c["start"]
+        glob = region_map.to_global(idx + c["start"])
+        if identity:
+            local = glob
         else:
-            local, mask = recv_map.to_local(region_map.to_global(idx + c["start"]))
-            if not check:
-                vals = vals[mask]
-        cur = fa.gather(local)
+            local, mask = recv_map.to_local(glob)
+            if not bool(mask.all()):
+                vals, glob = vals[mask], glob[mask]
+        cur = fa.gather(local) if (xor_ok or on_change is not None) and plan.action != "create" else None
         if check:
             d = values_digest(cur)
             if d == c["post"]:
                 return "already", 0
             if d != c["pre"]:
-                raise BaseMismatchError(f"{entry['name']}: chunk at element {c['start']} does not match its base")
-        new = vals if c["enc"] == OVERWRITE else torch.bitwise_xor(cur, vals)
+                raise BaseMismatchError(f"{name}: chunk at element {c['start']} does not match its base")
+        if c["enc"] == OVERWRITE:
+            new = vals
+        elif xor_ok:
+            new = torch.bitwise_xor(cur, vals)
+        else:
+            raise DeltaFormatError(f"{name}: an xor chunk in a whole-tensor entry")
         fa.scatter(local, new)
+        if journal is not None:
+            journal.add(key)
+        if on_change is not None:
+            on_change(name, dtype, gshape, glob, cur, new)
         return "applied", int(local.numel())
 
     for status, k in ordered_map(one, entry["chunks"], workers):
@@ -259,14 +276,17 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
             report.chunks_already_applied += 1
     if bar:
         bar.update(1)
-    report.tensors_changed += 1
-    if plan.action == "unverified":
-        report.unverified.append(entry["name"])
+    if plan.action == "create":
+        report.tensors_added.append(name)
+    else:
+        report.tensors_changed += 1
+    if plan.action == "unverified" or (plan.action == "overwrite" and not plan.covered):
+        report.unverified.append(name)
     return tensor
 
 
 def verify_plan(plan: _Plan, tensor: torch.Tensor) -> None:
-    if plan.action in ("ignore", "remove", "unverified"):
+    if plan.action in ("ignore", "remove", "unverified") or not plan.covered:
         return
     view = tensor if plan.action == "create" else tensor[plan.recv.slices_of(plan.region)]
     d = tensor_digest(view)
@@ -277,7 +297,7 @@ def verify_plan(plan: _Plan, tensor: torch.Tensor) -> None:
 
 def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
           verify: bool = True, resume: bool = False, workers: int | None = None,
-          progress: bool | None = None) -> ApplyReport:
+          progress: bool | None = None, journal: set | None = None, on_change=None) -> ApplyReport:
     """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
 
     Before anything is changed: the container and every chunk checksum are checked, and every
@@ -297,9 +317,9 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     try:
         with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
             for p in plans:
-                if p.action in ("apply", "resume", "unverified", "create"):
+                if p.action in ("apply", "resume", "unverified", "create", "overwrite"):
                     started = True
-                out = run_plan(reader, p, report, workers, bar)
+                out = run_plan(reader, p, report, workers, bar, journal=journal, on_change=on_change)
                 if verify:
                     verify_plan(p, out)
                 if p.action == "create":

@@ -1,0 +1,87 @@
+"""Whole-region ("full") entries written into differently sharded receivers, the applied-chunk
+journal, and the change hook that incremental digests use."""
+import threading
+
+import torch
+
+from conftest import assert_bits_equal
+from nemo_dcr import ShardSpec, apply, diff
+from nemo_dcr.index_map import IndexMap
+
+
+def _shards(full, n, dim):
+    size = full.shape[dim] // n
+    out = []
+    for i in range(n):
+        off = [0] * full.dim()
+        off[dim] = i * size
+        spec = ShardSpec.of(full.shape, off, full.narrow(dim, i * size, size).shape)
+        out.append((full.narrow(dim, i * size, size).clone(), spec))
+    return out
+
+
+def test_keyframe_from_row_shards_into_column_shards_over_stale_data():
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(8, 12, generator=g).bfloat16()
+    parts = [diff({}, {"w": t}, shards={"w": s}) for t, s in _shards(full, 4, 0)]  # a keyframe of 4 parts
+    for recv_t, recv_s in _shards(torch.randn(8, 12, generator=g).bfloat16(), 3, 1):  # stale receivers
+        for p in parts:
+            apply({"w": recv_t}, p, shards={"w": recv_s})
+        assert_bits_equal(recv_t, full[:, recv_s.offsets[1]:recv_s.offsets[1] + recv_s.shape[1]], "column shard")
+
+
+def test_full_entry_already_at_target_is_skipped():
+    full = torch.arange(24, dtype=torch.int32).reshape(4, 6)
+    blob = diff({}, {"w": full})
+    recv = {"w": full.clone()}
+    rep = apply(recv, blob)
+    assert rep.tensors_skipped == 1 and rep.chunks_applied == 0
+
+
+def test_journal_makes_xor_redelivery_safe_for_partial_receivers():
+    """A receiver holding only part of a region cannot check pre-images; the journal does it."""
+    g = torch.Generator().manual_seed(1)
+    base = torch.randn(8, 8, generator=g)
+    target = base.clone()
+    target.view(torch.int32)[:, ::3] ^= 0x5A5A
+    blob = diff({"w": base}, {"w": target}, encoding="xor", chunk_elems=5)
+    recv_spec = ShardSpec.of((8, 8), (0, 4), (8, 4))
+    recv = {"w": base[:, 4:].clone()}
+    journal = set()
+    r1 = apply(recv, blob, shards={"w": recv_spec}, journal=journal)
+    assert r1.unverified == ["w"] and journal
+    r2 = apply(recv, blob, shards={"w": recv_spec}, journal=journal)  # re-delivered
+    assert r2.chunks_applied == 0 and r2.chunks_already_applied == r1.chunks_applied
+    assert_bits_equal(recv["w"], target[:, 4:])
+    # without the journal the same re-delivery would undo the XOR: that is what the journal prevents
+    apply(recv, blob, shards={"w": recv_spec})
+    assert not torch.equal(recv["w"].view(torch.int32), target[:, 4:].view(torch.int32))
+
+
+def test_on_change_reports_global_positions_and_bits():
+    g = torch.Generator().manual_seed(2)
+    base = torch.randn(6, 10, generator=g).half()
+    target = base.clone()
+    target.view(torch.int16)[torch.rand(6, 10, generator=g) < 0.3] ^= 0x0101
+    blob = diff({"w": base}, {"w": target}, chunk_elems=7)
+    recv_spec = ShardSpec.of((6, 10), (2, 0), (3, 10))
+    recv = {"w": base[2:5].clone()}
+    seen, lock = [], threading.Lock()
+
+    def hook(name, dtype, gshape, gidx, old, new):
+        with lock:
+            seen.append((gidx.clone(), old.clone(), new.clone()))
+        assert name == "w" and dtype == torch.float16 and gshape == (6, 10)
+
+    apply(recv, blob, shards={"w": recv_spec}, on_change=hook)
+    gidx = torch.cat([s[0] for s in seen])
+    old = torch.cat([s[1] for s in seen])
+    new = torch.cat([s[2] for s in seen])
+    flat_b, flat_t = base.reshape(-1).view(torch.int16), target.reshape(-1).view(torch.int16)
+    expect = torch.nonzero(flat_b != flat_t).squeeze(1)
+    expect = expect[(expect >= 20) & (expect < 50)]  # rows 2..4 of a 10-wide tensor
+    assert torch.equal(torch.sort(gidx).values, expect)
+    assert torch.equal(old, flat_b[gidx]) and torch.equal(new, flat_t[gidx])
+    local, mask = IndexMap(recv_spec).to_local(gidx)
+    assert bool(mask.all())
+    assert_bits_equal(recv["w"], target[2:5])
