@@ -86,6 +86,7 @@ class EncodedChunk:
     pre: str
     post: str
     alt_val_len: dict  # stored value bytes of every encoding tried (for inspect/bench)
+    changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
 
     def header(self, offset: int) -> dict:
         return {
@@ -98,7 +99,7 @@ class EncodedChunk:
 
 
 def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encoding: str = AUTO,
-                 level: int = 3) -> EncodedChunk | None:
+                 level: int = 3, keep_changes: bool = False) -> EncodedChunk | None:
     """old/new: 1-D integer views of the chunk. ``old=None`` means "no base": every element
     is sent, overwrite. Returns None when nothing changed."""
     n = new.numel()
@@ -129,6 +130,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
         pos_raw=len(pos_raw), val_raw=k * w, pos_z=pos_z, val_z=val_z,
         pre=values_digest(prev) if prev is not None else "", post=values_digest(newv),
         alt_val_len={e: len(v[0]) for e, v in tried.items()},
+        changes=(idx, prev, newv) if keep_changes else None,
     )
 
 

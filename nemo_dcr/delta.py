@@ -36,11 +36,13 @@ DEFAULT_LEVEL = 3
 def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
          level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
          workers: int | None = None, meta: dict | None = None, out: BinaryIO | None = None,
-         progress: bool | None = None):
+         progress: bool | None = None, on_change=None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
-    delta into it and returns the header dict.
+    delta into it and returns the header dict. ``on_change(name, dtype, global_shape,
+    global_idx, old_bits, new_bits)`` sees every changed element (old_bits None for a tensor
+    sent whole), from worker threads: it must be thread-safe.
     """
     if encoding not in CHOICES:
         raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
@@ -58,7 +60,8 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
     with bar:
         for name in names:
-            entry = _encode_tensor(name, base, target, shards.get(name), w, encoding, level, chunk_elems, workers, bar)
+            entry = _encode_tensor(name, base, target, shards.get(name), w, encoding, level, chunk_elems, workers, bar,
+                                   on_change)
             entries.append(entry)
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
@@ -81,7 +84,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     return header if out is not None else sink.getvalue()
 
 
-def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, workers, bar):
+def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, workers, bar, on_change=None):
     if name not in target:
         return {"name": name, "kind": "removed", "base_digest": tensor_digest(base[name])}
     new = target[name]
@@ -99,9 +102,16 @@ def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, wo
     n = nf.numel
     ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
 
+    region_map = IndexMap(spec) if on_change is not None else None
+
     def job(r):
         s, e = r
-        c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level)
+        c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
+                         keep_changes=on_change is not None)
+        if c is not None and on_change is not None:
+            idx, oldv, newv = c.changes
+            on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
+            c.changes = None
         return c, (e - s) * new.element_size()
 
     chunks = []

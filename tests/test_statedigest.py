@@ -1,0 +1,450 @@
+"""Sharding-independent, incrementally updatable state digest (nemo_dcr.statedigest)."""
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import socket
+
+import pytest
+import torch
+
+from nemo_dcr import DcrError, ShardSpec
+from nemo_dcr import statedigest as sd
+from nemo_dcr.dtypes import DTYPES, INT_VIEW, int_view
+from nemo_dcr.statedigest import (P, StateDigest, allreduce_digest, changes_contrib, state_contrib,
+                                  tensor_contrib)
+
+ALL_DTYPES = list(DTYPES.values())  # every width 1/2/4/8, incl. bool, float8, bf16, fp64, int64
+
+
+# ----------------------------------------------------------------------------- helpers
+
+def random_tensor(shape, dtype, seed):
+    """Random raw bits of every pattern (NaN payloads, -0.0, high bits of int64 ...)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    w = torch.empty((), dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (math.prod(shape) * w,), dtype=torch.uint8, generator=g)
+    return raw.view(dtype).reshape(shape)
+
+
+def grid(global_shape, splits):
+    """Cartesian split: ``splits`` maps dim -> number of (possibly uneven) pieces."""
+    per_dim = []
+    for d, n in enumerate(global_shape):
+        k = splits.get(d, 1)
+        b = [n * r // k for r in range(k + 1)]
+        per_dim.append([(b[r], b[r + 1] - b[r]) for r in range(k)])
+    return [ShardSpec.of(global_shape, [p[0] for p in c], [p[1] for p in c])
+            for c in itertools.product(*per_dim)]
+
+
+def cut(t, spec):
+    return t[ShardSpec.full(spec.global_shape).slices_of(spec)]
+
+
+def sharded_digest(name, t, specs):
+    d = StateDigest.zero()
+    for spec in specs:
+        d = d + tensor_contrib(name, cut(t, spec).clone(), spec)
+    return d
+
+
+def flat_bits(t):
+    return int_view(t.contiguous()).reshape(-1)
+
+
+# ----------------------------------------------------------------------------- pure-Python reference
+
+def _mix_ref(h):
+    h ^= h >> 16
+    h = (h * sd._F1) & 0xFFFFFFFF
+    h ^= h >> 15
+    h = (h * sd._F2) & 0xFFFFFFFF
+    h ^= h >> 16
+    return h
+
+
+def reference_digest(name, t):
+    """The definition, element by element, in unbounded Python integers."""
+    keys = sd._keys(name, sd.dtype_name(t.dtype), tuple(t.shape))
+    w = t.element_size()
+    mask = (1 << (8 * w)) - 1
+    lanes = [0] * sd.LANES
+    for i, x in enumerate(flat_bits(t).tolist()):
+        x &= mask
+        limbs = [x] if w == 1 else [(x >> (16 * j)) & 0xFFFF for j in range(w // 2)]
+        u = _mix_ref(_mix_ref((i & 0xFFFFFFFF) ^ keys.s1) ^ keys.s2 ^ (i >> 32))
+        for lane in range(sd.LANES):
+            r = min(max(_mix_ref(u ^ keys.t[lane]) >> 1, 1), P - 1)
+            v = keys.c[lane] + sum(limb * keys.kpow[lane][j] for j, limb in enumerate(limbs))
+            lanes[lane] = (lanes[lane] + r * v) % P
+    return StateDigest(tuple(lanes))
+
+
+@pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.bfloat16, torch.float32, torch.int64,
+                                   torch.float64], ids=str)
+def test_matches_pure_python_definition(dtype):
+    t = random_tensor((5, 23), dtype, seed=1)
+    if dtype.is_floating_point or dtype == torch.int64:  # extreme bit patterns: all ones, sign bit only
+        b = int_view(t).reshape(-1)
+        b[0] = -1
+        b[1] = torch.iinfo(b.dtype).min
+        b[2] = 0
+    assert tensor_contrib("m.w", t) == reference_digest("m.w", t)
+
+
+# ----------------------------------------------------------------------------- sharding independence
+
+LAYOUTS = [
+    ((12, 10), {0: 2}),
+    ((12, 10), {0: 4}),
+    ((12, 10), {1: 2}),
+    ((12, 10), {1: 4}),
+    ((13, 7), {0: 4}),  # uneven
+    ((13, 7), {1: 3}),  # uneven, non-contiguous runs
+    ((6, 5, 8), {0: 2}),
+    ((6, 5, 8), {1: 2}),
+    ((6, 5, 8), {2: 4}),
+    ((6, 5, 8), {0: 2, 2: 2}),
+    ((4, 6, 9), {1: 3, 2: 3}),
+]
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_sharding_independent_every_dtype(dtype):
+    for k, (shape, splits) in enumerate(LAYOUTS):
+        t = random_tensor(shape, dtype, seed=100 + k)
+        whole = tensor_contrib("layer.w", t)
+        assert whole == sharded_digest("layer.w", t, grid(shape, splits)), (shape, splits)
+
+
+def test_trainer_tp4_receiver_tp1_tp2_agree():
+    state = {
+        "qkv": random_tensor((16, 12), torch.bfloat16, 1),  # column parallel (dim 0)
+        "proj": random_tensor((12, 16), torch.bfloat16, 2),  # row parallel (dim 1)
+        "step": random_tensor((3, 4, 8), torch.int64, 3),
+        "mask": random_tensor((8, 8), torch.bool, 4),
+    }
+    dims = {"qkv": 0, "proj": 1, "step": 2, "mask": 0}
+    full = state_contrib(state)
+    for tp in (1, 2, 4):
+        ranks = [StateDigest.zero() for _ in range(tp)]
+        for name, t in state.items():
+            for r, spec in enumerate(grid(tuple(t.shape), {dims[name]: tp})):
+                ranks[r] = ranks[r] + state_contrib({name: cut(t, spec)}, {name: spec})
+        assert sum(ranks, StateDigest.zero()) == full, tp
+
+
+def test_scalar_and_empty():
+    s = torch.tensor(3.5, dtype=torch.float32)
+    assert tensor_contrib("s", s) == tensor_contrib("s", s.reshape(()), ShardSpec.full(()))
+    assert tensor_contrib("s", s) != StateDigest.zero()
+    # an empty tensor contributes nothing: present-but-empty equals missing (documented)
+    assert tensor_contrib("e", torch.empty(0, 4)) == StateDigest.zero()
+
+
+# ----------------------------------------------------------------------------- incremental update
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.int64,
+                                   torch.float8_e4m3fn, torch.bool], ids=str)
+def test_incremental_update_equals_recompute(dtype):
+    shape = (40, 33)
+    t = random_tensor(shape, dtype, seed=7)
+    d = tensor_contrib("w", t)
+    g = torch.Generator().manual_seed(8)
+    for _ in range(3):
+        idx = torch.randperm(t.numel(), generator=g)[:50]
+        new = t.clone()
+        flat = int_view(new).reshape(-1)
+        repl = flat_bits(random_tensor((50,), dtype, seed=int(torch.randint(0, 1 << 30, (1,), generator=g))))
+        if dtype.is_floating_point and t.element_size() >= 2:
+            w = t.element_size() * 8
+            iv = INT_VIEW[t.element_size()]
+            sign = torch.tensor(-(1 << (w - 1)), dtype=torch.int64).to(iv)  # -0.0
+            repl[0] = sign
+            repl[1] = 0  # +0.0
+            repl[2] = int_view(torch.tensor([float("nan")], dtype=dtype))[0] ^ 1  # NaN payload
+            repl[3] = int_view(torch.tensor([float("nan")], dtype=dtype))[0] ^ 3
+        flat[idx] = repl
+        old_bits = flat_bits(t)[idx]
+        d = d + changes_contrib("w", dtype, shape, idx, flat[idx]) - changes_contrib("w", dtype, shape, idx, old_bits)
+        assert d == tensor_contrib("w", new)
+        t = new
+
+
+def test_incremental_update_on_shards_with_global_indices():
+    shape = (20, 16)
+    t = random_tensor(shape, torch.float32, seed=9)
+    specs = grid(shape, {1: 4})
+    d = state_contrib({"w": t})
+    idx = torch.tensor([0, 17, 63, 64, 200, 319])
+    new = t.clone()
+    new.view(-1)[idx] = torch.tensor([-0.0, float("nan"), 1.0, -1.0, float("inf"), 0.0])
+    d_inc = d + changes_contrib("w", "float32", shape, idx, new.reshape(-1)[idx]) \
+        - changes_contrib("w", torch.float32, shape, idx, t.reshape(-1)[idx])
+    assert d_inc == sharded_digest("w", new, specs) == tensor_contrib("w", new)
+
+
+def test_changes_contrib_accepts_dtype_or_bits_and_validates():
+    shape = (4, 4)
+    t = random_tensor(shape, torch.bfloat16, seed=2)
+    idx = torch.arange(16)
+    a = changes_contrib("w", torch.bfloat16, shape, idx, t.reshape(-1))
+    assert a == changes_contrib("w", "bfloat16", shape, idx, int_view(t).reshape(-1))
+    assert a == tensor_contrib("w", t)
+    with pytest.raises(DcrError):
+        changes_contrib("w", torch.bfloat16, shape, torch.tensor([16]), t.reshape(-1)[:1])
+    with pytest.raises(DcrError):
+        changes_contrib("w", torch.bfloat16, shape, torch.tensor([-1]), t.reshape(-1)[:1])
+    with pytest.raises(DcrError):
+        changes_contrib("w", torch.float32, shape, idx, t.reshape(-1))  # width mismatch
+    with pytest.raises(DcrError):
+        changes_contrib("w", torch.bfloat16, shape, idx[:3], t.reshape(-1))  # count mismatch
+    with pytest.raises(DcrError):
+        tensor_contrib("w", t, ShardSpec.of((8, 4), (0, 0), (2, 4)))  # shape != shard shape
+
+
+def test_indices_beyond_2_pow_32():
+    """A huge canonical tensor: a shard at a high offset agrees with changes_contrib, and indices
+    equal mod 2**32 get different weights."""
+    shape = (1 << 21, 1 << 12)  # 2**33 elements, never materialised
+    spec = ShardSpec.of(shape, ((1 << 20) + 5, 0), (3, 1 << 12))  # starts past 2**32
+    t = random_tensor(spec.shape, torch.bfloat16, seed=3)
+    start = ((1 << 20) + 5) << 12
+    assert start > 1 << 32
+    idx = torch.arange(start, start + t.numel())
+    assert tensor_contrib("big", t, spec) == changes_contrib("big", torch.bfloat16, shape, idx, t.reshape(-1))
+    one = torch.tensor([1], dtype=torch.int16)
+    lo = changes_contrib("big", torch.bfloat16, shape, torch.tensor([12345]), one)
+    hi = changes_contrib("big", torch.bfloat16, shape, torch.tensor([12345 + (1 << 32)]), one)
+    assert lo != hi
+
+
+# ----------------------------------------------------------------------------- detection
+
+def _lanes_changed(a: StateDigest, b: StateDigest) -> int:
+    return sum(x != y for x, y in zip(a.lanes, b.lanes))
+
+
+# guaranteed lanes that change for one changed element: 4 - (limbs - 1)
+MIN_LANES = {1: 4, 2: 4, 4: 3, 8: 1}
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e5m2, torch.bfloat16, torch.int16,
+                                   torch.float32, torch.int32, torch.float64, torch.int64], ids=str)
+def test_every_single_bit_flip_changes_digest(dtype):
+    shape = (7, 9)
+    t = random_tensor(shape, dtype, seed=11)
+    w = t.element_size()
+    iv = INT_VIEW[w]
+    idx_all = [0, 31, 62]
+    flat = flat_bits(t)
+    for i in idx_all:
+        idx = torch.tensor([i])
+        old = flat[i:i + 1]
+        d_old = changes_contrib("w", dtype, shape, idx, old)
+        for bit in range(8 * w):
+            m = torch.tensor(1 << bit if bit < 8 * w - 1 else -(1 << bit), dtype=torch.int64).to(iv) \
+                if iv != torch.uint8 else torch.tensor(1 << bit, dtype=torch.uint8)
+            new = old ^ m
+            d_new = changes_contrib("w", dtype, shape, idx, new)
+            assert _lanes_changed(d_old, d_new) >= MIN_LANES[w], (i, bit)
+    # and through the full digest
+    b = t.clone()
+    int_view(b).reshape(-1)[5] ^= 1
+    assert tensor_contrib("w", b) != tensor_contrib("w", t)
+
+
+def _short_root_vector(k):
+    """Small (d0, d1), not both 0, with d0 + d1*k == 0 (mod P): Gauss-reduce the lattice."""
+    u, v = (P, 0), (-k % P, 1)  # both satisfy d0 + d1*k == 0 (mod P)
+    norm = lambda a: a[0] * a[0] + a[1] * a[1]  # noqa: E731
+    if norm(u) < norm(v):
+        u, v = v, u
+    while True:
+        m = round((u[0] * v[0] + u[1] * v[1]) / norm(v))
+        u = (u[0] - m * v[0], u[1] - m * v[1])
+        if norm(u) >= norm(v):
+            return v
+        u, v = v, u
+
+
+@pytest.mark.parametrize("dtype,limb", [(torch.float32, 0), (torch.int64, 0), (torch.int64, 2)], ids=str)
+def test_lane_blind_spot_is_caught_by_the_other_lanes(dtype, limb):
+    """A 32-bit lane cannot be injective on 32/64-bit patterns: build a one-element change that lane 0
+    misses (limb deltas d with d0 + d1*K_0 == 0 mod P) and check the other lanes still see it."""
+    shape = (50,)
+    keys = sd._keys("w", sd.dtype_name(dtype), shape)
+    d0, d1 = _short_root_vector(keys.kpow[0][1])
+    assert max(abs(d0), abs(d1)) < 1 << 16 and (d0 + d1 * keys.kpow[0][1]) % P == 0
+    a0 = max(0, -d0)
+    a1 = max(0, -d1)
+    old = (a0 << (16 * limb)) | (a1 << (16 * (limb + 1)))
+    new = ((a0 + d0) << (16 * limb)) | ((a1 + d1) << (16 * (limb + 1)))
+    w = 8 * torch.empty((), dtype=dtype).element_size()
+    to_bits = lambda x: torch.tensor([x - (1 << w) if x >> (w - 1) else x]).to(INT_VIEW[w // 8])  # noqa: E731
+    idx = torch.tensor([17])
+    da = changes_contrib("w", dtype, shape, idx, to_bits(old))
+    db = changes_contrib("w", dtype, shape, idx, to_bits(new))
+    assert da.lanes[0] == db.lanes[0]  # the blind spot of lane 0
+    assert da != db
+    assert _lanes_changed(da, db) >= MIN_LANES[w // 8]
+
+
+def test_every_value_of_bool_and_one_byte_types_is_distinct():
+    for dtype in (torch.bool, torch.uint8):
+        vals = range(2) if dtype == torch.bool else range(256)
+        seen = set()
+        for v in vals:
+            bits = torch.tensor([v], dtype=torch.uint8)
+            seen.add(changes_contrib("w", dtype, (10,), torch.tensor([4]), bits).lanes)
+        assert len(seen) == len(vals)
+
+
+def test_random_multi_bit_single_element_changes_detected():
+    g = torch.Generator().manual_seed(12)
+    for dtype in (torch.float32, torch.float64, torch.int64):
+        iv = INT_VIEW[torch.empty((), dtype=dtype).element_size()]
+        a = flat_bits(random_tensor((200,), dtype, seed=13))
+        b = flat_bits(random_tensor((200,), dtype, seed=14))
+        for k in range(200):
+            if torch.equal(a[k:k + 1], b[k:k + 1]):
+                continue
+            idx = torch.randint(0, 1000, (1,), generator=g)
+            da = changes_contrib("w", dtype, (1000,), idx, a[k:k + 1].to(iv))
+            db = changes_contrib("w", dtype, (1000,), idx, b[k:k + 1].to(iv))
+            assert _lanes_changed(da, db) == sd.LANES  # all lanes, with overwhelming probability
+
+
+def test_swap_two_elements_changes_digest():
+    t = random_tensor((10, 10), torch.float32, seed=15)
+    for i, j in [(0, 1), (3, 97), (50, 51), (0, 99)]:
+        s = t.clone().reshape(-1)
+        s[i], s[j] = t.reshape(-1)[j], t.reshape(-1)[i]
+        assert tensor_contrib("w", s.reshape(10, 10)) != tensor_contrib("w", t)
+    # swapping rows, and transposing a square matrix
+    assert tensor_contrib("w", t.flip(0).contiguous()) != tensor_contrib("w", t)
+    assert tensor_contrib("w", t.t().contiguous()) != tensor_contrib("w", t)
+
+
+def test_name_dtype_and_shape_are_bound():
+    t = random_tensor((8, 6), torch.bfloat16, seed=16)
+    base = state_contrib({"a": t, "b": torch.zeros(3)})
+    assert state_contrib({"c": t, "b": torch.zeros(3)}) != base  # moved to another name
+    assert state_contrib({"b": t, "a": torch.zeros(3)}) != base  # names exchanged
+    assert tensor_contrib("a", t) != tensor_contrib("a", t.view(torch.float16))  # same bits, dtype
+    assert tensor_contrib("a", t) != tensor_contrib("a", t.view(torch.int16))
+    assert tensor_contrib("a", t) != tensor_contrib("a", t.reshape(6, 8))  # same bits, shape
+    assert tensor_contrib("a", t) != tensor_contrib("a", t.reshape(-1))
+
+
+def test_zero_tensor_differs_from_missing_and_duplicates_are_visible():
+    z = torch.zeros(5, 5)
+    assert tensor_contrib("z", z) != StateDigest.zero()
+    assert state_contrib({"a": torch.ones(2), "z": z}) != state_contrib({"a": torch.ones(2)})
+    # a shard counted twice (e.g. a replicated tensor summed on every rank) shows up
+    d = tensor_contrib("z", z)
+    assert d + d != d
+
+
+# ----------------------------------------------------------------------------- layout / chunking
+
+def test_non_contiguous_equals_contiguous():
+    base = random_tensor((9, 14), torch.float32, seed=17)
+    for view in (base.t(), base[:, ::2], base[1::3, 2:11], base.t()[::2]):
+        assert not view.is_contiguous()
+        assert tensor_contrib("w", view) == tensor_contrib("w", view.contiguous())
+    # a non-contiguous local shard
+    g = random_tensor((8, 10), torch.bfloat16, seed=18)
+    spec = ShardSpec.of((8, 10), (0, 5), (8, 5))
+    store = torch.empty(5, 8, dtype=torch.bfloat16)
+    local = store.t()
+    local.copy_(cut(g, spec))
+    assert not local.is_contiguous()
+    assert tensor_contrib("w", local, spec) == tensor_contrib("w", cut(g, spec).contiguous(), spec)
+
+
+def test_chunk_and_block_boundaries_do_not_matter(monkeypatch):
+    t = random_tensor((37, 29), torch.float64, seed=19)
+    spec = ShardSpec.of((37, 58), (0, 29), (37, 29))
+    ref = (tensor_contrib("w", t), tensor_contrib("w", t, spec), tensor_contrib("w", t.t()))
+    idx = torch.randperm(t.numel(), generator=torch.Generator().manual_seed(1))[:300]
+    ref_c = changes_contrib("w", torch.float64, t.shape, idx, flat_bits(t)[idx])
+    for chunk, block in [(1, 1), (7, 4), (100, 8), (1 << 10, 16)]:
+        monkeypatch.setattr(sd, "CHUNK", chunk)
+        monkeypatch.setattr(sd, "_BLOCK", block)
+        assert (tensor_contrib("w", t), tensor_contrib("w", t, spec), tensor_contrib("w", t.t())) == ref
+        assert changes_contrib("w", torch.float64, t.shape, idx, flat_bits(t)[idx]) == ref_c
+
+
+# ----------------------------------------------------------------------------- value object
+
+def test_digest_value_object():
+    a = tensor_contrib("a", random_tensor((4, 4), torch.float32, seed=20))
+    b = tensor_contrib("b", random_tensor((4, 4), torch.float32, seed=21))
+    assert a + b == b + a
+    assert a + b - b == a
+    assert a - a == StateDigest.zero()
+    assert a + (-a) == StateDigest.zero()
+    assert all(0 <= v < P for v in (a - b).lanes)
+    h = a.hex()
+    assert len(h) == 8 * sd.LANES and h == h.lower()
+    assert StateDigest.from_hex(h) == a
+    assert StateDigest.zero().hex() == "0" * 32
+    assert hash(StateDigest.from_hex(h)) == hash(a)
+    for bad in ("", "0" * 31, "0" * 33, "g" * 32, "7fffffff" + "0" * 24):  # last: lane == P
+        with pytest.raises(DcrError):
+            StateDigest.from_hex(bad)
+    with pytest.raises(DcrError):
+        StateDigest((1, 2, 3))
+
+
+# ----------------------------------------------------------------------------- torch.distributed
+
+def _state():
+    return {
+        "emb": random_tensor((10, 6), torch.bfloat16, 30),
+        "w1": random_tensor((6, 8), torch.float32, 31),
+        "ids": random_tensor((4, 3, 5), torch.int64, 32),
+    }
+
+
+def _worker(rank, world, port, out_dir):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        dims = {"emb": 0, "w1": 1, "ids": 2}
+        local, shards = {}, {}
+        for name, t in _state().items():
+            spec = grid(tuple(t.shape), {dims[name]: world})[rank]
+            local[name] = cut(t, spec).clone()
+            shards[name] = spec
+        d = allreduce_digest(state_contrib(local, shards))
+        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
+            f.write(d.hex())
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_allreduce_digest_gloo_two_processes(tmp_path):
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available():
+        pytest.skip("torch.distributed not available")
+    world = 2
+    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    expect = state_contrib(_state()).hex()
+    for r in range(world):
+        assert (tmp_path / f"rank{r}").read_text() == expect
