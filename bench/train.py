@@ -5,7 +5,7 @@ This is the benchmark's stand-in for an RL trainer: fp32 master weights, AdamW, 
 inference engines.
 
     from bench.train import make_checkpoints
-    ckpts = make_checkpoints(steps=4, lr=1e-6, warmup_steps=150)
+    ckpts = make_checkpoints(steps=4, lr=1e-6, warmup_steps=100)
     # ckpts[0]: BF16 weights after the warm-up (the fine-tune's base); ckpts[i]: after fine-tune step i
 
 The task is a fixed random sparse Markov chain over the vocabulary (each token has a handful of
@@ -146,7 +146,7 @@ def _step(model, opt, data, g) -> float:
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
-    return float(loss)
+    return float(loss.detach())
 
 
 _WARM_CACHE: dict = {}  # (config, seed, warmup_steps, warmup_lr) -> (fp32 state_dict, losses)
@@ -210,7 +210,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="fine-tune steps")
     ap.add_argument("--lr", type=float, default=1e-6, help="fine-tune learning rate")
-    ap.add_argument("--warmup-steps", type=int, default=150)
+    ap.add_argument("--warmup-steps", type=int, default=100)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--publish-every", type=int, default=1)
     ap.add_argument("--small", action="store_true", help="a tiny model (for smoke tests)")

@@ -122,7 +122,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
         tried[OVERWRITE] = pack(planes.split(newv), level)
     if xorv is not None and encoding in (AUTO, XOR):
         tried[XOR] = pack(planes.split(xorv), level)
-    enc = min(tried, key=lambda e: (len(tried[e][0]), e != XOR))
+    enc = min(tried, key=lambda e: (len(tried[e][0]), e != XOR))  # ties go to XOR
     val_bytes, val_z = tried[enc]
     w = new.element_size()
     return EncodedChunk(

@@ -119,9 +119,7 @@ def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, wo
         bar.update(nbytes)
         if c is not None:
             off = w.add_payload(c.pos_bytes, c.val_bytes)
-            h = c.header(off)
-            h["alt"] = c.alt_val_len
-            chunks.append(h)
+            chunks.append(c.header(off))
     entry = {
         "name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
         "region": spec.to_json(), "target_digest": tensor_digest(new), "chunks": chunks,

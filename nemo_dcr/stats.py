@@ -17,7 +17,6 @@ def inspect(delta) -> dict:
     by_encoding = Counter()
     by_position = Counter()
     chunks_by_encoding = Counter()
-    if_pure = Counter()  # value bytes had every chunk used one encoding (only what was tried)
     tensors = []
     for t in h["tensors"]:
         if t["kind"] == "removed":
@@ -36,8 +35,6 @@ def inspect(delta) -> dict:
             by_encoding[c["enc"]] += c["plen"] + c["vlen"]
             by_position[c["pos"]] += c["plen"]
             chunks_by_encoding[c["enc"]] += 1
-            for enc, v in c.get("alt", {}).items():
-                if_pure[enc] += c["plen"] + v
         tensors.append({"name": t["name"], "kind": t["kind"], "dtype": t["dtype"], "elements": n,
                         "changed": k, "bytes": b, "chunks": len(t["chunks"])})
     total = r.size

@@ -223,6 +223,10 @@ def test_auto_never_larger_than_pure(dname, shape, rate, specials, chunk, seed):
     sizes = {e: payload_bytes(b) for e, b in blobs.items()}
     assert sizes["auto"] <= sizes["xor"]
     assert sizes["auto"] <= sizes["overwrite"]
+    # whole file: headers differ by the encoding names, digests of different values and the
+    # creation time, which zstd compresses a little differently: allow that noise, no more
+    header = len(blobs["auto"]) - sizes["auto"]
+    assert len(blobs["auto"]) <= min(len(blobs["xor"]), len(blobs["overwrite"])) + 32 + header // 20
     # per chunk too: same positions everywhere, auto's values are the smaller of the two
     chunks = {e: DeltaReader(b).header["tensors"][0]["chunks"] for e, b in blobs.items()}
     assert [c["start"] for c in chunks["auto"]] == [c["start"] for c in chunks["xor"]] \
@@ -230,10 +234,6 @@ def test_auto_never_larger_than_pure(dname, shape, rate, specials, chunk, seed):
     for a, x, o in zip(chunks["auto"], chunks["xor"], chunks["overwrite"]):
         assert a["plen"] == x["plen"] == o["plen"]
         assert a["vlen"] == min(x["vlen"], o["vlen"])
-    # whole file: only the header differs (encoding names, per-chunk 'alt' sizes)
-    nchunks = len(chunks["auto"])
-    slack = 16 + 8 * nchunks
-    assert len(blobs["auto"]) <= min(len(blobs["xor"]), len(blobs["overwrite"])) + slack
     # and every one of them round-trips
     for b in blobs.values():
         r = {"x": base.clone()}
