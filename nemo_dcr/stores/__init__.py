@@ -1,0 +1,76 @@
+"""Object stores for deltas and checkpoints: a local directory or an S3 bucket.
+
+>>> from nemo_dcr.stores import open_store
+>>> store = open_store("s3://bucket/runs/7")      # or "file:///abs/dir", or "some/dir"
+>>> store.put("v1/delta.dcr", blob)
+
+See :class:`Store` for the operations and their guarantees.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import unquote, urlsplit
+
+from .base import NotFound, PreconditionFailed, Store, StoreError
+from .local import LocalStore
+from .s3 import S3Store  # boto3 is imported only when an S3Store is made
+
+__all__ = [
+    "Store", "LocalStore", "S3Store", "open_store", "StoreError", "NotFound",
+    "PreconditionFailed",
+]
+
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
+
+
+def open_store(url: "str | os.PathLike", **kwargs) -> Store:
+    """Open the store that ``url`` names.
+
+    * ``file:///abs/path`` or a plain path (relative or absolute): :class:`LocalStore`.
+    * ``s3://bucket/prefix``: :class:`S3Store`. The endpoint is ``endpoint_url=`` if given,
+      else ``$NEMO_DCR_S3_ENDPOINT``, else ``$AWS_ENDPOINT_URL``, else AWS. Credentials and
+      region come the standard boto3 way. Other keyword arguments go to ``S3Store``.
+
+    Anything else raises :class:`StoreError`.
+    """
+    if isinstance(url, Store):
+        return url
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if not isinstance(url, str) or not url:
+        raise StoreError(f"invalid store URL {url!r}: expected a path, file:// or s3:// URL")
+    m = _SCHEME.match(url)
+    if m is None:
+        return LocalStore(url, **kwargs)
+    scheme = m.group(1).lower()
+    parts = urlsplit(url)
+    if scheme == "file":
+        if parts.netloc not in ("", "localhost"):
+            raise StoreError(
+                f"invalid store URL {url!r}: file:// URLs must name a local absolute path "
+                "(file:///abs/path), not a host"
+            )
+        if parts.query or parts.fragment:
+            raise StoreError(f"invalid store URL {url!r}: no query or fragment allowed")
+        path = unquote(parts.path)
+        if not path.startswith("/"):
+            raise StoreError(f"invalid store URL {url!r}: file:// needs an absolute path")
+        return LocalStore(path, **kwargs)
+    if scheme == "s3":
+        bucket = parts.netloc
+        if not bucket:
+            raise StoreError(f"invalid store URL {url!r}: expected s3://bucket[/prefix]")
+        if parts.query or parts.fragment:
+            raise StoreError(f"invalid store URL {url!r}: no query or fragment allowed")
+        if "endpoint_url" not in kwargs:
+            kwargs["endpoint_url"] = (
+                os.environ.get("NEMO_DCR_S3_ENDPOINT") or os.environ.get("AWS_ENDPOINT_URL")
+                or None
+            )
+        return S3Store(bucket, unquote(parts.path).strip("/"), **kwargs)
+    raise StoreError(
+        f"unsupported store URL {url!r}: unknown scheme {scheme!r} "
+        "(supported: file:///abs/path, s3://bucket/prefix, or a plain directory path)"
+    )

@@ -1,0 +1,167 @@
+"""The storage interface every backend implements, its errors and key rules.
+
+A store holds immutable-looking *objects* under '/'-separated relative *keys*. Every write is
+atomic: a reader sees either the old object or the new one, whole, never a mix or a prefix.
+Two conditional writes give the primitives needed to coordinate several writers without a
+lock server:
+
+* :meth:`Store.put_if_absent` -- exclusive create; exactly one of several racing writers wins.
+* :meth:`Store.get_with_tag` / :meth:`Store.put_if_match` -- compare-and-set on an opaque tag
+  (the ETag on S3, a content hash locally).
+"""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Tuple
+
+from nemo_dcr.errors import DcrError
+
+__all__ = ["Store", "StoreError", "NotFound", "PreconditionFailed", "check_key", "check_prefix"]
+
+
+class StoreError(DcrError):
+    """A storage operation failed (bad key, I/O error, remote error after retries, ...)."""
+
+
+class NotFound(StoreError):
+    """The object does not exist. ``.key`` is the key that was asked for."""
+
+    def __init__(self, key: str, where: str = ""):
+        self.key = key
+        super().__init__(f"object not found: {key!r}" + (f" in {where}" if where else ""))
+
+
+class PreconditionFailed(StoreError):
+    """A conditional write lost: the key already exists (put_if_absent) or its tag changed
+    (put_if_match). Nothing was written. ``.key`` is the key."""
+
+    def __init__(self, key: str, reason: str = ""):
+        self.key = key
+        super().__init__(f"precondition failed for {key!r}" + (f": {reason}" if reason else ""))
+
+
+def check_key(key: str) -> str:
+    """Validate an object key and return it; raise StoreError if it is not acceptable.
+
+    Keys are relative, '/'-separated, with no empty part (so no leading, trailing or doubled
+    '/'), no '.' or '..' part, and no part starting with '.' (those names are reserved for a
+    store's own temporary and lock files). NUL and backslash are refused too.
+    """
+    if not isinstance(key, str):
+        raise StoreError(f"invalid key {key!r}: must be a str, not {type(key).__name__}")
+    if not key:
+        raise StoreError("invalid key '': must not be empty")
+    if "\x00" in key or "\\" in key:
+        raise StoreError(f"invalid key {key!r}: NUL and backslash are not allowed")
+    if key.startswith("/"):
+        raise StoreError(f"invalid key {key!r}: must be relative (no leading '/')")
+    for part in key.split("/"):
+        if not part:
+            raise StoreError(f"invalid key {key!r}: empty path component")
+        if part in (".", ".."):
+            raise StoreError(f"invalid key {key!r}: '.' and '..' components are not allowed")
+        if part.startswith("."):
+            raise StoreError(
+                f"invalid key {key!r}: components starting with '.' are reserved for the store"
+            )
+    return key
+
+
+def check_prefix(prefix: str) -> str:
+    """Validate a listing prefix: '' or a key, optionally ending in '/', or the beginning of
+    a key (``"ckpt/v1"`` matches ``"ckpt/v10/a"`` too, as S3 prefixes do)."""
+    if not isinstance(prefix, str):
+        raise StoreError(f"invalid prefix {prefix!r}: must be a str")
+    if prefix == "":
+        return prefix
+    check_key(prefix[:-1] if prefix.endswith("/") else prefix)
+    return prefix
+
+
+class Store(abc.ABC):
+    """Abstract object store. Subclasses: :class:`LocalStore`, :class:`S3Store`.
+
+    Every method raises :class:`StoreError` (or a subclass) on failure, never a backend
+    exception.
+    """
+
+    #: ``file:///abs/root`` or ``s3://bucket/prefix``
+    url: str
+
+    # -- reads -----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def get(self, key: str) -> bytes:
+        """The object's bytes; :class:`NotFound` if it does not exist."""
+
+    @abc.abstractmethod
+    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
+        """Stream the object into the file ``path``. Atomic: written to a hidden temporary
+        file next to ``path`` and renamed into place, so on any failure ``path`` is untouched
+        and no partial file is left behind."""
+
+    @abc.abstractmethod
+    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+        """``(bytes, tag)``, a consistent pair: the tag is that of exactly these bytes."""
+
+    @abc.abstractmethod
+    def exists(self, key: str) -> bool:
+        """Whether the object exists."""
+
+    @abc.abstractmethod
+    def size(self, key: str) -> int:
+        """The object's size in bytes; :class:`NotFound` if it does not exist."""
+
+    @abc.abstractmethod
+    def list(self, prefix: str = "") -> list[str]:
+        """All keys starting with ``prefix`` (recursively), sorted."""
+
+    # -- writes ----------------------------------------------------------------------------
+
+    @abc.abstractmethod
+    def put(self, key: str, data: bytes) -> None:
+        """Create or overwrite the object, atomically."""
+
+    @abc.abstractmethod
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        """Create or overwrite the object from the file ``path``, streaming (multipart and
+        parallel where the backend supports it); atomic like :meth:`put`."""
+
+    @abc.abstractmethod
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        """Create the object only if ``key`` does not exist; :class:`PreconditionFailed`
+        otherwise. Of several concurrent callers exactly one succeeds."""
+
+    @abc.abstractmethod
+    def put_if_match(self, key: str, data: bytes, tag: str) -> str:
+        """Compare-and-set: replace the object only if its current tag is ``tag``; return
+        the new tag. :class:`PreconditionFailed` if the tag differs or the object is gone.
+        ``tag=None`` is refused: use :meth:`put_if_absent` to create."""
+
+    @abc.abstractmethod
+    def delete(self, key: str) -> None:
+        """Remove the object. Deleting a missing object is not an error."""
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_tag(key: str, tag) -> str:
+        if tag is None:
+            raise StoreError(
+                f"put_if_match({key!r}) needs the tag from get_with_tag; "
+                "to create an object that must not exist yet use put_if_absent"
+            )
+        if not isinstance(tag, str) or not tag:
+            raise StoreError(f"put_if_match({key!r}): invalid tag {tag!r}")
+        return tag
+
+    @staticmethod
+    def _check_data(key: str, data) -> bytes:
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            return bytes(data) if not isinstance(data, bytes) else data
+        raise StoreError(f"put({key!r}): data must be bytes-like, not {type(data).__name__}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

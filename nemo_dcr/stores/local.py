@@ -1,0 +1,343 @@
+"""A store in a local (or locally mounted POSIX) directory.
+
+Layout: the object ``a/b/c`` is the file ``ROOT/a/b/c``. Names starting with '.' are the
+store's own: temporary files (``.<name>.tmp-<random>``, next to their target) and the lock
+directory ``ROOT/.locks/``; :meth:`LocalStore.list` never shows them, and keys may not use
+them.
+
+Atomicity and exclusion, also between several processes on one machine:
+
+* ``put``/``put_file``: the data goes to a hidden temporary file in the target's directory,
+  is fsync'ed, then ``os.replace``\\ d over the target and the directory is fsync'ed. Readers
+  see the old or the new file, whole.
+* ``put_if_absent``: temporary file + fsync, then ``os.link(temp, target)``, which fails with
+  EEXIST if the target exists: exclusive, and the target's content is complete from the first
+  instant it is visible.
+* ``put_if_match``: read-compare-replace under an exclusive ``fcntl.flock`` on a lock file in
+  ``ROOT/.locks/`` chosen by hashing the key (a fixed pool of lock files, so they do not pile
+  up). Every mutating operation takes the same lock around its final rename/link/unlink, so a
+  compare-and-set is linearizable with plain puts and deletes of the same key. The tag is the
+  hex SHA-256 of the content. flock is reliable on local file systems; on network file
+  systems (NFS, ...) it may not be, so do not share one directory between machines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import hashlib
+import os
+import shutil
+import uuid
+from typing import Iterator, Tuple
+
+from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
+
+__all__ = ["LocalStore"]
+
+_LOCK_DIR = ".locks"
+_N_LOCKS = 256
+_COPY_BUF = 8 << 20
+
+
+def _tag_of(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _tmp_name(final: str) -> str:
+    d, base = os.path.split(final)
+    return os.path.join(d, f".{base}.tmp-{uuid.uuid4().hex}")
+
+
+def _remove_quiet(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+class LocalStore(Store):
+    """A directory used as an object store. ``root`` is created if it does not exist."""
+
+    def __init__(self, root: str | os.PathLike, *, create: bool = True):
+        self.root = os.path.abspath(os.fspath(root))
+        if create:
+            try:
+                os.makedirs(self.root, exist_ok=True)
+            except OSError as e:
+                raise StoreError(f"cannot create store directory {self.root}: {e}") from e
+        elif not os.path.isdir(self.root):
+            raise StoreError(f"store directory does not exist: {self.root}")
+        self.url = "file://" + self.root
+
+    # -- paths and locks -------------------------------------------------------------------
+
+    def _path(self, key: str) -> str:
+        return os.path.join(self.root, *check_key(key).split("/"))
+
+    @contextlib.contextmanager
+    def _lock(self, key: str) -> Iterator[None]:
+        n = int.from_bytes(hashlib.sha256(key.encode()).digest()[:4], "big") % _N_LOCKS
+        lock_dir = os.path.join(self.root, _LOCK_DIR)
+        path = os.path.join(lock_dir, f"{n:03d}.lock")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            os.makedirs(lock_dir, exist_ok=True)
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            # Each open() is its own open file description, so flock also excludes other
+            # threads of this process, not only other processes.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _ensure_dir(self, d: str) -> None:
+        """``os.makedirs(d)``, tolerant of a concurrent delete() pruning the same directories
+        (mkdir then sees EEXIST for a directory that is gone a moment later, or ENOENT for a
+        parent): retried until the directory exists. A path component that is a file (an
+        object) is a real collision and raises NotADirectoryError."""
+        for _ in range(1000):
+            try:
+                os.makedirs(d, exist_ok=True)
+                return
+            except (FileExistsError, FileNotFoundError, NotADirectoryError):
+                p = d
+                while True:
+                    if os.path.lexists(p) and not os.path.isdir(p):
+                        raise NotADirectoryError(
+                            errno.ENOTDIR, "a parent of this path is a file", p
+                        ) from None
+                    parent = os.path.dirname(p)
+                    if parent == p:
+                        break
+                    p = parent
+        raise OSError(errno.EAGAIN, "directory kept disappearing while being created", d)
+
+    def _write_temp(self, final: str, writer) -> str:
+        """Create a hidden temporary file next to ``final``, fill it with ``writer(f)``,
+        fsync it and return its path. On failure nothing is left behind."""
+        d = os.path.dirname(final)
+        for attempt in range(1000):
+            self._ensure_dir(d)
+            tmp = _tmp_name(final)
+            try:
+                f = open(tmp, "xb")
+                break
+            except FileNotFoundError:
+                # a concurrent delete() pruned the directory just made; make it again
+                if attempt == 999:
+                    raise
+        try:
+            with f:
+                writer(f)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            _remove_quiet(tmp)
+            raise
+        return tmp
+
+    def _io_error(self, op: str, key: str, e: OSError) -> StoreError:
+        if isinstance(e, (NotADirectoryError, IsADirectoryError)) or e.errno in (
+            errno.ENOTDIR, errno.EISDIR
+        ):
+            return StoreError(
+                f"{op}({key!r}) in {self.url}: the key collides with another key used as a "
+                f"directory (a local store cannot hold both 'a' and 'a/b'): {e}"
+            )
+        return StoreError(f"{op}({key!r}) in {self.url} failed: {e}")
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes:
+        path = self._path(key)
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFound(key, self.url) from None
+        except OSError as e:
+            raise self._io_error("get", key, e) from e
+
+    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+        # The file is only ever replaced whole, so what we read is one version and the tag
+        # computed from it is that version's tag.
+        data = self.get(key)
+        return data, _tag_of(data)
+
+    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
+        src = self._path(key)
+        dest = os.path.abspath(os.fspath(path))
+        try:
+            fin = open(src, "rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFound(key, self.url) from None
+        except OSError as e:
+            raise self._io_error("get_to_file", key, e) from e
+        try:
+            with fin:
+                tmp = self._write_temp(dest, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
+        except OSError as e:
+            raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
+        try:
+            os.replace(tmp, dest)
+        except OSError as e:
+            _remove_quiet(tmp)
+            raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
+        _fsync_dir(os.path.dirname(dest))
+
+    def exists(self, key: str) -> bool:
+        return os.path.isfile(self._path(key))
+
+    def size(self, key: str) -> int:
+        path = self._path(key)
+        try:
+            st = os.stat(path)
+        except (FileNotFoundError, NotADirectoryError):
+            raise NotFound(key, self.url) from None
+        except OSError as e:
+            raise self._io_error("size", key, e) from e
+        if not os.path.isfile(path):
+            raise NotFound(key, self.url)
+        return st.st_size
+
+    def list(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
+        # Walk only the deepest directory the prefix pins down, then filter by string prefix
+        # (S3 semantics: "v1" matches "v1/x" and "v10/x").
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = os.path.join(self.root, *head.split("/")) if head else self.root
+        out: list[str] = []
+        if not os.path.isdir(start):
+            return out
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for name in filenames:
+                if name.startswith("."):
+                    continue
+                k = rel + name
+                if k.startswith(prefix):
+                    out.append(k)
+        out.sort()
+        return out
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def _replace(self, op: str, key: str, tmp: str, final: str) -> None:
+        try:
+            with self._lock(key):
+                os.replace(tmp, final)
+        except OSError as e:
+            _remove_quiet(tmp)
+            raise self._io_error(op, key, e) from e
+        _fsync_dir(os.path.dirname(final))
+
+    def put(self, key: str, data: bytes) -> None:
+        data = self._check_data(key, data)
+        final = self._path(key)
+        try:
+            tmp = self._write_temp(final, lambda f: f.write(data))
+        except OSError as e:
+            raise self._io_error("put", key, e) from e
+        self._replace("put", key, tmp, final)
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        final = self._path(key)
+        src = os.fspath(path)
+        try:
+            fin = open(src, "rb")
+        except OSError as e:
+            raise StoreError(f"put_file({key!r}): cannot read {src}: {e}") from e
+        try:
+            with fin:
+                tmp = self._write_temp(final, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
+        except OSError as e:
+            raise self._io_error("put_file", key, e) from e
+        self._replace("put_file", key, tmp, final)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        data = self._check_data(key, data)
+        final = self._path(key)
+        try:
+            tmp = self._write_temp(final, lambda f: f.write(data))
+        except OSError as e:
+            raise self._io_error("put_if_absent", key, e) from e
+        try:
+            with self._lock(key):
+                os.link(tmp, final)  # atomic, exclusive: EEXIST if the key exists
+        except FileExistsError:
+            if os.path.isdir(final):
+                raise self._io_error(
+                    "put_if_absent", key, IsADirectoryError(errno.EISDIR, "is a directory", final)
+                ) from None
+            raise PreconditionFailed(key, "the object already exists") from None
+        except OSError as e:
+            raise self._io_error("put_if_absent", key, e) from e
+        finally:
+            _remove_quiet(tmp)
+        _fsync_dir(os.path.dirname(final))
+
+    def put_if_match(self, key: str, data: bytes, tag: str) -> str:
+        tag = self._check_tag(key, tag)
+        data = self._check_data(key, data)
+        final = self._path(key)
+        try:
+            tmp = self._write_temp(final, lambda f: f.write(data))
+        except OSError as e:
+            raise self._io_error("put_if_match", key, e) from e
+        try:
+            with self._lock(key):
+                try:
+                    with open(final, "rb") as f:
+                        current = _tag_of(f.read())
+                except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+                    raise PreconditionFailed(key, "the object does not exist (any more)") from None
+                if current != tag:
+                    raise PreconditionFailed(key, "the object changed since it was read")
+                os.replace(tmp, final)
+        except OSError as e:
+            raise self._io_error("put_if_match", key, e) from e
+        finally:
+            _remove_quiet(tmp)  # no-op after a successful replace
+        _fsync_dir(os.path.dirname(final))
+        return _tag_of(data)
+
+    def delete(self, key: str) -> None:
+        final = self._path(key)
+        try:
+            with self._lock(key):
+                os.unlink(final)
+        except (FileNotFoundError, NotADirectoryError):
+            return
+        except IsADirectoryError:
+            return  # only a "directory" of other keys: no object under this key
+        except OSError as e:
+            raise self._io_error("delete", key, e) from e
+        parent = os.path.dirname(final)
+        _fsync_dir(parent)
+        # Prune directories left empty, so that the key 'a' can be written after 'a/b' was
+        # deleted. A put racing with this re-creates the directory (see _write_temp).
+        while parent != self.root:
+            try:
+                os.rmdir(parent)
+            except OSError:
+                break
+            parent = os.path.dirname(parent)

@@ -1,0 +1,390 @@
+"""A store in an S3 bucket (AWS S3 or anything speaking its API: MinIO, Ceph RGW, moto, ...).
+
+The object ``a/b`` of ``S3Store("bkt", "runs/7")`` is ``s3://bkt/runs/7/a/b``.
+
+* Plain writes are atomic on S3 by nature (``PutObject`` and ``CompleteMultipartUpload``
+  replace the object whole). Large files go through boto3's managed transfer
+  (``upload_file``/``download_file`` with a :class:`boto3.s3.transfer.TransferConfig`):
+  multipart, parts in parallel. Downloads land in a hidden temporary file next to the
+  destination and are renamed into place only when complete.
+* ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *``, ``put_if_match`` is
+  ``PutObject`` with ``If-Match: <etag>``; the tag is the ETag. 412 ``PreconditionFailed``
+  becomes :class:`PreconditionFailed`; 409 ``ConditionalRequestConflict`` (another
+  conditional write to the key in flight) is retried a bounded number of times and then also
+  becomes :class:`PreconditionFailed`. The server must implement conditional writes (AWS S3
+  does since 2024-08 for If-None-Match and 2024-11 for If-Match; MinIO does; check others):
+  this class does not emulate them.
+* Retries, two layers: botocore's own (``Config(retries={"total_max_attempts":
+  max_attempts, "mode": "standard"})``: throttling, 5xx, connection errors; ``max_attempts``
+  counts every request, the first included, per attempt of ours), and around each
+  whole operation a bounded loop with exponential backoff and jitter (``retries`` extra
+  attempts, delays ``backoff_base * 2**n`` capped at ``backoff_max``, between 50 and 100 %
+  of that) for connection errors, throttling (SlowDown, 503, RequestTimeout,
+  ThrottlingException, ...) and errors while streaming a body. After that a
+  :class:`StoreError` says what failed, where, and after how many attempts.
+* A conditional write that was retried after a connection error is ambiguous: the first
+  attempt may have been applied before the connection dropped, so the retry reports
+  PreconditionFailed against our own write. In that case the object is read back; if it holds
+  exactly the bytes we wrote, the write is reported as successful. (If another writer
+  changed it in between, the ambiguity cannot be resolved and PreconditionFailed is raised.)
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import time
+import uuid
+from typing import Callable, Optional, Tuple, TypeVar
+
+from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
+
+__all__ = ["S3Store"]
+
+T = TypeVar("T")
+MiB = 1 << 20
+
+_NOT_FOUND_CODES = {"NoSuchKey", "404", "NotFound"}
+_PRECONDITION_CODES = {"PreconditionFailed", "412"}
+_CONFLICT_CODES = {"ConditionalRequestConflict"}
+_RETRY_CODES = {
+    "SlowDown", "Throttling", "ThrottlingException", "ThrottledException",
+    "RequestThrottled", "RequestThrottledException", "TooManyRequestsException",
+    "ProvisionedThroughputExceededException", "RequestLimitExceeded",
+    "BandwidthLimitExceeded", "RequestTimeout", "RequestTimeoutException",
+    "InternalError", "ServiceUnavailable", "503", "500", "502", "504",
+    "PriorRequestNotComplete", "EC2ThrottledException",
+}
+_RETRY_STATUS = {429, 500, 502, 503, 504}
+
+
+def _import_boto():
+    try:
+        import boto3  # noqa: F401
+        import botocore  # noqa: F401
+    except ImportError as e:  # pragma: no cover - depends on the environment
+        raise StoreError(
+            "S3 stores need boto3: pip install 'nemo-dcr[s3]' (or boto3>=1.34)"
+        ) from e
+
+
+class _Retryable(Exception):
+    def __init__(self, cause: BaseException, final: Optional[StoreError] = None):
+        self.cause = cause
+        self.final = final  # what to raise instead of a generic error when retries run out
+
+
+class S3Store(Store):
+    """An S3 bucket (optionally under a key prefix) used as an object store.
+
+    ``client``: a ready boto3 S3 client to use as is (its own retry settings then apply);
+    otherwise one is made with ``endpoint_url`` and ``region_name`` (credentials the
+    standard boto3 way: environment, shared files, instance role, ...).
+    """
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        endpoint_url: Optional[str] = None,
+        client=None,
+        max_concurrency: int = 8,
+        multipart_threshold: int = 8 * MiB,
+        *,
+        multipart_chunksize: Optional[int] = None,
+        region_name: Optional[str] = None,
+        max_attempts: int = 5,
+        retries: int = 3,
+        backoff_base: float = 0.5,
+        backoff_max: float = 20.0,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+    ):
+        _import_boto()
+        import boto3
+        from boto3.s3.transfer import TransferConfig
+        from botocore.config import Config
+
+        if not bucket or "/" in bucket:
+            raise StoreError(f"invalid S3 bucket name {bucket!r}")
+        prefix = (prefix or "").strip("/")
+        if prefix:
+            try:
+                check_key(prefix)
+            except StoreError as e:
+                raise StoreError(f"invalid S3 prefix {prefix!r}: {e}") from None
+        self.bucket = bucket
+        self.prefix = prefix
+        self.url = f"s3://{bucket}/{prefix}" if prefix else f"s3://{bucket}"
+        self.retries = max(0, int(retries))
+        self.backoff_base = float(backoff_base)
+        self.backoff_max = float(backoff_max)
+        self._rng = random.Random()
+
+        if client is None:
+            cfg = Config(
+                # total_max_attempts counts the first request too ("max_attempts" in a
+                # client Config would count only the retries)
+                retries={"total_max_attempts": max(1, int(max_attempts)), "mode": "standard"},
+                max_pool_connections=max(10, int(max_concurrency) + 4),
+                connect_timeout=connect_timeout,
+                read_timeout=read_timeout,
+            )
+            try:
+                client = boto3.session.Session().client(
+                    "s3", endpoint_url=endpoint_url, region_name=region_name, config=cfg
+                )
+            except Exception as e:
+                raise StoreError(f"cannot create an S3 client for {self.url}: {e}") from e
+        self.client = client
+        self.endpoint_url = client.meta.endpoint_url
+
+        tc = dict(
+            multipart_threshold=int(multipart_threshold),
+            multipart_chunksize=int(multipart_chunksize or max(5 * MiB, multipart_threshold)),
+            max_concurrency=int(max_concurrency),
+            use_threads=int(max_concurrency) > 1,
+        )
+        try:
+            self._transfer = TransferConfig(preferred_transfer_client="classic", **tc)
+        except TypeError:  # older boto3
+            self._transfer = TransferConfig(**tc)
+        self._multipart_threshold = int(multipart_threshold)
+
+    # -- keys ------------------------------------------------------------------------------
+
+    def _full(self, key: str) -> str:
+        check_key(key)
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _where(self, key: str) -> str:
+        if not key:
+            return self.url
+        return f"{self.url}/{key}"
+
+    # -- errors and retries ----------------------------------------------------------------
+
+    def _classify(self, op: str, key: str, e: BaseException) -> BaseException:
+        """Turn a boto exception into a StoreError to raise, or a _Retryable."""
+        from boto3.exceptions import RetriesExceededError, S3UploadFailedError
+        from botocore.exceptions import (
+            BotoCoreError, ChecksumError, ClientError, ConnectionError as BotoConnectionError,
+            HTTPClientError, IncompleteReadError, NoCredentialsError, PartialCredentialsError,
+        )
+
+        where = self._where(key)
+        if isinstance(e, S3UploadFailedError) and isinstance(e.__context__, ClientError):
+            e = e.__context__
+        if isinstance(e, ClientError):
+            err = e.response.get("Error", {}) or {}
+            meta = e.response.get("ResponseMetadata", {}) or {}
+            code = str(err.get("Code", ""))
+            status = meta.get("HTTPStatusCode")
+            msg = err.get("Message") or str(e)
+            if code == "NoSuchBucket":
+                return StoreError(f"S3 {op} {where}: bucket {self.bucket!r} does not exist")
+            if code in _NOT_FOUND_CODES or status == 404:
+                return NotFound(key, self.url)
+            if code in _PRECONDITION_CODES or status == 412:
+                pf = PreconditionFailed(key, f"{msg} ({code or status})")
+                pf.retried = bool(meta.get("RetryAttempts"))
+                return pf
+            if code in _CONFLICT_CODES or (status == 409 and "Conditional" in code):
+                return _Retryable(e, PreconditionFailed(
+                    key, f"conflicting conditional write in progress ({code})"))
+            if code in _RETRY_CODES or status in _RETRY_STATUS:
+                return _Retryable(e)
+            if code in ("AccessDenied", "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+                return StoreError(f"S3 {op} {where}: access denied ({code}): {msg}")
+            return StoreError(f"S3 {op} {where} failed: {code or status}: {msg}")
+        if isinstance(e, (NoCredentialsError, PartialCredentialsError)):
+            return StoreError(
+                f"S3 {op} {where}: no usable AWS credentials ({e}); set AWS_ACCESS_KEY_ID and "
+                "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or use an instance/pod role"
+            )
+        if isinstance(e, (BotoConnectionError, HTTPClientError, IncompleteReadError,
+                          ChecksumError, RetriesExceededError)):
+            return _Retryable(e)
+        if isinstance(e, BotoCoreError):
+            return StoreError(f"S3 {op} {where} failed: {e}")
+        return e
+
+    def _call(self, op: str, key: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (one whole operation), retrying transient failures with backoff."""
+        attempt = 0
+        while True:
+            try:
+                return fn()
+            except StoreError:
+                raise
+            except Exception as e:
+                c = self._classify(op, key, e)
+                if isinstance(c, PreconditionFailed):
+                    c.retried = getattr(c, "retried", False) or attempt > 0
+                if not isinstance(c, _Retryable):
+                    if c is e:
+                        raise
+                    raise c from e
+                if attempt >= self.retries:
+                    if c.final is not None:
+                        c.final.retried = attempt > 0
+                        raise c.final from e
+                    raise StoreError(
+                        f"S3 {op} {self._where(key)} failed after {attempt + 1} attempt(s) "
+                        f"(endpoint {self.endpoint_url or 'AWS default'}): "
+                        f"{type(c.cause).__name__}: {c.cause}"
+                    ) from e
+                cap = min(self.backoff_max, self.backoff_base * (2 ** attempt))
+                time.sleep(cap * (0.5 + 0.5 * self._rng.random()))
+                attempt += 1
+
+    # -- reads -----------------------------------------------------------------------------
+
+    def _get_object(self, key: str) -> Tuple[bytes, str]:
+        def go():
+            r = self.client.get_object(Bucket=self.bucket, Key=self._full(key))
+            with r["Body"] as body:
+                data = body.read()
+            return data, r["ETag"]
+        return self._call("get", key, go)
+
+    def get(self, key: str) -> bytes:
+        return self._get_object(key)[0]
+
+    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+        return self._get_object(key)
+
+    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
+        full = self._full(key)
+        dest = os.path.abspath(os.fspath(path))
+        d, base = os.path.split(dest)
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"get_to_file({key!r}) -> {dest}: {e}") from e
+        tmp = os.path.join(d, f".{base}.tmp-{uuid.uuid4().hex}")
+
+        def go():
+            # boto3 downloads parts in parallel with ranged GETs pinned to the first ETag
+            # (If-Match), so an object replaced mid-download fails with 412 instead of
+            # yielding a mix of two versions; we then start over.
+            self.client.download_file(self.bucket, full, tmp, Config=self._transfer)
+
+        try:
+            for n in range(3):
+                try:
+                    self._call("get_to_file", key, go)
+                    break
+                except PreconditionFailed:
+                    if n == 2:
+                        raise StoreError(
+                            f"S3 get_to_file {self._where(key)}: the object kept changing "
+                            "during the download") from None
+            with open(tmp, "rb+") as f:
+                os.fsync(f.fileno())
+            os.replace(tmp, dest)
+        except OSError as e:
+            raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
+        finally:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+    def exists(self, key: str) -> bool:
+        try:
+            self.size(key)
+            return True
+        except NotFound:
+            return False
+
+    def size(self, key: str) -> int:
+        full = self._full(key)
+        r = self._call("size", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full))
+        return int(r["ContentLength"])
+
+    def list(self, prefix: str = "") -> list[str]:
+        check_prefix(prefix)
+        base = f"{self.prefix}/" if self.prefix else ""
+        strip = len(base)
+
+        def go():
+            keys = []
+            pages = self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=base + prefix
+            )
+            for page in pages:
+                for obj in page.get("Contents", ()):
+                    keys.append(obj["Key"][strip:])
+            return keys
+
+        return sorted(self._call("list", prefix, go))
+
+    # -- writes ----------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes) -> None:
+        data = self._check_data(key, data)
+        full = self._full(key)
+        if len(data) >= self._multipart_threshold:
+            self._call("put", key, lambda: self.client.upload_fileobj(
+                io.BytesIO(data), self.bucket, full, Config=self._transfer))
+        else:
+            self._call("put", key, lambda: self.client.put_object(
+                Bucket=self.bucket, Key=full, Body=data))
+
+    def put_file(self, key: str, path: str | os.PathLike) -> None:
+        full = self._full(key)
+        src = os.fspath(path)
+        if not os.path.isfile(src):
+            raise StoreError(f"put_file({key!r}): not a readable file: {src}")
+        try:
+            self._call("put_file", key, lambda: self.client.upload_file(
+                src, self.bucket, full, Config=self._transfer))
+        except OSError as e:
+            raise StoreError(f"put_file({key!r}): cannot read {src}: {e}") from e
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        data = self._check_data(key, data)
+        full = self._full(key)
+        try:
+            self._call("put_if_absent", key, lambda: self.client.put_object(
+                Bucket=self.bucket, Key=full, Body=data, IfNoneMatch="*"))
+        except PreconditionFailed as e:
+            if getattr(e, "retried", False) and self._holds(key, data):
+                return  # our own earlier attempt landed before its connection dropped
+            raise
+
+    def put_if_match(self, key: str, data: bytes, tag: str) -> str:
+        tag = self._check_tag(key, tag)
+        data = self._check_data(key, data)
+        full = self._full(key)
+        try:
+            r = self._call("put_if_match", key, lambda: self.client.put_object(
+                Bucket=self.bucket, Key=full, Body=data, IfMatch=tag))
+        except NotFound:
+            raise PreconditionFailed(key, "the object does not exist (any more)") from None
+        except PreconditionFailed as e:
+            if getattr(e, "retried", False):
+                try:
+                    current, current_tag = self.get_with_tag(key)
+                except NotFound:
+                    raise e from None
+                if current == data:
+                    return current_tag
+            raise
+        return r["ETag"]
+
+    def _holds(self, key: str, data: bytes) -> bool:
+        try:
+            return self.get(key) == data
+        except NotFound:
+            return False
+
+    def delete(self, key: str) -> None:
+        full = self._full(key)
+        try:
+            self._call("delete", key, lambda: self.client.delete_object(
+                Bucket=self.bucket, Key=full))
+        except NotFound:
+            pass
