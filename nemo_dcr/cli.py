@@ -37,6 +37,62 @@ def _cmd_inspect(a):
         print(format_text(s))
 
 
+def _cmd_publish(a):
+    from .checkpoint_sync import publish_checkpoint
+    r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
+                           retain=a.retain, encoding=a.encoding, level=a.level)
+    m = r.manifest
+    kind = "keyframe" if not m.parts else ("delta + keyframe" if m.keyframe_parts else "delta")
+    base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
+    print(f"published version {m.version} {base}: {kind}; delta {r.delta_bytes:,} B, keyframe {r.keyframe_bytes:,} B, "
+          f"{100 * r.change_rate:.4f} % changed")
+
+
+def _cmd_pull(a):
+    from .checkpoint_sync import pull_checkpoint
+    r = pull_checkpoint(a.store, a.into, version=a.version)
+    if not r.updated:
+        print(f"{a.into} is already at version {r.version}")
+    else:
+        steps = ", ".join(f"{k} {v}" for k, v in r.steps)
+        print(f"{a.into} is now at version {r.version} (from {r.from_version if r.from_version is not None else 'nothing'}; "
+              f"{steps}; {r.bytes:,} B fetched; digest verified)")
+
+
+def _cmd_log(a):
+    from .checkpoint_sync import history
+    ms = history(a.store, limit=a.limit)
+    rows = []
+    for m in ms:
+        elements = sum(p.elements for p in m.parts) or sum(p.elements for p in m.keyframe_parts)
+        changed = sum(p.changed for p in m.parts)
+        rows.append({"version": m.version, "base": m.base_version, "kind": "keyframe" if not m.parts else
+                     ("delta+keyframe" if m.keyframe_parts else "delta"), "delta_bytes": m.delta_bytes(),
+                     "keyframe_bytes": m.keyframe_bytes(), "change_rate": changed / elements if m.parts and elements else None,
+                     "parts": len(m.parts) or len(m.keyframe_parts), "step": m.step, "created": m.created,
+                     "digest": m.target_digest})
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        print("no versions")
+        return
+    print(f"{'version':>8} {'base':>6} {'kind':<15} {'delta B':>12} {'keyframe B':>12} {'change %':>9} {'parts':>5}")
+    for r in rows:
+        cr = f"{100 * r['change_rate']:.4f}" if r["change_rate"] is not None else "-"
+        base = r["base"] if r["base"] is not None else "-"
+        print(f"{r['version']:>8} {base:>6} {r['kind']:<15} {r['delta_bytes']:>12,} {r['keyframe_bytes']:>12,} "
+              f"{cr:>9} {r['parts']:>5}")
+
+
+def _cmd_verify(a):
+    from .checkpoint_sync import verify_checkpoint
+    v, d = verify_checkpoint(a.store, a.checkpoint)
+    if v is None:
+        raise DcrError(f"{a.checkpoint} (digest {d}) matches no version in the store")
+    print(f"{a.checkpoint} is version {v} (digest {d})")
+
+
 def _cmd_demo(a):
     from .demo import run_demo
     run_demo(a.workdir, steps=a.steps)
@@ -69,6 +125,33 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("delta")
     i.add_argument("--json", action="store_true")
     i.set_defaults(func=_cmd_inspect)
+
+    pb = sub.add_parser("publish", help="publish a checkpoint as the next version in a store")
+    pb.add_argument("--store", required=True, help="s3://bucket/prefix, file:///path or a directory")
+    pb.add_argument("checkpoint")
+    pb.add_argument("--keyframe-every", type=int, default=0, help="also store the full state every K versions")
+    pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
+    pb.add_argument("--retain", type=int, default=None, help="delete versions no receiver needs, keeping N recent")
+    pb.add_argument("--encoding", choices=["auto", "xor", "overwrite"], default="auto")
+    pb.add_argument("--level", type=int, default=3)
+    pb.set_defaults(func=_cmd_publish)
+
+    pl = sub.add_parser("pull", help="bring a local checkpoint to the newest (or given) version")
+    pl.add_argument("--store", required=True)
+    pl.add_argument("--into", required=True, help="checkpoint to update (created if missing)")
+    pl.add_argument("--version", type=int, default=None)
+    pl.set_defaults(func=_cmd_pull)
+
+    lg = sub.add_parser("log", help="list the versions in a store")
+    lg.add_argument("--store", required=True)
+    lg.add_argument("--json", action="store_true")
+    lg.add_argument("--limit", type=int, default=None)
+    lg.set_defaults(func=_cmd_log)
+
+    vf = sub.add_parser("verify", help="say which version a checkpoint is")
+    vf.add_argument("--store", required=True)
+    vf.add_argument("checkpoint")
+    vf.set_defaults(func=_cmd_verify)
 
     m = sub.add_parser("demo", help="train a small model, diff and apply its checkpoints, verify every step")
     m.add_argument("--workdir", default="runs/demo")

@@ -246,7 +246,7 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
 
     def one(c):
         key = (name, c["start"])
-        if journal is not None and key in journal:
+        if journal is not None and key in journal and not check:  # pre-images, where checkable, are stronger
             return "already", 0
         idx, vals = decode_chunk(c, reader.payload(c), w)
         glob = region_map.to_global(idx + c["start"])
