@@ -9,7 +9,6 @@ import pytest
 import torch
 
 from nemo_dcr.demo import save_sharded
-from stores_fixtures import moto_s3  # noqa: F401  (fixture)
 
 
 def tree_sha(path):

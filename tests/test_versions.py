@@ -11,7 +11,6 @@ from nemo_dcr.follower import CorruptObjectError, Follower
 from nemo_dcr.publisher import Publisher
 from nemo_dcr.retention import prune
 from nemo_dcr.versions import CommitConflict, VersionNotFound, read_head, read_manifest
-from stores_fixtures import moto_s3, store  # noqa: F401  (fixtures)
 
 
 def model(seed=0):
