@@ -116,9 +116,13 @@ class Follower:
         if self._version == target_v:
             res.version, res.seconds = self._version, time.perf_counter() - t0
             return res
-        target = read_manifest(self.store, head.manifest) if target_v == head.version else \
-            self._manifest_of(target_v, head)
-        for kind, m in chain(self.store, target, self._version):
+
+        def plan():
+            target = read_manifest(self.store, head.manifest) if target_v == head.version else \
+                self._manifest_of(target_v, head)
+            return chain(self.store, target, self._version)
+
+        for kind, m in self._together(plan, f"plan the sync to version {target_v}"):
             self._step(kind, m, res)
         res.version, res.seconds = self._version, time.perf_counter() - t0
         return res
@@ -126,7 +130,8 @@ class Follower:
     # ------------------------------------------------------------------ steps
     def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False) -> None:
         parts = m.parts if kind == "delta" else m.keyframe_parts
-        blobs = [self._fetch(p) for p in parts]  # everything verified before the first write
+        blobs = self._together(lambda: [self._fetch(p) for p in parts],  # all verified before the first write
+                               f"download version {m.version}")
         res.bytes += sum(len(b) for b in blobs)
         if kind == "delta" and not resume and (self._digest is None or self._digest.hex() != m.base_digest):
             raise BaseMismatchError(f"version {m.version} was built on a state whose digest is {m.base_digest}, "
@@ -162,6 +167,21 @@ class Follower:
             raise err if err is not None else DcrError(f"another rank failed to apply version {m.version}")
         self._verify(m, kind, full=resume)
         res.steps.append((kind, m.version))
+
+    def _together(self, fn, what: str):
+        """``fn()`` on every rank of the group; if it raises on one, it raises on all (the others
+        with a DcrError), so no rank goes on to a collective that a failed rank never joins
+        (a hang until the group's timeout, or collectives paired wrongly)."""
+        err = out = None
+        try:
+            out = fn()
+        except Exception as e:
+            err = e
+        if not self.group.all_ok(err is None):
+            if err is not None:
+                raise err
+            raise DcrError(f"another rank of the group failed to {what}")
+        return out
 
     def _held(self, blob):
         """In a group each rank holds only some tensors (a replicated one is held, and counted in
