@@ -1,7 +1,41 @@
 """Framework integrations, importable as ``nemo_dcr.callbacks``.
 
-The Lightning trainer callback, Megatron sharded snapshots and the rollout loader land here
-(issue #4). They call the framework-free API of ``nemo_dcr`` (``diff``/``apply`` with
-``ShardSpec``), which is what this package is built on.
+* ``DeltaPublishCallback`` (``publish.py``): Lightning callback, trainer side.
+* ``RolloutLoader`` (``rollout.py``): rollout side, any ``torch.nn.Module`` or dict of tensors.
+* ``DcrWorkerExtension``, ``refit``, ``vllm_tensors`` (``vllm_worker.py``): vLLM.
+* ``module_snapshot``, ``module_tensors``, ``SnapshotFn`` (``snapshot.py``).
+* ``megatron_snapshot``, ``is_megatron_module`` (``megatron.py``): Megatron-core models.
+
+Names are resolved lazily, so importing one integration never imports another's framework
+(a vLLM worker does not need Lightning, a trainer does not need vLLM).
 """
-__all__: list = []
+import importlib
+
+_EXPORTS = {
+    "DeltaPublishCallback": "publish",
+    "DeltaPublishError": "publish",
+    "RolloutLoader": "rollout",
+    "DcrWorkerExtension": "vllm_worker",
+    "refit": "vllm_worker",
+    "vllm_tensors": "vllm_worker",
+    "module_snapshot": "snapshot",
+    "module_tensors": "snapshot",
+    "SnapshotFn": "snapshot",
+    "megatron_snapshot": "megatron",
+    "is_megatron_module": "megatron",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name):
+    mod = _EXPORTS.get(name)
+    if mod is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{mod}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

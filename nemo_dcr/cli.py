@@ -95,7 +95,7 @@ def _cmd_verify(a):
 
 def _cmd_demo(a):
     from .demo import run_demo
-    run_demo(a.workdir, steps=a.steps)
+    run_demo(a.workdir, store=a.store, steps=a.steps, every=a.every, keyframe_every=a.keyframe_every)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -153,9 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("checkpoint")
     vf.set_defaults(func=_cmd_verify)
 
-    m = sub.add_parser("demo", help="train a small model, diff and apply its checkpoints, verify every step")
+    m = sub.add_parser("demo", help="a Lightning trainer publishes, a rollout process follows and samples")
     m.add_argument("--workdir", default="runs/demo")
-    m.add_argument("--steps", type=int, default=6)
+    m.add_argument("--store", default=None, help="store URL (default: WORKDIR/store, a local directory)")
+    m.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    m.add_argument("--every", type=int, default=4, help="publish every N optimizer steps")
+    m.add_argument("--keyframe-every", type=int, default=0)
     m.set_defaults(func=_cmd_demo)
     return p
 

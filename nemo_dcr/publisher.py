@@ -81,6 +81,9 @@ class Publisher:
     # ------------------------------------------------------------------ publish
     def publish(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] | None = None, *,
                 keyframe: bool = False, step: int | None = None, meta: dict | None = None) -> PublishResult:
+        """Publish the next version. ``keyframe=True`` also stores the full state; if the last
+        published state cannot then be rebuilt from the store (a restarted trainer whose base is
+        lost or corrupt), the version is a keyframe alone, without a delta part."""
         t0 = time.perf_counter()
         g = self.group
         snap = snapshot(tensors)
@@ -94,7 +97,17 @@ class Publisher:
         try:
             if head is not None and (self._head is None or self._head.version != head.version
                                      or self._head.manifest != head.manifest):
-                self._restore(head, snap, shards)  # fresh publisher, or the store moved on
+                restored = True
+                try:
+                    self._restore(head, snap, shards)  # fresh publisher, or the store moved on
+                except Exception:
+                    if not keyframe:
+                        raise
+                    restored = False
+                if keyframe and not g.all_ok(restored):
+                    # a keyframe was asked for and the published state cannot be rebuilt (and
+                    # verified) on every rank: publish the keyframe alone, no delta part
+                    self._base = self._shards = self._head = self._digest = None
             result = self._upload(snap, shards, head, version, publish_id, kf)
         except Exception as e:  # reported to every rank below; nothing is committed
             result = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
@@ -135,7 +148,7 @@ class Publisher:
             with lock:
                 change[0] = change[0] + c
 
-        if head is not None:
+        if head is not None and self._base is not None:
             blob = diff(self._base, snap, shards=shards, encoding=self.encoding, level=self.level,
                         chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, on_change=on_change,
                         progress=False)

@@ -239,3 +239,20 @@ def atomic_output(out: str, is_dir: bool):
         elif os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+def save_sharded(state: Mapping, out: str, shards: int = 2) -> None:
+    """Write ``state`` as a Hugging Face-style sharded directory with model.safetensors.index.json
+    (tensors dealt round-robin by sorted name)."""
+    from safetensors.torch import save_file
+    os.makedirs(out, exist_ok=True)
+    names = sorted(state)
+    weight_map = {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: state[n].contiguous() for n in part}, os.path.join(out, fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in part})
+    total = sum(t.numel() * t.element_size() for t in state.values())
+    with open(os.path.join(out, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)

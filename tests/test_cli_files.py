@@ -10,7 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from conftest import assert_bits_equal
-from nemo_dcr.demo import save_sharded
+from nemo_dcr.safetensors_io import save_sharded
 
 
 def sha(path):

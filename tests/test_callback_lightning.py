@@ -1,0 +1,425 @@
+"""DeltaPublishCallback in a real Lightning Trainer (CPU): one publish per optimizer step
+(gradient accumulation included), every published version reconstructed bit-exactly by a
+Follower, metrics in the CSV log, background failures raised by fit(), resume from a Lightning
+checkpoint continuing the version chain, skipped steps, and the YAML recipes."""
+import csv
+import os
+import warnings
+
+import pytest
+import torch
+
+pl = pytest.importorskip("lightning.pytorch")
+
+from conftest import assert_bits_equal  # noqa: E402
+from nemo_dcr.callbacks import DeltaPublishCallback, DeltaPublishError, module_snapshot  # noqa: E402
+from nemo_dcr.follower import Follower  # noqa: E402
+from nemo_dcr.stores import LocalStore  # noqa: E402
+from nemo_dcr.versions import read_head, read_manifest  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+warnings.filterwarnings("ignore", ".*does not have many workers.*")
+
+
+class Tiny(pl.LightningModule):
+    def __init__(self, skip_steps=(), lr=1e-2):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        self.register_buffer("seen", torch.zeros((), dtype=torch.int64))
+        self.skip_steps, self.lr = set(skip_steps), lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        self.seen += 1
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def optimizer_step(self, epoch, batch_idx, optimizer, optimizer_closure=None):
+        if self.trainer.global_step + 1 in self.skip_steps:  # e.g. inf/NaN gradients: no update
+            optimizer_closure()
+            for cb in self.trainer.callbacks:
+                if isinstance(cb, DeltaPublishCallback):
+                    cb.mark_skipped()
+            return
+        optimizer.step(closure=optimizer_closure)
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+    def train_dataloader(self):
+        g = torch.Generator().manual_seed(1)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=g), torch.randn(64, 4, generator=g))
+        return torch.utils.data.DataLoader(data, batch_size=4)
+
+
+class Recorder(pl.Callback):
+    """The trainer-side truth: a snapshot after every optimizer step, and the batches seen."""
+
+    def __init__(self):
+        self.snaps, self.batches, self._last = {}, 0, None
+
+    def on_train_start(self, trainer, pl_module):
+        self._last = trainer.global_step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.batches += 1
+        if trainer.global_step != self._last:
+            self._last = trainer.global_step
+            self.snaps[trainer.global_step] = module_snapshot(pl_module)[0]
+
+
+def trainer(tmp_path, callbacks, max_steps, name="run", **kw):
+    from lightning.pytorch.loggers import CSVLogger
+    kw.setdefault("enable_checkpointing", False)
+    return pl.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, callbacks=callbacks,
+                      logger=CSVLogger(str(tmp_path), name=name), enable_progress_bar=False,
+                      enable_model_summary=False, num_sanity_val_steps=0, **kw)
+
+
+def manifests(store):
+    head, _ = read_head(store)
+    out, m = [], read_manifest(store, head.manifest)
+    while True:
+        out.append(m)
+        if m.base_manifest is None:
+            break
+        m = read_manifest(store, m.base_manifest)
+    return out[::-1]
+
+
+def zeros_like(state):
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def assert_state(recv, state):
+    assert sorted(recv) == sorted(state)
+    for k in state:
+        assert_bits_equal(recv[k], state[k], k)
+
+
+def test_publishes_once_per_optimizer_step_and_every_version_is_bit_exact(store, tmp_path):
+    """accumulate_grad_batches=2: 12 batches, 6 optimizer steps, every_n_steps=2: 3 versions."""
+    cb = DeltaPublishCallback(store, every_n_steps=2, keyframe_every=2, max_pending=1)
+    rec = Recorder()
+    t = trainer(tmp_path, [cb, rec], max_steps=6, accumulate_grad_batches=2, log_every_n_steps=1)
+    t.fit(Tiny())
+    assert rec.batches == 12 and sorted(rec.snaps) == [1, 2, 3, 4, 5, 6]
+    ms = manifests(store)
+    assert [m.version for m in ms] == [0, 1, 2]
+    assert [m.step for m in ms] == [2, 4, 6]
+    assert [m.is_keyframe for m in ms] == [True, False, True]
+    assert cb.last_published["version"] == 2 and cb.last_published["step"] == 6
+    for m in ms:  # every version, as a receiver that starts there would rebuild it
+        recv = zeros_like(rec.snaps[m.step])
+        Follower(store, recv).sync(m.version)
+        assert_state(recv, rec.snaps[m.step])
+    recv = zeros_like(rec.snaps[2])
+    f = Follower(store, recv)
+    for m in ms:  # and one receiver following the chain
+        f.sync(m.version)
+        assert_state(recv, rec.snaps[m.step])
+    assert 0 < ms[1].meta["global_step"] == 4
+
+    rows = list(csv.DictReader(open(os.path.join(t.logger.log_dir, "metrics.csv"))))
+    dcr = [r for r in rows if r.get("dcr/version")]
+    assert [int(r["step"]) for r in dcr] == [2, 4, 6]
+    for r in dcr:
+        for k in ("dcr/change_rate", "dcr/bytes", "dcr/ratio", "dcr/publish_s"):
+            assert r[k] != "", k
+        assert float(r["dcr/bytes"]) > 0 and float(r["dcr/ratio"]) > 0
+    assert float(dcr[0]["dcr/keyframe"]) == 1.0  # the first version: a keyframe, no delta
+    assert all(0 < float(r["dcr/change_rate"]) <= 1 for r in dcr[1:])
+
+
+class FailingStore:
+    """A LocalStore whose puts of delta objects start failing after ``ok`` of them."""
+
+    def __init__(self, root, ok):
+        self.inner, self.ok = LocalStore(root), ok
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data):
+        if key.endswith(".dcr"):
+            if self.ok <= 0:
+                raise OSError(f"injected upload failure for {key}")
+            self.ok -= 1
+        return self.inner.put(key, data)
+
+
+@pytest.mark.parametrize("background", [True, False])
+def test_a_failed_publish_fails_the_fit_with_a_clear_error(tmp_path, background):
+    store = FailingStore(tmp_path / "store", ok=2)  # version 0: delta-less keyframe; version 1: delta
+    cb = DeltaPublishCallback(store, background=background)
+    rec = Recorder()
+    t = trainer(tmp_path, [cb, rec], max_steps=8)
+    with pytest.raises(DeltaPublishError) as ei:
+        t.fit(Tiny())
+    msg = str(ei.value)
+    assert "step 3" in msg and "injected upload failure" in msg and "OSError" in msg
+    assert read_head(store.inner)[0].version == 1  # nothing half-published
+    assert max(rec.snaps) < 8  # raised in the training loop, not at the end
+    assert cb._thread is None  # the upload thread was stopped
+
+
+def test_resume_from_a_lightning_checkpoint_continues_the_chain(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    ckpt = str(tmp_path / "run1.ckpt")
+    cb = DeltaPublishCallback(store, every_n_steps=1)
+    rec = Recorder()
+    t = trainer(tmp_path, [cb, rec], max_steps=3)
+    t.fit(Tiny())
+    t.save_checkpoint(ckpt)
+    state = torch.load(ckpt, weights_only=False)["callbacks"][cb.state_key]
+    assert state["version"] == 2 and state["step"] == 3
+    head1 = read_head(store)[0]
+    recv = zeros_like(rec.snaps[3])
+    f = Follower(store, recv)
+    f.sync()
+
+    cb2 = DeltaPublishCallback(store, every_n_steps=1)
+    rec2 = Recorder()
+    t2 = trainer(tmp_path, [cb2, rec2], max_steps=6)
+    t2.fit(Tiny(), ckpt_path=ckpt)
+    ms = manifests(store)
+    assert [m.version for m in ms] == [0, 1, 2, 3, 4, 5]
+    assert [m.step for m in ms] == [1, 2, 3, 4, 5, 6]
+    m3 = ms[3]
+    assert m3.parts and not m3.keyframe_parts  # a delta, not a new chain
+    assert m3.base_manifest == head1.manifest
+    assert m3.base_digest == read_manifest(store, head1.manifest).target_digest
+    assert f.sync().steps == [("delta", 3), ("delta", 4), ("delta", 5)]
+    assert_state(recv, rec2.snaps[6])
+
+
+def test_resume_whose_base_is_lost_publishes_a_keyframe(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    ckpt = str(tmp_path / "run1.ckpt")
+    cb = DeltaPublishCallback(store, background=False)
+    t = trainer(tmp_path, [cb], max_steps=2)
+    t.fit(Tiny())
+    t.save_checkpoint(ckpt)
+    head = read_head(store)[0]
+    for p in read_manifest(store, head.manifest).parts:  # the newest delta is damaged
+        store.put(p.key, b"garbage")
+    cb2 = DeltaPublishCallback(store, background=False)
+    rec = Recorder()
+    with pytest.warns(UserWarning, match="publishing a keyframe"):
+        trainer(tmp_path, [cb2, rec], max_steps=3).fit(Tiny(), ckpt_path=ckpt)
+    m = read_manifest(store, read_head(store)[0].manifest)
+    assert m.version == 2 and m.keyframe_parts and not m.parts  # a keyframe alone
+    recv = zeros_like(rec.snaps[3])
+    assert Follower(store, recv).sync().steps == [("keyframe", 2)]
+    assert_state(recv, rec.snaps[3])
+
+
+def test_resume_into_a_store_that_lacks_the_checkpoints_version_starts_from_a_keyframe(tmp_path):
+    ckpt = str(tmp_path / "run1.ckpt")
+    cb = DeltaPublishCallback(LocalStore(tmp_path / "a"), every_n_steps=1, background=False)
+    t = trainer(tmp_path, [cb], max_steps=3)
+    t.fit(Tiny())
+    t.save_checkpoint(ckpt)
+    other = LocalStore(tmp_path / "b")  # another run's store, behind this checkpoint's version 2
+    from nemo_dcr.publisher import Publisher
+    Publisher(other).publish(module_snapshot(Tiny())[0])
+    cb2 = DeltaPublishCallback(other, background=False)  # its state_key names store b: load a's state by hand
+    cb2.load_state_dict(torch.load(ckpt, weights_only=False)["callbacks"][cb.state_key])
+    rec = Recorder()
+    with pytest.warns(UserWarning, match="behind the checkpoint"):
+        trainer(tmp_path, [cb2, rec], max_steps=4).fit(Tiny(), ckpt_path=ckpt)
+    m = read_manifest(other, read_head(other)[0].manifest)
+    assert m.version == 1 and m.keyframe_parts and m.step == 4
+    recv = zeros_like(rec.snaps[4])
+    Follower(other, recv).sync()
+    assert_state(recv, rec.snaps[4])
+
+
+@pytest.mark.parametrize("mode", ["skip", "empty"])
+def test_skipped_optimizer_steps(tmp_path, mode):
+    store = LocalStore(tmp_path / "store")
+    cb = DeltaPublishCallback(store, on_skipped_step=mode, background=False)
+    rec = Recorder()
+    trainer(tmp_path, [cb, rec], max_steps=4).fit(Tiny(skip_steps={2}))
+    ms = manifests(store)
+    if mode == "skip":
+        assert [m.step for m in ms] == [1, 3, 4]
+    else:
+        assert [m.step for m in ms] == [1, 2, 3, 4]
+        assert ms[1].meta["skipped_step"] == 2
+        assert sum(p.changed for p in ms[1].parts) == 0  # the same weights: an empty delta
+    assert_bits_equal(rec.snaps[1]["net.0.weight"], rec.snaps[2]["net.0.weight"])  # step 2 did not update
+    recv = zeros_like(rec.snaps[4])
+    Follower(store, recv).sync()
+    assert_state(recv, rec.snaps[4])
+
+
+def test_dtype_submodule_and_initial_version(tmp_path):
+    """Publish the inner module in bfloat16, from step 0 (publish_initial)."""
+    store = LocalStore(tmp_path / "store")
+    cb = DeltaPublishCallback(store, dtype="bfloat16", submodule="net", publish_initial=True, every_n_steps=2)
+    rec = Recorder()
+    model = Tiny()
+    initial = module_snapshot(model.net, dtype="bfloat16")[0]
+    trainer(tmp_path, [cb, rec], max_steps=4).fit(model)
+    ms = manifests(store)
+    assert [m.step for m in ms] == [0, 2, 4] and ms[0].meta.get("initial")
+    recv = {k: v.clone() for k, v in initial.items()}
+    assert sorted(recv) == ["0.bias", "0.weight", "2.bias", "2.weight"]
+    f = Follower(store, recv, version=0)  # the receiver already holds version 0: deltas only
+    assert f.sync().steps == [("delta", 1), ("delta", 2)]
+    final = {k[len("net."):]: v.to(torch.bfloat16) for k, v in rec.snaps[4].items() if k.startswith("net.")}
+    assert_state(recv, final)
+
+
+def test_bad_arguments_are_refused():
+    for kw in ({"every_n_steps": 0}, {"on_skipped_step": "maybe"}, {"max_pending": 0}, {"encoding": "gzip"},
+               {"dtype": "int8"}):
+        with pytest.raises(Exception):
+            DeltaPublishCallback("x", **kw)
+
+
+# ----------------------------------------------------------------------------- recipes
+
+def test_train_publish_yaml_instantiates_the_callback_with_lightning_cli(tmp_path):
+    pytest.importorskip("jsonargparse")
+    import yaml
+    from lightning.pytorch.cli import LightningCLI
+
+    cfg = yaml.safe_load(open(os.path.join(ROOT, "recipes", "train_publish.yaml")))
+    cbs = cfg["trainer"]["callbacks"]
+    dcr = [c for c in cbs if c["class_path"].endswith("DeltaPublishCallback")]
+    assert len(dcr) == 1
+    dcr[0]["init_args"]["store"] = str(tmp_path / "store")
+    cfg["trainer"].pop("logger", None)
+    cfg["trainer"]["default_root_dir"] = str(tmp_path)
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    cli = LightningCLI(Tiny, run=False, args=["--config", str(path)], save_config_callback=None)
+    got = [c for c in cli.trainer.callbacks if isinstance(c, DeltaPublishCallback)]
+    assert len(got) == 1
+    c = got[0]
+    want = dcr[0]["init_args"]
+    for k, v in want.items():
+        assert getattr(c, k) == v, k
+    assert cli.trainer.accumulate_grad_batches == cfg["trainer"].get("accumulate_grad_batches", 1)
+
+
+def test_nemo_recipe_helper():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dcr_nemo_recipe", os.path.join(ROOT, "recipes", "nemo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    class Config:  # the shape of nemo_run.Config: a target and its keyword arguments
+        def __init__(self, fn, **kw):
+            self.fn, self.kw = fn, kw
+
+    class Recipe:
+        class trainer:
+            callbacks = None
+
+    r = mod.add_dcr_callback(Recipe, store="s3://b/run", every_n_steps=4, config_cls=Config)
+    (c,) = r.trainer.callbacks
+    assert c.fn is DeltaPublishCallback and c.kw == {"store": "s3://b/run", "every_n_steps": 4}
+    cb = c.fn(**c.kw)
+    assert cb.every_n_steps == 4
+    with pytest.raises(TypeError):
+        mod.add_dcr_callback(Recipe, every_n_steps=4, config_cls=Config)  # store is required
+
+
+def test_nemo_recipe_helper_with_nemo_run():
+    run = pytest.importorskip("nemo_run")
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("dcr_nemo_recipe", os.path.join(ROOT, "recipes", "nemo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    trainer_cfg = run.Config(pl.Trainer, callbacks=[])
+
+    class Recipe:
+        trainer = trainer_cfg
+
+    mod.add_dcr_callback(Recipe, store="s3://b/run")
+    cb = run.build(Recipe.trainer.callbacks[-1])
+    assert isinstance(cb, DeltaPublishCallback)
+
+
+# ----------------------------------------------------------------------------- distributed (2 CPU ranks, DDP)
+
+def _half_snapshot(module):
+    """A snapshot_fn: every rank publishes every other tensor (whole), as a sharded model would."""
+    import torch.distributed as dist
+    r, w = dist.get_rank(), dist.get_world_size()
+    tensors = module_snapshot(module)[0]
+    return {k: v for i, (k, v) in enumerate(sorted(tensors.items())) if i % w == r}, {}
+
+
+def _ddp_rank(rank, world, port, root, out):
+    import json
+    import time
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
+                      LOCAL_RANK=str(rank), NODE_RANK="0")
+    res = {}
+    for mode in ("replicated", "joint"):  # one process group, two runs
+        r = res[mode] = {"ok": False}
+        try:
+            t0 = time.perf_counter()
+            cb = DeltaPublishCallback(os.path.join(root, mode), every_n_steps=1,
+                                      snapshot_fn=_half_snapshot if mode == "joint" else None)
+            rec = Recorder()
+            t = pl.Trainer(accelerator="cpu", devices=world, strategy="ddp", max_steps=3, callbacks=[cb, rec],
+                           logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                           enable_model_summary=False)
+            t.fit(Tiny())
+            r.update(ok=True, publishes=cb._publishes, joint=cb._joint, seconds=time.perf_counter() - t0)
+            torch.save(rec.snaps, os.path.join(out, f"snaps-{mode}-{rank}.pt"))
+        except Exception as e:  # noqa: BLE001
+            import traceback
+            r["error"] = f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_ddp_ranks_publish_over_their_own_gloo_group(tmp_path):
+    """DDP on 2 CPU ranks: a replicated module is published by rank 0 alone; with a
+    snapshot_fn every rank publishes its part and the parts are committed jointly."""
+    import json
+    import multiprocessing
+    import socket
+    import time
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    root = str(tmp_path / "stores")
+    out = tmp_path / "out"
+    out.mkdir()
+    ctx = multiprocessing.get_context("forkserver")
+    # the fork server imports these once (Lightning alone takes seconds) and every rank forks from
+    # it; the first test module to start the server sets the list (test_publish_multirank's too)
+    ctx.set_forkserver_preload(["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower",
+                                "nemo_dcr.stores", "boto3", "lightning.pytorch", "nemo_dcr.callbacks.publish"])
+    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, root, str(out)), daemon=True) for r in range(2)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + 120
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    res = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    for mode in ("replicated", "joint"):
+        for r in range(2):
+            assert res[r][mode]["ok"], res[r][mode].get("error")
+        assert [x[mode]["publishes"] for x in res] == ([True, False] if mode == "replicated" else [True, True])
+        assert [x[mode]["joint"] for x in res] == [mode == "joint"] * 2
+        store = LocalStore(os.path.join(root, mode))
+        ms = manifests(store)
+        assert [m.step for m in ms] == [1, 2, 3]
+        assert all(m.world_size == (2 if mode == "joint" else 1) for m in ms)
+        snaps = torch.load(out / f"snaps-{mode}-0.pt")
+        for m in ms:
+            recv = zeros_like(snaps[m.step])
+            Follower(store, recv).sync(m.version)
+            assert_state(recv, snaps[m.step])
