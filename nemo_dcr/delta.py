@@ -17,9 +17,9 @@ from typing import BinaryIO, Mapping, MutableMapping
 import torch
 
 from . import __version__
-from .chunk import AUTO, CHOICES, OVERWRITE, XOR, decode_chunk, encode_chunk
+from .chunk import AUTO, CHOICES, OVERWRITE, decode_chunk, encode_chunk
 from .digest import state_digest, tensor_digest, values_digest
-from .dtypes import dtype_from_name, dtype_name, int_view, itemsize
+from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
 from .flat import FlatAccess
 from .format import FORMAT_VERSION, DeltaReader, DeltaWriter

@@ -11,7 +11,6 @@ streaming pass with bounded memory; a reader seeks to the fixed 32-byte footer f
 """
 from __future__ import annotations
 
-import io
 import json
 import mmap
 import os

@@ -5,7 +5,7 @@ import math
 from collections import Counter
 
 from .dtypes import dtype_from_name, itemsize
-from .format import FOOTER, PREAMBLE, DeltaReader
+from .format import DeltaReader
 
 
 def inspect(delta) -> dict:

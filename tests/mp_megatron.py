@@ -32,12 +32,6 @@ VOCAB, PADDED_VOCAB = 100, 128  # HF's true vocabulary; Megatron's, padded to a 
 CHUNK = 512  # small delta chunks: several per shard
 
 
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
 
 def cpu_shim():
     torch.cuda.current_device = lambda: torch.device("cpu")

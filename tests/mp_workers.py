@@ -11,7 +11,6 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
 import time
 import traceback
 
@@ -23,11 +22,6 @@ SHAPES = {"W0": ((32, 24), torch.bfloat16), "W1": ((24, 32), torch.float32), "bi
 CHUNK = 64  # small chunks: several per shard, so chunk and shard boundaries cross
 TIMEOUT = datetime.timedelta(seconds=20)  # collectives fail after this instead of hanging
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def int_bits(t: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,6 @@
 one shard layout to a receiver with another."""
 from __future__ import annotations
 
-import itertools
 import math
 
 import pytest
@@ -10,6 +9,7 @@ import torch
 
 from nemo_dcr import DcrError, IndexMap, ShardSpec, apply, diff
 from nemo_dcr.dtypes import int_view
+from shard_helpers import cut, grid
 
 
 # ----------------------------------------------------------------------------- helpers
@@ -28,19 +28,6 @@ def split_dim(global_shape, dim, tp):
     return specs
 
 
-def grid(global_shape, splits):
-    """Cartesian product split: ``splits`` maps dim -> number of pieces."""
-    per_dim = []
-    for d, n in enumerate(global_shape):
-        k = splits.get(d, 1)
-        b = [n * r // k for r in range(k + 1)]
-        per_dim.append([(b[r], b[r + 1] - b[r]) for r in range(k)])
-    return [ShardSpec.of(global_shape, [p[0] for p in combo], [p[1] for p in combo])
-            for combo in itertools.product(*per_dim)]
-
-
-def cut(t, spec):
-    return t[ShardSpec.full(spec.global_shape).slices_of(spec)]
 
 
 def reference_global_indices(spec):

@@ -18,9 +18,6 @@ The workers need a small test-only CPU shim (megatron-core calls torch.cuda.curr
 and the CUDA RNG tracker even for CPU models): see mp_megatron.cpu_shim. The library code
 does not need it.
 """
-import json
-import multiprocessing
-import time
 
 import pytest
 import torch
@@ -28,6 +25,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install '.[megatron]')")
 
 import mp_megatron as W  # noqa: E402
+from proc_group import launch  # noqa: E402
 from conftest import assert_bits_equal  # noqa: E402
 from nemo_dcr.callbacks import hf_mapping as H  # noqa: E402
 from nemo_dcr.callbacks.megatron import check_cover, is_megatron_module, megatron_snapshot  # noqa: E402
@@ -45,25 +43,11 @@ LAYOUT = H.GPTLayout(num_attention_heads=8, num_query_groups=4, head_dim=8, voca
 def run_group(world, scenario, args, out, deadline=DEADLINE):
     """Run ``world`` ranks of ``scenario``; -> {rank: result}. Fails on a hang or a rank error."""
     out.mkdir(parents=True, exist_ok=True)
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)  # ignored if another test started the fork server first
-    port = W.free_port()
-    procs = [ctx.Process(target=W.main, args=(r, world, port, scenario, args, str(out)), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    res = {r: json.loads((out / f"{r}.json").read_text()) for r in range(world) if (out / f"{r}.json").exists()}
+    res, codes, hung = launch(W.main, world, lambda r, port: (r, world, port, scenario, args, str(out)), out,
+                              deadline, PRELOAD)
     assert not hung, f"ranks {hung} of {scenario!r} still running after {deadline}s; results so far: {res}"
     missing = [r for r in range(world) if r not in res]
-    assert not missing, f"ranks {missing} of {scenario!r} wrote no result (exit codes {[p.exitcode for p in procs]})"
+    assert not missing, f"ranks {missing} of {scenario!r} wrote no result (exit codes {codes})"
     failed = sorted((r for r in res if not res[r]["ok"]),
                     key=lambda r: "remote" in res[r]["traceback"] or "Connection" in res[r]["traceback"])
     assert not failed, "\n".join(f"rank {r} failed:\n{res[r]['traceback']}" for r in failed)

@@ -7,8 +7,6 @@ process that has imported torch once; nothing is inherited from this pytest proc
 the arguments carry, so the S3 credentials travel in the store spec); every collective has a timeout
 (mp_workers.TIMEOUT) and every group a deadline here, so a hang fails the test instead of
 blocking CI."""
-import json
-import multiprocessing
 import os
 import time
 
@@ -16,6 +14,7 @@ import pytest
 import torch
 
 import mp_workers as W
+from proc_group import launch
 from conftest import assert_bits_equal
 from nemo_dcr.follower import Follower
 from nemo_dcr.versions import read_head, read_manifest
@@ -45,30 +44,8 @@ def run_group(world, spec, scenario, tmp_path, deadline=DEADLINE):
     -> ({rank: result dict}, {rank: exit code})."""
     out = tmp_path / f"out-{scenario}-{time.monotonic_ns()}"
     out.mkdir()
-    ctx = multiprocessing.get_context("forkserver")
-    # the fork server imports torch once and every rank forks from it; ``spawn`` would import
-    # torch in each of the ~30 processes this file starts, most of its run time on 2 cores.
-    # (Installed modules only: Python 3.11's fork server ignores the sys_path it is given.)
-    ctx.set_forkserver_preload(PRELOAD)
-    port = W.free_port()
-    procs = [ctx.Process(target=W.main, args=(r, world, port, spec, scenario, str(out)), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + deadline
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join(5)
-    results = {}
-    for r in range(world):
-        f = out / f"{r}.json"
-        if f.exists():
-            results[r] = json.loads(f.read_text())
-    codes = {r: p.exitcode for r, p in enumerate(procs)}
+    results, codes, hung = launch(W.main, world, lambda r, port: (r, world, port, spec, scenario, str(out)), out,
+                                  deadline, PRELOAD)
     assert not hung, f"ranks {hung} of {scenario!r} still running after {deadline}s; exit codes {codes}, " \
                      f"results so far: {results}"
     return results, codes

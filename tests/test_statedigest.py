@@ -1,7 +1,6 @@
 """Sharding-independent, incrementally updatable state digest (nemo_dcr.statedigest)."""
 from __future__ import annotations
 
-import itertools
 import math
 import os
 import socket
@@ -14,6 +13,7 @@ from nemo_dcr import statedigest as sd
 from nemo_dcr.dtypes import DTYPES, INT_VIEW, int_view
 from nemo_dcr.statedigest import (P, StateDigest, allreduce_digest, changes_contrib, state_contrib,
                                   tensor_contrib)
+from shard_helpers import cut, grid
 
 ALL_DTYPES = list(DTYPES.values())  # every width 1/2/4/8, incl. bool, float8, bf16, fp64, int64
 
@@ -30,19 +30,6 @@ def random_tensor(shape, dtype, seed):
     return raw.view(dtype).reshape(shape)
 
 
-def grid(global_shape, splits):
-    """Cartesian split: ``splits`` maps dim -> number of (possibly uneven) pieces."""
-    per_dim = []
-    for d, n in enumerate(global_shape):
-        k = splits.get(d, 1)
-        b = [n * r // k for r in range(k + 1)]
-        per_dim.append([(b[r], b[r + 1] - b[r]) for r in range(k)])
-    return [ShardSpec.of(global_shape, [p[0] for p in c], [p[1] for p in c])
-            for c in itertools.product(*per_dim)]
-
-
-def cut(t, spec):
-    return t[ShardSpec.full(spec.global_shape).slices_of(spec)]
 
 
 def sharded_digest(name, t, specs):
