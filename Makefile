@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench venv clean
+.PHONY: demo test test-nemo bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -22,8 +22,17 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
 
+# Optional: the callback under NeMo 2's own stack (nemo_toolkit 2.7, lightning 2.4), in its own
+# environment because NeMo pins an older Lightning. Not part of `make test` / CI.
+NEMO_VENV ?= .venv-nemo
+test-nemo:
+	$(PY) -m venv $(NEMO_VENV)
+	$(NEMO_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(NEMO_VENV)/bin/pip install --quiet -e ".[test,nemo]" "jsonargparse[signatures]>=4.27" "torch==2.13.0"
+	$(NEMO_VENV)/bin/python -m pytest -q tests/test_callback_lightning.py tests/test_rollout_loader.py tests/test_demo.py
+
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(NEMO_VENV) runs

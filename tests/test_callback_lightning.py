@@ -339,9 +339,11 @@ def test_nemo_recipe_helper_with_nemo_run():
     class Recipe:
         trainer = trainer_cfg
 
-    mod.add_dcr_callback(Recipe, store="s3://b/run")
-    cb = run.build(Recipe.trainer.callbacks[-1])
-    assert isinstance(cb, DeltaPublishCallback)
+    mod.add_dcr_callback(Recipe, store="s3://b/run", every_n_steps=2, dtype="bfloat16")
+    import fiddle as fdl  # what nemo_run builds its configs with
+    trainer = fdl.build(Recipe.trainer)
+    cbs = [c for c in trainer.callbacks if isinstance(c, DeltaPublishCallback)]
+    assert len(cbs) == 1 and cbs[0].store == "s3://b/run" and cbs[0].every_n_steps == 2
 
 
 # ----------------------------------------------------------------------------- distributed (2 CPU ranks, DDP)
