@@ -28,6 +28,7 @@ import errno
 import fcntl
 import hashlib
 import os
+import stat
 import shutil
 import uuid
 from typing import Iterator, Tuple
@@ -119,7 +120,11 @@ class LocalStore(Store):
             except (FileExistsError, FileNotFoundError, NotADirectoryError):
                 p = d
                 while True:
-                    if os.path.lexists(p) and not os.path.isdir(p):
+                    try:  # one lstat: exists-then-isdir could see a directory pruned in between
+                        mode = os.lstat(p).st_mode
+                    except FileNotFoundError:
+                        mode = None
+                    if mode is not None and not stat.S_ISDIR(mode):
                         raise NotADirectoryError(
                             errno.ENOTDIR, "a parent of this path is a file", p
                         ) from None
