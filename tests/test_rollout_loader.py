@@ -218,8 +218,10 @@ def test_sampling_blocks_updates_and_update_inside_sampling_is_refused(tmp_path)
     result = {}
     up = threading.Thread(target=lambda: (result.setdefault("v", loader.update()), done.set()))
     up.start()
-    time.sleep(0.3)
-    assert not done.is_set()  # the update waits for the sampler
+    deadline = time.monotonic() + 10  # wait until the update is queued on the lock (a state, not a delay)
+    while loader._lock._writers_waiting == 0 and not done.is_set() and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert loader._lock._writers_waiting == 1 and not done.is_set()  # the update waits for the sampler
     release.set()
     th.join(10)
     up.join(10)
