@@ -39,7 +39,7 @@ from nemo_dcr import apply, diff, inspect
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL
 from nemo_dcr.parallel import default_workers
 
-ENCODINGS = ("overwrite", "xor", "auto")
+ENCODINGS = ("overwrite", "xor", "add", "auto")
 FULL = dict(steps=4, lrs=(1e-6, 5e-6, 1e-5), warmup_steps=100, reps=5)
 QUICK = dict(steps=2, lrs=(1e-6, 1e-5), warmup_steps=30, reps=1)
 
@@ -290,12 +290,13 @@ def format_tables(res: dict) -> str:
         enc = p["mixed_chunks_by_encoding"]
         rows.append([f"{p['lr']:g}", f"{p['step_from']}->{p['step_to']}", f"{100 * p['change_rate']:.3f}",
                      f(p["bytes_per_changed"]["overwrite"]), f(p["bytes_per_changed"]["xor"]),
+                     f(p["bytes_per_changed"]["add"]),
                      f(p["bytes_per_changed"]["auto"]), f"{100 * p['mixed_saving_vs_overwrite']:.1f}%",
                      f"{p['ratio_dense_to_mixed']:.1f}x",
                      f"{100 * s['positions'] / tot:.0f}/{100 * s['values'] / tot:.0f}/{100 * s['header'] / tot:.0f}",
-                     f"{enc.get('xor', 0)}/{enc.get('overwrite', 0)}"])
-    out.append(_table(["lr", "pair", "changed %", "B/chg overwrite", "B/chg xor", "B/chg mixed", "mixed vs ow",
-                       "dense/delta", "pos/val/hdr %", "chunks xor/ow"], rows))
+                     f"{enc.get('xor', 0)}/{enc.get('add', 0)}/{enc.get('overwrite', 0)}"])
+    out.append(_table(["lr", "pair", "changed %", "B/chg overwrite", "B/chg xor", "B/chg add", "B/chg mixed",
+                       "mixed vs ow", "dense/delta", "pos/val/hdr %", "chunks xor/add/ow"], rows))
     out.append("\n## Speed (dense BF16 bytes per second; x memcpy = time / per-tensor copy_ time of the same bytes)\n")
     rows = []
     for p in res["pairs"]:
@@ -312,12 +313,13 @@ def format_tables(res: dict) -> str:
     for k, s in res["summary"].items():
         b = s["bytes_per_changed"]
         sh = s["mixed_stream_share"]
-        rows.append([k, f"{100 * s['change_rate']:.3f}", f(b["overwrite"]), f(b["xor"]), f(b["auto"]),
+        rows.append([k, f"{100 * s['change_rate']:.3f}", f(b["overwrite"]), f(b["xor"]), f(b["add"]), f(b["auto"]),
                      f"{100 * s['xor_saving_vs_overwrite']:.1f}%", f"{100 * s['mixed_saving_vs_overwrite']:.1f}%",
                      f"{s['ratio_dense_to_mixed']:.1f}x",
                      f"{100 * sh['positions']:.0f}/{100 * sh['values']:.0f}/{100 * sh['header']:.0f}",
                      f"{s['x_memcpy_median']['diff']:.0f}x", f"{s['x_memcpy_median']['apply']:.0f}x"])
-    out.append(_table(["", "changed %", "B/chg overwrite", "B/chg xor", "B/chg mixed", "xor vs ow", "mixed vs ow",
+    out.append(_table(["", "changed %", "B/chg overwrite", "B/chg xor", "B/chg add", "B/chg mixed", "xor vs ow",
+                       "mixed vs ow",
                        "dense/delta", "pos/val/hdr %", "encode x memcpy", "apply x memcpy"], rows))
     out.append("\n## Where the mixed bytes go (bytes per changed element; order-0 = entropy yardstick, see entropy_bounds())\n")
     rows = []
@@ -339,7 +341,7 @@ def plot(res: dict, path: str) -> None:
     ps = sorted(res["pairs"], key=lambda p: p["change_rate"])
     x = [100 * p["change_rate"] for p in ps]
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
-    for enc, style in (("overwrite", "s-"), ("xor", "^-"), ("auto", "o-")):
+    for enc, style in (("overwrite", "s-"), ("xor", "^-"), ("add", "v-"), ("auto", "o-")):
         ax.plot(x, [p["bytes_per_changed"][enc] for p in ps], style, label=f"{enc if enc != 'auto' else 'mixed'} (total)")
     ax.plot(x, [p["mixed_streams"]["positions"] / p["changed"] for p in ps], "o--", alpha=.6, label="mixed: positions")
     ax.plot(x, [p["mixed_streams"]["values"] / p["changed"] for p in ps], "o:", alpha=.6, label="mixed: values")

@@ -65,7 +65,7 @@ class DeltaPublishCallback(Callback):
         every_n_steps: publish when ``trainer.global_step % every_n_steps == 0`` (each delta then
             carries the changes of ``every_n_steps`` steps).
         keyframe_every: also store the full state every K versions (0: only the first version).
-        encoding: ``auto`` (per chunk, the smaller of XOR and overwrite), ``xor`` or ``overwrite``.
+        encoding: ``auto`` (per chunk, the smallest of XOR, add and overwrite), ``xor``, ``add`` or ``overwrite``.
         level: zstd level.
         retain: after each commit delete versions older than both the newest keyframe and the
             newest ``retain`` versions (None: keep everything).

@@ -3,8 +3,9 @@
 A chunk is a contiguous range ``[start, start + n)`` of a region's flat index. Encoding:
 
 1. ``x = old_bits ^ new_bits`` on integer views; the changed positions are ``x != 0``.
-2. Positions are coded (``positions.py``); values are either the new bits (``overwrite``)
-   or ``x`` at the changed positions (``xor``), split into byte planes (``planes.py``).
+2. Positions are coded (``positions.py``); values are the new bits (``overwrite``), ``x`` at
+   the changed positions (``xor``), or the difference in the format's monotone order (``add``,
+   ``ordered.py``), split into byte planes (``planes.py``).
 3. Each stream is zstd-compressed, or stored raw when zstd does not make it smaller.
 4. ``pre``/``post`` are digests of the old and new bits at the changed positions. The
    receiver checks the bits it holds against them before touching anything: ``pre`` means
@@ -20,14 +21,15 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from . import planes, positions
+from . import ordered, planes, positions
 from .digest import values_digest
 from .errors import DeltaFormatError
 
-OVERWRITE, XOR = "overwrite", "xor"
-ENCODINGS = (OVERWRITE, XOR)
-AUTO = "auto"  # mixed: per chunk, the smaller of the two
-CHOICES = (AUTO, OVERWRITE, XOR)
+OVERWRITE, XOR, ADD = "overwrite", "xor", "add"
+ENCODINGS = (OVERWRITE, XOR, ADD)
+AUTO = "auto"  # mixed: per chunk, the smallest of them
+CHOICES = (AUTO, OVERWRITE, XOR, ADD)
+_PREFER = {XOR: 0, ADD: 1, OVERWRITE: 2}  # ties
 
 _tls = threading.local()
 
@@ -99,7 +101,7 @@ class EncodedChunk:
 
 
 def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encoding: str = AUTO,
-                 level: int = 3, keep_changes: bool = False) -> EncodedChunk | None:
+                 level: int = 3, keep_changes: bool = False, is_float: bool = True) -> EncodedChunk | None:
     """old/new: 1-D integer views of the chunk. ``old=None`` means "no base": every element
     is sent, overwrite. Returns None when nothing changed."""
     n = new.numel()
@@ -120,9 +122,12 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     tried = {}
     if encoding in (AUTO, OVERWRITE) or xorv is None:
         tried[OVERWRITE] = pack(planes.split(newv), level)
-    if xorv is not None and encoding in (AUTO, XOR):
+    add_ok = xorv is not None and new.element_size() in ordered.WIDTHS
+    if xorv is not None and (encoding in (AUTO, XOR) or (encoding == ADD and not add_ok)):
         tried[XOR] = pack(planes.split(xorv), level)
-    enc = min(tried, key=lambda e: (len(tried[e][0]), e != XOR))  # ties go to XOR
+    if add_ok and encoding in (AUTO, ADD):
+        tried[ADD] = pack(planes.split(ordered.encode(prev, newv, is_float)), level)
+    enc = min(tried, key=lambda e: (len(tried[e][0]), _PREFER[e]))
     val_bytes, val_z = tried[enc]
     w = new.element_size()
     return EncodedChunk(

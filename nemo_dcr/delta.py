@@ -17,7 +17,8 @@ from typing import BinaryIO, Mapping, MutableMapping
 import torch
 
 from . import __version__
-from .chunk import AUTO, CHOICES, OVERWRITE, decode_chunk, encode_chunk
+from . import ordered
+from .chunk import ADD, AUTO, CHOICES, OVERWRITE, decode_chunk, encode_chunk
 from .digest import state_digest, tensor_digest, values_digest
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
@@ -70,7 +71,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     header = {
         "format": FORMAT_VERSION,
         "tool": f"nemo-dcr {__version__}",
-        "created": time.time(),
+        "created": round(time.time(), 3),
         "byte_order": "little",
         "encoding": encoding,
         "level": level,
@@ -107,7 +108,7 @@ def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, wo
     def job(r):
         s, e = r
         c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
-                         keep_changes=on_change is not None)
+                         keep_changes=on_change is not None, is_float=new.dtype.is_floating_point)
         if c is not None and on_change is not None:
             idx, oldv, newv = c.changes
             on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
@@ -265,10 +266,14 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
                 raise BaseMismatchError(f"{name}: chunk at element {c['start']} does not match its base")
         if c["enc"] == OVERWRITE:
             new = vals
-        elif xor_ok:
-            new = torch.bitwise_xor(cur, vals)
+        elif not xor_ok:
+            raise DeltaFormatError(f"{name}: a {c['enc']} chunk in a whole-tensor entry")
+        elif c["enc"] == ADD:
+            if w not in ordered.WIDTHS:
+                raise DeltaFormatError(f"{name}: an add chunk for a {w}-byte dtype")
+            new = ordered.decode(cur, vals, dtype.is_floating_point)
         else:
-            raise DeltaFormatError(f"{name}: an xor chunk in a whole-tensor entry")
+            new = torch.bitwise_xor(cur, vals)
         fa.scatter(local, new)
         if journal is not None:
             journal.add(key)

@@ -65,7 +65,7 @@ def test_single_file_round_trip_is_byte_identical(tmp_path, nemo_dcr_cmd):
             assert_bits_equal(f.get_tensor(k), target[k], k)
 
 
-@pytest.mark.parametrize("encoding", ["auto", "xor", "overwrite"])
+@pytest.mark.parametrize("encoding", ["auto", "xor", "overwrite", "add"])
 def test_sharded_directory_round_trip(tmp_path, nemo_dcr_cmd, encoding):
     base, target = states(1)
     target["new.tensor"] = torch.arange(12, dtype=torch.int32).reshape(3, 4)
@@ -83,7 +83,8 @@ def test_sharded_directory_round_trip(tmp_path, nemo_dcr_cmd, encoding):
     s = json.loads(r.stdout)
     assert s["encoding"] == encoding
     if encoding != "auto":
-        assert set(s["bytes_by_encoding"]) <= {encoding, "overwrite"}  # new tensors are always overwrite
+        allowed = {encoding, "overwrite"} | ({"xor"} if encoding == "add" else set())  # add: not 8-byte
+        assert set(s["bytes_by_encoding"]) <= allowed  # new tensors are always overwrite
 
 
 def test_apply_in_place_over_base_directory(tmp_path, nemo_dcr_cmd):

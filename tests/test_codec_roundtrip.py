@@ -21,7 +21,7 @@ DTYPE_NAMES = sorted(DTYPES)
 SHAPES = [(), (0,), (3, 0, 2), (1,), (2,), (17,), (130,), (3, 5, 7), (2, 33), (4, 1, 9)]
 RATES = [0.0, 0.01, 0.5, 1.0]
 CHUNKS = [1, 7, 64, 1 << 20]
-ENCODINGS = ["auto", "xor", "overwrite"]
+ENCODINGS = ["auto", "xor", "overwrite", "add"]
 LAYOUTS = ["contiguous", "transposed", "sliced"]
 
 # Special bit patterns (unsigned) per dtype: NaNs with several payloads and signs, +-0,
@@ -189,7 +189,8 @@ def test_round_trip(dname, shape, rate, specials, chunk, encoding, layouts, seed
     assert sum(c["k"] for c in entry["chunks"]) == n_changed
     assert all(c["n"] <= chunk for c in entry["chunks"])
     if encoding != "auto":
-        assert all(c["enc"] == encoding for c in entry["chunks"])
+        want = "xor" if encoding == "add" and base.element_size() == 8 else encoding  # add: widths 1, 2, 4
+        assert all(c["enc"] == want for c in entry["chunks"])
     if n_changed == 0:
         assert entry["chunks"] == []
 
@@ -223,17 +224,18 @@ def test_auto_never_larger_than_pure(dname, shape, rate, specials, chunk, seed):
     sizes = {e: payload_bytes(b) for e, b in blobs.items()}
     assert sizes["auto"] <= sizes["xor"]
     assert sizes["auto"] <= sizes["overwrite"]
+    assert sizes["auto"] <= sizes["add"]
     # whole file: headers differ by the encoding names, digests of different values and the
     # creation time, which zstd compresses a little differently: allow that noise, no more
     header = len(blobs["auto"]) - sizes["auto"]
-    assert len(blobs["auto"]) <= min(len(blobs["xor"]), len(blobs["overwrite"])) + 32 + header // 20
-    # per chunk too: same positions everywhere, auto's values are the smaller of the two
+    assert len(blobs["auto"]) <= min(len(blobs[e]) for e in ("xor", "overwrite", "add")) + 48 + header // 20
+    # per chunk too: same positions everywhere, auto's values are the smallest of them
     chunks = {e: DeltaReader(b).header["tensors"][0]["chunks"] for e, b in blobs.items()}
     assert [c["start"] for c in chunks["auto"]] == [c["start"] for c in chunks["xor"]] \
-        == [c["start"] for c in chunks["overwrite"]]
-    for a, x, o in zip(chunks["auto"], chunks["xor"], chunks["overwrite"]):
-        assert a["plen"] == x["plen"] == o["plen"]
-        assert a["vlen"] == min(x["vlen"], o["vlen"])
+        == [c["start"] for c in chunks["overwrite"]] == [c["start"] for c in chunks["add"]]
+    for a, x, o, d in zip(chunks["auto"], chunks["xor"], chunks["overwrite"], chunks["add"]):
+        assert a["plen"] == x["plen"] == o["plen"] == d["plen"]
+        assert a["vlen"] == min(x["vlen"], o["vlen"], d["vlen"])
     # and every one of them round-trips
     for b in blobs.values():
         r = {"x": base.clone()}
@@ -344,10 +346,10 @@ def test_auto_mixes_encodings_and_beats_both():
     target[n // 2:] = 0.5
     blobs = {e: diff({"x": base}, {"x": target}, encoding=e, chunk_elems=1024, workers=1) for e in ENCODINGS}
     encs = {c["enc"] for c in DeltaReader(blobs["auto"]).header["tensors"][0]["chunks"]}
-    assert encs == {"xor", "overwrite"}
+    assert "overwrite" in encs and encs & {"xor", "add"}  # small moves: xor or add; resets: overwrite
     sizes = {e: payload_bytes(b) for e, b in blobs.items()}
-    assert sizes["auto"] < sizes["xor"] and sizes["auto"] < sizes["overwrite"]
-    assert len(blobs["auto"]) < min(len(blobs["xor"]), len(blobs["overwrite"]))
+    assert sizes["auto"] < sizes["xor"] and sizes["auto"] < sizes["overwrite"] and sizes["auto"] < sizes["add"]
+    assert len(blobs["auto"]) < min(len(blobs["xor"]), len(blobs["overwrite"]), len(blobs["add"]))
     for b in blobs.values():
         r = {"x": base.clone()}
         apply(r, b)

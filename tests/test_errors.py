@@ -137,7 +137,7 @@ def test_small_delta_is_sane(states, blob):
     assert kinds == {"a": "delta", "b": "delta", "same": "delta", "gone": "removed", "new": "full",
                      "retyped": "full"}
     encs = {c["enc"] for t in DeltaReader(blob).header["tensors"] for c in t.get("chunks", ())}
-    assert encs == {"xor", "overwrite"}
+    assert "overwrite" in encs and encs & {"xor", "add"} and encs <= {"xor", "add", "overwrite"}
     s = clone_state(base)
     apply(s, blob)
     assert states_equal(s, target)
@@ -484,7 +484,7 @@ def test_sharded_receiver_wrong_base():
 
 # ----------------------------------------------------------------------------- retry / resume
 
-@pytest.mark.parametrize("encoding", ["xor", "overwrite", "auto"])
+@pytest.mark.parametrize("encoding", ["xor", "overwrite", "add", "auto"])
 def test_applying_twice_is_harmless(states, encoding):
     base, target = states
     blob = diff(base, target, encoding=encoding, chunk_elems=8)
