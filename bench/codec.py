@@ -35,7 +35,7 @@ import time
 
 import torch
 
-from nemo_dcr import apply, diff, inspect
+from nemo_dcr import apply, diff, inspect, ordered
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL
 from nemo_dcr.parallel import default_workers
 
@@ -84,22 +84,50 @@ def entropy_bounds(base: dict, target: dict) -> dict:
     tensor's own change rate (sum of numel * H(k/numel) bits), values as the empirical entropy
     of the XOR bit patterns pooled over the model. Not achievable bounds for a real coder (they
     ignore the cost of the model), just a yardstick for how much a better coder could save."""
-    pos_bits, xs = 0.0, []
+    pos_bits, cond_bits, xs, adds = 0.0, 0.0, [], []
     for n in target:
-        x = torch.bitwise_xor(_bits(base[n]).reshape(-1), _bits(target[n]).reshape(-1))
-        nz = x[x != 0]
+        b, t = _bits(base[n]).reshape(-1), _bits(target[n]).reshape(-1)
+        x = torch.bitwise_xor(b, t)
+        changed = x != 0
+        nz = x[changed]
         k, size = nz.numel(), x.numel()
-        if 0 < k < size:
-            p = k / size
-            pos_bits += size * (-p * math.log2(p) - (1 - p) * math.log2(1 - p))
+        pos_bits += _bernoulli_bits(torch.tensor([k]), torch.tensor([size]))
+        # positions given the base value's exponent (what the receiver knows): one Bernoulli
+        # rate per exponent; a yardstick for exponent-conditioned position coding (issue #5)
+        mant = _MANTISSA_BITS.get(target[n].dtype)
+        if mant is None:
+            cond_bits += _bernoulli_bits(torch.tensor([k]), torch.tensor([size]))
+        else:
+            u = b.to(torch.int64) & ((1 << (8 * b.element_size())) - 1)
+            e = (u >> mant) & ((1 << (8 * b.element_size() - 1 - mant)) - 1)
+            cond_bits += _bernoulli_bits(torch.bincount(e[changed], minlength=int(e.max()) + 1 if e.numel() else 1),
+                                         torch.bincount(e, minlength=int(e.max()) + 1 if e.numel() else 1))
         xs.append(nz.to(torch.int64) & ((1 << (8 * x.element_size())) - 1))
-    allx = torch.cat(xs) if xs else torch.empty(0, dtype=torch.int64)
-    val_bits = 0.0
-    if allx.numel():
-        counts = torch.bincount(allx).to(torch.float64)
-        counts = counts[counts > 0]
-        val_bits = float(-(counts * torch.log2(counts / allx.numel())).sum())
-    return {"positions": pos_bits / 8, "values": val_bits / 8}
+        if k and x.element_size() in ordered.WIDTHS:
+            z = ordered.encode(b[changed], t[changed], target[n].dtype.is_floating_point)
+            adds.append(z.to(torch.int64) & ((1 << (8 * x.element_size())) - 1))
+    return {"positions": pos_bits / 8, "positions_given_exponent": cond_bits / 8,
+            "values": _empirical_bits(xs) / 8, "values_add": _empirical_bits(adds) / 8}
+
+
+_MANTISSA_BITS = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}
+
+
+def _bernoulli_bits(k: torch.Tensor, n: torch.Tensor) -> float:
+    """Sum over groups of n * H(k/n) bits."""
+    k, n = k.to(torch.float64), n.to(torch.float64)
+    keep = (k > 0) & (k < n)
+    p = k[keep] / n[keep]
+    return float((n[keep] * (-p * torch.log2(p) - (1 - p) * torch.log2(1 - p))).sum())
+
+
+def _empirical_bits(parts: list) -> float:
+    allx = torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    if not allx.numel():
+        return 0.0
+    counts = torch.bincount(allx).to(torch.float64)
+    counts = counts[counts > 0]
+    return float(-(counts * torch.log2(counts / allx.numel())).sum())
 
 
 def _median_time(fn, reps: int, setup=None) -> float:
@@ -255,7 +283,7 @@ def summarize(pairs) -> dict:
             "mixed_stream_share": {k: v / b["auto"] for k, v in streams.items()},
             "mixed_stream_bytes_per_changed": {k: (v / ch if ch else None) for k, v in streams.items()},
             "order0_bytes_per_changed": {k: (sum(p["order0_bytes"][k] for p in ps) / ch if ch else None)
-                                         for k in ("positions", "values")},
+                                         for k in ps[0]["order0_bytes"]},
             "x_memcpy_median": {k: statistics.median(p["x_memcpy"][k] for p in ps) for k in ("diff", "apply")},
             "gbps_median": {k: statistics.median(p["gbps"][k] for p in ps) for k in ("memcpy", "diff", "apply")},
         }
@@ -325,8 +353,10 @@ def format_tables(res: dict) -> str:
     rows = []
     for k, s in res["summary"].items():
         st, o0 = s["mixed_stream_bytes_per_changed"], s["order0_bytes_per_changed"]
-        rows.append([k, f(st["positions"]), f(o0["positions"]), f(st["values"]), f(o0["values"]), f(st["header"], 4)])
-    out.append(_table(["", "positions", "order-0 positions", "values", "order-0 values", "header"], rows))
+        rows.append([k, f(st["positions"]), f(o0["positions"]), f(o0["positions_given_exponent"]), f(st["values"]),
+                     f(o0["values"]), f(o0["values_add"]), f(st["header"], 4)])
+    out.append(_table(["", "positions", "order-0 positions", "given base exponent", "values",
+                       "order-0 xor values", "order-0 add values", "header"], rows))
     out.append(f"\nall applies verified bit-exact; wall time {res['wall_s']:.0f}s")
     return "\n".join(out)
 
