@@ -19,6 +19,18 @@ def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
     assert torch.equal(bits(a), bits(b)), f"{what}: bits differ"
 
 
+def zeros_like(state):
+    """A receiver's starting tensors: same names, dtypes and shapes, all zero."""
+    return {k: torch.zeros_like(v) for k, v in state.items()}
+
+
+def assert_state(recv, state):
+    """Same names, and every tensor bit-identical."""
+    assert sorted(recv) == sorted(state)
+    for k in state:
+        assert_bits_equal(recv[k], state[k], k)
+
+
 @pytest.fixture
 def nemo_dcr_cmd():
     """The installed console script, next to the running interpreter."""

@@ -11,7 +11,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from conftest import assert_bits_equal  # noqa: E402
+from conftest import assert_bits_equal, assert_state, zeros_like  # noqa: E402
 from nemo_dcr.callbacks import DeltaPublishCallback, DeltaPublishError, module_snapshot  # noqa: E402
 from nemo_dcr.follower import Follower  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
@@ -87,14 +87,6 @@ def manifests(store):
     return out[::-1]
 
 
-def zeros_like(state):
-    return {k: torch.zeros_like(v) for k, v in state.items()}
-
-
-def assert_state(recv, state):
-    assert sorted(recv) == sorted(state)
-    for k in state:
-        assert_bits_equal(recv[k], state[k], k)
 
 
 def test_publishes_once_per_optimizer_step_and_every_version_is_bit_exact(store, tmp_path):
@@ -385,32 +377,18 @@ def _ddp_rank(rank, world, port, root, out):
 def test_ddp_ranks_publish_over_their_own_gloo_group(tmp_path):
     """DDP on 2 CPU ranks: a replicated module is published by rank 0 alone; with a
     snapshot_fn every rank publishes its part and the parts are committed jointly."""
-    import json
-    import multiprocessing
-    import socket
-    import time
+    from proc_group import launch
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     root = str(tmp_path / "stores")
     out = tmp_path / "out"
     out.mkdir()
-    ctx = multiprocessing.get_context("forkserver")
     # the fork server imports these once (Lightning alone takes seconds) and every rank forks from
     # it; the first test module to start the server sets the list (test_publish_multirank's too)
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower",
-                                "nemo_dcr.stores", "boto3", "lightning.pytorch", "nemo_dcr.callbacks.publish"])
-    procs = [ctx.Process(target=_ddp_rank, args=(r, 2, port, root, str(out)), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + 120
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    res = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    preload = ["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower", "nemo_dcr.stores", "boto3",
+               "lightning.pytorch", "nemo_dcr.callbacks.publish"]
+    found, codes, hung = launch(_ddp_rank, 2, lambda r, port: (r, 2, port, root, str(out)), out, 120, preload)
+    assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
+    res = [found[r] for r in range(2)]
     for mode in ("replicated", "joint"):
         for r in range(2):
             assert res[r][mode]["ok"], res[r][mode].get("error")

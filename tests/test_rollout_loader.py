@@ -5,9 +5,7 @@ copy generates. vLLM itself is not installed here: the extension is exercised on
 holding a real module, and vLLM's fused/TP layouts on modules shaped like vLLM's layers.
 A two-process gloo group checks a sharded receiver with replicated tensors."""
 import json
-import multiprocessing
 import os
-import socket
 import threading
 import time
 import types
@@ -20,6 +18,7 @@ from nemo_dcr.callbacks import RolloutLoader, module_snapshot, module_tensors
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.index_map import ShardSpec
 from nemo_dcr.publisher import Publisher
+from proc_group import launch
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2)
@@ -485,12 +484,6 @@ def test_vllm_tp_layouts_place_every_published_element(tp):
 
 # ----------------------------------------------------------------------------- a sharded receiver group
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _group_state(v):
     g = torch.Generator().manual_seed(11)
     s = {"W": torch.randn(8, 6, generator=g).bfloat16(), "norm": torch.randn(6, generator=g)}
@@ -537,20 +530,11 @@ def test_sharded_receiver_group_with_a_replicated_tensor(tmp_path):
         pub.publish(_group_state(v))
     out = tmp_path / "out"
     out.mkdir()
-    ctx = multiprocessing.get_context("forkserver")  # ranks fork from a server that imported torch once
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower",
-                                "nemo_dcr.stores", "nemo_dcr.callbacks.rollout"])
-    port = _free_port()
-    procs = [ctx.Process(target=_group_rank, args=(r, 2, port, store, str(out)), daemon=True) for r in range(2)]
-    for p in procs:
-        p.start()
-    end = time.monotonic() + 90
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    res = [json.loads((out / f"{r}.json").read_text()) for r in range(2)]
+    preload = ["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower", "nemo_dcr.stores",
+               "nemo_dcr.callbacks.rollout"]  # ranks fork from a server that imported these once
+    found, codes, hung = launch(_group_rank, 2, lambda r, port: (r, 2, port, store, str(out)), out, 90, preload)
+    assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
+    res = [found[r] for r in range(2)]
     for r in range(2):
         assert res[r]["ok"], res[r].get("error")
         assert res[r]["versions"] == [0, 1, 2] and all(res[r]["exact"])

@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from conftest import assert_bits_equal
+from conftest import assert_state, zeros_like
 from nemo_dcr import BaseMismatchError, PartialApplyError
 from nemo_dcr.follower import CorruptObjectError, Follower
 from nemo_dcr.publisher import Publisher
@@ -33,14 +33,6 @@ def train_step(state, seed):
     state["step"] += 1
 
 
-def zeros_like(state):
-    return {k: torch.zeros_like(v) for k, v in state.items()}
-
-
-def assert_state(recv, state):
-    assert sorted(recv) == sorted(state)
-    for k in state:
-        assert_bits_equal(recv[k], state[k], k)
 
 
 def test_versions_flow_and_follower_tracks_every_one(store):
@@ -125,11 +117,13 @@ def test_damaged_object_is_named_receiver_unchanged_then_recovers(store, damage)
     assert_state(recv, state)
 
 
-def test_follower_interrupted_mid_apply_repairs_on_next_sync(store, monkeypatch):
-    """Fault injection: decoding the 3rd chunk raises, after two chunks were written in place."""
+def interrupted_follower(store, monkeypatch, seed, fail_at, error):
+    """A follower at version 0 whose sync to version 1 is interrupted (fault injection: decoding
+    chunk number ``fail_at`` raises ``error``) after earlier chunks were written in place.
+    -> (trainer state at version 1, receiver tensors, follower)."""
     import nemo_dcr.delta as delta_mod
 
-    state = model(4)
+    state = model(seed)
     pub = Publisher(store, chunk_elems=256)
     pub.publish(state)
     recv = zeros_like(state)
@@ -142,44 +136,29 @@ def test_follower_interrupted_mid_apply_repairs_on_next_sync(store, monkeypatch)
 
     def flaky(*a, **k):
         calls["n"] += 1
-        if calls["n"] == 3:
-            raise OSError("connection reset while streaming (injected)")
+        if calls["n"] == fail_at:
+            raise error
         return real(*a, **k)
 
     monkeypatch.setattr(delta_mod, "decode_chunk", flaky)
-    with pytest.raises(Exception):
+    with pytest.raises(type(error)):
         f.sync()
-    assert f.version is None  # it knows it is in between
     monkeypatch.setattr(delta_mod, "decode_chunk", real)
+    return state, recv, f
+
+
+def test_follower_interrupted_mid_apply_repairs_on_next_sync(store, monkeypatch):
+    """Decoding the 3rd chunk raises, after two chunks were written in place."""
+    state, recv, f = interrupted_follower(store, monkeypatch, 4, 3,
+                                          OSError("connection reset while streaming (injected)"))
+    assert f.version is None  # it knows it is in between
     r = f.sync()
     assert r.repaired and f.version == 1
     assert_state(recv, state)
 
 
 def test_tampered_receiver_is_rebootstrapped_from_a_keyframe(store, monkeypatch):
-    import nemo_dcr.delta as delta_mod
-
-    state = model(5)
-    pub = Publisher(store, chunk_elems=256)
-    pub.publish(state)
-    recv = zeros_like(state)
-    f = Follower(store, recv)
-    f.sync()
-    train_step(state, 0)
-    pub.publish(state)
-    real = delta_mod.decode_chunk
-    calls = {"n": 0}
-
-    def flaky(*a, **k):
-        calls["n"] += 1
-        if calls["n"] == 2:
-            raise RuntimeError("injected")
-        return real(*a, **k)
-
-    monkeypatch.setattr(delta_mod, "decode_chunk", flaky)
-    with pytest.raises(Exception):
-        f.sync()
-    monkeypatch.setattr(delta_mod, "decode_chunk", real)
+    state, recv, f = interrupted_follower(store, monkeypatch, 5, 2, RuntimeError("injected"))
     recv["emb"][0, 0] = 123.0  # and something else scribbles on the weights meanwhile
     r = f.sync()
     assert r.repaired and ("keyframe", 0) in r.steps and f.version == 1
