@@ -310,21 +310,26 @@ def verify_plan(plan: _Plan, tensor: torch.Tensor) -> None:
 
 def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
           verify: bool = True, resume: bool = False, workers: int | None = None,
-          progress: bool | None = None, journal: set | None = None, on_change=None) -> ApplyReport:
+          progress: bool | None = None, journal: set | None = None, on_change=None,
+          held_only: bool = False) -> ApplyReport:
     """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
 
     Before anything is changed: the container and every chunk checksum are checked, and every
     entry's base digest (where the receiver holds the entry's whole region). While applying,
     each chunk's pre-image is checked; a chunk already applied is skipped, so re-delivery of
-    an XOR delta is harmless. After applying, target digests are checked. A failure after the
+    an XOR delta is harmless. After applying, target digests are checked. ``held_only``: skip
+    entries for tensors ``tensors`` does not have (instead of creating them or refusing). A failure after the
     first write raises ``PartialApplyError``; calling again with ``resume=True`` finishes.
     """
     t0 = time.perf_counter()
     reader = DeltaReader.open(delta)
     reader.check_payloads()
     shards = shards or {}
+    entries = reader.header["tensors"]
+    if held_only:  # one rank of a group: tensors it does not hold are other ranks' to apply
+        entries = [e for e in entries if e["name"] in tensors]
     plans = [plan_entry(e, tensors.get(e["name"]), shards.get(e["name"]), verify=verify, resume=resume)
-             for e in reader.header["tensors"]]
+             for e in entries]
     report = ApplyReport()
     started = False
     try:

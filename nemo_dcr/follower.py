@@ -28,7 +28,6 @@ import torch
 from .delta import apply
 from .distributed import Group
 from .errors import BaseMismatchError, DcrError, PartialApplyError, TargetMismatchError
-from .format import DeltaReader
 from .index_map import ShardSpec
 from .statedigest import StateDigest, allreduce_digest, changes_contrib, state_contrib
 from .versions import Head, Manifest, VersionNotFound, chain, read_head, read_manifest
@@ -157,9 +156,12 @@ class Follower:
         err = None
         try:
             for p, blob in zip(parts, blobs):
-                r = apply(self.tensors, self._held(blob), shards=self.shards, verify=False, resume=True,
+                # in a group each rank holds only some tensors (a replicated one is held, and
+                # counted in the state digest, by exactly one rank): the rest are other ranks' to
+                # apply. A tensor no rank holds still fails the group's digest check.
+                r = apply(self.tensors, blob, shards=self.shards, verify=False, resume=True,
                           workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
-                          on_change=on_change, progress=False)
+                          on_change=on_change, progress=False, held_only=self.group.active)
                 res.changed += r.elements_changed
         except Exception as e:
             err = e
@@ -182,18 +184,6 @@ class Follower:
                 raise err
             raise DcrError(f"another rank of the group failed to {what}")
         return out
-
-    def _held(self, blob):
-        """In a group each rank holds only some tensors (a replicated one is held, and counted in
-        the state digest, by exactly one rank). Entries for tensors this rank does not hold are
-        left to the ranks that do: ``apply`` alone would create such a tensor here from a
-        whole-region entry (counting it twice in the digest) or refuse a delta to it. A tensor
-        no rank holds still fails the group's digest check."""
-        if not self.group.active:
-            return blob
-        reader = DeltaReader.open(blob)
-        reader.header["tensors"] = [e for e in reader.header["tensors"] if e["name"] in self.tensors]
-        return reader
 
     def _verify(self, m: Manifest, kind: str, full: bool = False) -> None:
         """O(changes) for a delta applied in one go; a full recomputation for keyframes and for
