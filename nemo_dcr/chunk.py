@@ -7,6 +7,9 @@ A chunk is a contiguous range ``[start, start + n)`` of a region's flat index. E
    the changed positions (``xor``), or the difference in the format's monotone order (``add``,
    ``ordered.py``), split into byte planes (``planes.py``).
 3. Each stream is zstd-compressed, or stored raw when zstd does not make it smaller.
+
+   Or (``classes``, ``classes.py``): positions and values coded together, modelled on the base
+   value's exponent, with Rice codes; no zstd. It needs the whole base chunk to decode.
 4. ``pre``/``post`` are digests of the old and new bits at the changed positions. The
    receiver checks the bits it holds against them before touching anything: ``pre`` means
    "apply", ``post`` means "already applied, skip" (so an XOR re-delivered is harmless),
@@ -21,15 +24,18 @@ from dataclasses import dataclass
 import torch
 import zstandard
 
-from . import ordered, planes, positions
+from . import classes, ordered, planes, positions
 from .digest import values_digest
 from .errors import DeltaFormatError
 
-OVERWRITE, XOR, ADD = "overwrite", "xor", "add"
-ENCODINGS = (OVERWRITE, XOR, ADD)
-AUTO = "auto"  # mixed: per chunk, the smallest of them
-CHOICES = (AUTO, OVERWRITE, XOR, ADD)
-_PREFER = {XOR: 0, ADD: 1, OVERWRITE: 2}  # ties
+OVERWRITE, XOR, ADD, CLASSES = "overwrite", "xor", "add", "classes"
+ENCODINGS = (OVERWRITE, XOR, ADD, CLASSES)
+AUTO = "auto"  # mixed: per chunk, the smallest of them (see encode_chunk)
+PORTABLE = "portable"  # mixed without codings that need the whole base chunk (receivers sharded differently)
+CHOICES = (AUTO, PORTABLE, OVERWRITE, XOR, ADD, CLASSES)
+_PREFER = {CLASSES: 0, XOR: 1, ADD: 2, OVERWRITE: 3}  # ties
+CLASSES_ENOUGH = 1.0  # auto: a classes chunk at or under this many bytes per change is taken without trying the rest
+_ROW_BYTES = 8  # auto: what one classes table row costs in the (zstd-compressed) header, roughly
 
 _tls = threading.local()
 
@@ -89,9 +95,11 @@ class EncodedChunk:
     post: str
     alt_val_len: dict  # stored value bytes of every encoding tried (for inspect/bench)
     changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
+    cls: list | None = None  # the classes table (classes coding only)
 
     def header(self, offset: int) -> dict:
-        return {
+        extra = {"cls": self.cls} if self.cls is not None else {}
+        return {**extra,
             "start": self.start, "n": self.n, "k": self.k, "enc": self.enc, "pos": self.pos,
             "off": offset, "plen": len(self.pos_bytes), "vlen": len(self.val_bytes),
             "praw": self.pos_raw, "vraw": self.val_raw, "pz": self.pos_z, "vz": self.val_z,
@@ -101,10 +109,30 @@ class EncodedChunk:
 
 
 def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encoding: str = AUTO,
-                 level: int = 3, keep_changes: bool = False, is_float: bool = True) -> EncodedChunk | None:
+                 level: int = 3, keep_changes: bool = False, is_float: bool = True,
+                 dtype: torch.dtype | None = None) -> EncodedChunk | None:
     """old/new: 1-D integer views of the chunk. ``old=None`` means "no base": every element
-    is sent, overwrite. Returns None when nothing changed."""
+    is sent, overwrite. Returns None when nothing changed.
+
+    ``auto`` (the default): where the dtype allows it, ``classes`` first; if that costs more than
+    ``CLASSES_ENOUGH`` bytes per change, xor, add and overwrite too, and the smallest wins.
+    ``portable``: the smallest of xor, add and overwrite. ``dtype`` (the tensor's) enables
+    ``classes``; without it only the other codings are used."""
     n = new.numel()
+    w = new.element_size()
+    use_classes = (old is not None and dtype is not None and classes.applicable(dtype)
+                   and encoding in (AUTO, CLASSES))
+    if encoding == CLASSES and not use_classes:
+        encoding = AUTO if old is None else PORTABLE  # not applicable: the smallest of the rest
+    cls_try = None
+    if use_classes:
+        k, rows, pbytes, vbytes = classes.encode(old, new, classes.MANTISSA[dtype])
+        if k == 0:
+            return None
+        cls_try = (k, rows, pbytes, vbytes)
+        cost = len(pbytes) + len(vbytes) + _ROW_BYTES * len(rows)
+        if encoding == CLASSES or cost <= CLASSES_ENOUGH * k:
+            return _classes_chunk(old, new, start, n, cls_try, {CLASSES: cost}, keep_changes)
     if old is None:
         idx = torch.arange(n, dtype=torch.int64)
         newv, xorv, prev = new, None, None
@@ -120,16 +148,21 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     pos_coding, pos_raw = positions.encode(idx, n)
     pos_bytes, pos_z = pack(pos_raw, level)
     tried = {}
-    if encoding in (AUTO, OVERWRITE) or xorv is None:
+    mixed = encoding in (AUTO, PORTABLE)
+    if mixed or encoding == OVERWRITE or xorv is None:
         tried[OVERWRITE] = pack(planes.split(newv), level)
-    add_ok = xorv is not None and new.element_size() in ordered.WIDTHS
-    if xorv is not None and (encoding in (AUTO, XOR) or (encoding == ADD and not add_ok)):
+    add_ok = xorv is not None and w in ordered.WIDTHS
+    if xorv is not None and (mixed or encoding == XOR or (encoding == ADD and not add_ok)):
         tried[XOR] = pack(planes.split(xorv), level)
-    if add_ok and encoding in (AUTO, ADD):
+    if add_ok and (mixed or encoding == ADD):
         tried[ADD] = pack(planes.split(ordered.encode(prev, newv, is_float)), level)
-    enc = min(tried, key=lambda e: (len(tried[e][0]), _PREFER[e]))
+    sizes = {e: len(v[0]) + len(pos_bytes) for e, v in tried.items()}
+    if cls_try is not None:
+        sizes[CLASSES] = len(cls_try[2]) + len(cls_try[3]) + _ROW_BYTES * len(cls_try[1])
+    enc = min(sizes, key=lambda e: (sizes[e], _PREFER[e]))
+    if enc == CLASSES:
+        return _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx)
     val_bytes, val_z = tried[enc]
-    w = new.element_size()
     return EncodedChunk(
         start=start, n=n, k=k, enc=enc, pos=pos_coding, pos_bytes=pos_bytes, val_bytes=val_bytes,
         pos_raw=len(pos_raw), val_raw=k * w, pos_z=pos_z, val_z=val_z,
@@ -139,11 +172,39 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     )
 
 
-def decode_chunk(h: dict, payload, w: int):
-    """Header entry + its payload bytes -> (positions relative to the chunk, value bits)."""
+def _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx=None) -> EncodedChunk:
+    k, rows, pbytes, vbytes = cls_try
+    if idx is None:
+        idx = torch.nonzero(old != new).squeeze(1)
+    prev, newv = old[idx], new[idx]
+    return EncodedChunk(
+        start=start, n=n, k=k, enc=CLASSES, pos=CLASSES, pos_bytes=pbytes, val_bytes=vbytes,
+        pos_raw=len(pbytes), val_raw=len(vbytes), pos_z=False, val_z=False,
+        pre=values_digest(prev), post=values_digest(newv), alt_val_len=dict(sizes),
+        changes=(idx, prev, newv) if keep_changes else None, cls=rows,
+    )
+
+
+def decode_chunk(h: dict, payload, w: int, base: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """Header entry + its payload bytes -> (positions relative to the chunk, value bits).
+
+    A ``classes`` chunk also needs ``base`` (the receiver's bits of the whole chunk, 1-D integer
+    view) and ``dtype``; its values are the new bits, not a difference."""
     if zlib.crc32(payload) != h["crc"]:
         raise DeltaFormatError("chunk checksum mismatch")
     p = memoryview(payload)
+    if h["enc"] == CLASSES or h["pos"] == CLASSES:
+        if h["enc"] != h["pos"] or h["pz"] or h["vz"] or not isinstance(h.get("cls"), list):
+            raise DeltaFormatError("malformed classes chunk entry")
+        if dtype is None or not classes.applicable(dtype) or w != dtype.itemsize:
+            raise DeltaFormatError(f"a classes chunk for dtype {dtype}")
+        if base is None or base.numel() != h["n"]:
+            raise DeltaFormatError("a classes chunk decodes only against the whole base chunk")
+        pos_raw = bytes(p[: h["plen"]])
+        val_raw = bytes(p[h["plen"]:])
+        if len(pos_raw) != h["praw"] or len(val_raw) != h["vraw"]:
+            raise DeltaFormatError("classes chunk stream lengths differ from the header")
+        return classes.decode(base, h["cls"], pos_raw, val_raw, h["k"], classes.MANTISSA[dtype])
     pos_raw = unpack(p[: h["plen"]], h["pz"], h["praw"])
     val_raw = unpack(p[h["plen"]:], h["vz"], h["vraw"])
     idx = positions.decode(h["pos"], pos_raw, h["n"], h["k"])

@@ -18,7 +18,7 @@ import torch
 
 from . import __version__
 from . import ordered
-from .chunk import ADD, AUTO, CHOICES, OVERWRITE, decode_chunk, encode_chunk
+from .chunk import ADD, AUTO, CHOICES, CLASSES, OVERWRITE, decode_chunk, encode_chunk
 from .digest import state_digest, tensor_digest, values_digest
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
@@ -108,7 +108,7 @@ def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, wo
     def job(r):
         s, e = r
         c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
-                         keep_changes=on_change is not None, is_float=new.dtype.is_floating_point)
+                         keep_changes=on_change is not None, is_float=new.dtype.is_floating_point, dtype=new.dtype)
         if c is not None and on_change is not None:
             idx, oldv, newv = c.changes
             on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
@@ -247,9 +247,13 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
 
     def one(c):
         key = (name, c["start"])
-        if journal is not None and key in journal and not check:  # pre-images, where checkable, are stronger
+        in_journal = journal is not None and key in journal
+        if in_journal and not check:  # pre-images, where checkable, are stronger
             return "already", 0
-        idx, vals = decode_chunk(c, reader.payload(c), w)
+        if c["enc"] == CLASSES:
+            idx, vals = _decode_classes(c, reader.payload(c), w, dtype, fa, plan, region_map, recv_map, identity, check)
+        else:
+            idx, vals = decode_chunk(c, reader.payload(c), w)
         glob = region_map.to_global(idx + c["start"])
         if identity:
             local = glob
@@ -260,11 +264,13 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
         cur = fa.gather(local) if (xor_ok or on_change is not None) and plan.action != "create" else None
         if check:
             d = values_digest(cur)
-            if d == c["post"]:
-                return "already", 0
+            if d == c["post"] or (d != c["pre"] and in_journal):
+                return "already", 0  # (a classes chunk's post-image is not always recognisable)
             if d != c["pre"]:
-                raise BaseMismatchError(f"{name}: chunk at element {c['start']} does not match its base")
-        if c["enc"] == OVERWRITE:
+                extra = (" (or it was applied already and changed the classes its positions are coded in: "
+                         "resume with the journal of the first attempt)") if c["enc"] == CLASSES else ""
+                raise BaseMismatchError(f"{name}: chunk at element {c['start']} does not match its base{extra}")
+        if c["enc"] in (OVERWRITE, CLASSES):
             new = vals
         elif not xor_ok:
             raise DeltaFormatError(f"{name}: a {c['enc']} chunk in a whole-tensor entry")
@@ -296,6 +302,27 @@ def run_plan(reader: DeltaReader, plan: _Plan, report: ApplyReport, workers: int
     if plan.action == "unverified" or (plan.action == "overwrite" and not plan.covered):
         report.unverified.append(name)
     return tensor
+
+
+def _decode_classes(c, payload, w, dtype, fa, plan, region_map, recv_map, identity, check):
+    """A classes chunk decodes against the receiver's bits of the *whole* chunk."""
+    name = plan.entry["name"]
+    if not plan.covered or plan.action not in ("apply", "resume"):
+        raise DcrError(f"{name}: chunk at element {c['start']} is coded against the whole base chunk, which this "
+                       "receiver does not hold; publish with encoding 'portable' for receivers sharded differently")
+    if identity:
+        base = fa.read(c["start"], c["start"] + c["n"])
+    else:
+        local, _ = recv_map.to_local(region_map.to_global(torch.arange(c["start"], c["start"] + c["n"])))
+        base = fa.gather(local)
+    try:
+        return decode_chunk(c, payload, w, base=base, dtype=dtype)
+    except DeltaFormatError:
+        if not check:
+            raise
+        # a checksum-valid chunk that does not decode against what is held: not this base (or
+        # applied already); the digest check that follows reports it
+        return torch.empty(0, dtype=torch.int64), base[:0]
 
 
 def verify_plan(plan: _Plan, tensor: torch.Tensor) -> None:

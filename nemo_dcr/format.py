@@ -178,7 +178,10 @@ def validate_header(h: dict, payload_end: int) -> None:
                 _need(c["start"] == end and c["k"] == c["n"], f"{name}: full tensor chunks must be dense and contiguous")
             _need(c["start"] >= end and c["start"] + c["n"] <= numel and 0 < c["k"] <= c["n"], f"{name}: chunk range")
             end = c["start"] + c["n"]
-            _need(c.get("enc") in _c.ENCODINGS and c.get("pos") in _p.CODINGS, f"{name}: chunk coding")
+            _need(c.get("enc") in _c.ENCODINGS and c.get("pos") in _p.CODINGS + (_c.CLASSES,), f"{name}: chunk coding")
+            _need((c["enc"] == _c.CLASSES) == (c["pos"] == _c.CLASSES), f"{name}: classes chunk coding")
+            _need(c["enc"] != _c.CLASSES or (isinstance(c.get("cls"), list) and t["kind"] == "delta"),
+                  f"{name}: classes table")
             _need(isinstance(c.get("pz"), bool) and isinstance(c.get("vz"), bool), f"{name}: chunk flags")
             _need(isinstance(c.get("pre"), str) and isinstance(c.get("post"), str), f"{name}: chunk digests")
             _need(c["off"] >= PREAMBLE.size and c["off"] + c["plen"] + c["vlen"] <= payload_end, f"{name}: chunk payload outside the file")

@@ -1,0 +1,286 @@
+/* The "classes" chunk coding of nemo-dcr: C kernels, byte-for-byte identical to the PyTorch
+ * reference in nemo_dcr/classes.py (which defines the format; docs/format.md describes it).
+ *
+ * Positions are coded per class of the *base* value (its exponent field), as Rice-coded gaps
+ * between the ranks of changed elements among the elements of that class; values as the sign of
+ * the change in the format's monotone order (one raw bit) and, per class, which changes moved by
+ * more than one step (Rice-coded gaps) and by how much (Rice-coded excess). Both sides compute
+ * the classes from the base, so the context costs nothing to send.
+ *
+ * Plain C99, no dependencies: built at first use by nemo_dcr/native.py and called with ctypes.
+ * Every input is validated; a malformed stream returns a negative code, never reads out of bounds.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define QMAX 32      /* unary part longer than this: escape */
+#define ESC_BITS 48  /* escaped values are sent in this many bits */
+#define TAB 6        /* table row: class, changes, kp, bigs, kb, ke */
+
+enum { E_TABLE = -1, E_STREAM = -2, E_TRAILING = -3, E_RANK = -4, E_VALUE = -5, E_NOMEM = -6, E_ARGS = -7 };
+
+/* ------------------------------------------------------------------ bit writer (LSB first) */
+typedef struct { uint8_t *buf; int64_t len, cap; uint64_t acc; int nbits; int oom; } writer;
+
+static void w_init(writer *w, int64_t cap) {
+    w->cap = cap < 64 ? 64 : cap; w->len = 0; w->acc = 0; w->nbits = 0;
+    w->buf = (uint8_t *)malloc((size_t)w->cap); w->oom = w->buf == NULL;
+}
+static void w_put(writer *w, uint64_t v, int len) { /* len <= 56 */
+    if (w->oom) return;
+    if (len < 64) v &= (len ? ((1ULL << len) - 1) : 0);
+    w->acc |= v << w->nbits; w->nbits += len;
+    while (w->nbits >= 8) {
+        if (w->len == w->cap) {
+            int64_t nc = w->cap * 2; uint8_t *nb = (uint8_t *)realloc(w->buf, (size_t)nc);
+            if (!nb) { w->oom = 1; return; }
+            w->buf = nb; w->cap = nc;
+        }
+        w->buf[w->len++] = (uint8_t)w->acc; w->acc >>= 8; w->nbits -= 8;
+    }
+}
+static void w_finish(writer *w) { if (w->nbits) w_put(w, 0, 8 - w->nbits); }
+
+static void w_rice(writer *w, uint64_t v, int k) {
+    uint64_t q = v >> k;
+    if (q < QMAX) { w_put(w, 1ULL << q, (int)q + 1); if (k) w_put(w, v, k); }
+    else { w_put(w, 0, QMAX); w_put(w, v, ESC_BITS); }
+}
+
+static uint64_t rice_cost(uint64_t v, int k) { uint64_t q = v >> k; return q < QMAX ? q + 1 + (uint64_t)k : QMAX + ESC_BITS; }
+
+static int bitlength(uint64_t m) { int b = 0; while (m) { b++; m >>= 1; } return b; }
+
+/* the Rice parameter: the cheapest of bitlength(mean)-2 .. bitlength(mean)+1 within [0, 31],
+ * the smallest on a tie. vals[i * stride] for i < count, count >= 1 */
+static int choose_k_gen(const uint64_t *vals, int64_t count) {
+    uint64_t s = 0; for (int64_t i = 0; i < count; i++) s += vals[i];
+    int k0 = bitlength(s / (uint64_t)count), best = -1; uint64_t bestc = 0;
+    for (int k = k0 - 2; k <= k0 + 1; k++) {
+        if (k < 0 || k > 31) continue;
+        uint64_t c = 0; for (int64_t i = 0; i < count; i++) c += rice_cost(vals[i], k);
+        if (best < 0 || c < bestc) { best = k; bestc = c; }
+    }
+    return best;
+}
+
+/* ------------------------------------------------------------------ bit reader */
+typedef struct { const uint8_t *p, *end; uint64_t acc; int nbits; int64_t used; int err; } reader;
+
+static void r_init(reader *r, const uint8_t *p, int64_t len) { r->p = p; r->end = p + len; r->acc = 0; r->nbits = 0; r->used = 0; r->err = 0; }
+static void r_fill(reader *r) { while (r->nbits <= 56 && r->p < r->end) { r->acc |= (uint64_t)(*r->p++) << r->nbits; r->nbits += 8; } }
+static uint64_t r_get(reader *r, int len) { /* len <= 56 */
+    if (!len) return 0;
+    r_fill(r);
+    if (r->nbits < len) { r->err = 1; return 0; }
+    uint64_t v = r->acc & ((1ULL << len) - 1); r->acc >>= len; r->nbits -= len; r->used += len; return v;
+}
+static uint64_t r_rice(reader *r, int k) {
+    r_fill(r);
+    uint64_t low = r->nbits >= 64 ? r->acc : (r->acc & ((1ULL << r->nbits) - 1));
+    if (low & ((1ULL << QMAX) - 1)) {
+        int q = __builtin_ctzll(low);
+        r->acc >>= q + 1; r->nbits -= q + 1; r->used += q + 1;
+        return ((uint64_t)q << k) | r_get(r, k);
+    }
+    if (r->nbits < QMAX) { r->err = 1; return 0; }
+    r_get(r, QMAX);
+    return r_get(r, ESC_BITS);
+}
+/* every bit read, the stream ends in that byte, padding bits are zero */
+static int r_done(reader *r, int64_t len) {
+    if (r->err) return E_STREAM;
+    if ((r->used + 7) / 8 != len) return E_TRAILING;
+    r_fill(r);
+    return (r->nbits && r->acc) ? E_TRAILING : 0;
+}
+
+/* ------------------------------------------------------------------ monotone order */
+static inline uint64_t load_u(const void *p, int64_t i, int w) {
+    if (w == 2) return ((const uint16_t *)p)[i];
+    if (w == 4) return ((const uint32_t *)p)[i];
+    return ((const uint8_t *)p)[i];
+}
+static inline void store_u(void *p, int64_t i, int w, uint64_t v) {
+    if (w == 2) ((uint16_t *)p)[i] = (uint16_t)v;
+    else if (w == 4) ((uint32_t *)p)[i] = (uint32_t)v;
+    else ((uint8_t *)p)[i] = (uint8_t)v;
+}
+static inline uint64_t key_of(uint64_t u, uint64_t mask, uint64_t sign) { return (u & sign) ? mask - u : (u | sign); }
+static inline uint64_t unkey(uint64_t k, uint64_t mask, uint64_t sign) { return (k & sign) ? k - sign : mask - k; }
+
+/* ------------------------------------------------------------------ encode */
+void dcr_free(void *p) { free(p); }
+
+/* old/new: n elements of w bytes (1, 2, 4); mant: mantissa bits. Writes the table
+ * (ntab rows of TAB int64) and mallocs the two streams (free them with dcr_free).
+ * Returns the number of changed elements, or a negative error. */
+int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int mant,
+                       int64_t *table, int64_t *ntab, uint8_t **pos_out, int64_t *plen,
+                       uint8_t **val_out, int64_t *vlen) {
+    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32)) return E_ARGS;
+    int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
+    const int nc = 1 << ebits;
+    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    const uint64_t absmask = sign - 1;
+    uint32_t cnt[4][256]; memset(cnt, 0, sizeof cnt);
+    int64_t cap = 1024, k = 0;
+    int64_t *cidx = (int64_t *)malloc((size_t)cap * 8);
+    uint64_t *rank = (uint64_t *)malloc((size_t)cap * 8);
+    if (!cidx || !rank) { free(cidx); free(rank); return E_NOMEM; }
+    /* pass 1: changed positions; the per-class counts go to 4 interleaved tables (no store-to-
+     * load stall between neighbours of one class); a changed element's rank is their sum */
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = load_u(oldp, i, w);
+        uint32_t c = (uint32_t)((u & absmask) >> mant);
+        if (u != load_u(newp, i, w)) {
+            if (k == cap) {
+                int64_t nc2 = cap * 2;
+                int64_t *a = (int64_t *)realloc(cidx, (size_t)nc2 * 8);
+                uint64_t *b = (uint64_t *)realloc(rank, (size_t)nc2 * 8);
+                if (!a || !b) { free(a ? a : cidx); free(b ? b : rank); return E_NOMEM; }
+                cidx = a; rank = b; cap = nc2;
+            }
+            cidx[k] = i;
+            rank[k] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
+            k++;
+        }
+        cnt[i & 3][c]++;
+    }
+    /* pass 2: counting sort of the changes by class (stable: index order within a class) */
+    int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
+    for (int64_t j = 0; j < k; j++) ccount[((load_u(oldp, cidx[j], w) & absmask) >> mant) + 1]++;
+    for (int c = 0; c < nc; c++) ccount[c + 1] += ccount[c];
+    int64_t fill[256]; memcpy(fill, ccount, sizeof fill);
+    uint64_t *gap = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* rank gaps, class order */
+    uint64_t *mag = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference|, class order */
+    uint8_t *neg = (uint8_t *)malloc((size_t)(k ? k : 1));
+    uint64_t *tmp = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
+    if (!gap || !mag || !neg || !tmp) { free(cidx); free(rank); free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
+    for (int64_t j = 0; j < k; j++) {
+        uint64_t uo = load_u(oldp, cidx[j], w), un = load_u(newp, cidx[j], w);
+        uint32_t c = (uint32_t)((uo & absmask) >> mant);
+        int64_t at = fill[c]++;
+        uint64_t d = (key_of(un, mask, sign) - key_of(uo, mask, sign)) & mask;
+        if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
+        gap[at] = rank[j];
+    }
+    free(cidx); free(rank);
+    /* rank -> gap within each class */
+    for (int c = 0; c < nc; c++)
+        for (int64_t j = ccount[c + 1] - 1; j > ccount[c]; j--) gap[j] = gap[j] - gap[j - 1] - 1;
+    writer pw, vw;
+    w_init(&pw, k + 16); w_init(&vw, k / 4 + 16);
+    for (int64_t j = 0; j < k; j++) w_put(&vw, neg[j], 1);
+    int64_t rows = 0;
+    for (int c = 0; c < nc; c++) {
+        int64_t a = ccount[c], kc = ccount[c + 1] - a;
+        if (!kc) continue;
+        int64_t *row = table + TAB * rows++;
+        int kp = choose_k_gen(gap + a, kc);
+        for (int64_t j = 0; j < kc; j++) w_rice(&pw, gap[a + j], kp);
+        int64_t bc = 0, last = -1;
+        for (int64_t j = 0; j < kc; j++)
+            if (mag[a + j] >= 2) { tmp[bc++] = (uint64_t)(j - last - 1); last = j; }
+        int kb = 0, ke = 0;
+        if (bc) {
+            kb = choose_k_gen(tmp, bc);
+            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], kb);
+            int64_t b = 0;
+            for (int64_t j = 0; j < kc; j++) if (mag[a + j] >= 2) tmp[b++] = mag[a + j] - 2;
+            ke = choose_k_gen(tmp, bc);
+            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], ke);
+        }
+        row[0] = c; row[1] = kc; row[2] = kp; row[3] = bc; row[4] = kb; row[5] = ke;
+    }
+    free(gap); free(mag); free(neg); free(tmp);
+    w_finish(&pw); w_finish(&vw);
+    if (pw.oom || vw.oom) { free(pw.buf); free(vw.buf); return E_NOMEM; }
+    *ntab = rows; *pos_out = pw.buf; *plen = pw.len; *val_out = vw.buf; *vlen = vw.len;
+    return k;
+}
+
+/* ------------------------------------------------------------------ decode */
+/* old: the base chunk (n elements). Writes the k changed positions (increasing) to idx_out and
+ * their new bits to new_out. Returns 0 or a negative error. */
+int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                   const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                   int64_t *idx_out, void *new_out) {
+    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || k < 0 || k > n) return E_ARGS;
+    int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
+    const int nc = 1 << ebits;
+    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    const uint64_t absmask = sign - 1;
+    int64_t start[257], total = 0; int prev = -1;
+    for (int c = 0; c <= nc; c++) start[c] = -1;
+    for (int64_t r = 0; r < ntab; r++) {
+        const int64_t *row = table + TAB * r;
+        if (row[0] <= prev || row[0] >= nc || row[1] < 1 || row[1] > k - total || row[2] < 0 || row[2] > 31
+            || row[3] < 0 || row[3] > row[1] || row[4] < 0 || row[4] > 31 || row[5] < 0 || row[5] > 31) return E_TABLE;
+        prev = (int)row[0]; start[prev] = total; total += row[1];
+    }
+    if (total != k) return E_TABLE;
+    uint64_t *rk = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* ranks, class order */
+    uint64_t *mg = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference| */
+    uint8_t *ng = (uint8_t *)malloc((size_t)(k ? k : 1));          /* difference < 0 */
+    if (!rk || !mg || !ng) { free(rk); free(mg); free(ng); return E_NOMEM; }
+    reader pr, vr; r_init(&pr, pos, plen); r_init(&vr, val, vlen);
+    for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)r_get(&vr, 1);
+    int rc = 0;
+    for (int64_t r = 0; r < ntab && !rc; r++) {
+        const int64_t *row = table + TAB * r;
+        int64_t a = start[row[0]], kc = row[1], bc = row[3];
+        uint64_t acc = 0;
+        for (int64_t j = 0; j < kc && !rc; j++) {
+            uint64_t g = r_rice(&pr, (int)row[2]);
+            if (g >= (uint64_t)n) { rc = E_RANK; break; }
+            acc = (j ? acc + 1 : 0) + g;
+            if (acc >= (uint64_t)n) rc = E_RANK;
+            rk[a + j] = acc;
+            mg[a + j] = 1;
+        }
+        int64_t at = -1;
+        for (int64_t b = 0; b < bc && !rc; b++) {
+            uint64_t g = r_rice(&vr, (int)row[4]);
+            if (g >= (uint64_t)(kc - at - 1)) { rc = E_VALUE; break; }
+            at += 1 + (int64_t)g;
+            mg[a + at] = 0;  /* big: its excess follows */
+        }
+        for (int64_t j = 0; j < kc && bc && !rc; j++) {
+            if (mg[a + j]) continue;
+            uint64_t m = r_rice(&vr, (int)row[5]) + 2;
+            if (m > sign || (!ng[a + j] && m == sign)) rc = E_VALUE;
+            mg[a + j] = m;
+        }
+    }
+    if (!rc) rc = pr.err || vr.err ? E_STREAM : 0;
+    if (!rc) rc = r_done(&pr, plen);
+    if (!rc) rc = r_done(&vr, vlen);
+    if (rc) { free(rk); free(mg); free(ng); return rc; }
+    for (int64_t j = 0; j < k; j++) mg[j] = ng[j] ? ((mask + 1 - mg[j]) & mask) : mg[j];
+    free(ng);
+    uint64_t *dv = mg;
+    /* scan the base: the element whose class count reaches the class's next rank is changed */
+    int64_t next[256], endc[256]; uint64_t want[256]; uint64_t cnt[256];
+    for (int c = 0; c < nc; c++) { cnt[c] = 0; next[c] = endc[c] = 0; want[c] = UINT64_MAX; }
+    for (int64_t r = 0; r < ntab; r++) {
+        const int64_t *row = table + TAB * r; int c = (int)row[0];
+        next[c] = start[c]; endc[c] = start[c] + row[1]; want[c] = rk[next[c]];
+    }
+    int64_t out = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = load_u(oldp, i, w);
+        uint32_t c = (uint32_t)((u & absmask) >> mant);
+        if (cnt[c]++ == want[c]) {
+            int64_t j = next[c]++;
+            want[c] = next[c] < endc[c] ? rk[next[c]] : UINT64_MAX;
+            idx_out[out] = i;
+            store_u(new_out, out, w, unkey((key_of(u, mask, sign) + dv[j]) & mask, mask, sign));
+            out++;
+        }
+    }
+    free(rk); free(dv);
+    for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
+    return out == k ? 0 : E_RANK;
+}

@@ -1,0 +1,85 @@
+"""The C kernels of csrc/, built at first use and called through ctypes.
+
+The shared library is compiled with the system C compiler into a cache directory
+(``$NEMO_DCR_CACHE``, default ``~/.cache/nemo-dcr``), named by a hash of the source, so a
+changed source rebuilds and concurrent first uses do not clash (each builds to a temporary
+name and renames). Nothing here is needed for correctness: without a compiler, or with
+``NEMO_DCR_NATIVE=0``, the PyTorch reference (byte-for-byte the same output) is used.
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+SOURCE = Path(__file__).resolve().parent.parent / "csrc" / "dcr_classes.c"
+CFLAGS = ["-O3", "-std=c99", "-shared", "-fPIC"]
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+build_error: str | None = None  # why the kernels are not in use, when they are not
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("NEMO_DCR_CACHE") or Path.home() / ".cache" / "nemo-dcr")
+
+
+def _build(src: Path) -> Path:
+    text = src.read_bytes()
+    cc = os.environ.get("CC", "cc")
+    tag = hashlib.sha256(text + " ".join([cc] + CFLAGS).encode()).hexdigest()[:16]
+    out = _cache_dir() / f"dcr_classes-{tag}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(src)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise OSError(f"{cc} failed: {r.stderr.strip()[:500]}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _declare(lib) -> None:
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    lib.dcr_cls_encode.restype = i64
+    lib.dcr_cls_encode.argtypes = [p, p, i64, ctypes.c_int, ctypes.c_int, p, p, p, p, p, p]
+    lib.dcr_cls_decode.restype = ctypes.c_int
+    lib.dcr_cls_decode.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p]
+    lib.dcr_free.restype = None
+    lib.dcr_free.argtypes = [p]
+
+
+def lib():
+    """The loaded library, or None (then ``build_error`` says why)."""
+    global _lib, _tried, build_error
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        if os.environ.get("NEMO_DCR_NATIVE", "1") == "0":
+            build_error = "disabled by NEMO_DCR_NATIVE=0"
+        elif not SOURCE.exists():
+            build_error = f"{SOURCE} not found"
+        else:
+            try:
+                loaded = ctypes.CDLL(str(_build(SOURCE)))
+                _declare(loaded)
+                _lib = loaded
+            except OSError as e:
+                build_error = str(e)
+                print(f"nemo-dcr: C kernels unavailable ({e}); using the PyTorch reference", file=sys.stderr)
+        _tried = True
+    return _lib

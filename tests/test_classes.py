@@ -1,0 +1,266 @@
+"""The ``classes`` coding (issue #5): the C kernel and the PyTorch reference give the same bytes,
+both decode bit-exactly for every float dtype and special value, malformed streams are refused,
+and the delta-level rules hold (auto picks it where it pays, re-delivery, wrong base, receivers
+that hold only part of a chunk)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, classes, diff, native
+from nemo_dcr.dtypes import INT_VIEW
+from nemo_dcr.index_map import ShardSpec
+
+from conftest import assert_bits_equal
+
+DTYPES = list(classes.MANTISSA)
+needs_native = pytest.mark.skipif(native.lib() is None, reason=f"C kernels unavailable: {native.build_error}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(INT_VIEW[t.element_size()]).reshape(-1)
+
+
+def _pair(dtype, n, p, seed, big=0.1, scale=0.02):
+    """A base like trained weights and a target moved by a step or two in the monotone order at a
+    rate that falls with the magnitude (as under Adam), some by many steps."""
+    g = torch.Generator().manual_seed(seed)
+    base = (torch.randn(n, generator=g) * scale).to(dtype)
+    old = _bits(base).clone()
+    mag = base.float().abs().clamp(min=1e-8)
+    rate = (p * scale / mag).clamp(max=1.0) if n else mag
+    idx = torch.nonzero(torch.rand(n, generator=g) < rate).squeeze(1)
+    steps = torch.randint(0, 2, (idx.numel(),), generator=g) * 2 - 1
+    far = torch.rand(idx.numel(), generator=g) < big
+    steps = torch.where(far, torch.randint(2, 300, (idx.numel(),), generator=g) * steps, steps)
+    w = old.element_size()
+    u = old.to(torch.int64) & ((1 << 8 * w) - 1)
+    sign = 1 << (8 * w - 1)
+    key = torch.where(u >= sign, (1 << 8 * w) - 1 - u, u | sign)
+    key[idx] = (key[idx] + steps) % (1 << 8 * w)
+    newu = torch.where(key >= sign, key - sign, (1 << 8 * w) - 1 - key)
+    new = torch.where(newu >= sign, newu - (1 << 8 * w), newu) if w > 1 else newu
+    return old, new.to(old.dtype)
+
+
+def _check(old, new, mant, native_too=True):
+    ref = classes.encode_reference(old, new, mant)
+    if native_too and native.lib() is not None:
+        assert classes.encode(old, new, mant, use_native=True) == ref  # same bytes, same table
+    k, rows, pos, val = ref
+    want = torch.nonzero(old != new).squeeze(1)
+    assert k == want.numel()
+    for use in ([False, True] if native_too and native.lib() is not None else [False]):
+        idx, vals = classes.decode(old, rows, pos, val, k, mant, use_native=use)
+        assert torch.equal(idx, want)
+        assert torch.equal(vals, new[want])
+    return ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,p", [(0, 0.1), (1, 1.0), (7, 0.5), (1000, 0.01), (20000, 0.03), (4096, 1.0)])
+def test_native_equals_reference_and_round_trips(dtype, n, p):
+    old, new = _pair(dtype, n, p, seed=n + int(p * 100))
+    _check(old, new, classes.MANTISSA[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_bit_pattern_as_base(dtype):
+    """Every pattern of the dtype (all of them for 8 and 16 bits, a sample for 32) as a base
+    value: NaN payloads, infinities, -0.0, subnormals; each moved by +-1, +-2 and far (wrapping
+    round the order), and a target that is every pattern too."""
+    w = torch.empty((), dtype=dtype).element_size()
+    if w == 4:
+        g = torch.Generator().manual_seed(5)
+        u = torch.cat([torch.randint(0, 1 << 32, (3000,), generator=g),
+                       torch.tensor([0x7FC00000, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0, 0x80000000, 1,
+                                     0x807FFFFF, 0xFFFFFFFF, 0x7FFFFFFF])])
+    elif w == 2:  # every exponent and sign with a spread of mantissas, and the specials, all of them
+        special = [0x7FC0, 0x7F81, 0x7FFF, 0xFFC0, 0xFF81, 0x7F80, 0xFF80, 0x7E00, 0x7C01, 0xFE00, 0x7C00, 0xFC00,
+                   0x0000, 0x8000, 0x0001, 0x007F, 0x8001, 0x03FF, 0xFFFF, 0x7FFF, 0x8000]
+        u = torch.cat([torch.arange(0, 1 << 16, 41), torch.tensor(special)])
+    else:
+        u = torch.arange(1 << (8 * w))
+    for step in (1, -1, 2, -2, 1000, -(1 << (8 * w - 1)), (1 << (8 * w - 1)) - 1):
+        old = (u - (1 << 8 * w) * (u >= (1 << (8 * w - 1))) * (w > 1)).to(INT_VIEW[w])
+        newu = (u + step) % (1 << 8 * w)
+        new = (newu - (1 << 8 * w) * (newu >= (1 << (8 * w - 1))) * (w > 1)).to(INT_VIEW[w])
+        _check(old, new, classes.MANTISSA[dtype])
+    _check(old, old.flip(0), classes.MANTISSA[dtype])
+
+
+def test_escape_codes_for_outlying_gaps():
+    """One class with many small gaps and one enormous one: the Rice parameter fits the small
+    ones, the big gap goes through the escape (32 zero bits + 48 bits)."""
+    n = 300000
+    old = torch.full((n,), 0x3C00, dtype=torch.int16)  # all in one class
+    new = old.clone()
+    new[:200] += 1
+    new[-1] += 1
+    new[100] -= 2  # |d| 1 and a big one
+    k, rows, pos, val = _check(old, new, classes.MANTISSA[torch.bfloat16])
+    (row,) = rows
+    assert ((n - 201) >> row[2]) >= classes.QMAX
+
+
+def _mutations(blob: bytes, seed: int, count: int):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(count):
+        b = bytearray(blob)
+        if not b:
+            return
+        kind = int(torch.randint(0, 3, (1,), generator=g))
+        at = int(torch.randint(0, len(b), (1,), generator=g))
+        if kind == 0:
+            b[at] ^= 1 << int(torch.randint(0, 8, (1,), generator=g))
+        elif kind == 1:
+            del b[at:]
+        else:
+            b.insert(at, int(torch.randint(0, 256, (1,), generator=g)))
+        yield bytes(b)
+
+
+def _outcome(fn):
+    try:
+        idx, vals = fn()
+        return ("ok", idx.tolist(), vals.tolist())
+    except DeltaFormatError:
+        return ("error",)
+
+
+@needs_native
+def test_malformed_streams_are_refused_the_same_way():
+    """Flipped, truncated and inserted bytes in either stream, and bad table rows: the kernel and
+    the reference agree on every outcome (same decode, or both refuse), and nothing crashes."""
+    old, new = _pair(torch.bfloat16, 5000, 0.03, seed=3)
+    mant = classes.MANTISSA[torch.bfloat16]
+    k, rows, pos, val = classes.encode_reference(old, new, mant)
+    refused = 0
+    for which in ("pos", "val"):
+        for bad in _mutations(pos if which == "pos" else val, seed=len(which), count=60):
+            p, v = (bad, val) if which == "pos" else (pos, bad)
+            a = _outcome(lambda: classes.decode(old, rows, p, v, k, mant, use_native=True))
+            b = _outcome(lambda: classes.decode(old, rows, p, v, k, mant, use_native=False))
+            assert a == b
+            refused += a[0] == "error"
+    assert refused > 60
+    bad_tables = [rows[::-1], [r[:5] for r in rows], [[r[0], r[1] + 1] + r[2:] for r in rows],
+                  [[999] + r[1:] for r in rows], [[r[0], r[1], 40] + r[3:] for r in rows], rows[:-1]]
+    for t in bad_tables:
+        for use in (True, False):
+            with pytest.raises(DeltaFormatError):
+                classes.decode(old, t, pos, val, k, mant, use_native=use)
+
+
+# ----------------------------------------------------------------------------- through diff/apply
+
+def _model(seed=0, p=0.02):
+    ts = {}
+    for i, (dtype, shape) in enumerate([(torch.bfloat16, (64, 300)), (torch.float16, (5000,)), (torch.float32, (40, 50)),
+                                       (torch.float8_e4m3fn, (3000,)), (torch.float8_e5m2, (2, 1500))]):
+        old, new = _pair(dtype, int(torch.tensor(shape).prod()), p, seed=seed + i, big=0.02)
+        ts[f"t{i}"] = (old.view(dtype).reshape(shape), new.view(dtype).reshape(shape))
+    return {k: v[0] for k, v in ts.items()}, {k: v[1] for k, v in ts.items()}
+
+
+def test_auto_picks_classes_where_it_pays_and_round_trips():
+    base, target = _model()
+    blob = diff(base, target, chunk_elems=4096, workers=2)
+    encs = {c["enc"] for t in DeltaReader(blob).header["tensors"] for c in t["chunks"]}
+    assert "classes" in encs
+    assert len(blob) < len(diff(base, target, encoding="portable", chunk_elems=4096))
+    recv = {k: v.clone() for k, v in base.items()}
+    rep = apply(recv, blob)
+    for k in target:
+        assert_bits_equal(recv[k], target[k])
+    # re-delivery: every tensor is at its target, nothing is written
+    again = apply(recv, blob)
+    assert again.chunks_applied == 0 and again.tensors_skipped == len(target)
+    assert rep.elements_changed == sum(int((_bits(base[k]) != _bits(target[k])).sum()) for k in base)
+
+
+def test_auto_falls_back_when_classes_does_not_pay():
+    """Random bits (a re-initialised tensor): every change is far, the modelled coding costs more
+    than raw values, and the chunk goes out as overwrite."""
+    g = torch.Generator().manual_seed(0)
+    base = {"x": torch.randn(20000, generator=g).to(torch.bfloat16)}
+    target = {"x": torch.randn(20000, generator=g).to(torch.bfloat16)}
+    h = DeltaReader(diff(base, target)).header
+    assert {c["enc"] for c in h["tensors"][0]["chunks"]} == {"overwrite"}
+    forced = diff(base, target, encoding="classes")
+    recv = {"x": base["x"].clone()}
+    apply(recv, forced)
+    assert_bits_equal(recv["x"], target["x"])
+
+
+def test_wrong_base_is_refused_untouched():
+    base, target = _model(seed=1)
+    blob = diff(base, target, encoding="classes", chunk_elems=4096)
+    other, _ = _model(seed=2)
+    recv = {k: v.clone() for k, v in other.items()}
+    with pytest.raises(BaseMismatchError):
+        apply(recv, blob)
+    for k in other:
+        assert_bits_equal(recv[k], other[k])
+
+
+def test_resume_after_a_partial_apply():
+    """Half the chunks of a tensor applied: a retry with the journal of the first attempt
+    finishes it; a classes chunk that was applied is recognised by its post-image when none of
+    its changes moved to another exponent, and otherwise reported (never applied twice)."""
+    base, target = _model(seed=3)
+    name = "t0"
+    blob = diff({name: base[name]}, {name: target[name]}, encoding="classes", chunk_elems=2048)
+    chunks = DeltaReader(blob).header["tensors"][0]["chunks"]
+    assert len(chunks) > 4 and all(c["enc"] == "classes" for c in chunks)
+    half = chunks[len(chunks) // 2]["start"]
+    recv = base[name].clone()
+    flat = _bits(recv)
+    flat[:half] = _bits(target[name])[:half]  # chunks before `half` applied, the rest not
+    journal = {(name, c["start"]) for c in chunks if c["start"] < half}
+    r = {name: recv}
+    apply(r, blob, resume=True, journal=set(journal))
+    assert_bits_equal(r[name], target[name])
+    # without the journal: applied chunks are either recognised or refused, never re-applied
+    recv2 = base[name].clone()
+    _bits(recv2)[:half] = _bits(target[name])[:half]
+    snapshot = recv2.clone()
+    try:
+        apply({name: recv2}, blob, resume=True)
+        assert_bits_equal(recv2, target[name])
+    except DcrError as e:
+        assert "journal" in str(e)
+        changed = _bits(recv2) != _bits(snapshot)
+        assert torch.equal(_bits(recv2)[changed], _bits(target[name])[changed])  # only real target bits written
+
+
+def test_receiver_holding_part_of_a_chunk_gets_a_clear_error():
+    """A classes chunk decodes only against the whole base chunk: a receiver sharded differently
+    is told to use 'portable', which it can apply."""
+    base, target = _model(seed=4)
+    b, t = base["t0"], target["t0"]  # (64, 300)
+    half = ShardSpec.of(b.shape, [0, 0], [32, 300])
+    blob = diff({"t0": b}, {"t0": t}, encoding="classes", chunk_elems=1 << 20)
+    with pytest.raises(DcrError, match="portable"):
+        apply({"t0": b[:32].clone()}, blob, shards={"t0": half}, verify=False)
+    portable = diff({"t0": b}, {"t0": t}, encoding="portable")
+    part = b[:32].clone()
+    apply({"t0": part}, portable, shards={"t0": half})
+    assert_bits_equal(part, t[:32])
+
+
+def test_reference_decoder_is_used_without_the_kernel(monkeypatch):
+    """With the kernels off, diff/apply go through the reference and give the same bytes."""
+    base, target = _model(seed=5)
+    with_native = DeltaReader(diff(base, target, encoding="classes")).header
+    monkeypatch.setattr(native, "_lib", None)
+    monkeypatch.setattr(native, "_tried", True)
+    blob = diff(base, target, encoding="classes")
+    ref = DeltaReader(blob).header
+    for a, b in zip(with_native["tensors"], ref["tensors"]):
+        assert [(c["cls"], c["crc"], c["plen"], c["vlen"]) for c in a["chunks"]] == \
+            [(c["cls"], c["crc"], c["plen"], c["vlen"]) for c in b["chunks"]]
+    recv = {k: v.clone() for k, v in base.items()}
+    apply(recv, blob)
+    for k in target:
+        assert_bits_equal(recv[k], target[k])
