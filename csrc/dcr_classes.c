@@ -110,15 +110,89 @@ static inline void store_u(void *p, int64_t i, int w, uint64_t v) {
 static inline uint64_t key_of(uint64_t u, uint64_t mask, uint64_t sign) { return (u & sign) ? mask - u : (u | sign); }
 static inline uint64_t unkey(uint64_t k, uint64_t mask, uint64_t sign) { return (k & sign) ? k - sign : mask - k; }
 
+/* pass 1 of the encoder: the changed positions and their ranks within their class. The
+ * per-class counts go to 4 interleaved tables (no store-to-load stall between neighbours of
+ * one class); a changed element's rank is their sum. w is a constant at each call site. */
+static inline __attribute__((always_inline)) int64_t scan_changes(
+        const void *oldp, const void *newp, int64_t n, const int w, int mant, uint32_t cnt[4][256],
+        int64_t **cidx, uint64_t **rank, int64_t *cap) {
+    const uint64_t absmask = (1ULL << (8 * w - 1)) - 1;
+    int64_t k = 0;
+    int64_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+        for (int j = 0; j < 4; j++) {
+            uint64_t u = load_u(oldp, i + j, w);
+            uint32_t c = (uint32_t)((u & absmask) >> mant);
+            if (__builtin_expect(u != load_u(newp, i + j, w), 0)) {
+                if (k == *cap) {
+                    int64_t nc2 = *cap * 2;
+                    int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
+                    if (a) *cidx = a;
+                    uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
+                    if (b) *rank = b;
+                    if (!a || !b) return -1;
+                    *cap = nc2;
+                }
+                (*cidx)[k] = i + j;
+                (*rank)[k] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
+                k++;
+            }
+            cnt[j][c]++;
+        }
+    }
+    for (; i < n; i++) {
+        uint64_t u = load_u(oldp, i, w);
+        uint32_t c = (uint32_t)((u & absmask) >> mant);
+        if (u != load_u(newp, i, w)) {
+            if (k == *cap) {
+                int64_t nc2 = *cap * 2;
+                int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
+                if (a) *cidx = a;
+                uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
+                if (b) *rank = b;
+                if (!a || !b) return -1;
+                *cap = nc2;
+            }
+            (*cidx)[k] = i;
+            (*rank)[k] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
+            k++;
+        }
+        cnt[0][c]++;
+    }
+    return k;
+}
+
+/* the decoder's scan: the element whose class count reaches the class's next rank is changed */
+static inline __attribute__((always_inline)) int64_t scan_decode(
+        const void *oldp, int64_t n, const int w, int mant, uint32_t *cnt, uint32_t *want, int64_t *next,
+        const int64_t *endc, const uint64_t *rk, const uint64_t *dv, int64_t *idx_out, void *new_out) {
+    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    const uint64_t absmask = sign - 1;
+    int64_t out = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = load_u(oldp, i, w);
+        uint32_t c = (uint32_t)((u & absmask) >> mant);
+        if (__builtin_expect(cnt[c]++ == want[c], 0)) {
+            int64_t j = next[c]++;
+            want[c] = next[c] < endc[c] ? (uint32_t)rk[next[c]] : UINT32_MAX;
+            idx_out[out] = i;
+            store_u(new_out, out, w, unkey((key_of(u, mask, sign) + dv[j]) & mask, mask, sign));
+            out++;
+        }
+    }
+    return out;
+}
+
 /* ------------------------------------------------------------------ encode */
 void dcr_free(void *p) { free(p); }
 
 /* old/new: n elements of w bytes (1, 2, 4); mant: mantissa bits. Writes the table
- * (ntab rows of TAB int64) and mallocs the two streams (free them with dcr_free).
+ * (ntab rows of TAB int64) and mallocs the two streams and the changed positions (k int64,
+ * increasing); free them with dcr_free.
  * Returns the number of changed elements, or a negative error. */
 int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int mant,
                        int64_t *table, int64_t *ntab, uint8_t **pos_out, int64_t *plen,
-                       uint8_t **val_out, int64_t *vlen) {
+                       uint8_t **val_out, int64_t *vlen, int64_t **idx_out) {
     if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32)) return E_ARGS;
     int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
     const int nc = 1 << ebits;
@@ -131,23 +205,11 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     if (!cidx || !rank) { free(cidx); free(rank); return E_NOMEM; }
     /* pass 1: changed positions; the per-class counts go to 4 interleaved tables (no store-to-
      * load stall between neighbours of one class); a changed element's rank is their sum */
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t u = load_u(oldp, i, w);
-        uint32_t c = (uint32_t)((u & absmask) >> mant);
-        if (u != load_u(newp, i, w)) {
-            if (k == cap) {
-                int64_t nc2 = cap * 2;
-                int64_t *a = (int64_t *)realloc(cidx, (size_t)nc2 * 8);
-                uint64_t *b = (uint64_t *)realloc(rank, (size_t)nc2 * 8);
-                if (!a || !b) { free(a ? a : cidx); free(b ? b : rank); return E_NOMEM; }
-                cidx = a; rank = b; cap = nc2;
-            }
-            cidx[k] = i;
-            rank[k] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
-            k++;
-        }
-        cnt[i & 3][c]++;
-    }
+    int64_t got = w == 2 ? scan_changes(oldp, newp, n, 2, mant, cnt, &cidx, &rank, &cap)
+                : w == 4 ? scan_changes(oldp, newp, n, 4, mant, cnt, &cidx, &rank, &cap)
+                : scan_changes(oldp, newp, n, 1, mant, cnt, &cidx, &rank, &cap);
+    if (got < 0) { free(cidx); free(rank); return E_NOMEM; }
+    k = got;
     /* pass 2: counting sort of the changes by class (stable: index order within a class) */
     int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
     for (int64_t j = 0; j < k; j++) ccount[((load_u(oldp, cidx[j], w) & absmask) >> mant) + 1]++;
@@ -166,7 +228,7 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
         if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
         gap[at] = rank[j];
     }
-    free(cidx); free(rank);
+    free(rank);
     /* rank -> gap within each class */
     for (int c = 0; c < nc; c++)
         for (int64_t j = ccount[c + 1] - 1; j > ccount[c]; j--) gap[j] = gap[j] - gap[j - 1] - 1;
@@ -196,8 +258,8 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     }
     free(gap); free(mag); free(neg); free(tmp);
     w_finish(&pw); w_finish(&vw);
-    if (pw.oom || vw.oom) { free(pw.buf); free(vw.buf); return E_NOMEM; }
-    *ntab = rows; *pos_out = pw.buf; *plen = pw.len; *val_out = vw.buf; *vlen = vw.len;
+    if (pw.oom || vw.oom) { free(pw.buf); free(vw.buf); free(cidx); return E_NOMEM; }
+    *ntab = rows; *pos_out = pw.buf; *plen = pw.len; *val_out = vw.buf; *vlen = vw.len; *idx_out = cidx;
     return k;
 }
 
@@ -207,11 +269,10 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
 int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
                    const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
                    int64_t *idx_out, void *new_out) {
-    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || k < 0 || k > n) return E_ARGS;
+    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32) || k < 0 || k > n) return E_ARGS;
     int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
     const int nc = 1 << ebits;
     const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
-    const uint64_t absmask = sign - 1;
     int64_t start[257], total = 0; int prev = -1;
     for (int c = 0; c <= nc; c++) start[c] = -1;
     for (int64_t r = 0; r < ntab; r++) {
@@ -261,25 +322,15 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
     for (int64_t j = 0; j < k; j++) mg[j] = ng[j] ? ((mask + 1 - mg[j]) & mask) : mg[j];
     free(ng);
     uint64_t *dv = mg;
-    /* scan the base: the element whose class count reaches the class's next rank is changed */
-    int64_t next[256], endc[256]; uint64_t want[256]; uint64_t cnt[256];
-    for (int c = 0; c < nc; c++) { cnt[c] = 0; next[c] = endc[c] = 0; want[c] = UINT64_MAX; }
+    int64_t next[256], endc[256]; uint32_t want[256], cnt[256];
+    for (int c = 0; c < nc; c++) { cnt[c] = 0; next[c] = endc[c] = 0; want[c] = UINT32_MAX; }
     for (int64_t r = 0; r < ntab; r++) {
         const int64_t *row = table + TAB * r; int c = (int)row[0];
-        next[c] = start[c]; endc[c] = start[c] + row[1]; want[c] = rk[next[c]];
+        next[c] = start[c]; endc[c] = start[c] + row[1]; want[c] = (uint32_t)rk[next[c]];
     }
-    int64_t out = 0;
-    for (int64_t i = 0; i < n; i++) {
-        uint64_t u = load_u(oldp, i, w);
-        uint32_t c = (uint32_t)((u & absmask) >> mant);
-        if (cnt[c]++ == want[c]) {
-            int64_t j = next[c]++;
-            want[c] = next[c] < endc[c] ? rk[next[c]] : UINT64_MAX;
-            idx_out[out] = i;
-            store_u(new_out, out, w, unkey((key_of(u, mask, sign) + dv[j]) & mask, mask, sign));
-            out++;
-        }
-    }
+    int64_t out = w == 2 ? scan_decode(oldp, n, 2, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
+                : w == 4 ? scan_decode(oldp, n, 4, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
+                : scan_decode(oldp, n, 1, mant, cnt, want, next, endc, rk, dv, idx_out, new_out);
     free(rk); free(dv);
     for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
     return out == k ? 0 : E_RANK;

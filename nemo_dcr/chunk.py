@@ -126,13 +126,13 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
         encoding = AUTO if old is None else PORTABLE  # not applicable: the smallest of the rest
     cls_try = None
     if use_classes:
-        k, rows, pbytes, vbytes = classes.encode(old, new, classes.MANTISSA[dtype])
+        k, rows, pbytes, vbytes, cidx = classes.encode(old, new, classes.MANTISSA[dtype], with_idx=True)
         if k == 0:
             return None
         cls_try = (k, rows, pbytes, vbytes)
         cost = len(pbytes) + len(vbytes) + _ROW_BYTES * len(rows)
         if encoding == CLASSES or cost <= CLASSES_ENOUGH * k:
-            return _classes_chunk(old, new, start, n, cls_try, {CLASSES: cost}, keep_changes)
+            return _classes_chunk(old, new, start, n, cls_try, {CLASSES: cost}, keep_changes, cidx)
     if old is None:
         idx = torch.arange(n, dtype=torch.int64)
         newv, xorv, prev = new, None, None
@@ -172,10 +172,8 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     )
 
 
-def _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx=None) -> EncodedChunk:
+def _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx) -> EncodedChunk:
     k, rows, pbytes, vbytes = cls_try
-    if idx is None:
-        idx = torch.nonzero(old != new).squeeze(1)
     prev, newv = old[idx], new[idx]
     return EncodedChunk(
         start=start, n=n, k=k, enc=CLASSES, pos=CLASSES, pos_bytes=pbytes, val_bytes=vbytes,

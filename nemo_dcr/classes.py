@@ -261,30 +261,35 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | None = None):
-    """As ``encode_reference``, with the C kernel when it is available."""
+def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | None = None, with_idx: bool = False):
+    """As ``encode_reference``, with the C kernel when it is available. ``with_idx``: the
+    changed positions (increasing) come back too, as a fifth item."""
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
             raise RuntimeError(f"C kernels unavailable: {native.build_error}")
-        return encode_reference(old, new, mant)
+        out = encode_reference(old, new, mant)
+        return out + (torch.nonzero(old != new).squeeze(1),) if with_idx else out
     old, new = old.contiguous(), new.contiguous()
     w = new.element_size()
     table = torch.empty(256 * ROW, dtype=torch.int64)
     ntab, plen, vlen = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
-    pp, vp = ctypes.c_void_p(), ctypes.c_void_p()
+    pp, vp, ip = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
     k = lib.dcr_cls_encode(_ptr(old), _ptr(new), new.numel(), w, mant, _ptr(table), ctypes.byref(ntab),
-                           ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp), ctypes.byref(vlen))
+                           ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp), ctypes.byref(vlen), ctypes.byref(ip))
     if k < 0:
         raise RuntimeError(f"classes encode failed: {_ERRORS.get(k, k)}")
     try:
         pos = ctypes.string_at(pp, plen.value) if plen.value else b""
         val = ctypes.string_at(vp, vlen.value) if vlen.value else b""
+        idx = torch.frombuffer(bytearray(ctypes.string_at(ip, 8 * k)), dtype=torch.int64) if k \
+            else torch.empty(0, dtype=torch.int64)
     finally:
         lib.dcr_free(pp)
         lib.dcr_free(vp)
+        lib.dcr_free(ip)
     rows = table[: ntab.value * ROW].reshape(-1, ROW).tolist()
-    return int(k), rows, pos, val
+    return (int(k), rows, pos, val, idx) if with_idx else (int(k), rows, pos, val)
 
 
 def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, use_native: bool | None = None):
