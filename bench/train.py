@@ -5,13 +5,17 @@ This is the benchmark's stand-in for an RL trainer: fp32 master weights, AdamW, 
 inference engines.
 
     from bench.train import make_checkpoints
-    ckpts = make_checkpoints(steps=4, lr=1e-6, warmup_steps=100)
+    ckpts = make_checkpoints(steps=8, lr=1e-6, warmup_steps=300, cache_dir="runs/bench-cache")
     # ckpts[0]: BF16 weights after the warm-up (the fine-tune's base); ckpts[i]: after fine-tune step i
 
 The task is a fixed random sparse Markov chain over the vocabulary (each token has a handful of
 likely successors), so the loss falls fast and the weights after the warm-up are "trained", not
 just initialised. Everything is seeded; a run is deterministic for a given torch build and
 thread count.
+
+The warmed-up fp32 weights are cached in memory per (config, seed, warm-up steps, warm-up lr),
+and, with ``cache_dir``, on disk too (one ``warm-<key>.pt`` file per key; ``runs/`` is
+git-ignored), so re-running a benchmark does not train the warm-up again.
 
 Run as a script to see the loss and the change rate per step, or with ``--save DIR`` to write
 each checkpoint as ``DIR/step_XXXX.safetensors`` (for exercising the CLI on real files).
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import hashlib
+import json
 import math
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -150,15 +157,38 @@ def _step(model, opt, data, g) -> float:
 
 
 _WARM_CACHE: dict = {}  # (config, seed, warmup_steps, warmup_lr) -> (fp32 state_dict, losses)
+DEFAULT_CACHE_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "runs", "bench-cache")
 
 
-def _warm_model(c: Config, seed: int, warmup_steps: int, warmup_lr: float, log) -> TinyLM:
+def warm_cache_path(cache_dir: str, c: Config, seed: int, warmup_steps: int, warmup_lr: float) -> str:
+    """The disk-cache file of one warm-up: a hash of everything that determines it (the torch
+    version included: another build may train to other bits)."""
+    key = json.dumps({"config": asdict(c), "seed": seed, "warmup_steps": warmup_steps, "warmup_lr": warmup_lr,
+                      "torch": torch.__version__, "v": 1}, sort_keys=True)
+    return os.path.join(cache_dir, f"warm-{hashlib.sha256(key.encode()).hexdigest()[:16]}.pt")
+
+
+def _warm_model(c: Config, seed: int, warmup_steps: int, warmup_lr: float, log, cache_dir: str | None = None) -> TinyLM:
     key = (c, seed, warmup_steps, warmup_lr)
     torch.manual_seed(seed)
     model = TinyLM(c)
     if key in _WARM_CACHE:
         model.load_state_dict(_WARM_CACHE[key][0])
         return model
+    path = warm_cache_path(cache_dir, c, seed, warmup_steps, warmup_lr) if cache_dir and warmup_steps else None
+    if path and os.path.exists(path):
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            model.load_state_dict(saved["state_dict"])
+            _WARM_CACHE[key] = (saved["state_dict"], list(saved["losses"]))
+            if log:
+                log(f"warm-up: {warmup_steps} steps loaded from {path}")
+            return model
+        except Exception as e:  # a stale or truncated file: train again and overwrite it
+            if log:
+                log(f"warm-up cache {path} unusable ({e}); training")
+            torch.manual_seed(seed)
+            model = TinyLM(c)
     losses = []
     if warmup_steps:
         data = MarkovData(c, seed)
@@ -170,23 +200,32 @@ def _warm_model(c: Config, seed: int, warmup_steps: int, warmup_lr: float, log) 
             if log and (i % 50 == 0 or i == warmup_steps - 1):
                 log(f"warm-up step {i:4d}  loss {losses[-1]:.3f}  (chain entropy {data.entropy():.3f})"
                     f"  {time.perf_counter() - t0:.1f}s")
-    _WARM_CACHE[key] = (copy.deepcopy(model.state_dict()), losses)
+    state = copy.deepcopy(model.state_dict())
+    _WARM_CACHE[key] = (state, losses)
+    if path:
+        os.makedirs(cache_dir, exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        torch.save({"state_dict": state, "losses": losses}, tmp)
+        os.replace(tmp, path)  # atomic: a concurrent run sees the old file or the whole new one
+        if log:
+            log(f"warm-up cached in {path}")
     return model
 
 
 def make_checkpoints(steps: int, lr: float, warmup_steps: int = 0, seed: int = 0, publish_every: int = 1, *,
                      config: Config = Config(), warmup_lr: float = WARMUP_LR, log=None,
-                     losses: list | None = None) -> list[dict[str, torch.Tensor]]:
+                     losses: list | None = None, cache_dir: str | None = None) -> list[dict[str, torch.Tensor]]:
     """Train ``warmup_steps`` at ``warmup_lr``, then ``steps`` fine-tune steps at ``lr`` with a fresh
     AdamW (as when an RL run starts from a trained checkpoint).
 
     Returns the BF16 weights after the warm-up, then after every ``publish_every``-th fine-tune
     step: ``1 + steps // publish_every`` dicts. The warm-up is cached per (config, seed, steps,
-    lr), so sweeping ``lr`` trains it once. ``losses``, if given, receives the fine-tune losses.
+    lr), so sweeping ``lr`` trains it once; with ``cache_dir`` also on disk, so the next process
+    does not train it either. ``losses``, if given, receives the fine-tune losses.
     """
     if steps < 0 or publish_every < 1:
         raise ValueError("steps must be >= 0 and publish_every >= 1")
-    model = _warm_model(config, seed, warmup_steps, warmup_lr, log)
+    model = _warm_model(config, seed, warmup_steps, warmup_lr, log, cache_dir)
     data = MarkovData(config, seed)
     g = torch.Generator().manual_seed(seed + 1)  # fine-tune batches differ from the warm-up's
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
@@ -210,22 +249,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=4, help="fine-tune steps")
     ap.add_argument("--lr", type=float, default=1e-6, help="fine-tune learning rate")
-    ap.add_argument("--warmup-steps", type=int, default=100)
+    ap.add_argument("--warmup-steps", type=int, default=300)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--publish-every", type=int, default=1)
     ap.add_argument("--small", action="store_true", help="a tiny model (for smoke tests)")
+    ap.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help="warm-up disk cache ('' for none)")
     ap.add_argument("--save", metavar="DIR", help="write each checkpoint as DIR/step_XXXX.safetensors")
     a = ap.parse_args(argv)
     c = SMALL if a.small else Config()
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
     log(f"model {n_params(c):,} parameters, {asdict(c)}")
     losses: list = []
-    ckpts = make_checkpoints(a.steps, a.lr, a.warmup_steps, a.seed, a.publish_every, config=c, log=log, losses=losses)
+    ckpts = make_checkpoints(a.steps, a.lr, a.warmup_steps, a.seed, a.publish_every, config=c, log=log, losses=losses,
+                             cache_dir=a.cache_dir or None)
     for i in range(1, len(ckpts)):
         log(f"publish {i}: change rate {100 * change_rate(ckpts[i - 1], ckpts[i]):.3f} %"
             f"  loss {losses[i * a.publish_every - 1]:.4f}")
     if a.save:
-        import os
         from safetensors.torch import save_file
         os.makedirs(a.save, exist_ok=True)
         for i, ck in enumerate(ckpts):

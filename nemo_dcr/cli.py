@@ -7,6 +7,7 @@ import os
 import sys
 
 from . import __version__
+from .chunk import CHOICES
 from .errors import DcrError
 
 
@@ -107,8 +108,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("base")
     d.add_argument("target")
     d.add_argument("-o", "--output", required=True, help="delta file to write")
-    d.add_argument("--encoding", choices=["auto", "xor", "overwrite", "add"], default="auto",
-                   help="auto: per chunk, the smallest of xor, add and overwrite (default)")
+    d.add_argument("--encoding", choices=list(CHOICES), default="auto",
+                   help="auto (default): per chunk, classes where it pays, else the smallest of all; "
+                        "portable: the smallest of xor, add and overwrite (receivers sharded finer than the sender)")
     d.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
     d.add_argument("--chunk-elems", type=int, default=1 << 20, help="elements per chunk (bounds memory)")
     d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
@@ -132,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--keyframe-every", type=int, default=0, help="also store the full state every K versions")
     pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
     pb.add_argument("--retain", type=int, default=None, help="delete versions no receiver needs, keeping N recent")
-    pb.add_argument("--encoding", choices=["auto", "xor", "overwrite", "add"], default="auto")
+    pb.add_argument("--encoding", choices=list(CHOICES), default="auto")
     pb.add_argument("--level", type=int, default=3)
     pb.set_defaults(func=_cmd_publish)
 

@@ -10,6 +10,10 @@ import sys
 import pytest
 
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "codec.py"
+ENCODINGS = ("overwrite", "xor", "add", "classes", "auto")
+ENTROPY = ("positions", "positions_given_exponent", "positions_given_exponent_prev", "values", "values_add",
+           "values_add_given_exponent", "sign", "sign_given_prev")
+PREV = ("positions_given_exponent_prev", "sign_given_prev")
 
 
 def _load_codec():
@@ -32,35 +36,128 @@ def result():
     return json.loads(out.getvalue())
 
 
+def _le(a, b, what):
+    assert a <= b + 1e-9 * max(1.0, abs(b)), what
+
+
 def test_shape(result):
     c = result["config"]
-    assert c["quick"] and c["steps"] >= 1 and len(c["lrs"]) >= 1
-    assert len(result["pairs"]) == c["steps"] * len(c["lrs"])
+    assert c["quick"] and c["steps"] >= 4 and len(c["lrs"]) >= 1
+    assert c["every"] == [1, 4]
+    assert set(c["encodings"]) == set(ENCODINGS)
+    assert {"overwrite", "xor", "add", "auto"} <= set(c["encodings_measured"]) <= set(ENCODINGS)
+    assert len(result["pairs"]) == sum(c["steps"] // e for e in c["every"]) * len(c["lrs"])
+    assert {p["every"] for p in result["pairs"]} == {1, 4}
     assert result["machine"]["cpus"] >= 1
-    assert "all" in result["summary"]
+    assert isinstance(result["notes"], list)
+    s = result["summary"]
+    assert {"every=1", "every=4"} <= set(s)
+    for lr in c["lrs"]:
+        for e in c["every"]:
+            assert f"lr={lr:g} every={e}" in s
+    for k, v in s.items():
+        assert set(v["bytes_per_changed"]) == set(ENCODINGS), k
+        assert set(v["order0_bytes_per_changed"]) == set(ENTROPY), k
+        assert all(x is not None for x in v["order0_bytes_per_changed"].values()), k
+        assert set(v["sign_bits_per_changed"]) == {"order0", "given_prev"}, k
+        assert {"diff", "apply", "chunk_encode", "chunk_decode"} <= set(v["x_memcpy_median"]), k
+
+
+def test_series(result):
+    """Every lr: every-1 pairs 0->1->2->..., every-4 pairs 0->4->8...; the |prev yardsticks only
+    from a series' second pair on."""
+    for lr in result["config"]["lrs"]:
+        for e in result["config"]["every"]:
+            ps = [p for p in result["pairs"] if p["lr"] == lr and p["every"] == e]
+            assert [(p["step_from"], p["step_to"]) for p in ps] == [(i * e, (i + 1) * e) for i in range(len(ps))]
+            for i, p in enumerate(ps):
+                assert p["series_index"] == i + 1
+                for k in PREV:
+                    assert (p["order0_bytes"][k] is None) == (i == 0), (lr, e, i, k)
+                assert (p["sign_bits_per_changed"]["given_prev"] is None) == (i == 0)
 
 
 def test_pairs_sane(result):
+    measured = set(result["config"]["encodings_measured"])
     for p in result["pairs"]:
-        what = f"lr {p['lr']} pair {p['step_from']}->{p['step_to']}"
+        what = f"lr {p['lr']} every {p['every']} pair {p['step_from']}->{p['step_to']}"
+        assert p["every"] in (1, 4), what
         assert p["apply_verified"] is True, what
         assert p["dense_bytes"] == 2 * p["elements"], what  # BF16
         assert 0 < p["changed"] <= p["elements"], what
         assert math.isclose(p["change_rate"], p["changed"] / p["elements"]), what
         b, pay = p["bytes"], p["payload_bytes"]
-        # mixed picks the smaller value stream per chunk over the same positions: its payload can
-        # never exceed either pure encoding's ...
-        assert pay["auto"] <= min(pay["xor"], pay["overwrite"]), what
-        # ... and its total only by header bytes (the header records every encoding tried)
-        assert b["auto"] <= min(b["xor"], b["overwrite"]) * 1.01 + 256, what
+        for key in ("bytes", "payload_bytes", "header_bytes", "bytes_per_changed"):
+            assert set(p[key]) == set(ENCODINGS), (what, key)
+        for e in ENCODINGS:
+            assert (b[e] is None) == (e not in measured), (what, e)
+        for e in measured:
+            assert math.isclose(p["bytes_per_changed"][e], b[e] / p["changed"]), (what, e)
+            assert b[e] == pay[e] + p["header_bytes"][e], (what, e)  # the streams add up
+        # mixed picks per chunk among the encodings (classes first, the rest when classes is
+        # not cheap enough): never much worse than the best single encoding
+        assert b["auto"] <= min(b[e] for e in measured) * 1.05 + 256, what
         assert b["auto"] == pay["auto"] + p["mixed_streams"]["header"], what
-        for e in ("overwrite", "xor", "auto"):
-            assert math.isclose(p["bytes_per_changed"][e], b[e] / p["changed"]), what
         assert math.isclose(p["ratio_dense_to_mixed"], p["dense_bytes"] / b["auto"]), what
         assert p["ratio_dense_to_mixed"] > 1, what
         for k in ("memcpy", "diff", "apply"):
             assert p["time_s"][k] > 0 and p["gbps"][k] > 0, what
         assert p["x_memcpy"]["diff"] > 0 and p["x_memcpy"]["apply"] > 0, what
+        for k in ("chunk_encode", "chunk_decode"):  # null while the kernel is missing or fails
+            assert p["x_memcpy"][k] is None or p["x_memcpy"][k] > 0, what
+            assert (p["time_s"][k] is None) == (p["x_memcpy"][k] is None), what
+        assert p["chunk_kernel"]["encoding"] == "classes", what
+        if "classes" in measured:
+            assert p["chunk_kernel"]["error"] is None, (what, p["chunk_kernel"])
+            assert p["x_memcpy"]["chunk_encode"] and p["x_memcpy"]["chunk_decode"], what
+        # entropy yardsticks: all keys, per changed element, and conditioning never adds bits
+        o, ob = p["order0_bytes_per_changed"], p["order0_bytes"]
+        assert set(o) == set(ob) == set(ENTROPY), what
+        for k in ENTROPY:
+            if ob[k] is not None:
+                assert ob[k] >= 0 and math.isclose(o[k], ob[k] / p["changed"]), (what, k)
+        _le(o["positions_given_exponent"], o["positions"], what)
+        _le(o["values_add_given_exponent"], o["values_add"], what)
+        sg = p["sign_bits_per_changed"]
+        assert math.isclose(sg["order0"], 8 * o["sign"]) and sg["order0"] <= 1 + 1e-9, what
+        if o["positions_given_exponent_prev"] is not None:
+            _le(o["positions_given_exponent_prev"], o["positions_given_exponent"], what)
+            _le(sg["given_prev"], sg["order0"], what)
+
+
+def test_entropy_bounds_by_hand():
+    """Changes only at one exponent, all the same +1 ulp, then the same again: every
+    conditioned yardstick is zero."""
+    codec = _load_codec()
+    import torch
+    a = {"w": torch.tensor([1.0] * 4 + [2.0] * 4, dtype=torch.bfloat16)}
+    step = torch.tensor([1] * 4 + [0] * 4, dtype=torch.int16)
+    up = lambda t: (t.view(torch.int16) + step).view(torch.bfloat16)  # noqa: E731
+    b = {"w": up(a["w"])}
+    c = {"w": up(b["w"])}
+    dirs = {}
+    r1 = codec.entropy_bounds(a, b, None, dirs)
+    assert dirs["w"].tolist() == [1] * 4 + [0] * 4
+    assert math.isclose(r1["positions"], 1.0)  # 8 elements, half changed: 8 bits
+    assert r1["positions_given_exponent"] == 0 and r1["values_add"] == 0 and r1["values_add_given_exponent"] == 0
+    assert r1["sign"] == 0 and r1["positions_given_exponent_prev"] is None and r1["sign_given_prev"] is None
+    r2 = codec.entropy_bounds(b, c, dirs)
+    assert r2["positions_given_exponent_prev"] == 0 and r2["sign_given_prev"] == 0
+
+
+def test_encoding_missing_is_skipped(monkeypatch):
+    """A nemo_dcr without the classes encoding: its column is null / n/a, with a note."""
+    codec = _load_codec()
+    monkeypatch.setattr(codec.chunk, "CHOICES", tuple(e for e in codec.chunk.CHOICES if e != "classes"))
+    res = codec.run(steps=1, lrs=[1e-5], warmup_steps=0, workers=1, reps=1, quick=True, every=(1,))
+    assert "classes" not in res["config"]["encodings_measured"]
+    assert any("'classes' skipped" in n for n in res["notes"])
+    (p,) = res["pairs"]
+    assert p["bytes"]["classes"] is None and p["bytes_per_changed"]["classes"] is None
+    assert p["bytes"]["auto"] > 0
+    assert res["summary"]["every=1"]["bytes_per_changed"]["classes"] is None
+    text = codec.format_tables(res)
+    assert "B/chg classes" in text and "skipped" in text
 
 
 def test_bit_exact_check_fails_loudly():

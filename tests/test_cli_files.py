@@ -65,7 +65,7 @@ def test_single_file_round_trip_is_byte_identical(tmp_path, nemo_dcr_cmd):
             assert_bits_equal(f.get_tensor(k), target[k], k)
 
 
-@pytest.mark.parametrize("encoding", ["auto", "xor", "overwrite", "add"])
+@pytest.mark.parametrize("encoding", ["auto", "portable", "classes", "xor", "overwrite", "add"])
 def test_sharded_directory_round_trip(tmp_path, nemo_dcr_cmd, encoding):
     base, target = states(1)
     target["new.tensor"] = torch.arange(12, dtype=torch.int32).reshape(3, 4)
@@ -82,9 +82,35 @@ def test_sharded_directory_round_trip(tmp_path, nemo_dcr_cmd, encoding):
     r = run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr"), "--json")
     s = json.loads(r.stdout)
     assert s["encoding"] == encoding
-    if encoding != "auto":
+    if encoding in ("xor", "overwrite", "add"):
         allowed = {encoding, "overwrite"} | ({"xor"} if encoding == "add" else set())  # add: not 8-byte
         assert set(s["bytes_by_encoding"]) <= allowed  # new tensors are always overwrite
+    if encoding == "portable":
+        assert "classes" not in s["bytes_by_encoding"]
+
+
+def test_diff_picks_classes_by_default_on_small_updates(tmp_path, nemo_dcr_cmd):
+    """Weights moved a step in the monotone order, more often the smaller they are (as under
+    Adam at a small learning rate): the default coding is ``classes``, smaller than ``portable``."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(512, 512, generator=g) * 0.02).bfloat16()
+    step = (1e-4 * torch.randn(512, 512, generator=g))
+    base, target = {"w": w}, {"w": (w.float() + step).bfloat16()}
+    save_file(base, tmp_path / "a.safetensors")
+    save_file(target, tmp_path / "b.safetensors")
+    sizes = {}
+    for enc in ("auto", "portable"):
+        out = tmp_path / f"{enc}.dcr"
+        r = run(nemo_dcr_cmd, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "-o", str(out),
+                *(["--encoding", enc] if enc != "auto" else []))
+        assert r.returncode == 0, r.stderr
+        sizes[enc] = os.path.getsize(out)
+    s = json.loads(run(nemo_dcr_cmd, "inspect", str(tmp_path / "auto.dcr"), "--json").stdout)
+    assert set(s["bytes_by_encoding"]) == {"classes"}
+    assert sizes["auto"] < 0.9 * sizes["portable"]
+    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "a.safetensors"), str(tmp_path / "auto.dcr"), "-o", str(tmp_path / "o.safetensors"))
+    assert r.returncode == 0, r.stderr
+    assert sha(tmp_path / "o.safetensors") == sha(tmp_path / "b.safetensors")
 
 
 def test_apply_in_place_over_base_directory(tmp_path, nemo_dcr_cmd):
