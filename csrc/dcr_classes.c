@@ -13,6 +13,10 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DCR_X86 1
+#endif
 
 #define QMAX 32      /* unary part longer than this: escape */
 #define ESC_BITS 48  /* escaped values are sent in this many bits */
@@ -183,6 +187,155 @@ static inline __attribute__((always_inline)) int64_t scan_decode(
     return out;
 }
 
+
+/* ------------------------------------------------------------------ AVX-512 scans (16-bit)
+ * The same results as the scalar scans, 64 elements at a time: one compare per *active* class
+ * (a class with changes) gives that class's members in the block as a bit mask; popcounts keep
+ * the per-class counts and locate ranks inside the block. Used for 2-byte dtypes when the CPU
+ * has AVX-512BW and at most MAXA classes are active; everything else takes the scalar scans. */
+#define MAXA 64
+static int simd_enabled = 1;
+void dcr_set_simd(int on) { simd_enabled = on; }
+
+#ifdef DCR_X86
+static int have_avx512(void) {
+    static int v = -1;
+    if (v < 0) { __builtin_cpu_init(); v = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"); }
+    return v;
+}
+
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static inline uint64_t cls_mask(__m512i c0, __m512i c1, __m512i v) {
+    return (uint64_t)_mm512_cmpeq_epi16_mask(c0, v) | ((uint64_t)_mm512_cmpeq_epi16_mask(c1, v) << 32);
+}
+
+/* encoder, both passes. Returns k, -1 out of memory, -2 too many active classes (use scalar). */
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static int64_t scan_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_t n, int mant,
+                                   int64_t **cidx, uint64_t **rank, int64_t *cap) {
+    int64_t k = 0, i;
+    for (i = 0; i < n; i += 64) {
+        uint64_t m;
+        if (i + 64 <= n) {
+            __m512i a0 = _mm512_loadu_si512((const void *)(o + i)), a1 = _mm512_loadu_si512((const void *)(o + i + 32));
+            __m512i b0 = _mm512_loadu_si512((const void *)(nw + i)), b1 = _mm512_loadu_si512((const void *)(nw + i + 32));
+            m = (uint64_t)_mm512_cmpneq_epi16_mask(a0, b0) | ((uint64_t)_mm512_cmpneq_epi16_mask(a1, b1) << 32);
+        } else {
+            m = 0;
+            for (int64_t j = i; j < n; j++) if (o[j] != nw[j]) m |= 1ULL << (j - i);
+        }
+        while (m) {
+            if (k == *cap) {
+                int64_t nc2 = *cap * 2;
+                int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
+                if (a) *cidx = a;
+                uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
+                if (b) *rank = b;
+                if (!a || !b) return -1;
+                *cap = nc2;
+            }
+            (*cidx)[k++] = i + __builtin_ctzll(m);
+            m &= m - 1;
+        }
+    }
+    int slot[256], act[MAXA], A = 0;
+    for (int c = 0; c < 256; c++) slot[c] = -1;
+    for (int64_t j = 0; j < k; j++) {
+        int c = (o[(*cidx)[j]] & 0x7FFF) >> mant;
+        if (slot[c] < 0) { if (A == MAXA) return -2; slot[c] = A; act[A++] = c; }
+    }
+    uint64_t cnt[MAXA] = {0}, eq[MAXA];
+    __m512i vact[MAXA];
+    for (int a = 0; a < A; a++) vact[a] = _mm512_set1_epi16((short)act[a]);
+    const __m512i absm = _mm512_set1_epi16(0x7FFF);
+    const __m128i sh = _mm_cvtsi32_si128(mant);
+    int64_t j = 0;
+    for (i = 0; i + 64 <= n && j < k; i += 64) {
+        __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i)), absm), sh);
+        __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i + 32)), absm), sh);
+        for (int a = 0; a < A; a++) eq[a] = cls_mask(c0, c1, vact[a]);
+        for (; j < k && (*cidx)[j] < i + 64; j++) {
+            int b = (int)((*cidx)[j] - i), s = slot[(o[(*cidx)[j]] & 0x7FFF) >> mant];
+            (*rank)[j] = cnt[s] + (uint64_t)__builtin_popcountll(eq[s] & ((1ULL << b) - 1));
+        }
+        for (int a = 0; a < A; a++) cnt[a] += (uint64_t)__builtin_popcountll(eq[a]);
+    }
+    for (; i < n && j < k; i++) {  /* the tail, scalar */
+        int s = slot[(o[i] & 0x7FFF) >> mant];
+        if ((*cidx)[j] == i) (*rank)[j++] = cnt[s];
+        if (s >= 0) cnt[s]++;
+    }
+    return k;
+}
+
+/* decoder scan. rows: the active classes (table order), their start/end in the class-ordered
+ * arrays. Returns the number of changes written, or -2 (use scalar). */
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, const int64_t *table, int64_t ntab,
+                                  const int64_t *start, const uint64_t *rk, const uint64_t *dv,
+                                  int64_t *idx_out, uint16_t *new_out) {
+    if (ntab > MAXA) return -2;
+    const uint64_t mask = 0xFFFF, sign = 0x8000;
+    int A = (int)ntab, live[MAXA];
+    int64_t next[MAXA], endc[MAXA];
+    uint64_t want[MAXA], cnt[MAXA];
+    __m512i vact[MAXA];
+    for (int a = 0; a < A; a++) {
+        int c = (int)table[TAB * a];
+        live[a] = a; next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; want[a] = rk[next[a]]; cnt[a] = 0;
+        vact[a] = _mm512_set1_epi16((short)c);
+    }
+    const __m512i absm = _mm512_set1_epi16(0x7FFF);
+    const __m128i sh = _mm_cvtsi32_si128(mant);
+    int64_t out = 0, i;
+    int L = A;
+    for (i = 0; i + 64 <= n && L; i += 64) {
+        __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i)), absm), sh);
+        __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i + 32)), absm), sh);
+        int64_t first = out;
+        for (int x = 0; x < L; x++) {
+            int a = live[x];
+            uint64_t e = cls_mask(c0, c1, vact[a]);
+            uint64_t pc = (uint64_t)__builtin_popcountll(e);
+            while (want[a] < cnt[a] + pc) {
+                int b = __builtin_ctzll(_pdep_u64(1ULL << (want[a] - cnt[a]), e));
+                int64_t jj = next[a]++;
+                uint64_t u = o[i + b];
+                idx_out[out] = i + b;
+                new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
+                out++;
+                want[a] = next[a] < endc[a] ? rk[next[a]] : UINT64_MAX;
+            }
+            cnt[a] += pc;
+            if (want[a] == UINT64_MAX) { live[x--] = live[--L]; }  /* done: stop counting it */
+        }
+        /* the block's changes came class by class: put them in position order */
+        for (int64_t p = first + 1; p < out; p++) {
+            int64_t ix = idx_out[p]; uint16_t v = new_out[p]; int64_t q = p - 1;
+            while (q >= first && idx_out[q] > ix) { idx_out[q + 1] = idx_out[q]; new_out[q + 1] = new_out[q]; q--; }
+            idx_out[q + 1] = ix; new_out[q + 1] = v;
+        }
+    }
+    for (; i < n && L; i++) {  /* the tail, scalar */
+        uint64_t u = o[i];
+        int c = (int)((u & 0x7FFF) >> mant);
+        for (int a = 0; a < A; a++) {
+            if ((int)table[TAB * a] != c) continue;
+            if (cnt[a]++ == want[a]) {
+                int64_t jj = next[a]++;
+                idx_out[out] = i;
+                new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
+                out++;
+                want[a] = next[a] < endc[a] ? rk[next[a]] : UINT64_MAX;
+            }
+            break;
+        }
+    }
+    for (int a = 0; a < A; a++) if (next[a] != endc[a]) return -3;
+    return out;
+}
+#endif
+
 /* ------------------------------------------------------------------ encode */
 void dcr_free(void *p) { free(p); }
 
@@ -205,9 +358,15 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     if (!cidx || !rank) { free(cidx); free(rank); return E_NOMEM; }
     /* pass 1: changed positions; the per-class counts go to 4 interleaved tables (no store-to-
      * load stall between neighbours of one class); a changed element's rank is their sum */
-    int64_t got = w == 2 ? scan_changes(oldp, newp, n, 2, mant, cnt, &cidx, &rank, &cap)
-                : w == 4 ? scan_changes(oldp, newp, n, 4, mant, cnt, &cidx, &rank, &cap)
-                : scan_changes(oldp, newp, n, 1, mant, cnt, &cidx, &rank, &cap);
+    int64_t got = -2;
+#ifdef DCR_X86
+    if (w == 2 && simd_enabled && have_avx512())
+        got = scan_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, mant, &cidx, &rank, &cap);
+#endif
+    if (got == -2)
+        got = w == 2 ? scan_changes(oldp, newp, n, 2, mant, cnt, &cidx, &rank, &cap)
+            : w == 4 ? scan_changes(oldp, newp, n, 4, mant, cnt, &cidx, &rank, &cap)
+            : scan_changes(oldp, newp, n, 1, mant, cnt, &cidx, &rank, &cap);
     if (got < 0) { free(cidx); free(rank); return E_NOMEM; }
     k = got;
     /* pass 2: counting sort of the changes by class (stable: index order within a class) */
@@ -328,10 +487,17 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
         const int64_t *row = table + TAB * r; int c = (int)row[0];
         next[c] = start[c]; endc[c] = start[c] + row[1]; want[c] = (uint32_t)rk[next[c]];
     }
-    int64_t out = w == 2 ? scan_decode(oldp, n, 2, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
-                : w == 4 ? scan_decode(oldp, n, 4, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
-                : scan_decode(oldp, n, 1, mant, cnt, want, next, endc, rk, dv, idx_out, new_out);
+    int64_t out = -2, scalar = 1;
+#ifdef DCR_X86
+    if (w == 2 && simd_enabled && have_avx512())
+        out = scan_decode_avx512((const uint16_t *)oldp, n, mant, table, ntab, start, rk, dv, idx_out, (uint16_t *)new_out);
+#endif
+    if (out != -2) scalar = 0;
+    else out = w == 2 ? scan_decode(oldp, n, 2, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
+            : w == 4 ? scan_decode(oldp, n, 4, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
+            : scan_decode(oldp, n, 1, mant, cnt, want, next, endc, rk, dv, idx_out, new_out);
+    if (out == -3) { free(rk); free(dv); return E_RANK; }
     free(rk); free(dv);
-    for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
+    if (scalar) for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
     return out == k ? 0 : E_RANK;
 }

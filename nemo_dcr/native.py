@@ -59,6 +59,8 @@ def _declare(lib) -> None:
     lib.dcr_cls_decode.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p]
     lib.dcr_free.restype = None
     lib.dcr_free.argtypes = [p]
+    lib.dcr_set_simd.restype = None
+    lib.dcr_set_simd.argtypes = [ctypes.c_int]
 
 
 def lib():
