@@ -19,7 +19,7 @@ import torch
 from . import __version__
 from . import ordered
 from .chunk import ADD, AUTO, CHOICES, CLASSES, OVERWRITE, decode_chunk, encode_chunk
-from .digest import state_digest, tensor_digest, values_digest
+from .digest import state_digest, tensor_digest, tensor_digest_like, values_digest
 from .dtypes import dtype_from_name, dtype_name, itemsize
 from .errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
 from .flat import FlatAccess
@@ -105,7 +105,12 @@ def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, wo
 
     region_map = IndexMap(spec) if on_change is not None else None
 
+    digests = {}
+
     def job(r):
+        if r[0] == "digest":  # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
+            digests[r[1]] = tensor_digest(new if r[1] == "target" else old)
+            return None, 0
         s, e = r
         c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
                          keep_changes=on_change is not None, is_float=new.dtype.is_floating_point, dtype=new.dtype)
@@ -116,17 +121,18 @@ def _encode_tensor(name, base, target, spec, w, encoding, level, chunk_elems, wo
         return c, (e - s) * new.element_size()
 
     chunks = []
-    for c, nbytes in ordered_map(job, ranges, workers):
+    jobs = [("digest", "target")] + ([("digest", "base")] if old is not None else []) + ranges
+    for c, nbytes in ordered_map(job, jobs, workers):
         bar.update(nbytes)
         if c is not None:
             off = w.add_payload(c.pos_bytes, c.val_bytes)
             chunks.append(c.header(off))
     entry = {
         "name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
-        "region": spec.to_json(), "target_digest": tensor_digest(new), "chunks": chunks,
+        "region": spec.to_json(), "target_digest": digests["target"], "chunks": chunks,
     }
     if old is not None:
-        entry["base_digest"] = entry["target_digest"] if not chunks else tensor_digest(old)
+        entry["base_digest"] = digests["base"]
     return entry
 
 
@@ -161,7 +167,7 @@ def plan_entry(entry: dict, tensor: torch.Tensor | None, recv: ShardSpec | None,
     name, kind = entry["name"], entry["kind"]
     if kind == "removed":
         if tensor is not None and verify and entry.get("base_digest") and (recv is None or recv.is_full) \
-                and tensor_digest(tensor) != entry["base_digest"]:
+                and tensor_digest_like(tensor, entry["base_digest"]) != entry["base_digest"]:
             raise BaseMismatchError(f"{name}: the delta removes this tensor, but the receiver's is not the base's")
         return _Plan(entry, tensor, recv, None, False, "remove" if tensor is not None else "ignore")
     dtype = dtype_from_name(entry["dtype"])
@@ -186,14 +192,15 @@ def plan_entry(entry: dict, tensor: torch.Tensor | None, recv: ShardSpec | None,
     if not covered and not _overlaps(recv, region):
         return _Plan(entry, tensor, recv, region, False, "ignore")
     if kind == "full":  # the region's whole content, written over whatever is there
-        if covered and verify and tensor_digest(tensor[recv.slices_of(region)]) == entry["target_digest"]:
+        if covered and verify and tensor_digest_like(tensor[recv.slices_of(region)], entry["target_digest"]) \
+                == entry["target_digest"]:
             return _Plan(entry, tensor, recv, region, True, "skip")
         return _Plan(entry, tensor, recv, region, covered, "overwrite")
     if not covered:
         return _Plan(entry, tensor, recv, region, False, "unverified")
     if not verify:
         return _Plan(entry, tensor, recv, region, True, "resume")
-    d = tensor_digest(tensor[recv.slices_of(region)])
+    d = tensor_digest_like(tensor[recv.slices_of(region)], entry["base_digest"])
     if d == entry["base_digest"]:
         action = "apply" if entry["chunks"] else "skip"
     elif d == entry["target_digest"]:
@@ -329,7 +336,7 @@ def verify_plan(plan: _Plan, tensor: torch.Tensor) -> None:
     if plan.action in ("ignore", "remove", "unverified") or not plan.covered:
         return
     view = tensor if plan.action == "create" else tensor[plan.recv.slices_of(plan.region)]
-    d = tensor_digest(view)
+    d = tensor_digest_like(view, plan.entry["target_digest"])
     if d != plan.entry["target_digest"]:
         raise TargetMismatchError(f"{plan.entry['name']}: result does not match the target digest "
                                   f"(got {d}, expected {plan.entry['target_digest']})")
@@ -355,8 +362,9 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     entries = reader.header["tensors"]
     if held_only:  # one rank of a group: tensors it does not hold are other ranks' to apply
         entries = [e for e in entries if e["name"] in tensors]
-    plans = [plan_entry(e, tensors.get(e["name"]), shards.get(e["name"]), verify=verify, resume=resume)
-             for e in entries]
+    # the base digests of all entries, hashed on the worker threads; nothing is changed yet
+    plans = list(ordered_map(lambda e: plan_entry(e, tensors.get(e["name"]), shards.get(e["name"]), verify=verify,
+                                                  resume=resume), entries, workers))
     report = ApplyReport()
     started = False
     try:

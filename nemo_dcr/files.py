@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass
 
 from .delta import DEFAULT_CHUNK, DEFAULT_LEVEL, ApplyReport, diff, plan_entry, run_plan, verify_plan
-from .digest import tensor_digest
+from .digest import tensor_digest_like
 from .errors import BaseMismatchError, DcrError
 from .format import DeltaReader
 from .progress import NullProgress, Progress
@@ -66,7 +66,7 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
             raise DcrError(f"delta layout names {name!r} but carries no data for it")
         tensor = ckpt[name] if e["kind"] == "delta" else None  # a fresh, writable copy
         if tensor is not None:
-            d = tensor_digest(tensor)
+            d = tensor_digest_like(tensor, e["base_digest"])
             if d != e["base_digest"]:
                 raise BaseMismatchError(f"{name}: base tensor is not the one this delta was built from "
                                         f"(digest {d}, expected {e['base_digest']})")
@@ -77,7 +77,7 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
         return result
 
     for name, e in entries.items():  # removed tensors: the base must still be the right one
-        if e["kind"] == "removed" and e.get("base_digest") and tensor_digest(ckpt[name]) != e["base_digest"]:
+        if e["kind"] == "removed" and e.get("base_digest") and tensor_digest_like(ckpt[name], e["base_digest"]) != e["base_digest"]:
             raise BaseMismatchError(f"{name}: base tensor is not the one this delta was built from")
     with bar, atomic_output(out, is_dir=layout["kind"] == "dir") as tmp:
         for f in layout["files"]:
