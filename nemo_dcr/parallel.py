@@ -1,33 +1,61 @@
 """A bounded, order-preserving parallel map: at most ``window`` items are in flight, so
-memory stays proportional to the window, not to the input."""
+memory stays proportional to the window, not to the input.
+
+The thread pools are shared, one per worker count, and live for the process: ``diff`` and
+``apply`` call this once per tensor, and a pool per call cost more than the work on models of
+many small tensors. A call made from inside a pool thread runs inline (no nested waits)."""
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Callable, Iterable, Iterator
+
+_PREFIX = "nemo-dcr"
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pid = os.getpid()  # a forked child has the pool objects but not their threads: it makes its own
+_lock = threading.Lock()
 
 
 def default_workers() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+def _pool(workers: int) -> ThreadPoolExecutor:
+    global _pid
+    with _lock:
+        if os.getpid() != _pid:
+            _pools.clear()
+            _pid = os.getpid()
+        p = _pools.get(workers)
+        if p is None:
+            p = _pools[workers] = ThreadPoolExecutor(workers, thread_name_prefix=_PREFIX)
+        return p
+
+
 def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, window: int | None = None) -> Iterator:
     workers = workers or default_workers()
-    if workers <= 1:
+    if workers <= 1 or threading.current_thread().name.startswith(_PREFIX):
         for it in items:
             yield fn(it)
         return
     window = window or 2 * workers
-    with ThreadPoolExecutor(workers, thread_name_prefix="nemo-dcr") as pool:
-        pending = deque()
-        try:
-            for it in items:
-                pending.append(pool.submit(fn, it))
-                if len(pending) >= window:
-                    yield pending.popleft().result()
-            while pending:
+    pool = _pool(workers)
+    pending = deque()
+    try:
+        for it in items:
+            pending.append(pool.submit(fn, it))
+            if len(pending) >= window:
                 yield pending.popleft().result()
-        finally:
-            for f in pending:
-                f.cancel()
+        while pending:
+            yield pending.popleft().result()
+    finally:
+        for f in pending:
+            f.cancel()
+        for f in pending:  # nothing of this call may still run when it returns
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:
+                    pass
