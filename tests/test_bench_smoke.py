@@ -167,3 +167,19 @@ def test_bit_exact_check_fails_loudly():
     b = {"w": torch.tensor([0.0, -0.0, 0.0, 0.0], dtype=torch.bfloat16)}  # equal as floats, not as bits
     with pytest.raises(codec.BenchError, match="NOT BIT-EXACT"):
         codec.check_equal(a, b, "test")
+
+
+def test_shard_budget_bench_runs_and_checks_bits():
+    """bench/shard.py on one untiled copy of a barely warmed-up model: every ratio is measured
+    against the same process's memcpy, and the decodes were checked bit for bit (it raises
+    otherwise)."""
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "shard.py"
+    spec = importlib.util.spec_from_file_location("nemo_dcr_bench_shard", path)
+    shard = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(shard)
+    r = shard.run(lr=1e-6, copies=1, reps=1, warmup_steps=2, cache_dir=None, workers=2)
+    assert r["elements"] > 6_000_000 and 0 < r["change_rate"] < 0.5
+    assert set(r["x_memcpy"]) == set(r["seconds"]) and r["x_memcpy"]["memcpy_1thread"] == 1.0
+    assert all(v > 0 for v in r["seconds"].values())
+    assert "classes" in r["chunk_encodings"] and r["delta_bytes_per_changed"] < 2.0
+    assert "| diff |" in shard.format_table(r)
