@@ -114,6 +114,23 @@ static inline void store_u(void *p, int64_t i, int w, uint64_t v) {
 static inline uint64_t key_of(uint64_t u, uint64_t mask, uint64_t sign) { return (u & sign) ? mask - u : (u | sign); }
 static inline uint64_t unkey(uint64_t k, uint64_t mask, uint64_t sign) { return (k & sign) ? k - sign : mask - k; }
 
+/* append a changed position (and its rank) to the growing arrays; nonzero when out of memory */
+static int push_change(int64_t **cidx, uint64_t **rank, int64_t *cap, int64_t *k, int64_t i, uint64_t r) {
+    if (*k == *cap) {
+        int64_t nc2 = *cap * 2;
+        int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
+        if (a) *cidx = a;
+        uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
+        if (b) *rank = b;
+        if (!a || !b) return 1;
+        *cap = nc2;
+    }
+    (*cidx)[*k] = i;
+    (*rank)[*k] = r;
+    (*k)++;
+    return 0;
+}
+
 /* pass 1 of the encoder: the changed positions and their ranks within their class. The
  * per-class counts go to 4 interleaved tables (no store-to-load stall between neighbours of
  * one class); a changed element's rank is their sum. w is a constant at each call site. */
@@ -127,40 +144,18 @@ static inline __attribute__((always_inline)) int64_t scan_changes(
         for (int j = 0; j < 4; j++) {
             uint64_t u = load_u(oldp, i + j, w);
             uint32_t c = (uint32_t)((u & absmask) >> mant);
-            if (__builtin_expect(u != load_u(newp, i + j, w), 0)) {
-                if (k == *cap) {
-                    int64_t nc2 = *cap * 2;
-                    int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
-                    if (a) *cidx = a;
-                    uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
-                    if (b) *rank = b;
-                    if (!a || !b) return -1;
-                    *cap = nc2;
-                }
-                (*cidx)[k] = i + j;
-                (*rank)[k] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
-                k++;
-            }
+            if (__builtin_expect(u != load_u(newp, i + j, w), 0)
+                && push_change(cidx, rank, cap, &k, i + j, (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c]))
+                return -1;
             cnt[j][c]++;
         }
     }
     for (; i < n; i++) {
         uint64_t u = load_u(oldp, i, w);
         uint32_t c = (uint32_t)((u & absmask) >> mant);
-        if (u != load_u(newp, i, w)) {
-            if (k == *cap) {
-                int64_t nc2 = *cap * 2;
-                int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
-                if (a) *cidx = a;
-                uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
-                if (b) *rank = b;
-                if (!a || !b) return -1;
-                *cap = nc2;
-            }
-            (*cidx)[k] = i;
-            (*rank)[k] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
-            k++;
-        }
+        if (u != load_u(newp, i, w)
+            && push_change(cidx, rank, cap, &k, i, (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c]))
+            return -1;
         cnt[0][c]++;
     }
     return k;
@@ -225,16 +220,7 @@ static int64_t scan_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_
             for (int64_t j = i; j < n; j++) if (o[j] != nw[j]) m |= 1ULL << (j - i);
         }
         while (m) {
-            if (k == *cap) {
-                int64_t nc2 = *cap * 2;
-                int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
-                if (a) *cidx = a;
-                uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
-                if (b) *rank = b;
-                if (!a || !b) return -1;
-                *cap = nc2;
-            }
-            (*cidx)[k++] = i + __builtin_ctzll(m);
+            if (push_change(cidx, rank, cap, &k, i + __builtin_ctzll(m), 0)) return -1;  /* ranks: pass B */
             m &= m - 1;
         }
     }
