@@ -630,9 +630,9 @@ def plot(res: dict, path: str) -> None:
              + p["order0_bytes_per_changed"]["values_add_given_exponent"] for p in ps]
     ax.plot(x, bound, "k--", lw=1, label="entropy: pos|exp + val|exp")
     ax.set_xscale("log")
-    fmt = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
-    ax.xaxis.set_major_formatter(fmt)
-    ax.xaxis.set_minor_formatter(fmt)
+    ax.xaxis.set_major_locator(matplotlib.ticker.FixedLocator([0.5, 1, 2, 5, 10, 20, 50]))
+    ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax.set_xlabel("changed BF16 elements per publish (%), log")
     ax.set_ylabel("delta bytes per changed element")
     ax.set_ylim(0, 1.15 * max([ymax] + bound))
