@@ -33,6 +33,7 @@ test-nemo:
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
+	$(BIN)/python bench/shard.py
 
 clean:
 	rm -rf $(VENV) $(NEMO_VENV) runs
