@@ -291,3 +291,24 @@ def test_vector_and_scalar_scans_agree(dtype):
             assert out[0][:4] == classes.encode_reference(old, new, mant)
     finally:
         lib.dcr_set_simd(1)
+
+
+def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
+    """Deltas written before the SHA-256 tensor digests carry bare BLAKE2b ones: a reader checks
+    each with the algorithm it names, and still refuses a wrong base."""
+    from nemo_dcr import delta as delta_mod, digest
+    base, target = _model(seed=6)
+    monkeypatch.setattr(delta_mod, "tensor_digest", lambda t: digest.tensor_digest(t, "blake2b"))
+    old_blob = diff(base, target)
+    monkeypatch.undo()
+    entries = DeltaReader(old_blob).header["tensors"]
+    assert all(not e["target_digest"].startswith("sha256:") for e in entries)
+    recv = {k: v.clone() for k, v in base.items()}
+    apply(recv, old_blob)
+    for k in target:
+        assert_bits_equal(recv[k], target[k])
+    other, _ = _model(seed=7)
+    with pytest.raises(BaseMismatchError):
+        apply({k: v.clone() for k, v in other.items()}, old_blob)
+    new_entries = DeltaReader(diff(base, target)).header["tensors"]
+    assert all(e["target_digest"].startswith("sha256:") for e in new_entries)
