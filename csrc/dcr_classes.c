@@ -185,7 +185,8 @@ static inline __attribute__((always_inline)) int64_t scan_decode(
 
 /* ------------------------------------------------------------------ AVX-512 scans (16-bit)
  * The same results as the scalar scans, 64 elements at a time: one compare per *active* class
- * (a class with changes) gives that class's members in the block as a bit mask; popcounts keep
+ * (a class with changes), on the classes packed to bytes, gives that class's members in the block
+ * as a bit mask; popcounts keep
  * the per-class counts and locate ranks inside the block. Used for 2-byte dtypes when the CPU
  * has AVX-512BW and at most MAXA classes are active; everything else takes the scalar scans. */
 #define MAXA 64
@@ -199,9 +200,14 @@ static int have_avx512(void) {
     return v;
 }
 
+/* the classes of 64 consecutive 16-bit elements as 64 bytes, in element order (classes of
+ * 2-byte dtypes are below 256): one byte compare per class then covers the whole block */
 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static inline uint64_t cls_mask(__m512i c0, __m512i c1, __m512i v) {
-    return (uint64_t)_mm512_cmpeq_epi16_mask(c0, v) | ((uint64_t)_mm512_cmpeq_epi16_mask(c1, v) << 32);
+static inline __m512i class_bytes(const uint16_t *p, __m512i absm, __m128i sh) {
+    __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)p), absm), sh);
+    __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(p + 32)), absm), sh);
+    /* packus interleaves 128-bit lanes: quadwords come out as c0[0], c1[0], c0[1], c1[1], ... */
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi16(c0, c1));
 }
 
 /* encoder, both passes. Returns k, -1 out of memory, -2 too many active classes (use scalar). */
@@ -230,21 +236,20 @@ static int64_t scan_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_
         int c = (o[(*cidx)[j]] & 0x7FFF) >> mant;
         if (slot[c] < 0) { if (A == MAXA) return -2; slot[c] = A; act[A++] = c; }
     }
-    uint64_t cnt[MAXA] = {0}, eq[MAXA];
+    uint64_t cnt[MAXA] = {0};
     __m512i vact[MAXA];
-    for (int a = 0; a < A; a++) vact[a] = _mm512_set1_epi16((short)act[a]);
+    for (int a = 0; a < A; a++) vact[a] = _mm512_set1_epi8((char)act[a]);
     const __m512i absm = _mm512_set1_epi16(0x7FFF);
     const __m128i sh = _mm_cvtsi32_si128(mant);
     int64_t j = 0;
     for (i = 0; i + 64 <= n && j < k; i += 64) {
-        __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i)), absm), sh);
-        __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i + 32)), absm), sh);
-        for (int a = 0; a < A; a++) eq[a] = cls_mask(c0, c1, vact[a]);
-        for (; j < k && (*cidx)[j] < i + 64; j++) {
+        __m512i cb = class_bytes(o + i, absm, sh);
+        for (; j < k && (*cidx)[j] < i + 64; j++) {  /* this block's changes: members before them */
             int b = (int)((*cidx)[j] - i), s = slot[(o[(*cidx)[j]] & 0x7FFF) >> mant];
-            (*rank)[j] = cnt[s] + (uint64_t)__builtin_popcountll(eq[s] & ((1ULL << b) - 1));
+            uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[s]);
+            (*rank)[j] = cnt[s] + (uint64_t)__builtin_popcountll(e & ((1ULL << b) - 1));
         }
-        for (int a = 0; a < A; a++) cnt[a] += (uint64_t)__builtin_popcountll(eq[a]);
+        for (int a = 0; a < A; a++) cnt[a] += (uint64_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(cb, vact[a]));
     }
     for (; i < n && j < k; i++) {  /* the tail, scalar */
         int s = slot[(o[i] & 0x7FFF) >> mant];
@@ -255,45 +260,51 @@ static int64_t scan_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_
 }
 
 /* decoder scan. rows: the active classes (table order), their start/end in the class-ordered
- * arrays. Returns the number of changes written, or -2 (use scalar). */
+ * arrays. Returns the number of changes written, -2 (use scalar) or -3 (a rank past its class). */
 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
 static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, const int64_t *table, int64_t ntab,
                                   const int64_t *start, const uint64_t *rk, const uint64_t *dv,
                                   int64_t *idx_out, uint16_t *new_out) {
     if (ntab > MAXA) return -2;
     const uint64_t mask = 0xFFFF, sign = 0x8000;
-    int A = (int)ntab, live[MAXA];
-    int64_t next[MAXA], endc[MAXA];
-    uint64_t want[MAXA], cnt[MAXA];
+    /* the live classes, compacted (a class leaves when its last change is out): its class byte,
+     * how many of its members to skip before its next change, and where its changes are */
     __m512i vact[MAXA];
-    for (int a = 0; a < A; a++) {
+    uint64_t rem[MAXA];
+    int64_t next[MAXA], endc[MAXA];
+    int L = (int)ntab;
+    for (int a = 0; a < L; a++) {
         int c = (int)table[TAB * a];
-        live[a] = a; next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; want[a] = rk[next[a]]; cnt[a] = 0;
-        vact[a] = _mm512_set1_epi16((short)c);
+        vact[a] = _mm512_set1_epi8((char)c);
+        next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; rem[a] = rk[next[a]];
     }
     const __m512i absm = _mm512_set1_epi16(0x7FFF);
     const __m128i sh = _mm_cvtsi32_si128(mant);
     int64_t out = 0, i;
-    int L = A;
     for (i = 0; i + 64 <= n && L; i += 64) {
-        __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i)), absm), sh);
-        __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(o + i + 32)), absm), sh);
+        __m512i cb = class_bytes(o + i, absm, sh);
         int64_t first = out;
         for (int x = 0; x < L; x++) {
-            int a = live[x];
-            uint64_t e = cls_mask(c0, c1, vact[a]);
+            uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[x]);
             uint64_t pc = (uint64_t)__builtin_popcountll(e);
-            while (want[a] < cnt[a] + pc) {
-                int b = __builtin_ctzll(_pdep_u64(1ULL << (want[a] - cnt[a]), e));
-                int64_t jj = next[a]++;
+            if (__builtin_expect(pc <= rem[x], 1)) { rem[x] -= pc; continue; }
+            uint64_t at = rem[x];  /* index among the class's members in this block */
+            for (;;) {
+                int b = __builtin_ctzll(_pdep_u64(1ULL << at, e));
+                int64_t jj = next[x]++;
                 uint64_t u = o[i + b];
                 idx_out[out] = i + b;
                 new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
                 out++;
-                want[a] = next[a] < endc[a] ? rk[next[a]] : UINT64_MAX;
+                if (next[x] == endc[x]) break;
+                at += 1 + (rk[next[x]] - rk[jj] - 1);
+                if (at >= pc) { rem[x] = at - pc; break; }
             }
-            cnt[a] += pc;
-            if (want[a] == UINT64_MAX) { live[x--] = live[--L]; }  /* done: stop counting it */
+            if (next[x] == endc[x]) {  /* done: stop counting it */
+                L--;
+                vact[x] = vact[L]; rem[x] = rem[L]; next[x] = next[L]; endc[x] = endc[L];
+                x--;
+            }
         }
         /* the block's changes came class by class: put them in position order */
         for (int64_t p = first + 1; p < out; p++) {
@@ -304,21 +315,24 @@ static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, const 
     }
     for (; i < n && L; i++) {  /* the tail, scalar */
         uint64_t u = o[i];
-        int c = (int)((u & 0x7FFF) >> mant);
-        for (int a = 0; a < A; a++) {
-            if ((int)table[TAB * a] != c) continue;
-            if (cnt[a]++ == want[a]) {
-                int64_t jj = next[a]++;
-                idx_out[out] = i;
-                new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
-                out++;
-                want[a] = next[a] < endc[a] ? rk[next[a]] : UINT64_MAX;
+        char c = (char)((u & 0x7FFF) >> mant);
+        for (int x = 0; x < L; x++) {
+            if ((char)_mm_cvtsi128_si32(_mm512_castsi512_si128(vact[x])) != c) continue;
+            if (rem[x]) { rem[x]--; break; }
+            int64_t jj = next[x]++;
+            idx_out[out] = i;
+            new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
+            out++;
+            if (next[x] == endc[x]) {
+                L--;
+                vact[x] = vact[L]; rem[x] = rem[L]; next[x] = next[L]; endc[x] = endc[L];
+            } else {
+                rem[x] = rk[next[x]] - rk[jj] - 1;
             }
             break;
         }
     }
-    for (int a = 0; a < A; a++) if (next[a] != endc[a]) return -3;
-    return out;
+    return L ? -3 : out;
 }
 #endif
 
