@@ -131,46 +131,49 @@ static int push_change(int64_t **cidx, uint64_t **rank, int64_t *cap, int64_t *k
     return 0;
 }
 
-/* pass 1 of the encoder: the changed positions and their ranks within their class. The
- * per-class counts go to 4 interleaved tables (no store-to-load stall between neighbours of
- * one class); a changed element's rank is their sum. w is a constant at each call site. */
-static inline __attribute__((always_inline)) int64_t scan_changes(
-        const void *oldp, const void *newp, int64_t n, const int w, int mant, uint32_t cnt[4][256],
-        int64_t **cidx, uint64_t **rank, int64_t *cap) {
-    const uint64_t absmask = (1ULL << (8 * w - 1)) - 1;
+/* an element's class: its exponent field, clamped to the chunk's class range [lo, hi] */
+static inline int class_of(uint64_t u, uint64_t absmask, int mant, int lo, int hi) {
+    int c = (int)((u & absmask) >> mant);
+    return c < lo ? lo : (c > hi ? hi : c);
+}
+
+/* pass A of the encoder, scalar: the changed positions */
+static inline __attribute__((always_inline)) int64_t find_changes(
+        const void *oldp, const void *newp, int64_t n, const int w, int64_t **cidx, uint64_t **rank, int64_t *cap) {
     int64_t k = 0;
-    int64_t i = 0;
-    for (; i + 4 <= n; i += 4) {
-        for (int j = 0; j < 4; j++) {
-            uint64_t u = load_u(oldp, i + j, w);
-            uint32_t c = (uint32_t)((u & absmask) >> mant);
-            if (__builtin_expect(u != load_u(newp, i + j, w), 0)
-                && push_change(cidx, rank, cap, &k, i + j, (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c]))
-                return -1;
-            cnt[j][c]++;
-        }
-    }
-    for (; i < n; i++) {
-        uint64_t u = load_u(oldp, i, w);
-        uint32_t c = (uint32_t)((u & absmask) >> mant);
-        if (u != load_u(newp, i, w)
-            && push_change(cidx, rank, cap, &k, i, (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c]))
+    for (int64_t i = 0; i < n; i++)
+        if (__builtin_expect(load_u(oldp, i, w) != load_u(newp, i, w), 0) && push_change(cidx, rank, cap, &k, i, 0))
             return -1;
-        cnt[0][c]++;
-    }
     return k;
+}
+
+/* pass B of the encoder, scalar: each change's rank among the elements of its class. The
+ * per-class counts go to 4 interleaved tables (no store-to-load stall between neighbours of one
+ * class); a rank is their sum. w is a constant at each call site. */
+static inline __attribute__((always_inline)) void rank_scalar(
+        const void *oldp, int64_t n, const int w, int mant, int lo, int hi, const int64_t *cidx, int64_t k,
+        uint64_t *rank) {
+    const uint64_t absmask = (1ULL << (8 * w - 1)) - 1;
+    uint32_t cnt[4][256];
+    memset(cnt, 0, sizeof cnt);
+    int64_t j = 0;
+    for (int64_t i = 0; i < n && j < k; i++) {
+        int c = class_of(load_u(oldp, i, w), absmask, mant, lo, hi);
+        if (__builtin_expect(cidx[j] == i, 0)) rank[j++] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
+        cnt[i & 3][c]++;
+    }
 }
 
 /* the decoder's scan: the element whose class count reaches the class's next rank is changed */
 static inline __attribute__((always_inline)) int64_t scan_decode(
-        const void *oldp, int64_t n, const int w, int mant, uint32_t *cnt, uint32_t *want, int64_t *next,
-        const int64_t *endc, const uint64_t *rk, const uint64_t *dv, int64_t *idx_out, void *new_out) {
+        const void *oldp, int64_t n, const int w, int mant, int lo, int hi, uint32_t *cnt, uint32_t *want,
+        int64_t *next, const int64_t *endc, const uint64_t *rk, const uint64_t *dv, int64_t *idx_out, void *new_out) {
     const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
     const uint64_t absmask = sign - 1;
     int64_t out = 0;
     for (int64_t i = 0; i < n; i++) {
         uint64_t u = load_u(oldp, i, w);
-        uint32_t c = (uint32_t)((u & absmask) >> mant);
+        int c = class_of(u, absmask, mant, lo, hi);
         if (__builtin_expect(cnt[c]++ == want[c], 0)) {
             int64_t j = next[c]++;
             want[c] = next[c] < endc[c] ? (uint32_t)rk[next[c]] : UINT32_MAX;
@@ -210,12 +213,12 @@ static inline __m512i class_bytes(const uint16_t *p, __m512i absm, __m128i sh) {
     return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi16(c0, c1));
 }
 
-/* encoder, both passes. Returns k, -1 out of memory, -2 too many active classes (use scalar). */
+/* pass A of the encoder, 64 elements at a time */
 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static int64_t scan_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_t n, int mant,
+static int64_t find_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_t n,
                                    int64_t **cidx, uint64_t **rank, int64_t *cap) {
-    int64_t k = 0, i;
-    for (i = 0; i < n; i += 64) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i += 64) {
         uint64_t m;
         if (i + 64 <= n) {
             __m512i a0 = _mm512_loadu_si512((const void *)(o + i)), a1 = _mm512_loadu_si512((const void *)(o + i + 32));
@@ -226,43 +229,51 @@ static int64_t scan_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_
             for (int64_t j = i; j < n; j++) if (o[j] != nw[j]) m |= 1ULL << (j - i);
         }
         while (m) {
-            if (push_change(cidx, rank, cap, &k, i + __builtin_ctzll(m), 0)) return -1;  /* ranks: pass B */
+            if (push_change(cidx, rank, cap, &k, i + __builtin_ctzll(m), 0)) return -1;
             m &= m - 1;
         }
     }
+    return k;
+}
+
+/* pass B of the encoder, 64 elements at a time. Returns 0, or -2 when more than MAXA classes
+ * have changes (use the scalar pass). */
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static int rank_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx, int64_t k,
+                       uint64_t *rank) {
     int slot[256], act[MAXA], A = 0;
     for (int c = 0; c < 256; c++) slot[c] = -1;
     for (int64_t j = 0; j < k; j++) {
-        int c = (o[(*cidx)[j]] & 0x7FFF) >> mant;
+        int c = class_of(o[cidx[j]], 0x7FFF, mant, lo, hi);
         if (slot[c] < 0) { if (A == MAXA) return -2; slot[c] = A; act[A++] = c; }
     }
     uint64_t cnt[MAXA] = {0};
     __m512i vact[MAXA];
     for (int a = 0; a < A; a++) vact[a] = _mm512_set1_epi8((char)act[a]);
-    const __m512i absm = _mm512_set1_epi16(0x7FFF);
+    const __m512i absm = _mm512_set1_epi16(0x7FFF), vlo = _mm512_set1_epi8((char)lo), vhi = _mm512_set1_epi8((char)hi);
     const __m128i sh = _mm_cvtsi32_si128(mant);
-    int64_t j = 0;
+    int64_t j = 0, i;
     for (i = 0; i + 64 <= n && j < k; i += 64) {
-        __m512i cb = class_bytes(o + i, absm, sh);
-        for (; j < k && (*cidx)[j] < i + 64; j++) {  /* this block's changes: members before them */
-            int b = (int)((*cidx)[j] - i), s = slot[(o[(*cidx)[j]] & 0x7FFF) >> mant];
+        __m512i cb = _mm512_max_epu8(_mm512_min_epu8(class_bytes(o + i, absm, sh), vhi), vlo);
+        for (; j < k && cidx[j] < i + 64; j++) {  /* this block's changes: members before them */
+            int b = (int)(cidx[j] - i), s = slot[class_of(o[cidx[j]], 0x7FFF, mant, lo, hi)];
             uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[s]);
-            (*rank)[j] = cnt[s] + (uint64_t)__builtin_popcountll(e & ((1ULL << b) - 1));
+            rank[j] = cnt[s] + (uint64_t)__builtin_popcountll(e & ((1ULL << b) - 1));
         }
         for (int a = 0; a < A; a++) cnt[a] += (uint64_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(cb, vact[a]));
     }
     for (; i < n && j < k; i++) {  /* the tail, scalar */
-        int s = slot[(o[i] & 0x7FFF) >> mant];
-        if ((*cidx)[j] == i) (*rank)[j++] = cnt[s];
+        int s = slot[class_of(o[i], 0x7FFF, mant, lo, hi)];
+        if (cidx[j] == i) rank[j++] = cnt[s];
         if (s >= 0) cnt[s]++;
     }
-    return k;
+    return 0;
 }
 
 /* decoder scan. rows: the active classes (table order), their start/end in the class-ordered
  * arrays. Returns the number of changes written, -2 (use scalar) or -3 (a rank past its class). */
 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, const int64_t *table, int64_t ntab,
+static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *table, int64_t ntab,
                                   const int64_t *start, const uint64_t *rk, const uint64_t *dv,
                                   int64_t *idx_out, uint16_t *new_out) {
     if (ntab > MAXA) return -2;
@@ -278,11 +289,11 @@ static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, const 
         vact[a] = _mm512_set1_epi8((char)c);
         next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; rem[a] = rk[next[a]];
     }
-    const __m512i absm = _mm512_set1_epi16(0x7FFF);
+    const __m512i absm = _mm512_set1_epi16(0x7FFF), vlo = _mm512_set1_epi8((char)lo), vhi = _mm512_set1_epi8((char)hi);
     const __m128i sh = _mm_cvtsi32_si128(mant);
     int64_t out = 0, i;
     for (i = 0; i + 64 <= n && L; i += 64) {
-        __m512i cb = class_bytes(o + i, absm, sh);
+        __m512i cb = _mm512_max_epu8(_mm512_min_epu8(class_bytes(o + i, absm, sh), vhi), vlo);
         int64_t first = out;
         for (int x = 0; x < L; x++) {
             uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[x]);
@@ -315,7 +326,7 @@ static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, const 
     }
     for (; i < n && L; i++) {  /* the tail, scalar */
         uint64_t u = o[i];
-        char c = (char)((u & 0x7FFF) >> mant);
+        char c = (char)class_of(u, 0x7FFF, mant, lo, hi);
         for (int x = 0; x < L; x++) {
             if ((char)_mm_cvtsi128_si32(_mm512_castsi512_si128(vact[x])) != c) continue;
             if (rem[x]) { rem[x]--; break; }
@@ -351,27 +362,53 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     const int nc = 1 << ebits;
     const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
     const uint64_t absmask = sign - 1;
-    uint32_t cnt[4][256]; memset(cnt, 0, sizeof cnt);
     int64_t cap = 1024, k = 0;
     int64_t *cidx = (int64_t *)malloc((size_t)cap * 8);
     uint64_t *rank = (uint64_t *)malloc((size_t)cap * 8);
     if (!cidx || !rank) { free(cidx); free(rank); return E_NOMEM; }
-    /* pass 1: changed positions; the per-class counts go to 4 interleaved tables (no store-to-
-     * load stall between neighbours of one class); a changed element's rank is their sum */
-    int64_t got = -2;
+    int simd = 0;
 #ifdef DCR_X86
-    if (w == 2 && simd_enabled && have_avx512())
-        got = scan_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, mant, &cidx, &rank, &cap);
+    simd = w == 2 && simd_enabled && have_avx512();
 #endif
-    if (got == -2)
-        got = w == 2 ? scan_changes(oldp, newp, n, 2, mant, cnt, &cidx, &rank, &cap)
-            : w == 4 ? scan_changes(oldp, newp, n, 4, mant, cnt, &cidx, &rank, &cap)
-            : scan_changes(oldp, newp, n, 1, mant, cnt, &cidx, &rank, &cap);
+    /* pass A: the changed positions */
+    int64_t got;
+#ifdef DCR_X86
+    if (simd) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, &cidx, &rank, &cap);
+    else
+#endif
+    got = w == 2 ? find_changes(oldp, newp, n, 2, &cidx, &rank, &cap)
+        : w == 4 ? find_changes(oldp, newp, n, 4, &cidx, &rank, &cap)
+        : find_changes(oldp, newp, n, 1, &cidx, &rank, &cap);
     if (got < 0) { free(cidx); free(rank); return E_NOMEM; }
     k = got;
+    /* the class range: exponents with fewer than max(4, k/256) changes at either end are merged
+     * into the nearest one with more (fewer classes to count, almost no bytes lost) */
+    int lo = 0, hi = 0;
+    {
+        int64_t ke[256]; memset(ke, 0, sizeof ke);
+        for (int64_t j = 0; j < k; j++) ke[(load_u(oldp, cidx[j], w) & absmask) >> mant]++;
+        int64_t t = k >> 8 > 4 ? k >> 8 : 4;
+        int first = -1, last = -1, sfirst = -1, slast = -1;
+        for (int c = 0; c < nc; c++) {
+            if (ke[c]) { if (first < 0) first = c; last = c; }
+            if (ke[c] >= t) { if (sfirst < 0) sfirst = c; slast = c; }
+        }
+        lo = sfirst >= 0 ? sfirst : (first >= 0 ? first : 0);
+        hi = sfirst >= 0 ? slast : (last >= 0 ? last : 0);
+    }
+    /* pass B: ranks within the classes */
+    int rb = -2;
+#ifdef DCR_X86
+    if (simd) rb = rank_avx512((const uint16_t *)oldp, n, mant, lo, hi, cidx, k, rank);
+#endif
+    if (rb == -2) {
+        if (w == 2) rank_scalar(oldp, n, 2, mant, lo, hi, cidx, k, rank);
+        else if (w == 4) rank_scalar(oldp, n, 4, mant, lo, hi, cidx, k, rank);
+        else rank_scalar(oldp, n, 1, mant, lo, hi, cidx, k, rank);
+    }
     /* pass 2: counting sort of the changes by class (stable: index order within a class) */
     int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
-    for (int64_t j = 0; j < k; j++) ccount[((load_u(oldp, cidx[j], w) & absmask) >> mant) + 1]++;
+    for (int64_t j = 0; j < k; j++) ccount[class_of(load_u(oldp, cidx[j], w), absmask, mant, lo, hi) + 1]++;
     for (int c = 0; c < nc; c++) ccount[c + 1] += ccount[c];
     int64_t fill[256]; memcpy(fill, ccount, sizeof fill);
     uint64_t *gap = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* rank gaps, class order */
@@ -381,7 +418,7 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     if (!gap || !mag || !neg || !tmp) { free(cidx); free(rank); free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
     for (int64_t j = 0; j < k; j++) {
         uint64_t uo = load_u(oldp, cidx[j], w), un = load_u(newp, cidx[j], w);
-        uint32_t c = (uint32_t)((uo & absmask) >> mant);
+        int c = class_of(uo, absmask, mant, lo, hi);
         int64_t at = fill[c]++;
         uint64_t d = (key_of(un, mask, sign) - key_of(uo, mask, sign)) & mask;
         if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
@@ -487,15 +524,18 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
         const int64_t *row = table + TAB * r; int c = (int)row[0];
         next[c] = start[c]; endc[c] = start[c] + row[1]; want[c] = (uint32_t)rk[next[c]];
     }
+    /* the class range is the table's first and last class */
+    int lo = ntab ? (int)table[0] : 0, hi = ntab ? (int)table[TAB * (ntab - 1)] : 0;
     int64_t out = -2, scalar = 1;
 #ifdef DCR_X86
     if (w == 2 && simd_enabled && have_avx512())
-        out = scan_decode_avx512((const uint16_t *)oldp, n, mant, table, ntab, start, rk, dv, idx_out, (uint16_t *)new_out);
+        out = scan_decode_avx512((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
+                                 (uint16_t *)new_out);
 #endif
     if (out != -2) scalar = 0;
-    else out = w == 2 ? scan_decode(oldp, n, 2, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
-            : w == 4 ? scan_decode(oldp, n, 4, mant, cnt, want, next, endc, rk, dv, idx_out, new_out)
-            : scan_decode(oldp, n, 1, mant, cnt, want, next, endc, rk, dv, idx_out, new_out);
+    else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out)
+            : w == 4 ? scan_decode(oldp, n, 4, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out)
+            : scan_decode(oldp, n, 1, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out);
     if (out == -3) { free(rk); free(dv); return E_RANK; }
     free(rk); free(dv);
     if (scalar) for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;

@@ -3,7 +3,10 @@
 Under Adam-style updates whether a floating-point value changes depends mostly on its exponent
 (the ulp it would have to cross), and a change is almost always one step in the format's
 monotone order. Both sides know the base, so both can put every element of a chunk in the
-*class* of its base value's exponent field and code each class on its own:
+*class* of its base value's exponent field and code each class on its own. The exponent is
+clamped to the chunk's class range (``class_range``: exponents with very few changes at either
+end are merged into the nearest busier one; the decoder reads the range off the table's first
+and last rows), which keeps the classes the kernel must count per element to ~15:
 
 * positions: per class, the ranks (among the elements of that class, in index order) of the
   changed elements, as gaps, Rice-coded with a per-class parameter;
@@ -149,11 +152,13 @@ def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
     mask, sign = _masks(w)
     uo, un = _u(old), _u(new)
     n = uo.numel()
-    cls = _classes(uo, w, mant)
+    exp = _classes(uo, w, mant)
     idx = torch.nonzero(uo != un).squeeze(1)
     k = idx.numel()
     if k == 0:
         return 0, [], b"", b""
+    lo, hi = class_range(exp[idx], k)
+    cls = exp.clamp(lo, hi)
     order = torch.argsort(cls, stable=True)
     inv = torch.empty(n, dtype=torch.int64)
     inv[order] = torch.arange(n)
@@ -189,6 +194,16 @@ def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
     return k, rows, _pack(pos_fields), _pack(val_fields + big_fields)
 
 
+def class_range(changed_exp: torch.Tensor, k: int):
+    """The chunk's class range [lo, hi]: the lowest and highest exponent with at least
+    max(4, k >> 8) changes (if none has, the lowest and highest with any); exponents outside are
+    merged into the nearest end."""
+    ke = torch.bincount(changed_exp, minlength=256)
+    strong = torch.nonzero(ke >= max(4, k >> 8)).squeeze(1)
+    some = strong if strong.numel() else torch.nonzero(ke).squeeze(1)
+    return int(some.min()), int(some.max())
+
+
 def _check_table(rows, w: int, mant: int, k: int):
     nc = 1 << (8 * w - 1 - mant)
     prev, total = -1, 0
@@ -212,7 +227,7 @@ def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, ma
     n = uo.numel()
     pr, vr = _Reader(pos, "position"), _Reader(val, "value")
     neg = [vr.get(1) for _ in range(k)]
-    cls = _classes(uo, w, mant)
+    cls = _classes(uo, w, mant).clamp(rows[0][0], rows[-1][0]) if rows else _classes(uo, w, mant)
     out_idx, out_d, a = [], [], 0
     for c, kc, kp, bc, kb, ke in rows:
         ranks, acc = [], -1

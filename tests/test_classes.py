@@ -312,3 +312,25 @@ def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
         apply({k: v.clone() for k, v in other.items()}, old_blob)
     new_entries = DeltaReader(diff(base, target)).header["tensors"]
     assert all(e["target_digest"].startswith("sha256:") for e in new_entries)
+
+
+@pytest.mark.parametrize("use_native", [False, True] if native.lib() is not None else [False])
+def test_rare_extreme_exponents_share_the_end_classes(use_native):
+    """A change at an exponent with few changes below the busy range goes into the lowest busy
+    class (and above it into the highest); positions still decode exactly."""
+    g = torch.Generator().manual_seed(11)
+    mant = classes.MANTISSA[torch.bfloat16]
+    exps = torch.tensor([118, 119, 120])[torch.randint(0, 3, (20000,), generator=g)]
+    old = ((exps << mant) | torch.randint(0, 128, (20000,), generator=g)).to(torch.int16)
+    old[:50] = (100 << mant) + torch.arange(50)  # a rare low exponent
+    old[-50:] = (130 << mant) + torch.arange(50)  # a rare high one
+    new = old.clone()
+    hit = torch.rand(20000, generator=g) < 0.05
+    hit[:50] = hit[-50:] = False
+    hit[[3, 7, 19990]] = True  # two changes at exponent 100, one at 130
+    new[hit] += 1
+    k, rows, pos, val = classes.encode(old, new, mant, use_native=use_native)
+    assert [r[0] for r in rows] == [118, 119, 120]  # 100 and 130 merged into the ends
+    idx, vals = classes.decode(old, rows, pos, val, k, mant, use_native=use_native)
+    want = torch.nonzero(old != new).squeeze(1)
+    assert torch.equal(idx, want) and torch.equal(vals, new[want])
