@@ -406,7 +406,7 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
         else if (w == 4) rank_scalar(oldp, n, 4, mant, lo, hi, cidx, k, rank);
         else rank_scalar(oldp, n, 1, mant, lo, hi, cidx, k, rank);
     }
-    /* pass 2: counting sort of the changes by class (stable: index order within a class) */
+    /* pass C: counting sort of the changes by class (stable: index order within a class) */
     int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
     for (int64_t j = 0; j < k; j++) ccount[class_of(load_u(oldp, cidx[j], w), absmask, mant, lo, hi) + 1]++;
     for (int c = 0; c < nc; c++) ccount[c + 1] += ccount[c];

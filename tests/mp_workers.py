@@ -143,7 +143,9 @@ def _joint_publish_and_follow(rank, world, spec, res):
     res["versions"], res["steps"] = [], []
     if rank < 4:
         layout = trainer_layout(rank)
-        pub = Publisher(store, group=trainers, chunk_elems=CHUNK)
+        # the receivers shard W0 on another dim than the trainers: they hold part of every sent
+        # chunk, which 'classes' chunks cannot be decoded from (docs/user-guide.md)
+        pub = Publisher(store, group=trainers, chunk_elems=CHUNK, encoding="portable")
     else:
         layout = receiver_layout(rank - 4)
         recv = {n: torch.zeros(s.shape, dtype=SHAPES[n][1]) for n, s in layout.items()}
