@@ -430,7 +430,15 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
         for (int64_t j = ccount[c + 1] - 1; j > ccount[c]; j--) gap[j] = gap[j] - gap[j - 1] - 1;
     writer pw, vw;
     w_init(&pw, k + 16); w_init(&vw, k / 4 + 16);
-    for (int64_t j = 0; j < k; j++) w_put(&vw, neg[j], 1);
+    {   /* the sign bits, 8 at a time (the stream starts byte-aligned) */
+        int64_t j = 0;
+        for (; j + 8 <= k; j += 8) {
+            uint64_t byte = 0;
+            for (int b = 0; b < 8; b++) byte |= (uint64_t)neg[j + b] << b;
+            w_put(&vw, byte, 8);
+        }
+        for (; j < k; j++) w_put(&vw, neg[j], 1);
+    }
     int64_t rows = 0;
     for (int c = 0; c < nc; c++) {
         int64_t a = ccount[c], kc = ccount[c + 1] - a;
