@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from . import native
-from .dtypes import INT_VIEW
+from .ordered import key, to_bits, unkey, unsigned
 from .errors import DeltaFormatError
 
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
@@ -43,30 +43,6 @@ _ERRORS = {-1: "bad class table", -2: "stream truncated or malformed", -3: "stre
 
 def applicable(dtype: torch.dtype) -> bool:
     return dtype in MANTISSA
-
-
-def _masks(w: int):
-    mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
-    return mask, sign
-
-
-def _u(bits: torch.Tensor) -> torch.Tensor:
-    return bits.to(torch.int64) & ((1 << (8 * bits.element_size())) - 1)
-
-
-def _key(u, mask, sign):
-    return torch.where((u & sign) != 0, mask - u, u | sign)
-
-
-def _unkey(k, mask, sign):
-    return torch.where((k & sign) != 0, k - sign, mask - k)
-
-
-def _to_bits(u: torch.Tensor, w: int) -> torch.Tensor:
-    if w == 1:
-        return u.to(torch.uint8)
-    half = 1 << (8 * w - 1)
-    return torch.where(u >= half, u - (1 << (8 * w)), u).to(INT_VIEW[w])
 
 
 def _classes(u: torch.Tensor, w: int, mant: int) -> torch.Tensor:
@@ -149,8 +125,7 @@ class _Reader:
 def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
     """old/new: 1-D integer views of one chunk. -> (k, table rows, position bytes, value bytes)."""
     w = new.element_size()
-    mask, sign = _masks(w)
-    uo, un = _u(old), _u(new)
+    uo, un = unsigned(old), unsigned(new)
     n = uo.numel()
     exp = _classes(uo, w, mant)
     idx = torch.nonzero(uo != un).squeeze(1)
@@ -167,7 +142,8 @@ def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
     c_ch = cls[idx]
     o = torch.argsort(c_ch, stable=True)
     c_ch, rank, idx = c_ch[o], rank[o], idx[o]
-    d = (_key(un[idx], mask, sign) - _key(uo[idx], mask, sign)) & mask
+    mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
+    d = (key(un[idx], w, True) - key(uo[idx], w, True)) & mask
     neg = (d & sign) != 0
     mag = torch.where(neg, mask + 1 - d, d)
     pos_fields, val_fields, big_fields, rows = [], [(neg.to(torch.int64), torch.ones(k, dtype=torch.int64))], [], []
@@ -221,9 +197,9 @@ def _check_table(rows, w: int, mant: int, k: int):
 def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int):
     """-> (positions in the chunk, increasing; new bits at them)."""
     w = old.element_size()
-    mask, sign = _masks(w)
+    mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
     _check_table(rows, w, mant, k)
-    uo = _u(old)
+    uo = unsigned(old)
     n = uo.numel()
     pr, vr = _Reader(pos, "position"), _Reader(val, "value")
     neg = [vr.get(1) for _ in range(k)]
@@ -266,8 +242,8 @@ def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, ma
     idx, d = torch.cat(out_idx), torch.cat(out_d)
     o = torch.argsort(idx)
     idx, d = idx[o], d[o]
-    newk = (_key(uo[idx], mask, sign) + d) & mask
-    return idx, _to_bits(_unkey(newk, mask, sign), w).view(old.dtype)
+    newk = (key(uo[idx], w, True) + d) & mask
+    return idx, to_bits(unkey(newk, w, True), w).view(old.dtype)
 
 
 # ----------------------------------------------------------------------------- dispatch

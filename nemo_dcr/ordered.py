@@ -22,26 +22,26 @@ from .dtypes import INT_VIEW
 WIDTHS = (1, 2, 4)
 
 
-def _unsigned(bits: torch.Tensor) -> torch.Tensor:
+def unsigned(bits: torch.Tensor) -> torch.Tensor:
     w = bits.element_size()
     return bits.to(torch.int64) & ((1 << (8 * w)) - 1)
 
 
-def _key(u: torch.Tensor, w: int, is_float: bool) -> torch.Tensor:
+def key(u: torch.Tensor, w: int, is_float: bool) -> torch.Tensor:
     if not is_float:
         return u
     mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
     return torch.where(u >= sign, mask - u, u | sign)
 
 
-def _unkey(k: torch.Tensor, w: int, is_float: bool) -> torch.Tensor:
+def unkey(k: torch.Tensor, w: int, is_float: bool) -> torch.Tensor:
     if not is_float:
         return k
     mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
     return torch.where(k >= sign, k - sign, mask - k)
 
 
-def _to_bits(u: torch.Tensor, w: int) -> torch.Tensor:
+def to_bits(u: torch.Tensor, w: int) -> torch.Tensor:
     """Non-negative int64 < 2^(8w) -> the integer view dtype with the same bits."""
     half = 1 << (8 * w - 1)
     signed = torch.where(u >= half, u - (1 << (8 * w)), u)
@@ -52,17 +52,17 @@ def encode(old: torch.Tensor, new: torch.Tensor, is_float: bool) -> torch.Tensor
     """old/new: integer views (same width). -> zigzag differences in the same integer view."""
     w = new.element_size()
     mod = 1 << (8 * w)
-    d = (_key(_unsigned(new), w, is_float) - _key(_unsigned(old), w, is_float)) % mod
+    d = (key(unsigned(new), w, is_float) - key(unsigned(old), w, is_float)) % mod
     s = torch.where(d >= mod // 2, d - mod, d)               # signed difference in [-mod/2, mod/2)
     z = torch.where(s >= 0, 2 * s, -2 * s - 1)                # zigzag, in [0, mod)
-    return _to_bits(z, w)
+    return to_bits(z, w)
 
 
 def decode(old: torch.Tensor, z_bits: torch.Tensor, is_float: bool) -> torch.Tensor:
     """Inverse of ``encode``: the new bits from the old bits and the coded differences."""
     w = old.element_size()
     mod = 1 << (8 * w)
-    z = _unsigned(z_bits)
+    z = unsigned(z_bits)
     s = torch.where(z % 2 == 0, z // 2, -(z + 1) // 2)
-    k = (_key(_unsigned(old), w, is_float) + s) % mod
-    return _to_bits(_unkey(k, w, is_float), w)
+    k = (key(unsigned(old), w, is_float) + s) % mod
+    return to_bits(unkey(k, w, is_float), w)

@@ -20,8 +20,8 @@ def test_one_ulp_up_or_down_is_one_zigzag_step():
     x = torch.tensor([1.0, -1.0, 3.5, -2.0e-3, 6.0e4], dtype=torch.float32).bfloat16()
     bits = int_view(x)
     for step, code in ((1, 2), (-1, 1), (2, 4), (-2, 3)):
-        k = ordered._key(ordered._unsigned(bits), 2, True) + step
-        moved = ordered._to_bits(ordered._unkey(k, 2, True), 2)
+        k = ordered.key(ordered.unsigned(bits), 2, True) + step
+        moved = ordered.to_bits(ordered.unkey(k, 2, True), 2)
         assert torch.equal(ordered.encode(bits, moved, True), torch.full((5,), code, dtype=torch.int16))
         assert torch.equal(ordered.decode(bits, torch.full((5,), code, dtype=torch.int16), True), moved)
 
