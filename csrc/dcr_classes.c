@@ -236,15 +236,15 @@ static int64_t find_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_
     return k;
 }
 
-/* pass B of the encoder, 64 elements at a time. Returns 0, or -2 when more than MAXA classes
- * have changes (use the scalar pass). */
+/* pass B of the encoder, 64 elements at a time (cls: each change's class). Returns 0, or -2
+ * when more than MAXA classes have changes (use the scalar pass). */
 __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static int rank_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx, int64_t k,
-                       uint64_t *rank) {
+static int rank_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx,
+                       const uint8_t *cls, int64_t k, uint64_t *rank) {
     int slot[256], act[MAXA], A = 0;
     for (int c = 0; c < 256; c++) slot[c] = -1;
     for (int64_t j = 0; j < k; j++) {
-        int c = class_of(o[cidx[j]], 0x7FFF, mant, lo, hi);
+        int c = cls[j];
         if (slot[c] < 0) { if (A == MAXA) return -2; slot[c] = A; act[A++] = c; }
     }
     uint64_t cnt[MAXA] = {0};
@@ -256,7 +256,7 @@ static int rank_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
     for (i = 0; i + 64 <= n && j < k; i += 64) {
         __m512i cb = _mm512_max_epu8(_mm512_min_epu8(class_bytes(o + i, absm, sh), vhi), vlo);
         for (; j < k && cidx[j] < i + 64; j++) {  /* this block's changes: members before them */
-            int b = (int)(cidx[j] - i), s = slot[class_of(o[cidx[j]], 0x7FFF, mant, lo, hi)];
+            int b = (int)(cidx[j] - i), s = slot[cls[j]];
             uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[s]);
             rank[j] = cnt[s] + (uint64_t)__builtin_popcountll(e & ((1ULL << b) - 1));
         }
@@ -384,9 +384,11 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     /* the class range: exponents with fewer than max(4, k/256) changes at either end are merged
      * into the nearest one with more (fewer classes to count, almost no bytes lost) */
     int lo = 0, hi = 0;
+    uint8_t *ex = (uint8_t *)malloc((size_t)(k ? k : 1));  /* each change's exponent, read once */
+    if (!ex) { free(cidx); free(rank); return E_NOMEM; }
     {
         int64_t ke[256]; memset(ke, 0, sizeof ke);
-        for (int64_t j = 0; j < k; j++) ke[(load_u(oldp, cidx[j], w) & absmask) >> mant]++;
+        for (int64_t j = 0; j < k; j++) ke[ex[j] = (uint8_t)((load_u(oldp, cidx[j], w) & absmask) >> mant)]++;
         int64_t t = k >> 8 > 4 ? k >> 8 : 4;
         int first = -1, last = -1, sfirst = -1, slast = -1;
         for (int c = 0; c < nc; c++) {
@@ -396,10 +398,11 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
         lo = sfirst >= 0 ? sfirst : (first >= 0 ? first : 0);
         hi = sfirst >= 0 ? slast : (last >= 0 ? last : 0);
     }
+    for (int64_t j = 0; j < k; j++) ex[j] = (uint8_t)(ex[j] < lo ? lo : (ex[j] > hi ? hi : ex[j]));  /* -> class */
     /* pass B: ranks within the classes */
     int rb = -2;
 #ifdef DCR_X86
-    if (simd) rb = rank_avx512((const uint16_t *)oldp, n, mant, lo, hi, cidx, k, rank);
+    if (simd) rb = rank_avx512((const uint16_t *)oldp, n, mant, lo, hi, cidx, ex, k, rank);
 #endif
     if (rb == -2) {
         if (w == 2) rank_scalar(oldp, n, 2, mant, lo, hi, cidx, k, rank);
@@ -408,23 +411,22 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     }
     /* pass C: counting sort of the changes by class (stable: index order within a class) */
     int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
-    for (int64_t j = 0; j < k; j++) ccount[class_of(load_u(oldp, cidx[j], w), absmask, mant, lo, hi) + 1]++;
+    for (int64_t j = 0; j < k; j++) ccount[ex[j] + 1]++;
     for (int c = 0; c < nc; c++) ccount[c + 1] += ccount[c];
     int64_t fill[256]; memcpy(fill, ccount, sizeof fill);
     uint64_t *gap = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* rank gaps, class order */
     uint64_t *mag = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference|, class order */
     uint8_t *neg = (uint8_t *)malloc((size_t)(k ? k : 1));
     uint64_t *tmp = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
-    if (!gap || !mag || !neg || !tmp) { free(cidx); free(rank); free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
+    if (!gap || !mag || !neg || !tmp) { free(cidx); free(rank); free(ex); free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
     for (int64_t j = 0; j < k; j++) {
         uint64_t uo = load_u(oldp, cidx[j], w), un = load_u(newp, cidx[j], w);
-        int c = class_of(uo, absmask, mant, lo, hi);
-        int64_t at = fill[c]++;
+        int64_t at = fill[ex[j]]++;
         uint64_t d = (key_of(un, mask, sign) - key_of(uo, mask, sign)) & mask;
         if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
         gap[at] = rank[j];
     }
-    free(rank);
+    free(rank); free(ex);
     /* rank -> gap within each class */
     for (int c = 0; c < nc; c++)
         for (int64_t j = ccount[c + 1] - 1; j > ccount[c]; j--) gap[j] = gap[j] - gap[j - 1] - 1;

@@ -124,7 +124,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
                    and encoding in (AUTO, CLASSES))
     if encoding == CLASSES and not use_classes:
         encoding = AUTO if old is None else PORTABLE  # not applicable: the smallest of the rest
-    cls_try = None
+    cls_try, cidx = None, None
     if use_classes:
         k, rows, pbytes, vbytes, cidx = classes.encode(old, new, classes.MANTISSA[dtype], with_idx=True)
         if k == 0:
@@ -136,6 +136,9 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     if old is None:
         idx = torch.arange(n, dtype=torch.int64)
         newv, xorv, prev = new, None, None
+    elif cidx is not None:  # the classes kernel found the changes already
+        idx, prev, newv = cidx, old[cidx], new[cidx]
+        xorv = torch.bitwise_xor(prev, newv)
     else:
         x = torch.bitwise_xor(old, new)
         idx = torch.nonzero(x).squeeze(1)
