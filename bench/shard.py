@@ -24,9 +24,7 @@ import argparse
 import importlib.util
 import json
 import os
-import statistics
 import sys
-import time
 
 import torch
 
@@ -36,32 +34,31 @@ from nemo_dcr.delta import DEFAULT_CHUNK
 from nemo_dcr.parallel import default_workers, ordered_map
 
 
-def _train():
-    spec = importlib.util.spec_from_file_location("nemo_dcr_bench_train", os.path.join(os.path.dirname(__file__), "train.py"))
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+def _codec():
+    """bench/codec.py, loaded by path (bench/ is not a package): its train loader and timer."""
+    name = "nemo_dcr_bench_codec"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "codec.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
 
 
 def _median(fn, reps):
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+    return _codec()._median_time(fn, reps)
 
 
 def make_shard(lr: float, copies: int, cache_dir: str, warmup_steps: int, step: int = 2):
-    train = _train()
+    train = _codec()._load_train()
     ck = train.make_checkpoints(step, lr, warmup_steps, 0, 1, cache_dir=cache_dir)
     a, b = ck[step - 1], ck[step]
     flat = lambda ck: torch.cat([ck[n].reshape(-1) for n in sorted(ck)])  # noqa: E731
     return flat(a).repeat(copies), flat(b).repeat(copies)
 
 
-def run(lr=3e-7, copies=10, reps=3, warmup_steps=300, cache_dir="runs/bench-cache", workers=None, step=2) -> dict:
+def run(lr=3e-7, copies=10, reps=3, warmup_steps=300, cache_dir=None, workers=None, step=2) -> dict:
+    """``cache_dir``: the warm-up's disk cache (None: none; the command line uses runs/bench-cache)."""
     base, target = make_shard(lr, copies, cache_dir, warmup_steps, step)
     n = base.numel()
     ob, nb = base.view(torch.int16), target.view(torch.int16)
@@ -115,20 +112,8 @@ def run(lr=3e-7, copies=10, reps=3, warmup_steps=300, cache_dir="runs/bench-cach
     blob = diff({"shard": base}, {"shard": target}, workers=workers)
     t_diff = _median(lambda: diff({"shard": base}, {"shard": target}, workers=workers), reps)
     recv = {"shard": base.clone()}
-
-    def fresh():
-        recv["shard"].copy_(base)
-
-    def do_apply():
-        apply(recv, blob, workers=workers)
-
-    ts = []
-    for _ in range(reps):
-        fresh()
-        t0 = time.perf_counter()
-        do_apply()
-        ts.append(time.perf_counter() - t0)
-    t_apply = statistics.median(ts)
+    t_apply = _codec()._median_time(lambda _: apply(recv, blob, workers=workers), reps,
+                                    setup=lambda: recv["shard"].copy_(base))  # each apply on a fresh base
     if not torch.equal(recv["shard"].view(torch.int16), nb):
         raise AssertionError("apply is not bit-exact")
     out.update({
@@ -158,11 +143,12 @@ def main(argv=None) -> int:
     ap.add_argument("--copies", type=int, default=10, help="tile the 6.6M-element model this many times")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--warmup-steps", type=int, default=300)
-    ap.add_argument("--cache-dir", default="runs/bench-cache")
+    ap.add_argument("--cache-dir", default=None, help="warm-up disk cache (default runs/bench-cache; '' for none)")
     ap.add_argument("--workers", type=int, default=None)
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
-    r = run(a.lr, a.copies, a.reps, a.warmup_steps, a.cache_dir or None, a.workers, a.step)
+    cache_dir = _codec()._load_train().DEFAULT_CACHE_DIR if a.cache_dir is None else (a.cache_dir or None)
+    r = run(a.lr, a.copies, a.reps, a.warmup_steps, cache_dir, a.workers, a.step)
     print(json.dumps(r, indent=1) if a.json else format_table(r))
     return 0
 
