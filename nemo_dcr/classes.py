@@ -273,8 +273,9 @@ def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | N
     try:
         pos = ctypes.string_at(pp, plen.value) if plen.value else b""
         val = ctypes.string_at(vp, vlen.value) if vlen.value else b""
-        idx = torch.frombuffer(bytearray(ctypes.string_at(ip, 8 * k)), dtype=torch.int64) if k \
-            else torch.empty(0, dtype=torch.int64)
+        idx = torch.empty(k, dtype=torch.int64)
+        if k:
+            ctypes.memmove(idx.data_ptr(), ip, 8 * k)
     finally:
         lib.dcr_free(pp)
         lib.dcr_free(vp)
@@ -296,10 +297,8 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
     table = torch.tensor(rows, dtype=torch.int64).reshape(-1) if rows else torch.empty(0, dtype=torch.int64)
     idx = torch.empty(k, dtype=torch.int64)
     out = torch.empty(k, dtype=old.dtype)
-    pb, vb = (ctypes.c_char * max(len(pos), 1)).from_buffer_copy(pos or b"\0"), \
-        (ctypes.c_char * max(len(val), 1)).from_buffer_copy(val or b"\0")
-    rc = lib.dcr_cls_decode(_ptr(old), old.numel(), w, mant, _ptr(table), len(rows), ctypes.addressof(pb), len(pos),
-                            ctypes.addressof(vb), len(val), k, _ptr(idx), _ptr(out))
+    rc = lib.dcr_cls_decode(_ptr(old), old.numel(), w, mant, _ptr(table), len(rows), bytes(pos), len(pos),
+                            bytes(val), len(val), k, _ptr(idx), _ptr(out))  # the kernel only reads the streams
     if rc:
         raise DeltaFormatError(f"classes chunk does not decode: {_ERRORS.get(rc, rc)}")
     return idx, out
