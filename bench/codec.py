@@ -50,9 +50,10 @@ import time
 
 import torch
 
-from nemo_dcr import apply, chunk, diff, inspect, ordered
-from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL
-from nemo_dcr.parallel import default_workers
+from nemo_dcr import apply, diff, inspect
+from nemo_dcr.codec import chunk, ordered
+from nemo_dcr.delta.core import DEFAULT_CHUNK, DEFAULT_LEVEL
+from nemo_dcr.util.parallel import default_workers
 
 CLASSES = getattr(chunk, "CLASSES", "classes")
 ENCODINGS = ("overwrite", "xor", "add", CLASSES, "auto")  # auto = mixed, the default

@@ -29,9 +29,9 @@ import sys
 import torch
 
 from nemo_dcr import apply, diff
-from nemo_dcr.chunk import decode_chunk, encode_chunk
-from nemo_dcr.delta import DEFAULT_CHUNK
-from nemo_dcr.parallel import default_workers, ordered_map
+from nemo_dcr.codec.chunk import decode_chunk, encode_chunk
+from nemo_dcr.delta.core import DEFAULT_CHUNK
+from nemo_dcr.util.parallel import default_workers, ordered_map
 
 
 def _codec():

@@ -18,7 +18,7 @@ def add_dcr_callback(recipe, store: str, config_cls=None, **kwargs):
     """Append ``run.Config(DeltaPublishCallback, store=store, **kwargs)`` to
     ``recipe.trainer.callbacks`` (created if None) and return the recipe. ``config_cls``
     defaults to ``nemo_run.Config`` (imported only here)."""
-    from nemo_dcr.callbacks import DeltaPublishCallback
+    from nemo_dcr.integrations import DeltaPublishCallback
 
     if config_cls is None:
         import nemo_run as run

@@ -2,33 +2,8 @@ import os
 import sys
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """Integer view for bit-exact comparison."""
-    from nemo_dcr.dtypes import int_view
-    return int_view(t)
-
-
-def assert_bits_equal(a: torch.Tensor, b: torch.Tensor, what: str = "") -> None:
-    assert a.dtype == b.dtype, f"{what}: dtype {a.dtype} != {b.dtype}"
-    assert a.shape == b.shape, f"{what}: shape {a.shape} != {b.shape}"
-    assert torch.equal(bits(a), bits(b)), f"{what}: bits differ"
-
-
-def zeros_like(state):
-    """A receiver's starting tensors: same names, dtypes and shapes, all zero."""
-    return {k: torch.zeros_like(v) for k, v in state.items()}
-
-
-def assert_state(recv, state):
-    """Same names, and every tensor bit-identical."""
-    assert sorted(recv) == sorted(state)
-    for k in state:
-        assert_bits_equal(recv[k], state[k], k)
 
 
 @pytest.fixture

@@ -85,8 +85,8 @@ def batch(b=2, s=12, seed=0):
 def perturb(model, v, metadata=None):
     """A sparse 'optimizer step': flip low mantissa bits of ~5 % of the elements, chosen by a
     function of (name, canonical index, version), so every layout makes the same change."""
-    from nemo_dcr.callbacks.megatron import megatron_snapshot
-    from nemo_dcr.dtypes import int_view
+    from nemo_dcr.integrations.megatron import megatron_snapshot
+    from nemo_dcr.state.dtypes import int_view
     views, shards = megatron_snapshot(model, copy=False, metadata=metadata)
     for n, t in views.items():
         s = shards[n]
@@ -105,8 +105,8 @@ def dump(out, tag, rank, v, tensors, shards):
 def assemble(out, tag, v):
     """The full tensors of version ``v`` from every rank's reference file; checks that the
     ranks' blocks cover each tensor exactly once."""
-    from nemo_dcr.callbacks.megatron import check_cover
-    from nemo_dcr.index_map import ShardSpec
+    from nemo_dcr.integrations.megatron import check_cover
+    from nemo_dcr.state.index_map import ShardSpec
     files = sorted(glob.glob(os.path.join(out, f"ref-{tag}-r*-v{v}.pt")))
     if not files:
         raise FileNotFoundError(f"no reference files for {tag} v{v} in {out}")
@@ -124,7 +124,7 @@ def assemble(out, tag, v):
 def mismatches(blocks, full):
     """``blocks``: [(name, ShardSpec, tensor)]; the names whose tensor is not, bit for bit, that
     region of ``full[name]``."""
-    from nemo_dcr.dtypes import int_view
+    from nemo_dcr.state.dtypes import int_view
     bad = []
     for n, s, t in blocks:
         if n not in full:
@@ -147,9 +147,9 @@ def _train(rank, world, a, res, out):
     """(a) TP=2 trainer: real forward/backward/Adam steps; publishes Megatron coordinates and,
     through hf_mapping, HF Llama coordinates, each to its own store."""
     import torch.distributed as dist
-    from nemo_dcr.callbacks.hf_mapping import GPTLayout, megatron_to_hf_shards
-    from nemo_dcr.callbacks.megatron import megatron_snapshot
-    from nemo_dcr.publisher import Publisher
+    from nemo_dcr.integrations.hf_mapping import GPTLayout, megatron_to_hf_shards
+    from nemo_dcr.integrations.megatron import megatron_snapshot
+    from nemo_dcr.sync.publisher import Publisher
     setup(tp=2)
     cfg = config(tp=2)
     model = build(cfg)
@@ -182,8 +182,8 @@ def _train(rank, world, a, res, out):
 def _publish(rank, world, a, res, out):
     """A trainer of layout (tp, pp, ep) publishing versions 0..n-1 with sparse bit changes in
     between; optionally the stacked layout too (or the error it gives)."""
-    from nemo_dcr.callbacks.megatron import megatron_snapshot
-    from nemo_dcr.publisher import Publisher
+    from nemo_dcr.integrations.megatron import megatron_snapshot
+    from nemo_dcr.sync.publisher import Publisher
     tp, pp, ep, moe = a.get("tp", 1), a.get("pp", 1), a.get("ep", 1), a.get("moe", False)
     setup(tp, pp, ep)
     model = build(config(tp, pp, ep, moe=moe), moe=moe)
@@ -223,8 +223,8 @@ def _follow(rank, world, a, res, out):
     """A TP=a['tp'] receiver group: applies every version into views of its own (differently
     initialised) model's parameters, refreshes the TP-replicated layer norms, compares."""
     import torch.distributed as dist
-    from nemo_dcr.callbacks.megatron import check_cover, megatron_snapshot, sync_replicas
-    from nemo_dcr.follower import Follower
+    from nemo_dcr.integrations.megatron import check_cover, megatron_snapshot, sync_replicas
+    from nemo_dcr.sync.follower import Follower
     tp = a["tp"]
     setup(tp)
     model = build(config(tp), seed=99)
@@ -249,7 +249,7 @@ def _follow(rank, world, a, res, out):
 
 
 def _all_blocks(model):
-    from nemo_dcr.callbacks.megatron import DEFAULT_METADATA, _model_of, _pieces, model_chunks
+    from nemo_dcr.integrations.megatron import DEFAULT_METADATA, _model_of, _pieces, model_chunks
     ps = _pieces([_model_of(c) for c in model_chunks(model)], DEFAULT_METADATA, main_only=False)
     return [(p.name, p.spec, p.tensor) for p in ps]
 
@@ -263,8 +263,8 @@ def _dp2(rank, world, a, res, out):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
-    from nemo_dcr.callbacks.megatron import force_param_sync, is_megatron_module, megatron_snapshot
-    from nemo_dcr.dtypes import int_view
+    from nemo_dcr.integrations.megatron import force_param_sync, is_megatron_module, megatron_snapshot
+    from nemo_dcr.state.dtypes import int_view
     setup()
     cfg = config()
     model = build(cfg)

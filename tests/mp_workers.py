@@ -25,7 +25,7 @@ TIMEOUT = datetime.timedelta(seconds=20)  # collectives fail after this instead 
 
 
 def int_bits(t: torch.Tensor) -> torch.Tensor:
-    from nemo_dcr.dtypes import int_view
+    from nemo_dcr.state.dtypes import int_view
     return int_view(t)
 
 
@@ -45,7 +45,7 @@ def global_state(version: int) -> dict:
 
 
 def _split(shape, dim, parts, i):
-    from nemo_dcr.index_map import ShardSpec
+    from nemo_dcr.state.index_map import ShardSpec
     n = shape[dim] // parts
     offsets = [0] * len(shape)
     local = list(shape)
@@ -56,7 +56,7 @@ def _split(shape, dim, parts, i):
 def trainer_layout(rank: int, tp: int = 4) -> dict:
     layout = {"W0": _split(SHAPES["W0"][0], 0, tp, rank), "W1": _split(SHAPES["W1"][0], 1, tp, rank)}
     if rank == 0:
-        from nemo_dcr.index_map import ShardSpec
+        from nemo_dcr.state.index_map import ShardSpec
         layout["bias"] = ShardSpec.full(SHAPES["bias"][0])
     return layout
 
@@ -64,7 +64,7 @@ def trainer_layout(rank: int, tp: int = 4) -> dict:
 def receiver_layout(rank: int, tp: int = 2) -> dict:
     layout = {"W0": _split(SHAPES["W0"][0], 1, tp, rank), "W1": _split(SHAPES["W1"][0], 1, tp, rank)}
     if rank == 0:
-        from nemo_dcr.index_map import ShardSpec
+        from nemo_dcr.state.index_map import ShardSpec
         layout["bias"] = ShardSpec.full(SHAPES["bias"][0])
     return layout
 
@@ -135,8 +135,8 @@ class FaultyStore:
 def _joint_publish_and_follow(rank, world, spec, res):
     """Ranks 0-3 publish (trainer group), ranks 4-5 follow (receiver group), in lock step."""
     import torch.distributed as dist
-    from nemo_dcr.follower import Follower
-    from nemo_dcr.publisher import Publisher
+    from nemo_dcr.sync.follower import Follower
+    from nemo_dcr.sync.publisher import Publisher
 
     trainers, receivers = dist.new_group([0, 1, 2, 3]), dist.new_group([4, 5])
     store = open_spec(spec)
@@ -169,7 +169,7 @@ def _joint_publish_and_follow(rank, world, spec, res):
 
 
 def _die_mid_upload(rank, world, spec, res):
-    from nemo_dcr.publisher import Publisher
+    from nemo_dcr.sync.publisher import Publisher
 
     store = FaultyStore(open_spec(spec), f"/part-{rank:05d}.dcr", "die") if rank == 1 else open_spec(spec)
     layout = trainer_layout(rank)
@@ -189,7 +189,7 @@ def _die_mid_upload(rank, world, spec, res):
 
 
 def _fresh_group_publishes(rank, world, spec, res):
-    from nemo_dcr.publisher import Publisher
+    from nemo_dcr.sync.publisher import Publisher
 
     layout = trainer_layout(rank)
     pub = Publisher(open_spec(spec), chunk_elems=CHUNK, retain=0)  # a restarted trainer: no base in memory
@@ -200,8 +200,8 @@ def _fresh_group_publishes(rank, world, spec, res):
 
 
 def _raise_mid_upload(rank, world, spec, res):
-    from nemo_dcr.publisher import PublishError, Publisher
-    from nemo_dcr.versions import read_head
+    from nemo_dcr.sync.publisher import PublishError, Publisher
+    from nemo_dcr.sync.versions import read_head
 
     store = FaultyStore(open_spec(spec), f"/part-{rank:05d}.dcr", "raise") if rank == 2 else open_spec(spec)
     layout = trainer_layout(rank)
@@ -222,8 +222,8 @@ def _raise_mid_upload(rank, world, spec, res):
 def _restore_download_fails(rank, world, spec, res):
     """A restarted trainer rebuilds its base from the store over the group; one rank cannot
     download: every rank must fail the publish promptly, not wait in a collective for it."""
-    from nemo_dcr.publisher import PublishError, Publisher
-    from nemo_dcr.versions import read_head
+    from nemo_dcr.sync.publisher import PublishError, Publisher
+    from nemo_dcr.sync.versions import read_head
 
     store = FaultyStore(open_spec(spec), ".dcr") if rank == 2 else open_spec(spec)
     layout = trainer_layout(rank)

@@ -4,9 +4,9 @@ import threading
 
 import torch
 
-from conftest import assert_bits_equal
+from dcr_testing import assert_bits_equal
 from nemo_dcr import ShardSpec, apply, diff
-from nemo_dcr.index_map import IndexMap
+from nemo_dcr.state.index_map import IndexMap
 
 
 def _shards(full, n, dim):

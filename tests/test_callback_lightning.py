@@ -11,11 +11,11 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from conftest import assert_bits_equal, assert_state, zeros_like  # noqa: E402
-from nemo_dcr.callbacks import DeltaPublishCallback, DeltaPublishError, module_snapshot  # noqa: E402
-from nemo_dcr.follower import Follower  # noqa: E402
+from dcr_testing import assert_bits_equal, assert_state, zeros_like  # noqa: E402
+from nemo_dcr.integrations import DeltaPublishCallback, DeltaPublishError, module_snapshot  # noqa: E402
+from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
-from nemo_dcr.versions import read_head, read_manifest  # noqa: E402
+from nemo_dcr.sync.versions import read_head, read_manifest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 warnings.filterwarnings("ignore", ".*does not have many workers.*")
@@ -213,7 +213,7 @@ def test_resume_into_a_store_that_lacks_the_checkpoints_version_starts_from_a_ke
     t.fit(Tiny())
     t.save_checkpoint(ckpt)
     other = LocalStore(tmp_path / "b")  # another run's store, behind this checkpoint's version 2
-    from nemo_dcr.publisher import Publisher
+    from nemo_dcr.sync.publisher import Publisher
     Publisher(other).publish(module_snapshot(Tiny())[0])
     cb2 = DeltaPublishCallback(other, background=False)  # its state_key names store b: load a's state by hand
     cb2.load_state_dict(torch.load(ckpt, weights_only=False)["callbacks"][cb.state_key])
@@ -384,8 +384,8 @@ def test_ddp_ranks_publish_over_their_own_gloo_group(tmp_path):
     out.mkdir()
     # the fork server imports these once (Lightning alone takes seconds) and every rank forks from
     # it; the first test module to start the server sets the list (test_publish_multirank's too)
-    preload = ["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower", "nemo_dcr.stores", "boto3",
-               "lightning.pytorch", "nemo_dcr.callbacks.publish"]
+    preload = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores", "boto3",
+               "lightning.pytorch", "nemo_dcr.integrations.publish"]
     found, codes, hung = launch(_ddp_rank, 2, lambda r, port: (r, 2, port, root, str(out)), out, 120, preload)
     assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
     res = [found[r] for r in range(2)]

@@ -7,11 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, classes, diff, native
-from nemo_dcr.dtypes import INT_VIEW
-from nemo_dcr.index_map import ShardSpec
+from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, diff
+from nemo_dcr.codec import classes, native
+from nemo_dcr.state.dtypes import INT_VIEW
+from nemo_dcr.state.index_map import ShardSpec
 
-from conftest import assert_bits_equal
+from dcr_testing import assert_bits_equal
 
 DTYPES = list(classes.MANTISSA)
 needs_native = pytest.mark.skipif(native.lib() is None, reason=f"C kernels unavailable: {native.build_error}")
@@ -296,7 +297,8 @@ def test_vector_and_scalar_scans_agree(dtype):
 def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     """Deltas written before the SHA-256 tensor digests carry bare BLAKE2b ones: a reader checks
     each with the algorithm it names, and still refuses a wrong base."""
-    from nemo_dcr import delta as delta_mod, digest
+    from nemo_dcr.delta import core as delta_mod
+    from nemo_dcr.state import digest
     base, target = _model(seed=6)
     monkeypatch.setattr(delta_mod, "tensor_digest", lambda t: digest.tensor_digest(t, "blake2b"))
     old_blob = diff(base, target)

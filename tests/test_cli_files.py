@@ -9,8 +9,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from conftest import assert_bits_equal
-from nemo_dcr.safetensors_io import save_sharded
+from dcr_testing import assert_bits_equal
+from nemo_dcr.checkpoint.safetensors_io import save_sharded
 
 
 def sha(path):
@@ -202,7 +202,7 @@ def test_not_a_checkpoint(tmp_path, nemo_dcr_cmd):
 def test_inspect_reports_streams_and_rates(tmp_path, nemo_dcr_cmd):
     base, target = _prepare(tmp_path, nemo_dcr_cmd)
     s = json.loads(run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr"), "--json").stdout)
-    from nemo_dcr.dtypes import int_view
+    from nemo_dcr.state.dtypes import int_view
     changed = sum(int((int_view(base[k]) != int_view(target[k])).sum()) for k in base)
     assert s["changed"] == changed
     assert s["elements"] == sum(t.numel() for t in target.values())

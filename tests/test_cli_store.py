@@ -8,7 +8,7 @@ import subprocess
 import pytest
 import torch
 
-from nemo_dcr.safetensors_io import save_sharded
+from nemo_dcr.checkpoint.safetensors_io import save_sharded
 
 
 def tree_sha(path):

@@ -13,9 +13,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nemo_dcr import DeltaReader, apply, diff
-from nemo_dcr.chunk import CLASSES_ENOUGH
-from nemo_dcr.classes import MANTISSA as CLASSES_DTYPES
-from nemo_dcr.dtypes import DTYPES, INT_VIEW, int_view
+from nemo_dcr.codec.chunk import CLASSES_ENOUGH
+from nemo_dcr.codec.classes import MANTISSA as CLASSES_DTYPES
+from nemo_dcr.state.dtypes import DTYPES, INT_VIEW, int_view
 
 SETTINGS = dict(derandomize=True, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

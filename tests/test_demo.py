@@ -9,7 +9,7 @@ pytest.importorskip("lightning")
 
 
 def test_demo_end_to_end(tmp_path):
-    from nemo_dcr.demo import run_demo
+    from nemo_dcr.cli.demo import run_demo
     lines = []
     rows = run_demo(str(tmp_path / "demo"), steps=8, every=4, pretrain_steps=10, out=lines.append)
     assert [r["version"] for r in rows] == [0, 1, 2]

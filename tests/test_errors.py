@@ -19,8 +19,8 @@ import torch
 
 from nemo_dcr import (BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, PartialApplyError, ShardSpec,
                       TargetMismatchError, apply, diff)
-from nemo_dcr.dtypes import int_view
-from nemo_dcr.format import FOOTER, PREAMBLE, DeltaWriter
+from nemo_dcr.state.dtypes import int_view
+from nemo_dcr.codec.format import FOOTER, PREAMBLE, DeltaWriter
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from nemo_dcr import DcrError, IndexMap, ShardSpec, apply, diff
-from nemo_dcr.dtypes import int_view
+from nemo_dcr.state.dtypes import int_view
 from shard_helpers import cut, grid
 
 

@@ -26,16 +26,16 @@ pytest.importorskip("megatron.core", reason="megatron-core not installed (pip in
 
 import mp_megatron as W  # noqa: E402
 from proc_group import launch  # noqa: E402
-from conftest import assert_bits_equal  # noqa: E402
-from nemo_dcr.callbacks import hf_mapping as H  # noqa: E402
-from nemo_dcr.callbacks.megatron import check_cover, is_megatron_module, megatron_snapshot  # noqa: E402
+from dcr_testing import assert_bits_equal  # noqa: E402
+from nemo_dcr.integrations import hf_mapping as H  # noqa: E402
+from nemo_dcr.integrations.megatron import check_cover, is_megatron_module, megatron_snapshot  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
-from nemo_dcr.follower import Follower  # noqa: E402
-from nemo_dcr.index_map import ShardSpec  # noqa: E402
+from nemo_dcr.sync.follower import Follower  # noqa: E402
+from nemo_dcr.state.index_map import ShardSpec  # noqa: E402
 
-PRELOAD = ["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower", "nemo_dcr.stores", "boto3",
+PRELOAD = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores", "boto3",
            "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
-           "megatron.core.distributed", "nemo_dcr.callbacks.megatron", "nemo_dcr.callbacks.hf_mapping"]
+           "megatron.core.distributed", "nemo_dcr.integrations.megatron", "nemo_dcr.integrations.hf_mapping"]
 DEADLINE = 90.0
 LAYOUT = H.GPTLayout(num_attention_heads=8, num_query_groups=4, head_dim=8, vocab_size=W.VOCAB)
 
@@ -373,7 +373,7 @@ def test_check_cover_and_detection_without_megatron_models():
 def test_stacked_blocks_tile_into_one_rectangle_or_fail_clearly():
     """A stacked key (leading layer axis) on a pipeline stage holding layers 2-3: its per-layer
     blocks become one rectangle at layer offset 2; gate and up rows of a TP-sharded fc1 cannot."""
-    from nemo_dcr.callbacks.megatron import _Piece, _tile
+    from nemo_dcr.integrations.megatron import _Piece, _tile
     full = torch.randn(4, 6, 3).to(torch.bfloat16)
     blocks = [_Piece("w", ShardSpec.of((4, 6, 3), (l, 0, 0), (1, 6, 3)), full[l:l + 1], True) for l in (3, 2)]
     p = _tile("w", blocks)

@@ -2,8 +2,8 @@
 pattern (NaN payloads, infinities, -0.0, subnormals)."""
 import torch
 
-from nemo_dcr import ordered
-from nemo_dcr.dtypes import int_view
+from nemo_dcr.codec import ordered
+from nemo_dcr.state.dtypes import int_view
 
 
 def test_every_16_bit_pattern_round_trips():

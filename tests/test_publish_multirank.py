@@ -15,12 +15,12 @@ import torch
 
 import mp_workers as W
 from proc_group import launch
-from conftest import assert_bits_equal
-from nemo_dcr.follower import Follower
-from nemo_dcr.versions import read_head, read_manifest
+from dcr_testing import assert_bits_equal
+from nemo_dcr.sync.follower import Follower
+from nemo_dcr.sync.versions import read_head, read_manifest
 from stores_fixtures import make_s3_store
 
-PRELOAD = ["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower", "nemo_dcr.stores", "boto3"]
+PRELOAD = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores", "boto3"]
 DEADLINE = 60.0  # seconds for one group of processes, start-up included
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
            "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")

@@ -13,11 +13,11 @@ import types
 import pytest
 import torch
 
-from conftest import assert_bits_equal
-from nemo_dcr.callbacks import RolloutLoader, module_snapshot, module_tensors
+from dcr_testing import assert_bits_equal
+from nemo_dcr.integrations import RolloutLoader, module_snapshot, module_tensors
 from nemo_dcr.errors import BaseMismatchError, DcrError
-from nemo_dcr.index_map import ShardSpec
-from nemo_dcr.publisher import Publisher
+from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.sync.publisher import Publisher
 from proc_group import launch
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -92,7 +92,7 @@ def test_hf_model_follows_in_place_and_generates_like_the_trainer(tmp_path):
 
 def test_lightning_trainer_publishes_and_the_loader_follows_every_version(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
-    from nemo_dcr.callbacks import DeltaPublishCallback
+    from nemo_dcr.integrations import DeltaPublishCallback
 
     class LM(pl.LightningModule):
         def __init__(self):
@@ -292,13 +292,13 @@ class FakeWorker:
 
 
 def worker_with(model):
-    from nemo_dcr.callbacks.vllm_worker import DcrWorkerExtension
+    from nemo_dcr.integrations.vllm_worker import DcrWorkerExtension
     return type("Worker", (FakeWorker, DcrWorkerExtension), {})(model)
 
 
 def test_worker_extension_on_an_hf_module(tmp_path):
-    from nemo_dcr.callbacks.vllm_worker import refit
-    from nemo_dcr.digest import tensor_digest
+    from nemo_dcr.integrations.vllm_worker import refit
+    from nemo_dcr.state.digest import tensor_digest
 
     store = str(tmp_path / "store")
     trainer = llama(0)
@@ -465,7 +465,7 @@ def test_vllm_fused_layout_follows_hf_names_bit_exactly(tmp_path):
 def test_vllm_tp_layouts_place_every_published_element(tp):
     """Every TP rank's views, placed by their ShardSpecs, rebuild every HF tensor (tp=4 with 2 kv
     heads: kv heads replicated over pairs of ranks)."""
-    from nemo_dcr.callbacks.vllm_worker import vllm_tensors
+    from nemo_dcr.integrations.vllm_worker import vllm_tensors
 
     hf = llama(0, torch.bfloat16, vocab_size=250)
     want = module_snapshot(hf)[0]
@@ -530,7 +530,7 @@ def test_sharded_receiver_group_with_a_replicated_tensor(tmp_path):
         pub.publish(_group_state(v))
     out = tmp_path / "out"
     out.mkdir()
-    preload = ["torch", "torch.distributed", "nemo_dcr.publisher", "nemo_dcr.follower", "nemo_dcr.stores",
+    preload = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores",
                "nemo_dcr.callbacks.rollout"]  # ranks fork from a server that imported these once
     found, codes, hung = launch(_group_rank, 2, lambda r, port: (r, 2, port, store, str(out)), out, 90, preload)
     assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
@@ -547,7 +547,7 @@ def test_rollout_yaml_configures_the_loader(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     cfg = yaml.safe_load(open(os.path.join(root, "recipes", "rollout.yaml")))
     assert cfg["vllm"]["worker_extension_cls"] == "nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"
-    from nemo_dcr.callbacks.vllm_worker import DcrWorkerExtension  # the path resolves
+    from nemo_dcr.integrations.vllm_worker import DcrWorkerExtension  # the path resolves
     assert callable(DcrWorkerExtension.dcr_update)
     s = small_state()
     store = str(tmp_path / "store")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from nemo_dcr import DcrError, ShardSpec
-from nemo_dcr import statedigest as sd
-from nemo_dcr.dtypes import DTYPES, INT_VIEW, int_view
-from nemo_dcr.statedigest import (P, StateDigest, allreduce_digest, changes_contrib, state_contrib,
+from nemo_dcr.state import statedigest as sd
+from nemo_dcr.state.dtypes import DTYPES, INT_VIEW, int_view
+from nemo_dcr.state.statedigest import (P, StateDigest, allreduce_digest, changes_contrib, state_contrib,
                                   tensor_contrib)
 from shard_helpers import cut, grid
 

@@ -5,12 +5,12 @@ import threading
 import pytest
 import torch
 
-from conftest import assert_state, zeros_like
+from dcr_testing import assert_state, zeros_like
 from nemo_dcr import BaseMismatchError, PartialApplyError
-from nemo_dcr.follower import CorruptObjectError, Follower
-from nemo_dcr.publisher import Publisher
-from nemo_dcr.retention import prune
-from nemo_dcr.versions import CommitConflict, VersionNotFound, read_head, read_manifest
+from nemo_dcr.sync.follower import CorruptObjectError, Follower
+from nemo_dcr.sync.publisher import Publisher
+from nemo_dcr.sync.retention import prune
+from nemo_dcr.sync.versions import CommitConflict, VersionNotFound, read_head, read_manifest
 
 
 def model(seed=0):
@@ -121,7 +121,7 @@ def interrupted_follower(store, monkeypatch, seed, fail_at, error):
     """A follower at version 0 whose sync to version 1 is interrupted (fault injection: decoding
     chunk number ``fail_at`` raises ``error``) after earlier chunks were written in place.
     -> (trainer state at version 1, receiver tensors, follower)."""
-    import nemo_dcr.delta as delta_mod
+    import nemo_dcr.delta.core as delta_mod
 
     state = model(seed)
     pub = Publisher(store, chunk_elems=256)

@@ -49,7 +49,7 @@ def tiny_llama():
 
 
 def save_bf16(model, path):
-    from nemo_dcr.callbacks import module_snapshot
+    from nemo_dcr.integrations import module_snapshot
     from safetensors.torch import save_file
     os.makedirs(path, exist_ok=True)
     state, _ = module_snapshot(model, dtype="bfloat16")
@@ -91,10 +91,10 @@ def main(argv=None) -> int:
     ap.add_argument("--no-reload-check", action="store_true")
     args = ap.parse_args(argv)
 
-    from nemo_dcr.callbacks import module_snapshot
-    from nemo_dcr.callbacks.vllm_worker import refit
-    from nemo_dcr.digest import tensor_digest
-    from nemo_dcr.publisher import Publisher
+    from nemo_dcr.integrations import module_snapshot
+    from nemo_dcr.integrations.vllm_worker import refit
+    from nemo_dcr.state.digest import tensor_digest
+    from nemo_dcr.sync.publisher import Publisher
 
     work = args.workdir or tempfile.mkdtemp(prefix="dcr-vllm-")
     store = os.path.join(work, "store")

@@ -1,0 +1,3 @@
+from nemo_dcr.cli.main import main
+
+raise SystemExit(main())

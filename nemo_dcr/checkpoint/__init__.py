@@ -1,0 +1,1 @@
+"""safetensors checkpoints: file I/O, file-level diff/apply, checkpoint publish/pull."""

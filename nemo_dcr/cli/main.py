@@ -1,0 +1,191 @@
+"""The ``nemo-dcr`` command line. Stable interface for files; see README.md."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from nemo_dcr import __version__
+from nemo_dcr.codec.chunk import CHOICES
+from nemo_dcr.errors import DcrError
+
+
+def _cmd_diff(a):
+    from nemo_dcr.checkpoint.files import diff_checkpoints
+    from nemo_dcr.delta.stats import inspect
+    diff_checkpoints(a.base, a.target, a.output, encoding=a.encoding, level=a.level, chunk_elems=a.chunk_elems,
+                     workers=a.workers)
+    s = inspect(a.output)
+    print(f"wrote {a.output}: {s['bytes']:,} bytes, {s['changed']:,} of {s['elements']:,} elements changed "
+          f"({100 * s['change_rate']:.4f} %), {s['ratio_to_dense']:.1f}x smaller than dense")
+
+
+def _cmd_apply(a):
+    from nemo_dcr.checkpoint.files import apply_checkpoint
+    r = apply_checkpoint(a.base, a.delta, a.output, workers=a.workers)
+    rep = r.report
+    print(f"wrote {r.out}: {r.files} file(s), {rep.elements_changed:,} elements changed in "
+          f"{rep.tensors_changed} tensor(s); base and result verified bit-exactly")
+
+
+def _cmd_inspect(a):
+    from nemo_dcr.delta.stats import format_text, inspect
+    s = inspect(a.delta)
+    if a.json:
+        print(json.dumps(s, indent=2))
+    else:
+        print(format_text(s))
+
+
+def _cmd_publish(a):
+    from nemo_dcr.checkpoint.sync import publish_checkpoint
+    r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
+                           retain=a.retain, encoding=a.encoding, level=a.level)
+    m = r.manifest
+    kind = "keyframe" if not m.parts else ("delta + keyframe" if m.keyframe_parts else "delta")
+    base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
+    print(f"published version {m.version} {base}: {kind}; delta {r.delta_bytes:,} B, keyframe {r.keyframe_bytes:,} B, "
+          f"{100 * r.change_rate:.4f} % changed")
+
+
+def _cmd_pull(a):
+    from nemo_dcr.checkpoint.sync import pull_checkpoint
+    r = pull_checkpoint(a.store, a.into, version=a.version)
+    if not r.updated:
+        print(f"{a.into} is already at version {r.version}")
+    else:
+        steps = ", ".join(f"{k} {v}" for k, v in r.steps)
+        print(f"{a.into} is now at version {r.version} (from {r.from_version if r.from_version is not None else 'nothing'}; "
+              f"{steps}; {r.bytes:,} B fetched; digest verified)")
+
+
+def _cmd_log(a):
+    from nemo_dcr.checkpoint.sync import history
+    ms = history(a.store, limit=a.limit)
+    rows = []
+    for m in ms:
+        elements = sum(p.elements for p in m.parts) or sum(p.elements for p in m.keyframe_parts)
+        changed = sum(p.changed for p in m.parts)
+        rows.append({"version": m.version, "base": m.base_version, "kind": "keyframe" if not m.parts else
+                     ("delta+keyframe" if m.keyframe_parts else "delta"), "delta_bytes": m.delta_bytes(),
+                     "keyframe_bytes": m.keyframe_bytes(), "change_rate": changed / elements if m.parts and elements else None,
+                     "parts": len(m.parts) or len(m.keyframe_parts), "step": m.step, "created": m.created,
+                     "digest": m.target_digest})
+    if a.json:
+        print(json.dumps(rows, indent=2))
+        return
+    if not rows:
+        print("no versions")
+        return
+    print(f"{'version':>8} {'base':>6} {'kind':<15} {'delta B':>12} {'keyframe B':>12} {'change %':>9} {'parts':>5}")
+    for r in rows:
+        cr = f"{100 * r['change_rate']:.4f}" if r["change_rate"] is not None else "-"
+        base = r["base"] if r["base"] is not None else "-"
+        print(f"{r['version']:>8} {base:>6} {r['kind']:<15} {r['delta_bytes']:>12,} {r['keyframe_bytes']:>12,} "
+              f"{cr:>9} {r['parts']:>5}")
+
+
+def _cmd_verify(a):
+    from nemo_dcr.checkpoint.sync import verify_checkpoint
+    v, d = verify_checkpoint(a.store, a.checkpoint)
+    if v is None:
+        raise DcrError(f"{a.checkpoint} (digest {d}) matches no version in the store")
+    print(f"{a.checkpoint} is version {v} (digest {d})")
+
+
+def _cmd_demo(a):
+    from nemo_dcr.cli.demo import run_demo
+    run_demo(a.workdir, store=a.store, steps=a.steps, every=a.every, keyframe_every=a.keyframe_every)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="nemo-dcr", description="Bit-exact delta-compressed weight refit.")
+    p.add_argument("--version", action="version", version=f"nemo-dcr {__version__}")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    d = sub.add_parser("diff", help="encode TARGET as a delta against BASE (safetensors file or directory)")
+    d.add_argument("base")
+    d.add_argument("target")
+    d.add_argument("-o", "--output", required=True, help="delta file to write")
+    d.add_argument("--encoding", choices=list(CHOICES), default="auto",
+                   help="auto (default): per chunk, classes where it pays, else the smallest of all; "
+                        "portable: the smallest of xor, add and overwrite (receivers sharded finer than the sender)")
+    d.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
+    d.add_argument("--chunk-elems", type=int, default=1 << 20, help="elements per chunk (bounds memory)")
+    d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
+    d.set_defaults(func=_cmd_diff)
+
+    ap = sub.add_parser("apply", help="apply DELTA to BASE and write the verified result to OUT atomically")
+    ap.add_argument("base")
+    ap.add_argument("delta")
+    ap.add_argument("-o", "--output", required=True)
+    ap.add_argument("--workers", type=int, default=None)
+    ap.set_defaults(func=_cmd_apply)
+
+    i = sub.add_parser("inspect", help="what a delta holds: change rate, bytes by stream and encoding")
+    i.add_argument("delta")
+    i.add_argument("--json", action="store_true")
+    i.set_defaults(func=_cmd_inspect)
+
+    pb = sub.add_parser("publish", help="publish a checkpoint as the next version in a store")
+    pb.add_argument("--store", required=True, help="s3://bucket/prefix, file:///path or a directory")
+    pb.add_argument("checkpoint")
+    pb.add_argument("--keyframe-every", type=int, default=0, help="also store the full state every K versions")
+    pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
+    pb.add_argument("--retain", type=int, default=None, help="delete versions no receiver needs, keeping N recent")
+    pb.add_argument("--encoding", choices=list(CHOICES), default="auto")
+    pb.add_argument("--level", type=int, default=3)
+    pb.set_defaults(func=_cmd_publish)
+
+    pl = sub.add_parser("pull", help="bring a local checkpoint to the newest (or given) version")
+    pl.add_argument("--store", required=True)
+    pl.add_argument("--into", required=True, help="checkpoint to update (created if missing)")
+    pl.add_argument("--version", type=int, default=None)
+    pl.set_defaults(func=_cmd_pull)
+
+    lg = sub.add_parser("log", help="list the versions in a store")
+    lg.add_argument("--store", required=True)
+    lg.add_argument("--json", action="store_true")
+    lg.add_argument("--limit", type=int, default=None)
+    lg.set_defaults(func=_cmd_log)
+
+    vf = sub.add_parser("verify", help="say which version a checkpoint is")
+    vf.add_argument("--store", required=True)
+    vf.add_argument("checkpoint")
+    vf.set_defaults(func=_cmd_verify)
+
+    m = sub.add_parser("demo", help="a Lightning trainer publishes, a rollout process follows and samples")
+    m.add_argument("--workdir", default="runs/demo")
+    m.add_argument("--store", default=None, help="store URL (default: WORKDIR/store, a local directory)")
+    m.add_argument("--steps", type=int, default=40, help="optimizer steps")
+    m.add_argument("--every", type=int, default=4, help="publish every N optimizer steps")
+    m.add_argument("--keyframe-every", type=int, default=0)
+    m.set_defaults(func=_cmd_demo)
+    return p
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.func(args)
+    except DcrError as e:
+        print(f"nemo-dcr: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("nemo-dcr: interrupted", file=sys.stderr)
+        return 130
+    except OSError as e:
+        print(f"nemo-dcr: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug: still one line, the traceback with NEMO_DCR_DEBUG=1
+        if os.environ.get("NEMO_DCR_DEBUG"):
+            raise
+        print(f"nemo-dcr: internal error (please report; NEMO_DCR_DEBUG=1 shows the traceback): "
+              f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

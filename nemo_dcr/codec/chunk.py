@@ -1,0 +1,216 @@
+"""Reference codec for one chunk, in pure PyTorch. It defines the bytes of the format.
+
+A chunk is a contiguous range ``[start, start + n)`` of a region's flat index. Encoding:
+
+1. ``x = old_bits ^ new_bits`` on integer views; the changed positions are ``x != 0``.
+2. Positions are coded (``positions.py``); values are the new bits (``overwrite``), ``x`` at
+   the changed positions (``xor``), or the difference in the format's monotone order (``add``,
+   ``ordered.py``), split into byte planes (``planes.py``).
+3. Each stream is zstd-compressed, or stored raw when zstd does not make it smaller.
+
+   Or (``classes``, ``classes.py``): positions and values coded together, modelled on the base
+   value's exponent, with Rice codes; no zstd. It needs the whole base chunk to decode.
+4. ``pre``/``post`` are digests of the old and new bits at the changed positions. The
+   receiver checks the bits it holds against them before touching anything: ``pre`` means
+   "apply", ``post`` means "already applied, skip" (so an XOR re-delivered is harmless),
+   anything else is a wrong base.
+"""
+from __future__ import annotations
+
+import threading
+import zlib
+from dataclasses import dataclass
+
+import torch
+import zstandard
+
+from nemo_dcr.codec import classes
+from nemo_dcr.codec import ordered
+from nemo_dcr.codec import planes
+from nemo_dcr.codec import positions
+from nemo_dcr.state.digest import values_digest
+from nemo_dcr.errors import DeltaFormatError
+
+OVERWRITE, XOR, ADD, CLASSES = "overwrite", "xor", "add", "classes"
+ENCODINGS = (OVERWRITE, XOR, ADD, CLASSES)
+AUTO = "auto"  # mixed: per chunk, the smallest of them (see encode_chunk)
+PORTABLE = "portable"  # mixed without codings that need the whole base chunk (receivers sharded differently)
+CHOICES = (AUTO, PORTABLE, OVERWRITE, XOR, ADD, CLASSES)
+_PREFER = {CLASSES: 0, XOR: 1, ADD: 2, OVERWRITE: 3}  # ties
+CLASSES_ENOUGH = 1.0  # auto: a classes chunk at or under this many bytes per change is taken without trying the rest
+_ROW_BYTES = 8  # auto: what one classes table row costs in the (zstd-compressed) header, roughly
+
+_tls = threading.local()
+
+
+def _compressor(level: int) -> zstandard.ZstdCompressor:
+    cache = getattr(_tls, "c", None)
+    if cache is None:
+        cache = _tls.c = {}
+    if level not in cache:
+        cache[level] = zstandard.ZstdCompressor(level=level)
+    return cache[level]
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    d = getattr(_tls, "d", None)
+    if d is None:
+        d = _tls.d = zstandard.ZstdDecompressor()
+    return d
+
+
+def pack(raw: bytes, level: int):
+    """(stored bytes, zstd?) -- zstd only when it is smaller."""
+    if not raw:
+        return b"", False
+    z = _compressor(level).compress(raw)
+    return (z, True) if len(z) < len(raw) else (raw, False)
+
+
+def unpack(stored, compressed: bool, raw_len: int) -> bytes:
+    if not compressed:
+        if len(stored) != raw_len:
+            raise DeltaFormatError(f"stream is {len(stored)} bytes, header says {raw_len}")
+        return bytes(stored)
+    try:
+        out = _decompressor().decompress(stored, max_output_size=raw_len)
+    except zstandard.ZstdError as e:
+        raise DeltaFormatError(f"zstd stream does not decode: {e}") from None
+    if len(out) != raw_len:
+        raise DeltaFormatError(f"zstd stream gives {len(out)} bytes, header says {raw_len}")
+    return out
+
+
+@dataclass
+class EncodedChunk:
+    start: int
+    n: int
+    k: int
+    enc: str
+    pos: str
+    pos_bytes: bytes
+    val_bytes: bytes
+    pos_raw: int
+    val_raw: int
+    pos_z: bool
+    val_z: bool
+    pre: str
+    post: str
+    alt_val_len: dict  # stored value bytes of every encoding tried (for inspect/bench)
+    changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
+    cls: list | None = None  # the classes table (classes coding only)
+
+    def header(self, offset: int) -> dict:
+        extra = {"cls": self.cls} if self.cls is not None else {}
+        return {**extra,
+            "start": self.start, "n": self.n, "k": self.k, "enc": self.enc, "pos": self.pos,
+            "off": offset, "plen": len(self.pos_bytes), "vlen": len(self.val_bytes),
+            "praw": self.pos_raw, "vraw": self.val_raw, "pz": self.pos_z, "vz": self.val_z,
+            "crc": zlib.crc32(self.val_bytes, zlib.crc32(self.pos_bytes)),
+            "pre": self.pre, "post": self.post,
+        }
+
+
+def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encoding: str = AUTO,
+                 level: int = 3, keep_changes: bool = False, is_float: bool = True,
+                 dtype: torch.dtype | None = None) -> EncodedChunk | None:
+    """old/new: 1-D integer views of the chunk. ``old=None`` means "no base": every element
+    is sent, overwrite. Returns None when nothing changed.
+
+    ``auto`` (the default): where the dtype allows it, ``classes`` first; if that costs more than
+    ``CLASSES_ENOUGH`` bytes per change, xor, add and overwrite too, and the smallest wins.
+    ``portable``: the smallest of xor, add and overwrite. ``dtype`` (the tensor's) enables
+    ``classes``; without it only the other codings are used."""
+    n = new.numel()
+    w = new.element_size()
+    use_classes = (old is not None and dtype is not None and classes.applicable(dtype)
+                   and encoding in (AUTO, CLASSES))
+    if encoding == CLASSES and not use_classes:
+        encoding = AUTO if old is None else PORTABLE  # not applicable: the smallest of the rest
+    cls_try, cidx = None, None
+    if use_classes:
+        k, rows, pbytes, vbytes, cidx = classes.encode(old, new, classes.MANTISSA[dtype], with_idx=True)
+        if k == 0:
+            return None
+        cls_try = (k, rows, pbytes, vbytes)
+        cost = len(pbytes) + len(vbytes) + _ROW_BYTES * len(rows)
+        if encoding == CLASSES or cost <= CLASSES_ENOUGH * k:
+            return _classes_chunk(old, new, start, n, cls_try, {CLASSES: cost}, keep_changes, cidx)
+    if old is None:
+        idx = torch.arange(n, dtype=torch.int64)
+        newv, xorv, prev = new, None, None
+    elif cidx is not None:  # the classes kernel found the changes already
+        idx, prev, newv = cidx, old[cidx], new[cidx]
+        xorv = torch.bitwise_xor(prev, newv)
+    else:
+        x = torch.bitwise_xor(old, new)
+        idx = torch.nonzero(x).squeeze(1)
+        if idx.numel() == 0:
+            return None
+        newv = new[idx]
+        xorv = x[idx]
+        prev = old[idx]
+    k = idx.numel()
+    pos_coding, pos_raw = positions.encode(idx, n)
+    pos_bytes, pos_z = pack(pos_raw, level)
+    tried = {}
+    mixed = encoding in (AUTO, PORTABLE)
+    if mixed or encoding == OVERWRITE or xorv is None:
+        tried[OVERWRITE] = pack(planes.split(newv), level)
+    add_ok = xorv is not None and w in ordered.WIDTHS
+    if xorv is not None and (mixed or encoding == XOR or (encoding == ADD and not add_ok)):
+        tried[XOR] = pack(planes.split(xorv), level)
+    if add_ok and (mixed or encoding == ADD):
+        tried[ADD] = pack(planes.split(ordered.encode(prev, newv, is_float)), level)
+    sizes = {e: len(v[0]) + len(pos_bytes) for e, v in tried.items()}
+    if cls_try is not None:
+        sizes[CLASSES] = len(cls_try[2]) + len(cls_try[3]) + _ROW_BYTES * len(cls_try[1])
+    enc = min(sizes, key=lambda e: (sizes[e], _PREFER[e]))
+    if enc == CLASSES:
+        return _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx)
+    val_bytes, val_z = tried[enc]
+    return EncodedChunk(
+        start=start, n=n, k=k, enc=enc, pos=pos_coding, pos_bytes=pos_bytes, val_bytes=val_bytes,
+        pos_raw=len(pos_raw), val_raw=k * w, pos_z=pos_z, val_z=val_z,
+        pre=values_digest(prev) if prev is not None else "", post=values_digest(newv),
+        alt_val_len={e: len(v[0]) for e, v in tried.items()},
+        changes=(idx, prev, newv) if keep_changes else None,
+    )
+
+
+def _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx) -> EncodedChunk:
+    k, rows, pbytes, vbytes = cls_try
+    prev, newv = old[idx], new[idx]
+    return EncodedChunk(
+        start=start, n=n, k=k, enc=CLASSES, pos=CLASSES, pos_bytes=pbytes, val_bytes=vbytes,
+        pos_raw=len(pbytes), val_raw=len(vbytes), pos_z=False, val_z=False,
+        pre=values_digest(prev), post=values_digest(newv), alt_val_len=dict(sizes),
+        changes=(idx, prev, newv) if keep_changes else None, cls=rows,
+    )
+
+
+def decode_chunk(h: dict, payload, w: int, base: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+    """Header entry + its payload bytes -> (positions relative to the chunk, value bits).
+
+    A ``classes`` chunk also needs ``base`` (the receiver's bits of the whole chunk, 1-D integer
+    view) and ``dtype``; its values are the new bits, not a difference."""
+    if zlib.crc32(payload) != h["crc"]:
+        raise DeltaFormatError("chunk checksum mismatch")
+    p = memoryview(payload)
+    if h["enc"] == CLASSES or h["pos"] == CLASSES:
+        if h["enc"] != h["pos"] or h["pz"] or h["vz"] or not isinstance(h.get("cls"), list):
+            raise DeltaFormatError("malformed classes chunk entry")
+        if dtype is None or not classes.applicable(dtype) or w != dtype.itemsize:
+            raise DeltaFormatError(f"a classes chunk for dtype {dtype}")
+        if base is None or base.numel() != h["n"]:
+            raise DeltaFormatError("a classes chunk decodes only against the whole base chunk")
+        pos_raw = bytes(p[: h["plen"]])
+        val_raw = bytes(p[h["plen"]:])
+        if len(pos_raw) != h["praw"] or len(val_raw) != h["vraw"]:
+            raise DeltaFormatError("classes chunk stream lengths differ from the header")
+        return classes.decode(base, h["cls"], pos_raw, val_raw, h["k"], classes.MANTISSA[dtype])
+    pos_raw = unpack(p[: h["plen"]], h["pz"], h["praw"])
+    val_raw = unpack(p[h["plen"]:], h["vz"], h["vraw"])
+    idx = positions.decode(h["pos"], pos_raw, h["n"], h["k"])
+    vals = planes.join(val_raw, h["k"], w)
+    return idx, vals

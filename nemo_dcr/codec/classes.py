@@ -1,0 +1,304 @@
+"""The "classes" chunk coding: positions and values modelled on what the receiver already holds.
+
+Under Adam-style updates whether a floating-point value changes depends mostly on its exponent
+(the ulp it would have to cross), and a change is almost always one step in the format's
+monotone order. Both sides know the base, so both can put every element of a chunk in the
+*class* of its base value's exponent field and code each class on its own. The exponent is
+clamped to the chunk's class range (``class_range``: exponents with very few changes at either
+end are merged into the nearest busier one; the decoder reads the range off the table's first
+and last rows), which keeps the classes the kernel must count per element to ~15:
+
+* positions: per class, the ranks (among the elements of that class, in index order) of the
+  changed elements, as gaps, Rice-coded with a per-class parameter;
+* values: the difference ``d = key(new) - key(old)`` of ``ordered.py``: its sign as one raw bit,
+  then per class which changes have ``|d| >= 2`` (Rice-coded gaps in the class's change list)
+  and ``|d| - 2`` for those (Rice-coded).
+
+Rice code of ``v`` with parameter ``k``: ``q = v >> k``; ``q < 32``: ``q`` zero bits, a one bit,
+the ``k`` low bits of ``v``; else 32 zero bits and ``v`` in 48 bits. Bits are packed least
+significant first; each stream ends with zero padding to a byte. The parameter is the cheapest
+of ``bitlength(sum // count) - 2 .. + 1`` within [0, 31] (the smallest on a tie).
+
+The per-class table (class, changes, kp, bigs, kb, ke) goes in the chunk header. This module is
+the reference that defines the bytes; ``csrc/dcr_classes.c`` produces the same bytes faster and
+is used when it builds (``native.py``). Only floating-point dtypes of 1, 2 or 4 bytes.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import torch
+
+from nemo_dcr.codec import native
+from nemo_dcr.codec.ordered import key, to_bits, unkey, unsigned
+from nemo_dcr.errors import DeltaFormatError
+
+MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
+QMAX, ESC_BITS = 32, 48
+ROW = 6  # class, changes, kp, bigs, kb, ke
+_ERRORS = {-1: "bad class table", -2: "stream truncated or malformed", -3: "stream has trailing bits",
+           -4: "position rank out of range", -5: "value out of range", -6: "out of memory", -7: "bad arguments"}
+
+
+def applicable(dtype: torch.dtype) -> bool:
+    return dtype in MANTISSA
+
+
+def _classes(u: torch.Tensor, w: int, mant: int) -> torch.Tensor:
+    return (u & ((1 << (8 * w - 1)) - 1)) >> mant
+
+
+# ----------------------------------------------------------------------------- Rice, reference
+
+def choose_k(v: torch.Tensor) -> int:
+    s, count = int(v.sum()), v.numel()
+    k0 = (s // count).bit_length()
+    best, bestc = -1, 0
+    for k in range(max(k0 - 2, 0), min(k0 + 1, 31) + 1):
+        q = v >> k
+        c = int(torch.where(q < QMAX, q + 1 + k, QMAX + ESC_BITS).sum())
+        if best < 0 or c < bestc:
+            best, bestc = k, c
+    return best
+
+
+def _rice_fields(v: torch.Tensor, k: int):
+    q = v >> k
+    esc = q >= QMAX
+    f1 = torch.where(esc, torch.zeros_like(v), torch.ones_like(v) << q.clamp(max=QMAX - 1))
+    l1 = torch.where(esc, torch.full_like(v, QMAX), q + 1)
+    f2 = torch.where(esc, v, v & ((1 << k) - 1))
+    l2 = torch.where(esc, torch.full_like(v, ESC_BITS), torch.full_like(v, k))
+    return torch.stack([f1, f2], 1).reshape(-1), torch.stack([l1, l2], 1).reshape(-1)
+
+
+def _pack(fields) -> bytes:
+    if not fields:
+        return b""
+    vals = torch.cat([f[0] for f in fields])
+    lens = torch.cat([f[1] for f in fields])
+    total = int(lens.sum())
+    if total == 0:
+        return b""
+    starts = torch.cumsum(lens, 0) - lens
+    fid = torch.repeat_interleave(torch.arange(lens.numel()), lens)
+    j = torch.arange(total) - starts[fid]
+    bits = ((vals[fid] >> j) & 1).to(torch.uint8).numpy()
+    return np.packbits(bits, bitorder="little").tobytes()
+
+
+class _Reader:
+    def __init__(self, buf: bytes, what: str):
+        self.bits = np.unpackbits(np.frombuffer(buf, dtype=np.uint8), bitorder="little")
+        self.ones = np.flatnonzero(self.bits)
+        self.pos, self.n, self.what, self.len = 0, self.bits.size, what, len(buf)
+
+    def _fail(self, why):
+        raise DeltaFormatError(f"classes {self.what} stream: {why}")
+
+    def get(self, length: int) -> int:
+        if self.pos + length > self.n:
+            self._fail("truncated")
+        v = int((self.bits[self.pos:self.pos + length].astype(np.uint64) << np.arange(length, dtype=np.uint64)).sum())
+        self.pos += length
+        return v
+
+    def rice(self, k: int) -> int:
+        i = int(np.searchsorted(self.ones, self.pos))
+        q = int(self.ones[i]) - self.pos if i < self.ones.size else QMAX
+        if q < QMAX:
+            self.pos += q + 1
+            return (q << k) | self.get(k)
+        if self.pos + QMAX > self.n:
+            self._fail("truncated")
+        self.pos += QMAX
+        return self.get(ESC_BITS)
+
+    def done(self):
+        if (self.pos + 7) // 8 != self.len or self.bits[self.pos:].any():
+            self._fail("trailing bits")
+
+
+# ----------------------------------------------------------------------------- reference codec
+
+def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
+    """old/new: 1-D integer views of one chunk. -> (k, table rows, position bytes, value bytes)."""
+    w = new.element_size()
+    uo, un = unsigned(old), unsigned(new)
+    n = uo.numel()
+    exp = _classes(uo, w, mant)
+    idx = torch.nonzero(uo != un).squeeze(1)
+    k = idx.numel()
+    if k == 0:
+        return 0, [], b"", b""
+    lo, hi = class_range(exp[idx], k)
+    cls = exp.clamp(lo, hi)
+    order = torch.argsort(cls, stable=True)
+    inv = torch.empty(n, dtype=torch.int64)
+    inv[order] = torch.arange(n)
+    first = torch.searchsorted(cls[order], torch.arange(int(cls.max()) + 1))
+    rank = inv[idx] - first[cls[idx]]
+    c_ch = cls[idx]
+    o = torch.argsort(c_ch, stable=True)
+    c_ch, rank, idx = c_ch[o], rank[o], idx[o]
+    mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
+    d = (key(un[idx], w, True) - key(uo[idx], w, True)) & mask
+    neg = (d & sign) != 0
+    mag = torch.where(neg, mask + 1 - d, d)
+    pos_fields, val_fields, big_fields, rows = [], [(neg.to(torch.int64), torch.ones(k, dtype=torch.int64))], [], []
+    classes, counts = torch.unique_consecutive(c_ch, return_counts=True)
+    a = 0
+    for c, kc in zip(classes.tolist(), counts.tolist()):
+        r = rank[a:a + kc]
+        gaps = r.clone()
+        gaps[1:] = r[1:] - r[:-1] - 1
+        kp = choose_k(gaps)
+        pos_fields.append(_rice_fields(gaps, kp))
+        m = mag[a:a + kc]
+        bj = torch.nonzero(m >= 2).squeeze(1)
+        kb = ke = 0
+        if bj.numel():
+            bg = bj.clone()
+            bg[1:] = bj[1:] - bj[:-1] - 1
+            kb = choose_k(bg)
+            ex = m[bj] - 2
+            ke = choose_k(ex)
+            big_fields += [_rice_fields(bg, kb), _rice_fields(ex, ke)]
+        rows.append([c, kc, kp, bj.numel(), kb, ke])
+        a += kc
+    return k, rows, _pack(pos_fields), _pack(val_fields + big_fields)
+
+
+def class_range(changed_exp: torch.Tensor, k: int):
+    """The chunk's class range [lo, hi]: the lowest and highest exponent with at least
+    max(4, k >> 8) changes (if none has, the lowest and highest with any); exponents outside are
+    merged into the nearest end."""
+    ke = torch.bincount(changed_exp, minlength=256)
+    strong = torch.nonzero(ke >= max(4, k >> 8)).squeeze(1)
+    some = strong if strong.numel() else torch.nonzero(ke).squeeze(1)
+    return int(some.min()), int(some.max())
+
+
+def _check_table(rows, w: int, mant: int, k: int):
+    nc = 1 << (8 * w - 1 - mant)
+    prev, total = -1, 0
+    for row in rows:
+        if not isinstance(row, (list, tuple)) or len(row) != ROW or not all(isinstance(x, int) for x in row):
+            raise DeltaFormatError("classes table row is not 6 integers")
+        c, kc, kp, bc, kb, ke = row
+        if not (prev < c < nc and 1 <= kc <= k - total and 0 <= bc <= kc and all(0 <= x <= 31 for x in (kp, kb, ke))):
+            raise DeltaFormatError(f"bad classes table row {row}")
+        prev, total = c, total + kc
+    if total != k:
+        raise DeltaFormatError(f"classes table holds {total} changes, header says {k}")
+
+
+def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int):
+    """-> (positions in the chunk, increasing; new bits at them)."""
+    w = old.element_size()
+    mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
+    _check_table(rows, w, mant, k)
+    uo = unsigned(old)
+    n = uo.numel()
+    pr, vr = _Reader(pos, "position"), _Reader(val, "value")
+    neg = [vr.get(1) for _ in range(k)]
+    cls = _classes(uo, w, mant).clamp(rows[0][0], rows[-1][0]) if rows else _classes(uo, w, mant)
+    out_idx, out_d, a = [], [], 0
+    for c, kc, kp, bc, kb, ke in rows:
+        ranks, acc = [], -1
+        for _ in range(kc):
+            acc += 1 + pr.rice(kp)
+            if acc >= n:
+                raise DeltaFormatError("classes position rank out of range")
+            ranks.append(acc)
+        mags = [1] * kc
+        at = -1
+        bigs = []
+        for _ in range(bc):
+            g = vr.rice(kb)
+            if g >= kc - at - 1:
+                raise DeltaFormatError("classes value: big change past the class's changes")
+            at += 1 + g
+            bigs.append(at)
+        for j in bigs:
+            m = vr.rice(ke) + 2
+            if m > sign or (not neg[a + j] and m == sign):
+                raise DeltaFormatError("classes value out of range")
+            mags[j] = m
+        members = torch.nonzero(cls == c).squeeze(1)
+        r = torch.tensor(ranks, dtype=torch.int64)
+        if kc and int(r[-1]) >= members.numel():
+            raise DeltaFormatError("classes position rank out of range")
+        out_idx.append(members[r])
+        mg = torch.tensor(mags, dtype=torch.int64)
+        ng = torch.tensor(neg[a:a + kc], dtype=torch.bool)
+        out_d.append(torch.where(ng, (mask + 1 - mg) & mask, mg))
+        a += kc
+    pr.done()
+    vr.done()
+    if not out_idx:
+        return torch.empty(0, dtype=torch.int64), old[:0].clone()
+    idx, d = torch.cat(out_idx), torch.cat(out_d)
+    o = torch.argsort(idx)
+    idx, d = idx[o], d[o]
+    newk = (key(uo[idx], w, True) + d) & mask
+    return idx, to_bits(unkey(newk, w, True), w).view(old.dtype)
+
+
+# ----------------------------------------------------------------------------- dispatch
+
+def _ptr(t: torch.Tensor) -> int:
+    return t.data_ptr()
+
+
+def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | None = None, with_idx: bool = False):
+    """As ``encode_reference``, with the C kernel when it is available. ``with_idx``: the
+    changed positions (increasing) come back too, as a fifth item."""
+    lib = native.lib() if use_native is not False else None
+    if lib is None:
+        if use_native:
+            raise RuntimeError(f"C kernels unavailable: {native.build_error}")
+        out = encode_reference(old, new, mant)
+        return out + (torch.nonzero(old != new).squeeze(1),) if with_idx else out
+    old, new = old.contiguous(), new.contiguous()
+    w = new.element_size()
+    table = torch.empty(256 * ROW, dtype=torch.int64)
+    ntab, plen, vlen = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+    pp, vp, ip = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    k = lib.dcr_cls_encode(_ptr(old), _ptr(new), new.numel(), w, mant, _ptr(table), ctypes.byref(ntab),
+                           ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp), ctypes.byref(vlen), ctypes.byref(ip))
+    if k < 0:
+        raise RuntimeError(f"classes encode failed: {_ERRORS.get(k, k)}")
+    try:
+        pos = ctypes.string_at(pp, plen.value) if plen.value else b""
+        val = ctypes.string_at(vp, vlen.value) if vlen.value else b""
+        idx = torch.empty(k, dtype=torch.int64)
+        if k:
+            ctypes.memmove(idx.data_ptr(), ip, 8 * k)
+    finally:
+        lib.dcr_free(pp)
+        lib.dcr_free(vp)
+        lib.dcr_free(ip)
+    rows = table[: ntab.value * ROW].reshape(-1, ROW).tolist()
+    return (int(k), rows, pos, val, idx) if with_idx else (int(k), rows, pos, val)
+
+
+def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, use_native: bool | None = None):
+    """As ``decode_reference``, with the C kernel when it is available."""
+    lib = native.lib() if use_native is not False else None
+    if lib is None:
+        if use_native:
+            raise RuntimeError(f"C kernels unavailable: {native.build_error}")
+        return decode_reference(old, rows, pos, val, k, mant)
+    w = old.element_size()
+    _check_table(rows, w, mant, k)
+    old = old.contiguous()
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1) if rows else torch.empty(0, dtype=torch.int64)
+    idx = torch.empty(k, dtype=torch.int64)
+    out = torch.empty(k, dtype=old.dtype)
+    rc = lib.dcr_cls_decode(_ptr(old), old.numel(), w, mant, _ptr(table), len(rows), bytes(pos), len(pos),
+                            bytes(val), len(val), k, _ptr(idx), _ptr(out))  # the kernel only reads the streams
+    if rc:
+        raise DeltaFormatError(f"classes chunk does not decode: {_ERRORS.get(rc, rc)}")
+    return idx, out

@@ -1,0 +1,553 @@
+/* The "classes" chunk coding of nemo-dcr: C kernels, byte-for-byte identical to the PyTorch
+ * reference in nemo_dcr/codec/classes.py (which defines the format; docs/format.md describes it).
+ *
+ * Positions are coded per class of the *base* value (its exponent field), as Rice-coded gaps
+ * between the ranks of changed elements among the elements of that class; values as the sign of
+ * the change in the format's monotone order (one raw bit) and, per class, which changes moved by
+ * more than one step (Rice-coded gaps) and by how much (Rice-coded excess). Both sides compute
+ * the classes from the base, so the context costs nothing to send.
+ *
+ * Plain C99, no dependencies: built at first use by nemo_dcr/codec/native.py and called with ctypes.
+ * Every input is validated; a malformed stream returns a negative code, never reads out of bounds.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define DCR_X86 1
+#endif
+
+#define QMAX 32      /* unary part longer than this: escape */
+#define ESC_BITS 48  /* escaped values are sent in this many bits */
+#define TAB 6        /* table row: class, changes, kp, bigs, kb, ke */
+
+enum { E_TABLE = -1, E_STREAM = -2, E_TRAILING = -3, E_RANK = -4, E_VALUE = -5, E_NOMEM = -6, E_ARGS = -7 };
+
+/* ------------------------------------------------------------------ bit writer (LSB first) */
+typedef struct { uint8_t *buf; int64_t len, cap; uint64_t acc; int nbits; int oom; } writer;
+
+static void w_init(writer *w, int64_t cap) {
+    w->cap = cap < 64 ? 64 : cap; w->len = 0; w->acc = 0; w->nbits = 0;
+    w->buf = (uint8_t *)malloc((size_t)w->cap); w->oom = w->buf == NULL;
+}
+static void w_put(writer *w, uint64_t v, int len) { /* len <= 56 */
+    if (w->oom) return;
+    if (len < 64) v &= (len ? ((1ULL << len) - 1) : 0);
+    w->acc |= v << w->nbits; w->nbits += len;
+    while (w->nbits >= 8) {
+        if (w->len == w->cap) {
+            int64_t nc = w->cap * 2; uint8_t *nb = (uint8_t *)realloc(w->buf, (size_t)nc);
+            if (!nb) { w->oom = 1; return; }
+            w->buf = nb; w->cap = nc;
+        }
+        w->buf[w->len++] = (uint8_t)w->acc; w->acc >>= 8; w->nbits -= 8;
+    }
+}
+static void w_finish(writer *w) { if (w->nbits) w_put(w, 0, 8 - w->nbits); }
+
+static void w_rice(writer *w, uint64_t v, int k) {
+    uint64_t q = v >> k;
+    if (q < QMAX) { w_put(w, 1ULL << q, (int)q + 1); if (k) w_put(w, v, k); }
+    else { w_put(w, 0, QMAX); w_put(w, v, ESC_BITS); }
+}
+
+static uint64_t rice_cost(uint64_t v, int k) { uint64_t q = v >> k; return q < QMAX ? q + 1 + (uint64_t)k : QMAX + ESC_BITS; }
+
+static int bitlength(uint64_t m) { int b = 0; while (m) { b++; m >>= 1; } return b; }
+
+/* the Rice parameter: the cheapest of bitlength(mean)-2 .. bitlength(mean)+1 within [0, 31],
+ * the smallest on a tie. vals[i * stride] for i < count, count >= 1 */
+static int choose_k_gen(const uint64_t *vals, int64_t count) {
+    uint64_t s = 0; for (int64_t i = 0; i < count; i++) s += vals[i];
+    int k0 = bitlength(s / (uint64_t)count), best = -1; uint64_t bestc = 0;
+    for (int k = k0 - 2; k <= k0 + 1; k++) {
+        if (k < 0 || k > 31) continue;
+        uint64_t c = 0; for (int64_t i = 0; i < count; i++) c += rice_cost(vals[i], k);
+        if (best < 0 || c < bestc) { best = k; bestc = c; }
+    }
+    return best;
+}
+
+/* ------------------------------------------------------------------ bit reader */
+typedef struct { const uint8_t *p, *end; uint64_t acc; int nbits; int64_t used; int err; } reader;
+
+static void r_init(reader *r, const uint8_t *p, int64_t len) { r->p = p; r->end = p + len; r->acc = 0; r->nbits = 0; r->used = 0; r->err = 0; }
+static void r_fill(reader *r) { while (r->nbits <= 56 && r->p < r->end) { r->acc |= (uint64_t)(*r->p++) << r->nbits; r->nbits += 8; } }
+static uint64_t r_get(reader *r, int len) { /* len <= 56 */
+    if (!len) return 0;
+    r_fill(r);
+    if (r->nbits < len) { r->err = 1; return 0; }
+    uint64_t v = r->acc & ((1ULL << len) - 1); r->acc >>= len; r->nbits -= len; r->used += len; return v;
+}
+static uint64_t r_rice(reader *r, int k) {
+    r_fill(r);
+    uint64_t low = r->nbits >= 64 ? r->acc : (r->acc & ((1ULL << r->nbits) - 1));
+    if (low & ((1ULL << QMAX) - 1)) {
+        int q = __builtin_ctzll(low);
+        r->acc >>= q + 1; r->nbits -= q + 1; r->used += q + 1;
+        return ((uint64_t)q << k) | r_get(r, k);
+    }
+    if (r->nbits < QMAX) { r->err = 1; return 0; }
+    r_get(r, QMAX);
+    return r_get(r, ESC_BITS);
+}
+/* every bit read, the stream ends in that byte, padding bits are zero */
+static int r_done(reader *r, int64_t len) {
+    if (r->err) return E_STREAM;
+    if ((r->used + 7) / 8 != len) return E_TRAILING;
+    r_fill(r);
+    return (r->nbits && r->acc) ? E_TRAILING : 0;
+}
+
+/* ------------------------------------------------------------------ monotone order */
+static inline uint64_t load_u(const void *p, int64_t i, int w) {
+    if (w == 2) return ((const uint16_t *)p)[i];
+    if (w == 4) return ((const uint32_t *)p)[i];
+    return ((const uint8_t *)p)[i];
+}
+static inline void store_u(void *p, int64_t i, int w, uint64_t v) {
+    if (w == 2) ((uint16_t *)p)[i] = (uint16_t)v;
+    else if (w == 4) ((uint32_t *)p)[i] = (uint32_t)v;
+    else ((uint8_t *)p)[i] = (uint8_t)v;
+}
+static inline uint64_t key_of(uint64_t u, uint64_t mask, uint64_t sign) { return (u & sign) ? mask - u : (u | sign); }
+static inline uint64_t unkey(uint64_t k, uint64_t mask, uint64_t sign) { return (k & sign) ? k - sign : mask - k; }
+
+/* append a changed position (and its rank) to the growing arrays; nonzero when out of memory */
+static int push_change(int64_t **cidx, uint64_t **rank, int64_t *cap, int64_t *k, int64_t i, uint64_t r) {
+    if (*k == *cap) {
+        int64_t nc2 = *cap * 2;
+        int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
+        if (a) *cidx = a;
+        uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
+        if (b) *rank = b;
+        if (!a || !b) return 1;
+        *cap = nc2;
+    }
+    (*cidx)[*k] = i;
+    (*rank)[*k] = r;
+    (*k)++;
+    return 0;
+}
+
+/* an element's class: its exponent field, clamped to the chunk's class range [lo, hi] */
+static inline int class_of(uint64_t u, uint64_t absmask, int mant, int lo, int hi) {
+    int c = (int)((u & absmask) >> mant);
+    return c < lo ? lo : (c > hi ? hi : c);
+}
+
+/* pass A of the encoder, scalar: the changed positions */
+static inline __attribute__((always_inline)) int64_t find_changes(
+        const void *oldp, const void *newp, int64_t n, const int w, int64_t **cidx, uint64_t **rank, int64_t *cap) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i++)
+        if (__builtin_expect(load_u(oldp, i, w) != load_u(newp, i, w), 0) && push_change(cidx, rank, cap, &k, i, 0))
+            return -1;
+    return k;
+}
+
+/* pass B of the encoder, scalar: each change's rank among the elements of its class. The
+ * per-class counts go to 4 interleaved tables (no store-to-load stall between neighbours of one
+ * class); a rank is their sum. w is a constant at each call site. */
+static inline __attribute__((always_inline)) void rank_scalar(
+        const void *oldp, int64_t n, const int w, int mant, int lo, int hi, const int64_t *cidx, int64_t k,
+        uint64_t *rank) {
+    const uint64_t absmask = (1ULL << (8 * w - 1)) - 1;
+    uint32_t cnt[4][256];
+    memset(cnt, 0, sizeof cnt);
+    int64_t j = 0;
+    for (int64_t i = 0; i < n && j < k; i++) {
+        int c = class_of(load_u(oldp, i, w), absmask, mant, lo, hi);
+        if (__builtin_expect(cidx[j] == i, 0)) rank[j++] = (uint64_t)cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
+        cnt[i & 3][c]++;
+    }
+}
+
+/* the decoder's scan: the element whose class count reaches the class's next rank is changed */
+static inline __attribute__((always_inline)) int64_t scan_decode(
+        const void *oldp, int64_t n, const int w, int mant, int lo, int hi, uint32_t *cnt, uint32_t *want,
+        int64_t *next, const int64_t *endc, const uint64_t *rk, const uint64_t *dv, int64_t *idx_out, void *new_out) {
+    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    const uint64_t absmask = sign - 1;
+    int64_t out = 0;
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t u = load_u(oldp, i, w);
+        int c = class_of(u, absmask, mant, lo, hi);
+        if (__builtin_expect(cnt[c]++ == want[c], 0)) {
+            int64_t j = next[c]++;
+            want[c] = next[c] < endc[c] ? (uint32_t)rk[next[c]] : UINT32_MAX;
+            idx_out[out] = i;
+            store_u(new_out, out, w, unkey((key_of(u, mask, sign) + dv[j]) & mask, mask, sign));
+            out++;
+        }
+    }
+    return out;
+}
+
+
+/* ------------------------------------------------------------------ AVX-512 scans (16-bit)
+ * The same results as the scalar scans, 64 elements at a time: one compare per *active* class
+ * (a class with changes), on the classes packed to bytes, gives that class's members in the block
+ * as a bit mask; popcounts keep
+ * the per-class counts and locate ranks inside the block. Used for 2-byte dtypes when the CPU
+ * has AVX-512BW and at most MAXA classes are active; everything else takes the scalar scans. */
+#define MAXA 64
+static int simd_enabled = 1;
+void dcr_set_simd(int on) { simd_enabled = on; }
+
+#ifdef DCR_X86
+static int have_avx512(void) {
+    static int v = -1;
+    if (v < 0) { __builtin_cpu_init(); v = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"); }
+    return v;
+}
+
+/* the classes of 64 consecutive 16-bit elements as 64 bytes, in element order (classes of
+ * 2-byte dtypes are below 256): one byte compare per class then covers the whole block */
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static inline __m512i class_bytes(const uint16_t *p, __m512i absm, __m128i sh) {
+    __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)p), absm), sh);
+    __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(p + 32)), absm), sh);
+    /* packus interleaves 128-bit lanes: quadwords come out as c0[0], c1[0], c0[1], c1[1], ... */
+    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi16(c0, c1));
+}
+
+/* pass A of the encoder, 64 elements at a time */
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static int64_t find_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_t n,
+                                   int64_t **cidx, uint64_t **rank, int64_t *cap) {
+    int64_t k = 0;
+    for (int64_t i = 0; i < n; i += 64) {
+        uint64_t m;
+        if (i + 64 <= n) {
+            __m512i a0 = _mm512_loadu_si512((const void *)(o + i)), a1 = _mm512_loadu_si512((const void *)(o + i + 32));
+            __m512i b0 = _mm512_loadu_si512((const void *)(nw + i)), b1 = _mm512_loadu_si512((const void *)(nw + i + 32));
+            m = (uint64_t)_mm512_cmpneq_epi16_mask(a0, b0) | ((uint64_t)_mm512_cmpneq_epi16_mask(a1, b1) << 32);
+        } else {
+            m = 0;
+            for (int64_t j = i; j < n; j++) if (o[j] != nw[j]) m |= 1ULL << (j - i);
+        }
+        while (m) {
+            if (push_change(cidx, rank, cap, &k, i + __builtin_ctzll(m), 0)) return -1;
+            m &= m - 1;
+        }
+    }
+    return k;
+}
+
+/* pass B of the encoder, 64 elements at a time (cls: each change's class). Returns 0, or -2
+ * when more than MAXA classes have changes (use the scalar pass). */
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static int rank_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx,
+                       const uint8_t *cls, int64_t k, uint64_t *rank) {
+    int slot[256], act[MAXA], A = 0;
+    for (int c = 0; c < 256; c++) slot[c] = -1;
+    for (int64_t j = 0; j < k; j++) {
+        int c = cls[j];
+        if (slot[c] < 0) { if (A == MAXA) return -2; slot[c] = A; act[A++] = c; }
+    }
+    uint64_t cnt[MAXA] = {0};
+    __m512i vact[MAXA];
+    for (int a = 0; a < A; a++) vact[a] = _mm512_set1_epi8((char)act[a]);
+    const __m512i absm = _mm512_set1_epi16(0x7FFF), vlo = _mm512_set1_epi8((char)lo), vhi = _mm512_set1_epi8((char)hi);
+    const __m128i sh = _mm_cvtsi32_si128(mant);
+    int64_t j = 0, i;
+    for (i = 0; i + 64 <= n && j < k; i += 64) {
+        __m512i cb = _mm512_max_epu8(_mm512_min_epu8(class_bytes(o + i, absm, sh), vhi), vlo);
+        for (; j < k && cidx[j] < i + 64; j++) {  /* this block's changes: members before them */
+            int b = (int)(cidx[j] - i), s = slot[cls[j]];
+            uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[s]);
+            rank[j] = cnt[s] + (uint64_t)__builtin_popcountll(e & ((1ULL << b) - 1));
+        }
+        for (int a = 0; a < A; a++) cnt[a] += (uint64_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(cb, vact[a]));
+    }
+    for (; i < n && j < k; i++) {  /* the tail, scalar */
+        int s = slot[class_of(o[i], 0x7FFF, mant, lo, hi)];
+        if (cidx[j] == i) rank[j++] = cnt[s];
+        if (s >= 0) cnt[s]++;
+    }
+    return 0;
+}
+
+/* decoder scan. rows: the active classes (table order), their start/end in the class-ordered
+ * arrays. Returns the number of changes written, -2 (use scalar) or -3 (a rank past its class). */
+__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *table, int64_t ntab,
+                                  const int64_t *start, const uint64_t *rk, const uint64_t *dv,
+                                  int64_t *idx_out, uint16_t *new_out) {
+    if (ntab > MAXA) return -2;
+    const uint64_t mask = 0xFFFF, sign = 0x8000;
+    /* the live classes, compacted (a class leaves when its last change is out): its class byte,
+     * how many of its members to skip before its next change, and where its changes are */
+    __m512i vact[MAXA];
+    uint64_t rem[MAXA];
+    int64_t next[MAXA], endc[MAXA];
+    int L = (int)ntab;
+    for (int a = 0; a < L; a++) {
+        int c = (int)table[TAB * a];
+        vact[a] = _mm512_set1_epi8((char)c);
+        next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; rem[a] = rk[next[a]];
+    }
+    const __m512i absm = _mm512_set1_epi16(0x7FFF), vlo = _mm512_set1_epi8((char)lo), vhi = _mm512_set1_epi8((char)hi);
+    const __m128i sh = _mm_cvtsi32_si128(mant);
+    int64_t out = 0, i;
+    for (i = 0; i + 64 <= n && L; i += 64) {
+        __m512i cb = _mm512_max_epu8(_mm512_min_epu8(class_bytes(o + i, absm, sh), vhi), vlo);
+        int64_t first = out;
+        for (int x = 0; x < L; x++) {
+            uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[x]);
+            uint64_t pc = (uint64_t)__builtin_popcountll(e);
+            if (__builtin_expect(pc <= rem[x], 1)) { rem[x] -= pc; continue; }
+            uint64_t at = rem[x];  /* index among the class's members in this block */
+            for (;;) {
+                int b = __builtin_ctzll(_pdep_u64(1ULL << at, e));
+                int64_t jj = next[x]++;
+                uint64_t u = o[i + b];
+                idx_out[out] = i + b;
+                new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
+                out++;
+                if (next[x] == endc[x]) break;
+                at += 1 + (rk[next[x]] - rk[jj] - 1);
+                if (at >= pc) { rem[x] = at - pc; break; }
+            }
+            if (next[x] == endc[x]) {  /* done: stop counting it */
+                L--;
+                vact[x] = vact[L]; rem[x] = rem[L]; next[x] = next[L]; endc[x] = endc[L];
+                x--;
+            }
+        }
+        /* the block's changes came class by class: put them in position order */
+        for (int64_t p = first + 1; p < out; p++) {
+            int64_t ix = idx_out[p]; uint16_t v = new_out[p]; int64_t q = p - 1;
+            while (q >= first && idx_out[q] > ix) { idx_out[q + 1] = idx_out[q]; new_out[q + 1] = new_out[q]; q--; }
+            idx_out[q + 1] = ix; new_out[q + 1] = v;
+        }
+    }
+    for (; i < n && L; i++) {  /* the tail, scalar */
+        uint64_t u = o[i];
+        char c = (char)class_of(u, 0x7FFF, mant, lo, hi);
+        for (int x = 0; x < L; x++) {
+            if ((char)_mm_cvtsi128_si32(_mm512_castsi512_si128(vact[x])) != c) continue;
+            if (rem[x]) { rem[x]--; break; }
+            int64_t jj = next[x]++;
+            idx_out[out] = i;
+            new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
+            out++;
+            if (next[x] == endc[x]) {
+                L--;
+                vact[x] = vact[L]; rem[x] = rem[L]; next[x] = next[L]; endc[x] = endc[L];
+            } else {
+                rem[x] = rk[next[x]] - rk[jj] - 1;
+            }
+            break;
+        }
+    }
+    return L ? -3 : out;
+}
+#endif
+
+/* ------------------------------------------------------------------ encode */
+void dcr_free(void *p) { free(p); }
+
+/* old/new: n elements of w bytes (1, 2, 4); mant: mantissa bits. Writes the table
+ * (ntab rows of TAB int64) and mallocs the two streams and the changed positions (k int64,
+ * increasing); free them with dcr_free.
+ * Returns the number of changed elements, or a negative error. */
+int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int mant,
+                       int64_t *table, int64_t *ntab, uint8_t **pos_out, int64_t *plen,
+                       uint8_t **val_out, int64_t *vlen, int64_t **idx_out) {
+    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32)) return E_ARGS;
+    int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
+    const int nc = 1 << ebits;
+    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    const uint64_t absmask = sign - 1;
+    int64_t cap = 1024, k = 0;
+    int64_t *cidx = (int64_t *)malloc((size_t)cap * 8);
+    uint64_t *rank = (uint64_t *)malloc((size_t)cap * 8);
+    if (!cidx || !rank) { free(cidx); free(rank); return E_NOMEM; }
+    int simd = 0;
+#ifdef DCR_X86
+    simd = w == 2 && simd_enabled && have_avx512();
+#endif
+    /* pass A: the changed positions */
+    int64_t got;
+#ifdef DCR_X86
+    if (simd) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, &cidx, &rank, &cap);
+    else
+#endif
+    got = w == 2 ? find_changes(oldp, newp, n, 2, &cidx, &rank, &cap)
+        : w == 4 ? find_changes(oldp, newp, n, 4, &cidx, &rank, &cap)
+        : find_changes(oldp, newp, n, 1, &cidx, &rank, &cap);
+    if (got < 0) { free(cidx); free(rank); return E_NOMEM; }
+    k = got;
+    /* the class range: exponents with fewer than max(4, k/256) changes at either end are merged
+     * into the nearest one with more (fewer classes to count, almost no bytes lost) */
+    int lo = 0, hi = 0;
+    uint8_t *ex = (uint8_t *)malloc((size_t)(k ? k : 1));  /* each change's exponent, read once */
+    if (!ex) { free(cidx); free(rank); return E_NOMEM; }
+    {
+        int64_t ke[256]; memset(ke, 0, sizeof ke);
+        for (int64_t j = 0; j < k; j++) ke[ex[j] = (uint8_t)((load_u(oldp, cidx[j], w) & absmask) >> mant)]++;
+        int64_t t = k >> 8 > 4 ? k >> 8 : 4;
+        int first = -1, last = -1, sfirst = -1, slast = -1;
+        for (int c = 0; c < nc; c++) {
+            if (ke[c]) { if (first < 0) first = c; last = c; }
+            if (ke[c] >= t) { if (sfirst < 0) sfirst = c; slast = c; }
+        }
+        lo = sfirst >= 0 ? sfirst : (first >= 0 ? first : 0);
+        hi = sfirst >= 0 ? slast : (last >= 0 ? last : 0);
+    }
+    for (int64_t j = 0; j < k; j++) ex[j] = (uint8_t)(ex[j] < lo ? lo : (ex[j] > hi ? hi : ex[j]));  /* -> class */
+    /* pass B: ranks within the classes */
+    int rb = -2;
+#ifdef DCR_X86
+    if (simd) rb = rank_avx512((const uint16_t *)oldp, n, mant, lo, hi, cidx, ex, k, rank);
+#endif
+    if (rb == -2) {
+        if (w == 2) rank_scalar(oldp, n, 2, mant, lo, hi, cidx, k, rank);
+        else if (w == 4) rank_scalar(oldp, n, 4, mant, lo, hi, cidx, k, rank);
+        else rank_scalar(oldp, n, 1, mant, lo, hi, cidx, k, rank);
+    }
+    /* pass C: counting sort of the changes by class (stable: index order within a class) */
+    int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
+    for (int64_t j = 0; j < k; j++) ccount[ex[j] + 1]++;
+    for (int c = 0; c < nc; c++) ccount[c + 1] += ccount[c];
+    int64_t fill[256]; memcpy(fill, ccount, sizeof fill);
+    uint64_t *gap = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* rank gaps, class order */
+    uint64_t *mag = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference|, class order */
+    uint8_t *neg = (uint8_t *)malloc((size_t)(k ? k : 1));
+    uint64_t *tmp = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
+    if (!gap || !mag || !neg || !tmp) { free(cidx); free(rank); free(ex); free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
+    for (int64_t j = 0; j < k; j++) {
+        uint64_t uo = load_u(oldp, cidx[j], w), un = load_u(newp, cidx[j], w);
+        int64_t at = fill[ex[j]]++;
+        uint64_t d = (key_of(un, mask, sign) - key_of(uo, mask, sign)) & mask;
+        if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
+        gap[at] = rank[j];
+    }
+    free(rank); free(ex);
+    /* rank -> gap within each class */
+    for (int c = 0; c < nc; c++)
+        for (int64_t j = ccount[c + 1] - 1; j > ccount[c]; j--) gap[j] = gap[j] - gap[j - 1] - 1;
+    writer pw, vw;
+    w_init(&pw, k + 16); w_init(&vw, k / 4 + 16);
+    {   /* the sign bits, 8 at a time (the stream starts byte-aligned) */
+        int64_t j = 0;
+        for (; j + 8 <= k; j += 8) {
+            uint64_t byte = 0;
+            for (int b = 0; b < 8; b++) byte |= (uint64_t)neg[j + b] << b;
+            w_put(&vw, byte, 8);
+        }
+        for (; j < k; j++) w_put(&vw, neg[j], 1);
+    }
+    int64_t rows = 0;
+    for (int c = 0; c < nc; c++) {
+        int64_t a = ccount[c], kc = ccount[c + 1] - a;
+        if (!kc) continue;
+        int64_t *row = table + TAB * rows++;
+        int kp = choose_k_gen(gap + a, kc);
+        for (int64_t j = 0; j < kc; j++) w_rice(&pw, gap[a + j], kp);
+        int64_t bc = 0, last = -1;
+        for (int64_t j = 0; j < kc; j++)
+            if (mag[a + j] >= 2) { tmp[bc++] = (uint64_t)(j - last - 1); last = j; }
+        int kb = 0, ke = 0;
+        if (bc) {
+            kb = choose_k_gen(tmp, bc);
+            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], kb);
+            int64_t b = 0;
+            for (int64_t j = 0; j < kc; j++) if (mag[a + j] >= 2) tmp[b++] = mag[a + j] - 2;
+            ke = choose_k_gen(tmp, bc);
+            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], ke);
+        }
+        row[0] = c; row[1] = kc; row[2] = kp; row[3] = bc; row[4] = kb; row[5] = ke;
+    }
+    free(gap); free(mag); free(neg); free(tmp);
+    w_finish(&pw); w_finish(&vw);
+    if (pw.oom || vw.oom) { free(pw.buf); free(vw.buf); free(cidx); return E_NOMEM; }
+    *ntab = rows; *pos_out = pw.buf; *plen = pw.len; *val_out = vw.buf; *vlen = vw.len; *idx_out = cidx;
+    return k;
+}
+
+/* ------------------------------------------------------------------ decode */
+/* old: the base chunk (n elements). Writes the k changed positions (increasing) to idx_out and
+ * their new bits to new_out. Returns 0 or a negative error. */
+int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                   const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                   int64_t *idx_out, void *new_out) {
+    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32) || k < 0 || k > n) return E_ARGS;
+    int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
+    const int nc = 1 << ebits;
+    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    int64_t start[257], total = 0; int prev = -1;
+    for (int c = 0; c <= nc; c++) start[c] = -1;
+    for (int64_t r = 0; r < ntab; r++) {
+        const int64_t *row = table + TAB * r;
+        if (row[0] <= prev || row[0] >= nc || row[1] < 1 || row[1] > k - total || row[2] < 0 || row[2] > 31
+            || row[3] < 0 || row[3] > row[1] || row[4] < 0 || row[4] > 31 || row[5] < 0 || row[5] > 31) return E_TABLE;
+        prev = (int)row[0]; start[prev] = total; total += row[1];
+    }
+    if (total != k) return E_TABLE;
+    uint64_t *rk = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* ranks, class order */
+    uint64_t *mg = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference| */
+    uint8_t *ng = (uint8_t *)malloc((size_t)(k ? k : 1));          /* difference < 0 */
+    if (!rk || !mg || !ng) { free(rk); free(mg); free(ng); return E_NOMEM; }
+    reader pr, vr; r_init(&pr, pos, plen); r_init(&vr, val, vlen);
+    for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)r_get(&vr, 1);
+    int rc = 0;
+    for (int64_t r = 0; r < ntab && !rc; r++) {
+        const int64_t *row = table + TAB * r;
+        int64_t a = start[row[0]], kc = row[1], bc = row[3];
+        uint64_t acc = 0;
+        for (int64_t j = 0; j < kc && !rc; j++) {
+            uint64_t g = r_rice(&pr, (int)row[2]);
+            if (g >= (uint64_t)n) { rc = E_RANK; break; }
+            acc = (j ? acc + 1 : 0) + g;
+            if (acc >= (uint64_t)n) rc = E_RANK;
+            rk[a + j] = acc;
+            mg[a + j] = 1;
+        }
+        int64_t at = -1;
+        for (int64_t b = 0; b < bc && !rc; b++) {
+            uint64_t g = r_rice(&vr, (int)row[4]);
+            if (g >= (uint64_t)(kc - at - 1)) { rc = E_VALUE; break; }
+            at += 1 + (int64_t)g;
+            mg[a + at] = 0;  /* big: its excess follows */
+        }
+        for (int64_t j = 0; j < kc && bc && !rc; j++) {
+            if (mg[a + j]) continue;
+            uint64_t m = r_rice(&vr, (int)row[5]) + 2;
+            if (m > sign || (!ng[a + j] && m == sign)) rc = E_VALUE;
+            mg[a + j] = m;
+        }
+    }
+    if (!rc) rc = pr.err || vr.err ? E_STREAM : 0;
+    if (!rc) rc = r_done(&pr, plen);
+    if (!rc) rc = r_done(&vr, vlen);
+    if (rc) { free(rk); free(mg); free(ng); return rc; }
+    for (int64_t j = 0; j < k; j++) mg[j] = ng[j] ? ((mask + 1 - mg[j]) & mask) : mg[j];
+    free(ng);
+    uint64_t *dv = mg;
+    int64_t next[256], endc[256]; uint32_t want[256], cnt[256];
+    for (int c = 0; c < nc; c++) { cnt[c] = 0; next[c] = endc[c] = 0; want[c] = UINT32_MAX; }
+    for (int64_t r = 0; r < ntab; r++) {
+        const int64_t *row = table + TAB * r; int c = (int)row[0];
+        next[c] = start[c]; endc[c] = start[c] + row[1]; want[c] = (uint32_t)rk[next[c]];
+    }
+    /* the class range is the table's first and last class */
+    int lo = ntab ? (int)table[0] : 0, hi = ntab ? (int)table[TAB * (ntab - 1)] : 0;
+    int64_t out = -2, scalar = 1;
+#ifdef DCR_X86
+    if (w == 2 && simd_enabled && have_avx512())
+        out = scan_decode_avx512((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
+                                 (uint16_t *)new_out);
+#endif
+    if (out != -2) scalar = 0;
+    else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out)
+            : w == 4 ? scan_decode(oldp, n, 4, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out)
+            : scan_decode(oldp, n, 1, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out);
+    if (out == -3) { free(rk); free(dv); return E_RANK; }
+    free(rk); free(dv);
+    if (scalar) for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
+    return out == k ? 0 : E_RANK;
+}

@@ -1,0 +1,415 @@
+"""Rollout side: keep an inference model's weights at the newest published version, in place.
+
+    loader = RolloutLoader("s3://bucket/run1", model)       # any torch.nn.Module, or a dict of tensors
+    loader.update()                                         # -> the version the weights now hold
+    with loader.sampling():                                 # never sample from half-updated weights
+        out = model.generate(...)
+
+The weights are changed in place (the module's own parameter storage: nothing is reallocated, so
+CUDA graphs, compiled kernels and optimizers holding the parameters keep working) by
+``nemo_dcr.follower.Follower``: every object is checked before the first write, and the state
+after each version is verified against the digest the trainer committed.
+
+Names: the receiver's tensors are named as in its ``state_dict`` (parameters and persistent
+buffers, tied weights once), which matches what ``DeltaPublishCallback`` publishes for the
+same model class. ``name_map`` maps *published* names to the receiver's names where they differ
+(a dict, or a callable returning the receiver's name or None for "not held here"). Tensors the
+receiver holds that the trainer does not publish are left alone.
+
+Tensors on a GPU: the codec applies deltas to CPU tensors, so the loader keeps a CPU copy of the
+receiver's tensors (pinned when CUDA is available), applies each version to it and copies the
+tensors that changed to the device. That costs host memory of one copy of the weights held by
+this process.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Mapping, MutableMapping
+from typing import Callable, Dict, Optional, Union
+
+import torch
+
+from nemo_dcr.errors import BaseMismatchError, DcrError
+from nemo_dcr.state.index_map import ShardSpec
+
+from .snapshot import module_tensors
+
+log = logging.getLogger("nemo_dcr.callbacks")
+
+NameMap = Union[Mapping, Callable[[str], Optional[str]], None]
+
+
+class _RWLock:
+    """Many samplers at once, or one update; a waiting update goes before new samplers."""
+
+    def __init__(self):
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._writers_waiting = 0
+        self._local = threading.local()
+
+    def reading(self) -> bool:
+        return getattr(self._local, "n", 0) > 0
+
+    @contextlib.contextmanager
+    def read(self):
+        if self.reading():  # nested sampling() in one thread
+            self._local.n += 1
+            try:
+                yield
+            finally:
+                self._local.n -= 1
+            return
+        with self._cond:
+            while self._writer or self._writers_waiting:
+                self._cond.wait()
+            self._readers += 1
+        self._local.n = 1
+        try:
+            yield
+        finally:
+            self._local.n = 0
+            with self._cond:
+                self._readers -= 1
+                if not self._readers:
+                    self._cond.notify_all()
+
+    @contextlib.contextmanager
+    def write(self):
+        if self.reading():
+            raise DcrError("update() called inside sampling() in the same thread: it would wait for itself")
+        with self._cond:
+            self._writers_waiting += 1
+            try:
+                while self._writer or self._readers:
+                    self._cond.wait()
+            finally:
+                self._writers_waiting -= 1
+            self._writer = True
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._writer = False
+                self._cond.notify_all()
+
+
+class _Published(MutableMapping):
+    """The receiver's tensors, keyed by *published* name, for the Follower.
+
+    Lookups map a published name to the receiver's (``name_map``); iteration (the state digest)
+    yields the published names the receiver holds: those seen in a delta once one has been
+    applied, before that the inverse of ``name_map`` over the receiver's names. Adding or removing
+    a tensor is refused: the loader writes only into the model's own tensors."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], name_map: NameMap):
+        self.recv = tensors
+        self.name_map = name_map
+        self.seen: Dict[str, str] = {}
+        self.hidden: set = set()  # replicas another rank of the group holds for the follower
+
+    def resolve(self, name: str) -> Optional[str]:
+        m = self.name_map
+        if m is None:
+            r = name
+        elif callable(m) and not isinstance(m, Mapping):
+            r = m(name)
+        else:
+            r = m.get(name, name)
+        return r if r is not None and r in self.recv and r not in self.hidden else None
+
+    def _names(self):
+        if self.seen:
+            return list(self.seen)
+        m = self.name_map
+        if m is None:
+            return [r for r in self.recv if r not in self.hidden]
+        if isinstance(m, Mapping):
+            inv = {v: k for k, v in m.items()}
+            return [inv.get(r, r) for r in self.recv if self.resolve(inv.get(r, r)) == r]
+        raise DcrError("with a callable name_map the published names are known only after the first version is "
+                       "applied: start without version= (the first update reads a keyframe), or give a dict")
+
+    def __getitem__(self, name):
+        r = self.resolve(name)
+        if r is None:
+            raise KeyError(name)
+        self.seen[name] = r
+        return self.recv[r]
+
+    def __contains__(self, name):
+        return self.resolve(name) is not None
+
+    def __iter__(self):
+        return iter(self._names())
+
+    def __len__(self):
+        return len(self.recv) - len(self.hidden)
+
+    def __setitem__(self, name, value):
+        r = self.resolve(name)
+        held = self.recv.get(r) if r is not None else None
+        what = "no tensor of that name" if held is None else f"{held.dtype} {tuple(held.shape)}"
+        raise DcrError(f"published tensor {name!r} ({value.dtype} {tuple(value.shape)}) does not fit the receiver "
+                       f"({what}); the publisher and the rollout model differ (names: see name_map; dtypes: the "
+                       "publisher's dtype= option)")
+
+    def __delitem__(self, name):
+        raise DcrError(f"the trainer no longer publishes {name!r}; the receiver keeps its tensor")
+
+
+class _PublishedShards(Mapping):
+    """The receiver's ShardSpecs (keyed by its own names), looked up by published name."""
+
+    def __init__(self, shards: Mapping, tensors: _Published):
+        self.shards, self.tensors = dict(shards or {}), tensors
+
+    def __getitem__(self, name):
+        r = self.tensors.resolve(name)
+        if r is None or r not in self.shards:
+            raise KeyError(name)
+        return self.shards[r]
+
+    def __iter__(self):
+        if not self.shards:
+            return iter([])
+        try:
+            names = self.tensors._names()
+        except DcrError:  # a callable name_map before the first version: looked up lazily instead
+            return iter([])
+        return iter([n for n in names if self.tensors.resolve(n) in self.shards])
+
+    def __len__(self):
+        return len(self.shards)
+
+
+class RolloutLoader:
+    """Bring a rollout model's weights to the newest committed version, in place, verified.
+
+    Args:
+        store: store URL (a directory, ``file:///abs/dir``, ``s3://bucket/prefix``) or a Store.
+        model_or_tensors: a ``torch.nn.Module`` (its parameters and persistent buffers, by
+            ``state_dict`` name) or a dict of name -> tensor to write into.
+        shards: receiver name -> ``ShardSpec`` for tensors that are a shard of the published one.
+        group: the rollout engine's own process group when it is sharded (every rank calls
+            ``update`` together); None otherwise.
+        name_map: published name -> receiver name (dict, or callable returning None for a tensor
+            this receiver does not hold).
+        check_every: every N updates, recompute the whole state's digest (O(model)) and rebuild
+            from a keyframe if something else changed the weights (0: never).
+        version: the version ``model_or_tensors`` already holds (e.g. 0 when both sides load the
+            same initial checkpoint and the trainer used ``publish_initial``): checked against
+            its digest, then only deltas are downloaded. None: the first update reads a keyframe.
+        on_update: ``fn(version, sync_result)`` called after each update that changed the
+            weights, inside the update lock (e.g. to reset an engine's prefix cache).
+        staging: keep a CPU copy to apply to (see the module doc). "auto": when any tensor is
+            not on the CPU.
+    """
+
+    def __init__(self, store, model_or_tensors, shards: Optional[Mapping[str, ShardSpec]] = None, group=None,
+                 name_map: NameMap = None, check_every: int = 0, *, version: Optional[int] = None,
+                 verify_initial: bool = True, on_update: Optional[Callable] = None, workers: Optional[int] = None,
+                 staging: Union[str, bool] = "auto"):
+        from nemo_dcr.sync.follower import Follower
+        from nemo_dcr.sync.group import Group
+
+        if isinstance(model_or_tensors, torch.nn.Module):
+            live = module_tensors(model_or_tensors)
+        elif isinstance(model_or_tensors, Mapping):
+            live = {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in model_or_tensors.items()}
+        else:
+            raise TypeError(f"model_or_tensors must be a torch.nn.Module or a mapping of tensors, "
+                            f"not {type(model_or_tensors).__name__}")
+        if check_every < 0:
+            raise ValueError("check_every must be >= 0")
+        self.live = live
+        self.check_every = int(check_every)
+        self.on_update = on_update
+        self.group = Group(group)
+        self._lock = _RWLock()
+        self._updates = 0
+        self.last_result = None
+        self._inference = any(t.is_inference() for t in live.values())
+        if staging == "auto":
+            staging = any(t.device.type != "cpu" for t in live.values())
+        self.staging = bool(staging)
+        if self.staging:
+            pin = torch.cuda.is_available()
+            with self._writing():
+                self.recv = {k: self._cpu_copy(t, pin) for k, t in live.items()}
+            self._seen_versions = {k: t._version for k, t in self.recv.items()}
+        else:
+            self.recv = live
+        self.tensors = _Published(self.recv, name_map)
+        self.shards = _PublishedShards(shards or {}, self.tensors)
+        unknown = set(self.shards.shards) - set(self.recv)
+        if unknown:
+            raise DcrError(f"shards names tensors the receiver does not hold: {sorted(unknown)[:5]}")
+        self._replicas: list = []  # (receiver name, owner's group rank), same order on every rank
+        self._replica_versions: dict = {}
+        if self.group.active:
+            self._plan_replicas(self.shards.shards)
+        with self._writing():
+            self.follower = Follower(store, self.tensors, self.shards, version=version, group=group,
+                                     workers=workers, verify_initial=verify_initial)
+        self.follower.shards = self.shards  # looked up lazily from now on (name_map may be a callable)
+        self.store = self.follower.store
+
+    # ------------------------------------------------------------------ public
+    @property
+    def version(self) -> Optional[int]:
+        """The verified version the weights hold (None: none yet, or mid-update after a failure)."""
+        return self.follower.version
+
+    def latest(self) -> Optional[int]:
+        """The newest committed version in the store (None: nothing published yet)."""
+        return self.follower.latest()
+
+    def sampling(self):
+        """Context manager: hold it while the engine reads the weights; updates wait for it."""
+        return self._lock.read()
+
+    def update(self, version: Optional[int] = None) -> Optional[int]:
+        """If a newer committed version (or ``version``) exists, bring the weights to it in place
+        and verify them; return the version the weights hold (unchanged if nothing is newer, None
+        if the store is still empty). Waits for ``sampling()`` blocks to finish. Raises on an
+        error (corrupt object, wrong base, ...); the follower then knows the weights are in between
+        and the next update repairs them."""
+        from nemo_dcr.sync.versions import read_head
+
+        if self._lock.reading():
+            raise DcrError("update() called inside sampling() in the same thread: it would wait for itself")
+        # outside the lock: usually nothing is new, and samplers need not wait to learn that
+        g = self.group
+        head = g.broadcast(read_head(self.store)[0] if g.rank == 0 else None)
+        if head is None:
+            return self.version
+        if (version if version is not None else head.version) == self.version:
+            return self.version  # (a follower mid-way after a failure holds version None)
+        with self._lock.write(), self._writing():
+            before = self.version
+            res = self.follower.sync(version, head=head)
+            self._publish_to_engine()
+            self._updates += 1
+            if self.check_every and self._updates % self.check_every == 0:
+                try:
+                    self._check_locked()
+                except BaseMismatchError as e:
+                    log.warning("nemo-dcr: %s; rebuilding from a keyframe", e)
+                    again = self.follower.sync(version, head=head)
+                    again.steps = res.steps + again.steps
+                    res = again
+                    self._publish_to_engine()
+            self.last_result = res
+            if res.updated and self.on_update is not None:
+                self.on_update(self.version, res)
+            if res.updated:
+                log.debug("nemo-dcr: version %s -> %s (%s), %d bytes, %.2f s", before, self.version, res.steps,
+                          res.bytes, res.seconds)
+        return self.version
+
+    __call__ = update
+
+    def check(self) -> None:
+        """Recompute the whole state's digest now (O(model)); raises BaseMismatchError if the
+        weights are not the version the loader believes (the next update then rebuilds them)."""
+        with self._lock.write(), self._writing():
+            self._check_locked()
+
+    def _check_locked(self) -> None:
+        if self.staging and self.version is not None:  # what the engine holds is what counts
+            self._refresh_from_device()
+        self.follower.check()
+
+    def _publish_to_engine(self) -> None:
+        """After the follower wrote: replicas to the other ranks, staged tensors to the device."""
+        self._sync_replicas()
+        if self.staging:
+            self._copy_to_device()
+
+    # ------------------------------------------------------------------ replicas
+    def _plan_replicas(self, shards: Mapping) -> None:
+        """In a group, a tensor (region) held whole by several ranks (a TP engine's norms, kv
+        heads replicated over ranks) must be counted in the state digest once: the lowest rank
+        holding it applies the deltas to it and broadcasts it to the others after each update."""
+        def region(name, t):
+            spec = shards.get(name) or ShardSpec.full(t.shape)
+            return tuple(spec.global_shape), tuple(spec.offsets), tuple(spec.shape), str(t.dtype)
+
+        mine = {name: region(name, t) for name, t in self.recv.items()}
+        every = self.group.all_gather(mine)
+        me = self.group.rank
+        for name in sorted(mine):
+            holders = [r for r, d in enumerate(every) if d.get(name) == mine[name]]
+            if len(holders) > 1:
+                self._replicas.append((name, holders[0]))
+                if holders[0] != me:
+                    self.tensors.hidden.add(name)
+                self._replica_versions[name] = self._counter(self.recv[name])
+
+    @staticmethod
+    def _counter(t: torch.Tensor):
+        try:
+            return t._version
+        except RuntimeError:  # an inference tensor keeps no version counter
+            return None
+
+    def _sync_replicas(self) -> None:
+        if not self._replicas:
+            return
+        import torch.distributed as dist
+        from nemo_dcr.state.dtypes import int_view
+
+        me = self.group.rank
+        changed = {}
+        for name, owner in self._replicas:
+            if owner == me:
+                v = self._counter(self.recv[name])
+                changed[name] = v is None or v != self._replica_versions[name]
+        every = self.group.all_gather(changed)
+        for name, owner in self._replicas:
+            if not every[owner].get(name):
+                continue
+            t = self.recv[name]
+            bits = int_view(t)
+            buf = bits if bits.is_contiguous() and bits.device.type == "cpu" else bits.detach().cpu().contiguous()
+            src = dist.get_global_rank(self.group.group, owner) if self.group.group is not None else owner
+            dist.broadcast(buf, src=src, group=self.group.group)
+            if buf is not bits:
+                bits.copy_(buf)
+            if self.staging and owner != me:
+                self.live[name].copy_(t)
+                self._seen_versions[name] = t._version
+            self._replica_versions[name] = self._counter(t)
+
+    # ------------------------------------------------------------------ staging
+    def _writing(self):
+        return torch.inference_mode() if self._inference else torch.no_grad()
+
+    @staticmethod
+    def _cpu_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+        with torch.inference_mode(False):
+            out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=pin and t.device.type == "cuda")
+        out.copy_(t)
+        return out
+
+    def _copy_to_device(self) -> None:
+        changed = 0
+        for k, cpu in self.recv.items():
+            if cpu._version != self._seen_versions[k]:
+                self.live[k].copy_(cpu, non_blocking=cpu.is_pinned())
+                self._seen_versions[k] = cpu._version
+                changed += 1
+        if changed and torch.cuda.is_available():
+            torch.cuda.synchronize()
+
+    def _refresh_from_device(self) -> None:
+        for k, cpu in self.recv.items():
+            cpu.copy_(self.live[k])
+            self._seen_versions[k] = cpu._version
+
+
+__all__ = ["RolloutLoader"]

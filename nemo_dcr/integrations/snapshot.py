@@ -1,0 +1,136 @@
+"""Snapshots: which tensors of a model are published, and a private copy of them.
+
+    tensors, shards = module_snapshot(model)              # any torch.nn.Module: whole tensors
+    tensors, shards = take_snapshot(model)                # Megatron models: their local shards
+
+Names are the module's ``state_dict`` names (parameters and persistent buffers), so a receiver
+built from the same model class names its tensors the same way. A tensor reachable under two
+names (tied weights, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) is taken once,
+under the first name ``state_dict`` lists; :func:`module_tensors` applies the same rule on the
+receiving side. ``*._extra_state`` entries (Transformer Engine metadata) are not weights and are
+left out.
+"""
+from __future__ import annotations
+
+import sys
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+
+import torch
+
+from nemo_dcr.errors import DcrError
+from nemo_dcr.state.index_map import ShardSpec
+
+#: ``fn(module) -> (tensors, shards)``: ``tensors`` a dict of name -> *private* CPU tensor (the
+#: trainer goes on changing its own right after the call), ``shards`` name -> ShardSpec for the
+#: tensors that are a shard of a larger canonical tensor ({} when every tensor is whole).
+SnapshotFn = Callable[[Any], Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]]
+
+
+def parse_dtype(dtype) -> Optional[torch.dtype]:
+    """None, a torch.dtype, or its name ("bfloat16", "torch.bfloat16", "bf16", "fp16", "fp32")."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    name = str(dtype).removeprefix("torch.")
+    name = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32", "float": "float32"}.get(
+        name, name)
+    dt = getattr(torch, name, None)
+    if not isinstance(dt, torch.dtype) or not dt.is_floating_point:
+        raise DcrError(f"dtype must name a floating-point torch dtype (e.g. 'bfloat16'), not {dtype!r}")
+    return dt
+
+
+def _alias_key(t: torch.Tensor):
+    if t.device.type == "meta" or t.numel() == 0:
+        return None
+    return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def module_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """The module's live tensors (no copy) by ``state_dict`` name: parameters and persistent
+    buffers, each storage region once (tied weights under their first name). The values are
+    ``.data`` of the parameters: writing into them in place changes the live model."""
+    out: Dict[str, torch.Tensor] = {}
+    seen = set()
+    for name, t in module.state_dict(keep_vars=True).items():
+        if not isinstance(t, torch.Tensor) or name.endswith("._extra_state") or name == "_extra_state":
+            continue
+        data = t.data
+        key = _alias_key(data)
+        if key is not None:
+            if key in seen:
+                continue
+            seen.add(key)
+        out[name] = data
+    return out
+
+
+def copy_tensors(tensors: Mapping[str, torch.Tensor], dtype=None) -> Dict[str, torch.Tensor]:
+    """A private CPU copy; floating-point tensors cast to ``dtype`` when one is given."""
+    dt = parse_dtype(dtype)
+    out = {}
+    for name, t in tensors.items():
+        t = t.detach()
+        if dt is not None and t.is_floating_point() and t.dtype != dt:
+            out[name] = t.to(device="cpu", dtype=dt, copy=True)
+        else:
+            out[name] = t.to("cpu", copy=True)
+    return out
+
+
+def module_snapshot(module: torch.nn.Module, dtype=None) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]:
+    """A private CPU copy (``.detach().to("cpu", copy=True)``) of the module's parameters and
+    persistent buffers, by ``state_dict`` name; every tensor whole (``shards == {}``).
+    ``dtype`` (e.g. ``"bfloat16"``): publish floating-point tensors in that dtype, as the
+    rollout engine holds them (the trainer's own tensors are not changed)."""
+    return copy_tensors(module_tensors(module), dtype), {}
+
+
+def _megatron():
+    """integrations/megatron.py, if it is there and importable (megatron-core installed)."""
+    try:
+        from . import megatron
+    except ImportError:
+        return None
+    if not hasattr(megatron, "is_megatron_module") or not hasattr(megatron, "megatron_snapshot"):
+        return None
+    return megatron
+
+
+def is_megatron(module) -> bool:
+    if "megatron.core" not in sys.modules:  # no Megatron model without it: don't import it for nothing
+        return False
+    m = _megatron()
+    if m is None:
+        return False
+    try:
+        return bool(m.is_megatron_module(module))
+    except Exception:
+        return False
+
+
+def take_snapshot(module, snapshot_fn: Optional[SnapshotFn] = None, dtype=None):
+    """-> (tensors, shards, sharded): ``snapshot_fn(module)`` when given, else the Megatron
+    snapshot for a Megatron model (integrations/megatron.py), else :func:`module_snapshot`.
+    ``sharded`` is False only for the plain-module snapshot, whose tensors every data-parallel
+    rank holds whole (one rank publishes them); snapshots of other kinds are published jointly
+    by every rank."""
+    if snapshot_fn is not None:
+        tensors, shards = snapshot_fn(module)
+        sharded = True
+    elif is_megatron(module):
+        m = _megatron()
+        if hasattr(m, "force_param_sync"):  # a collective: every rank snapshots at the same step
+            m.force_param_sync(module)
+        tensors, shards = m.megatron_snapshot(module)
+        sharded = True
+    else:
+        tensors, shards = module_snapshot(module, dtype)
+        return tensors, shards, False
+    if dtype is not None:
+        dt = parse_dtype(dtype)
+        tensors = {k: (v.to(dt) if v.is_floating_point() and v.dtype != dt else v) for k, v in tensors.items()}
+    return dict(tensors), dict(shards or {}), sharded
+
+
+__all__ = ["SnapshotFn", "module_snapshot", "module_tensors", "copy_tensors", "take_snapshot", "is_megatron",
+           "parse_dtype"]

@@ -1,0 +1,286 @@
+"""A digest of a whole model state that does not depend on how the state is sharded.
+
+``digest(state) = sum over tensors n, over elements i of contrib(n, i, bits)  (mod p)``,
+computed in ``LANES`` independent lanes modulo the prime ``P = 2**31 - 1``. Because it is a
+plain sum over canonical elements:
+
+* the partial digests of the shards of a state add up (per lane, mod ``P``) to the digest of
+  the unsharded state, whatever the sharding: a trainer with 4 shards and a receiver with 1 or 2
+  compute the same value (``allreduce_digest`` adds them across ranks);
+* it updates from the changed elements alone: ``D_new = D_old - changes_contrib(old bits) +
+  changes_contrib(new bits)``, in O(changes).
+
+Per lane ``l``, for tensor ``n`` (its name, dtype name and global shape hashed with BLAKE2b
+into per-tensor keys ``s1, s2, t_l, K_l, C_l``) and the element at canonical flat index ``i``
+with raw bits ``x`` (its integer view, unsigned, split into 16-bit limbs ``x_0..x_{m-1}``,
+``m <= 4``; one 8-bit limb for 1-byte types):
+
+    u         = mix(mix(lo32(i) ^ s1) ^ s2 ^ hi32(i))      keyed 32-bit index permutation
+    r_l(n, i) = clamp(mix(u ^ t_l) >> 1, 1, P - 1)          weight in [1, P)
+    v_l(x)    = C_l + x_0 + x_1*K_l + x_2*K_l**2 + x_3*K_l**3           (mod P)
+    contrib_l = r_l(n, i) * v_l(x)                                       (mod P)
+
+where ``mix`` is a 32-bit xorshift-multiply avalanche (multipliers < 2**31).
+
+All arithmetic is on non-negative int64 values that provably stay below 2**63 (products of a
+value < 2**32 and a constant < 2**31; of a weight < 2**31 and a limb < 2**16 summed over at
+most 2**15 terms); nothing relies on signed overflow. See docs/format.md, "State digest
+(sharding-independent)", for what is and is not guaranteed. Not a cryptographic hash.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import math
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
+
+import torch
+
+from nemo_dcr.state.dtypes import INT_VIEW, dtype_from_name, dtype_name, itemsize
+from nemo_dcr.errors import DcrError
+from nemo_dcr.state.flat import FlatAccess
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
+
+P = (1 << 31) - 1  # Mersenne prime modulus of every lane
+LANES = 4
+CHUNK = 1 << 20  # elements processed per step (bounds scratch memory)
+_BLOCK = 1 << 15  # terms < 2**47 summed before a reduction: 2**15 * 2**47 = 2**62
+_M32 = 0xFFFFFFFF
+# odd multipliers < 2**31, so (h < 2**32) * F < 2**63
+_F1 = 0x7FEB352D
+_F2 = 0x31848BAB
+_PERSON = b"nemo-dcr-sd-v1"
+_HEX_WIDTH = 8  # hex digits per lane (P < 16**8)
+
+
+# ----------------------------------------------------------------------------- value object
+
+@dataclass(frozen=True)
+class StateDigest:
+    """A state digest: ``LANES`` integers in [0, P). Add/subtract partial digests freely."""
+
+    lanes: tuple
+
+    def __post_init__(self):
+        lanes = tuple(int(v) for v in self.lanes)
+        if len(lanes) != LANES or any(not 0 <= v < P for v in lanes):
+            raise DcrError(f"invalid state digest lanes {self.lanes!r}")
+        object.__setattr__(self, "lanes", lanes)
+
+    @classmethod
+    def zero(cls) -> "StateDigest":
+        return cls((0,) * LANES)
+
+    def __add__(self, other: "StateDigest") -> "StateDigest":
+        if not isinstance(other, StateDigest):
+            return NotImplemented
+        return StateDigest(tuple((a + b) % P for a, b in zip(self.lanes, other.lanes)))
+
+    def __sub__(self, other: "StateDigest") -> "StateDigest":
+        if not isinstance(other, StateDigest):
+            return NotImplemented
+        return StateDigest(tuple((a - b) % P for a, b in zip(self.lanes, other.lanes)))
+
+    def __neg__(self) -> "StateDigest":
+        return StateDigest(tuple((-a) % P for a in self.lanes))
+
+    def hex(self) -> str:
+        """Fixed-width lowercase hex: 8 digits per lane, lane 0 first (32 characters)."""
+        return "".join(f"{v:0{_HEX_WIDTH}x}" for v in self.lanes)
+
+    @classmethod
+    def from_hex(cls, s: str) -> "StateDigest":
+        if not isinstance(s, str) or len(s) != _HEX_WIDTH * LANES:
+            raise DcrError(f"state digest must be {_HEX_WIDTH * LANES} hex digits, got {s!r}")
+        try:
+            lanes = tuple(int(s[k:k + _HEX_WIDTH], 16) for k in range(0, len(s), _HEX_WIDTH))
+        except ValueError:
+            raise DcrError(f"state digest is not hex: {s!r}") from None
+        return cls(lanes)
+
+    def __str__(self) -> str:
+        return self.hex()
+
+    def __repr__(self) -> str:
+        return f"StateDigest({self.hex()!r})"
+
+
+# ----------------------------------------------------------------------------- per-tensor keys
+
+@dataclass(frozen=True)
+class _Keys:
+    s1: int  # 32-bit keys of the shared index permutation
+    s2: int
+    t: tuple  # per lane, 32-bit key of the lane's weight mix
+    kpow: tuple  # per lane: (1, K, K**2, K**3) mod P, K in [2, P) distinct across lanes
+    c: tuple  # per lane offset in [1, P): an all-zero tensor still contributes
+    hi: bool  # some canonical index is >= 2**32
+
+
+@functools.lru_cache(maxsize=4096)
+def _keys(name: str, dtype: str, global_shape: tuple) -> _Keys:
+    ident = json.dumps([name, dtype, list(global_shape)]).encode()
+    counter = 0
+    while True:
+        d = hashlib.blake2b(ident + counter.to_bytes(4, "little"), digest_size=64, person=_PERSON).digest()
+        words = [int.from_bytes(d[k:k + 4], "little") for k in range(0, 64, 4)]
+        t = words[2:2 + LANES]
+        ks = [2 + w % (P - 2) for w in words[2 + LANES:2 + 2 * LANES]]
+        cs = [1 + w % (P - 1) for w in words[2 + 2 * LANES:2 + 3 * LANES]]
+        if len(set(ks)) == LANES:  # distinct K per lane: the single-change guarantee needs it
+            break
+        counter += 1
+    kpow = tuple(tuple(pow(k, j, P) for j in range(4)) for k in ks)
+    return _Keys(words[0], words[1], tuple(t), kpow, tuple(cs), math.prod(global_shape) > (1 << 32))
+
+
+# ----------------------------------------------------------------------------- kernel
+
+def _fmix(h: torch.Tensor) -> torch.Tensor:
+    """In-place 32-bit avalanche mix of values in [0, 2**32); every product < 2**63."""
+    h.bitwise_xor_(h >> 16)
+    h.mul_(_F1).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 15)
+    h.mul_(_F2).bitwise_and_(_M32)
+    h.bitwise_xor_(h >> 16)
+    return h
+
+
+def _limbs(bits: torch.Tensor):
+    """Unsigned 16-bit limbs (8-bit for 1-byte types) of integer-view bits, as int64."""
+    w = bits.element_size()
+    x = bits.to(torch.int64)  # sign-extends int16/int32; masks below recover the raw bits
+    if w == 1:
+        return [x.bitwise_and_(0xFF)]
+    return [(x >> (16 * j)).bitwise_and_(0xFFFF) for j in range(w // 2)]
+
+
+def _blocksum(x: torch.Tensor) -> int:
+    """sum(x) mod P for int64 x with 0 <= x < 2**47, never holding a partial sum >= 2**62."""
+    n = x.numel()
+    k = n - n % _BLOCK
+    s = 0
+    if k:
+        s = int(x[:k].view(-1, _BLOCK).sum(1).remainder_(P).sum())
+    if k < n:
+        s += int(x[k:].sum())
+    return s % P
+
+
+def _kernel(keys: _Keys, gidx: torch.Tensor, bits: torch.Tensor) -> list:
+    """Per-lane sum of contributions (mod P) of elements at canonical ``gidx`` with ``bits``.
+
+    ``gidx``: 1-D int64, at most ``CHUNK`` long; ``bits``: 1-D integer view of the same length.
+    """
+    n = gidx.numel()
+    assert n <= CHUNK and bits.numel() == n
+    if n == 0:
+        return [0] * LANES
+    limbs = _limbs(bits)
+    # keyed 32-bit permutation of the index (a bijection while i < 2**32), shared by the lanes
+    base = _fmix(gidx.bitwise_and(_M32).bitwise_xor_(keys.s1))
+    base.bitwise_xor_(keys.s2)
+    if keys.hi:
+        base.bitwise_xor_(gidx >> 32)
+    _fmix(base)
+    out = []
+    for lane in range(LANES):
+        h = _fmix(base.bitwise_xor(keys.t[lane]))
+        r = h.bitwise_right_shift_(1).clamp_(1, P - 1)  # weight in [1, P), never 0
+        kp = keys.kpow[lane]
+        acc = keys.c[lane] * (int(r.sum()) % P)  # r.sum() < 2**31 * 2**20
+        for j, limb in enumerate(limbs):
+            acc += kp[j] * _blocksum(r * limb)  # r * limb < 2**47
+        out.append(acc % P)
+    return out
+
+
+def _add(acc: list, lanes: list) -> list:
+    return [(a + b) % P for a, b in zip(acc, lanes)]
+
+
+def _as_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
+    if bits.element_size() != width:
+        raise DcrError(f"bits have {bits.element_size()}-byte elements, dtype needs {width}")
+    if bits.dtype != INT_VIEW[width]:
+        bits = bits.view(INT_VIEW[width])
+    return bits
+
+
+# ----------------------------------------------------------------------------- public API
+
+def tensor_contrib(name: str, tensor: torch.Tensor, spec: Optional[ShardSpec] = None) -> StateDigest:
+    """Partial state digest of a local tensor, or of a shard of tensor ``name`` placed by ``spec``.
+
+    ``spec`` None means the whole tensor. Any strides are fine; memory beyond the tensor is
+    O(CHUNK). Summing this over a set of shards that covers every canonical element exactly once
+    gives the digest of the whole tensor.
+    """
+    dname = dtype_name(tensor.dtype)
+    spec = ShardSpec.full(tensor.shape) if spec is None else spec
+    spec.validate()
+    if tuple(spec.shape) != tuple(tensor.shape):
+        raise DcrError(f"{name}: tensor shape {tuple(tensor.shape)} != shard shape {spec.shape}")
+    keys = _keys(name, dname, tuple(spec.global_shape))
+    imap = IndexMap(spec)
+    fa = FlatAccess(tensor)
+    acc = [0] * LANES
+    for s in range(0, fa.numel, CHUNK):
+        e = min(s + CHUNK, fa.numel)
+        gidx = imap.to_global(torch.arange(s, e, dtype=torch.int64, device=tensor.device))
+        acc = _add(acc, _kernel(keys, gidx, fa.read(s, e)))
+    return StateDigest(tuple(acc))
+
+
+def state_contrib(tensors: Mapping[str, torch.Tensor],
+                  shards: Optional[Mapping[str, ShardSpec]] = None) -> StateDigest:
+    """Sum of ``tensor_contrib`` over ``tensors``; ``shards`` maps names to their ShardSpec
+    (a name missing from it is a whole tensor)."""
+    shards = shards or {}
+    d = StateDigest.zero()
+    for name, t in tensors.items():
+        d = d + tensor_contrib(name, t, shards.get(name))
+    return d
+
+
+def changes_contrib(name: str, dtype: Union[torch.dtype, str], global_shape: Sequence[int],
+                    global_idx: torch.Tensor, bits: torch.Tensor) -> StateDigest:
+    """Contribution of the elements of tensor ``name`` at canonical flat ``global_idx`` holding
+    ``bits`` (a tensor of ``dtype`` or of its integer view). Indices must be distinct.
+
+    Update a digest after a sparse change with
+    ``D + changes_contrib(..., idx, new_bits) - changes_contrib(..., idx, old_bits)``.
+    """
+    dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    dname = dtype_name(dt)
+    shape = tuple(int(s) for s in global_shape)
+    numel = math.prod(shape)
+    idx = global_idx.reshape(-1)
+    if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise DcrError(f"{name}: global indices must be an integer tensor, got {idx.dtype}")
+    idx = idx.to(torch.int64)
+    b = _as_bits(bits.reshape(-1), itemsize(dt))
+    if b.numel() != idx.numel():
+        raise DcrError(f"{name}: {idx.numel()} indices but {b.numel()} values")
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel):
+        raise DcrError(f"{name}: global index out of range for shape {list(shape)}")
+    keys = _keys(name, dname, shape)
+    acc = [0] * LANES
+    for s in range(0, idx.numel(), CHUNK):
+        acc = _add(acc, _kernel(keys, idx[s:s + CHUNK], b[s:s + CHUNK]))
+    return StateDigest(tuple(acc))
+
+
+def allreduce_digest(d: StateDigest, group=None) -> StateDigest:
+    """Sum the ranks' partial digests with ``torch.distributed.all_reduce`` (every rank gets the
+    total). Lanes are < 2**31, so an int64 sum is exact for up to 2**32 ranks."""
+    import torch.distributed as dist
+
+    device = "cpu"
+    if "nccl" in str(dist.get_backend(group)).lower():
+        device = torch.device("cuda", torch.cuda.current_device())
+    t = torch.tensor(d.lanes, dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+    return StateDigest(tuple(int(v) % P for v in t.cpu().tolist()))

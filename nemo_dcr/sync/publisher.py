@@ -1,0 +1,201 @@
+"""Trainer side, framework-free: publish a sequence of versions of a (possibly sharded) state.
+
+    pub = Publisher("s3://bucket/run1", keyframe_every=50)
+    pub.publish(local_tensors, shards)          # every rank of the trainer's group calls it
+
+Each call snapshots (copies) the rank's tensors, diffs them against the last *published*
+snapshot (so publishing every N steps sends the changes of N steps), uploads one part per rank,
+gathers the parts' receipts over the trainer's own process group, and rank 0 commits the version
+once every part is durable. A rank that fails or dies before its receipt is gathered leaves no
+visible version.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+
+from nemo_dcr.delta.core import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
+from nemo_dcr.sync.group import Group
+from nemo_dcr.errors import DcrError
+from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.delta.stats import inspect
+from nemo_dcr.state.statedigest import StateDigest, changes_contrib, state_contrib
+from nemo_dcr.sync.versions import (CommitConflict, Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest,
+                       version_dir)
+
+
+class PublishError(DcrError):
+    """A rank could not publish its part; no version was committed."""
+
+
+@dataclass
+class PublishResult:
+    manifest: Manifest
+    delta_bytes: int
+    keyframe_bytes: int
+    changed: int
+    elements: int
+    seconds: float
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+    @property
+    def change_rate(self) -> float:
+        return self.changed / self.elements if self.elements else 0.0
+
+
+def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
+    """A private CPU copy: the caller's tensors may change as soon as we return."""
+    return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
+
+
+class Publisher:
+    def __init__(self, store, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
+                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
+                 group=None):
+        """``keyframe_every``: also publish the full state every K versions (0: only the first).
+        ``retain``: after each commit, delete versions older than both the newest keyframe and
+        the newest ``retain`` versions (None: delete nothing)."""
+        from nemo_dcr.stores import open_store
+        self.store = open_store(store) if isinstance(store, str) else store
+        self.keyframe_every = keyframe_every
+        self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
+        self.retain = retain
+        self.group = Group(group)
+        self._base: dict | None = None        # the last published snapshot (this rank's tensors)
+        self._shards: dict | None = None
+        self._head: Head | None = None
+        self._digest: StateDigest | None = None  # this rank's partial digest of _base
+
+    @property
+    def version(self) -> int | None:
+        return self._head.version if self._head else None
+
+    # ------------------------------------------------------------------ publish
+    def publish(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] | None = None, *,
+                keyframe: bool = False, step: int | None = None, meta: dict | None = None) -> PublishResult:
+        """Publish the next version. ``keyframe=True`` also stores the full state; if the last
+        published state cannot then be rebuilt from the store (a restarted trainer whose base is
+        lost or corrupt), the version is a keyframe alone, without a delta part."""
+        t0 = time.perf_counter()
+        g = self.group
+        snap = snapshot(tensors)
+        shards = dict(shards or {})
+        head_tag = read_head(self.store) if g.rank == 0 else (None, None)
+        head = g.broadcast(head_tag[0])
+        publish_id = g.broadcast(new_publish_id() if g.rank == 0 else None)
+        version = 0 if head is None else head.version + 1
+        kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
+        result = {"ok": True}
+        try:
+            if head is not None and (self._head is None or self._head.version != head.version
+                                     or self._head.manifest != head.manifest):
+                restored = True
+                try:
+                    self._restore(head, snap, shards)  # fresh publisher, or the store moved on
+                except Exception:
+                    if not keyframe:
+                        raise
+                    restored = False
+                if keyframe and not g.all_ok(restored):
+                    # a keyframe was asked for and the published state cannot be rebuilt (and
+                    # verified) on every rank: publish the keyframe alone, no delta part
+                    self._base = self._shards = self._head = self._digest = None
+            result = self._upload(snap, shards, head, version, publish_id, kf)
+        except Exception as e:  # reported to every rank below; nothing is committed
+            result = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
+        results = g.all_gather(result)
+        failed = [r["error"] for r in results if not r["ok"]]
+        if failed:
+            raise PublishError("; ".join(failed) + " (no version committed)")
+        outcome = None
+        if g.rank == 0:
+            outcome = self._commit(results, head, head_tag[1], version, publish_id, step, meta)
+        outcome = g.broadcast(outcome)
+        if not outcome["ok"]:
+            if outcome.get("conflict"):
+                raise CommitConflict(outcome["error"])
+            raise PublishError(outcome["error"])
+        manifest = Manifest.from_bytes(outcome["manifest"].encode())
+        self._base, self._shards, self._digest = snap, shards, result["new_digest"]
+        self._head = Head.from_bytes(outcome["head"].encode())
+        if g.rank == 0 and self.retain is not None:
+            from nemo_dcr.sync.retention import prune
+            prune(self.store, self._head, keep=self.retain)
+        return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(),
+                             sum(p.changed for p in manifest.parts), sum(p.elements for p in manifest.parts)
+                             or sum(p.elements for p in manifest.keyframe_parts), time.perf_counter() - t0)
+
+    def _upload(self, snap, shards, head, version, publish_id, kf) -> dict:
+        rank = self.group.rank
+        d = version_dir(version, publish_id)
+        out = {"ok": True, "parts": [], "keyframe_parts": []}
+        meta = {"version": version, "publish_id": publish_id, "rank": rank}
+        lock = threading.Lock()
+        change = [StateDigest.zero()]
+
+        def on_change(name, dtype, gshape, gidx, old, new):
+            c = changes_contrib(name, dtype, gshape, gidx, new)
+            if old is not None:
+                c = c - changes_contrib(name, dtype, gshape, gidx, old)
+            with lock:
+                change[0] = change[0] + c
+
+        if head is not None and self._base is not None:
+            blob = diff(self._base, snap, shards=shards, encoding=self.encoding, level=self.level,
+                        chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, on_change=on_change,
+                        progress=False)
+            out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
+            new_digest = self._digest + change[0]
+        else:
+            new_digest = state_contrib(snap, shards)
+        if kf:
+            blob = diff({}, snap, shards=shards, encoding="overwrite", level=self.level,
+                        chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
+            out["keyframe_parts"].append(self._put(f"{d}/key-{rank:05d}.dcr", blob))
+        out["digest"] = new_digest.hex()
+        out["new_digest"] = new_digest
+        return out
+
+    def _put(self, key: str, blob: bytes) -> dict:
+        s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
+        self.store.put(key, blob)
+        return Part(rank=self.group.rank, key=key, size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
+                    changed=s["changed"], elements=s["elements"], dense_bytes=s["dense_bytes"]).__dict__
+
+    def _commit(self, results, head, tag, version, publish_id, step, meta=None) -> dict:
+        try:
+            total = StateDigest.zero()
+            for r in results:
+                total = total + StateDigest.from_hex(r["digest"])
+            base = read_manifest(self.store, head.manifest) if head is not None else None
+            m = Manifest(
+                version=version, publish_id=publish_id, target_digest=total.hex(),
+                base_version=head.version if head else None, base_manifest=head.manifest if head else None,
+                base_digest=base.target_digest if base else None,
+                parts=[Part(**p) for r in results for p in r["parts"]],
+                keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
+                encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
+                world_size=self.group.world_size, step=step, meta=meta or {})
+            new_head = commit(self.store, m, head, tag)
+            return {"ok": True, "manifest": m.to_bytes().decode(), "head": new_head.to_bytes().decode()}
+        except CommitConflict as e:
+            return {"ok": False, "conflict": True, "error": str(e)}
+        except Exception as e:
+            return {"ok": False, "error": f"commit failed: {type(e).__name__}: {e}"}
+
+    def _restore(self, head: Head, like: dict, shards: dict) -> None:
+        """Rebuild this rank's part of the published state at ``head`` from the store."""
+        from nemo_dcr.sync.follower import Follower
+        tensors = {k: torch.zeros_like(v) for k, v in like.items()}
+        f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers)
+        f.sync(head.version, head=head)
+        self._base, self._shards, self._head = tensors, shards, head
+        self._digest = state_contrib(tensors, shards)

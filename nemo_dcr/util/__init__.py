@@ -1,0 +1,1 @@
+"""Plumbing shared by the layers: worker thread pools and progress bars."""
