@@ -5,7 +5,6 @@ saw: its class, message, the failed ranks it names, and its ``__cause__``'s clas
 checks that every rank saw the same typed error."""
 from __future__ import annotations
 
-import json
 import os
 import traceback
 
@@ -104,10 +103,7 @@ def main(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         res["ok"] = True
     except BaseException:
         res["traceback"] = traceback.format_exc()
-    tmp = os.path.join(out, f"{rank}.json.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(res, fh)
-    os.replace(tmp, os.path.join(out, f"{rank}.json"))
+    W._write(out, rank, res)
     if res["ok"]:
         dist.barrier()
         dist.destroy_process_group()

@@ -40,7 +40,7 @@ from nemo_dcr.errors import (BaseMismatchError, CorruptObjectError, DcrError, Gr
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.group import Group
-from nemo_dcr.sync.versions import Head, Manifest, manifest_at, plans, read_head, read_manifest
+from nemo_dcr.sync.versions import Head, Manifest, manifest_at, no_plan, plans, read_head, read_manifest
 
 __all__ = ["Follower", "SyncResult", "CorruptObjectError"]
 
@@ -203,7 +203,7 @@ class Follower:
                 bad.add((u.manifest.key, u.kind))
                 res.fallbacks.append(_Fallback(f"{u.kind} {u.manifest.version}", u.error))
                 log.info("nemo-dcr: cannot use the %s of version %d (%s); trying another path",
-                            u.kind, u.manifest.version, u.error)
+                         u.kind, u.manifest.version, u.error)
                 continue
             return self._done(res, t0)
 
@@ -320,7 +320,4 @@ class _Fallback(str):
 def _no_path(target: Manifest, current: int | None, last) -> Exception:
     if last is not None:
         return last.error  # every path needed an object that cannot be had: say which
-    return VersionNotFound(
-        f"cannot reach version {target.version} from "
-        f"{'an empty receiver' if current is None else f'version {current}'}: "
-        f"the deltas or keyframe needed are no longer in the store")
+    return no_plan(target, current)

@@ -26,7 +26,7 @@ from nemo_dcr.errors import CommitConflict, ManifestError, VersionNotFound
 
 __all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
-           "chain"]
+           "no_plan"]
 
 log = logging.getLogger("nemo_dcr.sync")
 
@@ -342,11 +342,9 @@ def plans(store, target: Manifest, current: int | None = None, digest: str | Non
         yield from_keyframe(k)
 
 
-def chain(store, target: Manifest, current: int | None, digest: str | None = None) -> list:
-    """The best plan of :func:`plans` (VersionNotFound if there is none)."""
-    for p in plans(store, target, current, digest):
-        return p
-    raise VersionNotFound(
+def no_plan(target: Manifest, current: int | None) -> VersionNotFound:
+    """The error when :func:`plans` has nothing (left) to offer."""
+    return VersionNotFound(
         f"cannot reach version {target.version} from "
         f"{'an empty receiver' if current is None else f'version {current}'}: "
         f"the deltas or keyframe needed are no longer in the store")
