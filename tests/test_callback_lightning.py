@@ -377,7 +377,7 @@ def _ddp_rank(rank, world, port, root, out):
 def test_ddp_ranks_publish_over_their_own_gloo_group(tmp_path):
     """DDP on 2 CPU ranks: a replicated module is published by rank 0 alone; with a
     snapshot_fn every rank publishes its part and the parts are committed jointly."""
-    from proc_group import launch
+    from dcr_testing.procs import launch
 
     root = str(tmp_path / "stores")
     out = tmp_path / "out"

@@ -24,8 +24,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install '.[megatron]')")
 
-import mp_megatron as W  # noqa: E402
-from proc_group import launch  # noqa: E402
+from dcr_testing import mp_megatron as W  # noqa: E402
+from dcr_testing.procs import launch  # noqa: E402
 from dcr_testing import assert_bits_equal  # noqa: E402
 from nemo_dcr.integrations import hf_mapping as H  # noqa: E402
 from nemo_dcr.integrations.megatron import check_cover, is_megatron_module, megatron_snapshot  # noqa: E402

@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
-import mp_workers as W
-from proc_group import launch
+from dcr_testing import mp_workers as W
+from dcr_testing.procs import launch
 from dcr_testing import assert_bits_equal
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.versions import read_head, read_manifest
-from stores_fixtures import make_s3_store
+from dcr_testing.s3 import make_s3_store
 
 PRELOAD = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores", "boto3"]
 DEADLINE = 60.0  # seconds for one group of processes, start-up included

@@ -13,7 +13,7 @@ from nemo_dcr.state import statedigest as sd
 from nemo_dcr.state.dtypes import DTYPES, INT_VIEW, int_view
 from nemo_dcr.state.statedigest import (P, StateDigest, allreduce_digest, changes_contrib, state_contrib,
                                   tensor_contrib)
-from shard_helpers import cut, grid
+from dcr_testing.shards import cut, grid
 
 ALL_DTYPES = list(DTYPES.values())  # every width 1/2/4/8, incl. bool, float8, bf16, fp64, int64
 
