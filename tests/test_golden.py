@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import struct
 
 import pytest
 from safetensors.torch import load_file
@@ -88,9 +89,14 @@ def test_golden_cli_delta_rebuilds_the_target_file(tmp_path):
     assert_state(load_file(out), load_file(os.path.join(GOLDEN, "target.safetensors")))
 
 
+FOOTER = struct.Struct("<QQII8s")  # docs/format.md: header stored length, raw length, crc32, version, end magic
+
+
 def _split(blob: bytes):
-    r = DeltaReader.open(blob)
-    return bytes(r.buf[:r.payload_end]), r.header
+    """-> (preamble and chunk payloads, header dict): the bytes before the stored header, by the
+    footer as docs/format.md defines it, and the header as the reader decodes it."""
+    stored_len = FOOTER.unpack_from(blob, len(blob) - FOOTER.size)[0]
+    return blob[:len(blob) - FOOTER.size - stored_len], DeltaReader.open(blob).header
 
 
 @pytest.mark.parametrize("name", DELTAS)
