@@ -426,9 +426,7 @@ def test_allreduce_digest_gloo_two_processes(tmp_path):
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
     world = 2
-    # ranks fork from a server that imported these once (instead of torch in every spawned process)
-    preload = ["torch", "torch.distributed", "nemo_dcr.state.statedigest"]
-    found, codes, hung = launch(_worker, world, lambda r, port: (r, world, port, str(tmp_path)), tmp_path, 60, preload)
+    found, codes, hung = launch(_worker, world, lambda r, port: (r, world, port, str(tmp_path)), tmp_path, 60)
     assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
     expect = state_contrib(_state()).hex()
     for r in range(world):
