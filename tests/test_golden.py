@@ -127,3 +127,12 @@ def test_reference_codec_matches_the_golden_bytes(encoding, inputs, monkeypatch)
     with G.pinned_clock():
         again = diff(base, target, encoding=encoding, chunk_elems=G.CHUNK, workers=1)
     assert _split(again)[0] == _split(golden(f"{encoding}.dcr"))[0]
+
+
+def test_encoder_threads_do_not_change_the_bytes(inputs):
+    """The golden files were encoded on one thread; four threads give the same payload bytes."""
+    from nemo_dcr import diff
+    base, target, _, _ = inputs
+    with G.pinned_clock():
+        again = diff(base, target, encoding="auto", chunk_elems=G.CHUNK, workers=4)
+    assert _split(again)[0] == _split(golden("auto.dcr"))[0]
