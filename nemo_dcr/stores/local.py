@@ -40,6 +40,7 @@ __all__ = ["LocalStore"]
 _LOCK_DIR = ".locks"
 _N_LOCKS = 256
 _COPY_BUF = 8 << 20
+_STREAM_BUF = 1 << 20
 
 
 def _tag_of(data: bytes) -> str:
@@ -206,6 +207,30 @@ class LocalStore(Store):
             _remove_quiet(tmp)
             raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
         _fsync_dir(os.path.dirname(dest))
+
+    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+        path = self._path(key)
+        try:
+            f = open(path, "rb")
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            raise NotFound(key, self.url) from None
+        except OSError as e:
+            raise self._io_error("get_stream", key, e) from e
+        size = os.fstat(f.fileno()).st_size  # the file is only ever replaced whole, never grown
+
+        def chunks() -> Iterator[bytes]:
+            with f:
+                try:
+                    f.seek(max(0, int(offset)))
+                    while True:
+                        b = f.read(_STREAM_BUF)
+                        if not b:
+                            return
+                        yield b
+                except OSError as e:
+                    raise self._io_error("get_stream", key, e) from e
+
+        return size, chunks()
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))
