@@ -117,9 +117,13 @@ class Store(abc.ABC):
     def get_with_tag(self, key: str) -> Tuple[bytes, str]:
         """``(bytes, tag)``, a consistent pair: the tag is that of exactly these bytes."""
 
-    @abc.abstractmethod
     def exists(self, key: str) -> bool:
-        """Whether the object exists."""
+        """Whether the object exists (this default asks for its size)."""
+        try:
+            self.size(key)
+            return True
+        except NotFound:
+            return False
 
     @abc.abstractmethod
     def size(self, key: str) -> int:

@@ -12,13 +12,12 @@ answer, not a failure: it is not retried elsewhere. Read-only: writes go to the 
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from typing import Iterator, Optional, Sequence, Tuple
 
 from .base import NotFound, Store, StoreError
-from .http import ReadOnlyStore, StoreUnavailable, wait_head, write_stream_to_file
+from .http import ReadOnlyStore, StoreUnavailable, wait_head
 
 __all__ = ["FallbackStore"]
 
@@ -99,32 +98,19 @@ class FallbackStore(ReadOnlyStore):
                         it.close()
                         it = iter(())
                         try:
-                            i, (n, it) = self._try(key, lambda s: s.get_stream(key, pos), tried)
+                            i, (n, it) = self._try(key, lambda s, at=pos: s.get_stream(key, at), tried)
                         except StoreUnavailable as e2:
                             raise StoreUnavailable(f"{key}: broke off at byte {pos} ({e}); {e2}") from None
                         if n != size:
                             raise StoreError(f"{key}: {self.sources[i].url} holds {n} bytes, "
-                                             f"the source that broke off held {size}")
+                                             f"the source that broke off held {size}") from e
             finally:
                 it.close()
 
         return size, chunks()
 
-    def get(self, key: str) -> bytes:
-        size, chunks = self.get_stream(key)
-        buf = bytearray()
-        for b in chunks:
-            buf += b
-        return bytes(buf)
-
     def get_with_tag(self, key: str) -> Tuple[bytes, str]:
         return self._try(key, lambda s: s.get_with_tag(key))[1]
-
-    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
-        write_stream_to_file(*self.get_stream(key), path)
-
-    def exists(self, key: str) -> bool:
-        return self._try(key, lambda s: s.exists(key))[1]
 
     def size(self, key: str) -> int:
         return self._try(key, lambda s: s.size(key))[1]

@@ -114,7 +114,18 @@ def wait_head(store: Store, newer_than: Optional[int], wait: float) -> Optional[
 
 
 class ReadOnlyStore(Store):
-    """Writes refused with :meth:`_read_only`'s error (the read side of a store)."""
+    """The read side of a store: reads built on :meth:`get_stream`, writes refused with
+    :meth:`_read_only`'s error."""
+
+    def get(self, key: str) -> bytes:
+        size, chunks = self.get_stream(key)
+        buf = bytearray()
+        for b in chunks:
+            buf += b
+        return bytes(buf)
+
+    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
+        write_stream_to_file(*self.get_stream(key), path)
 
     def _read_only(self, op: str, key: str):
         raise StoreError(f"{op}({key!r}): {self.url} is read-only")
@@ -298,26 +309,9 @@ class HttpStore(ReadOnlyStore):
 
         return total, chunks()
 
-    def get(self, key: str) -> bytes:
-        size, chunks = self.get_stream(key)
-        buf = bytearray()
-        for b in chunks:
-            buf += b
-        return bytes(buf)
-
     def get_with_tag(self, key: str) -> Tuple[bytes, str]:
         resp, body = self._small("GET", self._path(key), key)
         return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
-
-    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
-        write_stream_to_file(*self.get_stream(key), path)
-
-    def exists(self, key: str) -> bool:
-        try:
-            self.size(key)
-            return True
-        except NotFound:
-            return False
 
     def size(self, key: str) -> int:
         resp, _ = self._small("HEAD", self._path(key), key)

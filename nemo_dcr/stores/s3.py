@@ -319,13 +319,6 @@ class S3Store(Store):
 
         return size, chunks()
 
-    def exists(self, key: str) -> bool:
-        try:
-            self.size(key)
-            return True
-        except NotFound:
-            return False
-
     def size(self, key: str) -> int:
         full = self._full(key)
         r = self._call("size", key, lambda: self.client.head_object(Bucket=self.bucket, Key=full))

@@ -90,8 +90,7 @@ class Relay:
             return await self._guard(request, handler)
 
         app = web.Application(middlewares=[guard])
-        app.router.add_route("GET", "/{tail:.*}", self._handle)
-        app.router.add_route("HEAD", "/{tail:.*}", self._handle)
+        app.router.add_route("*", "/{tail:.*}", self._handle)  # the guard answers every request
 
         async def on_startup(_):
             self.heads.start()
@@ -120,7 +119,11 @@ class Relay:
                                    "this relay requires a bearer token (Authorization: Bearer ...)")
                 resp.headers["WWW-Authenticate"] = 'Bearer realm="nemo-dcr"'
                 return resp
-        return await handler(request)
+        if request.method not in ("GET", "HEAD"):
+            return self._error(405, "a relay serves reads only (GET, HEAD)")
+        # every path comes here, not only what the router's pattern matches (".*" stops at a
+        # newline): _handle validates it itself
+        return await self._handle(request)
 
     async def _handle(self, request):
         try:
