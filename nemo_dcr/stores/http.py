@@ -212,8 +212,8 @@ class HttpStore(ReadOnlyStore):
         for attempt in range(2):
             conn, reused = self._take()
             try:
-                conn.timeout = self.connect_timeout
-                conn.connect() if conn.sock is None else None
+                if conn.sock is None:
+                    conn.connect()  # with connect_timeout; reads get self.timeout below
                 conn.sock.settimeout(self.timeout if timeout is None else timeout)
                 conn.request(method, path, headers=self._headers(headers))
                 resp = conn.getresponse()

@@ -21,7 +21,8 @@ import sys
 import tempfile
 from typing import Optional
 
-from nemo_dcr.stores.base import NotFound, Store, StoreError, check_key
+from nemo_dcr.errors import DcrError
+from nemo_dcr.stores.base import NotFound, Store, StoreError, check_key, check_prefix
 from nemo_dcr.stores.http import HEAD_PATH
 from nemo_dcr.transport.cache import ObjectCache
 from nemo_dcr.transport.fetch import Fetcher
@@ -136,6 +137,11 @@ class Relay:
                 return self._json(self._stats())
             if what == "list":
                 prefix = request.query.get("prefix", "")
+                try:
+                    check_prefix(prefix)
+                except StoreError as e:
+                    self.stats["refused"] += 1
+                    return self._error(400, f"refused: {e}")
                 keys = await self.workers.run(self.upstream.list, prefix)
                 return self._json({"keys": keys})
             if key == HEAD_PATH:
@@ -145,9 +151,7 @@ class Relay:
             return await self._object(request, key)
         except NotFound:
             return self._error(404, f"not found: {key}" if key else "not found")
-        except StoreError as e:
-            if "invalid key" in str(e) or "invalid prefix" in str(e):
-                return self._error(400, f"refused: {e}")
+        except (DcrError, OSError) as e:  # the upstream failed, or sent less than it announced
             return self._error(502, f"upstream failed: {e}")
 
     def _json(self, obj):
