@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from dcr_testing import assert_state, zeros_like
-from relay_helpers import RelayProc, model, train_step, wait_until
+from dcr_testing.relay import RelayProc, model, train_step, wait_until
 from nemo_dcr.stores import FallbackStore, HttpStore, NotFound, StoreError, open_store
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher

@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from relay_helpers import RelayProc, model
+from dcr_testing.relay import RelayProc, model
 from nemo_dcr.stores import HttpStore, StoreError, open_store
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
