@@ -23,3 +23,7 @@ class PartialApplyError(DcrError):
     Re-running the same apply with ``resume=True`` finishes it: chunks that were already
     applied are recognised by their post-image check and skipped.
     """
+
+
+class MissingExtraError(DcrError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it."""
