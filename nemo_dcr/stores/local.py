@@ -115,6 +115,13 @@ class LocalStore(Store):
         is made again if a concurrent delete() pruned it. On failure nothing is left behind."""
         return write_temp(final, writer, make_dir=self._ensure_dir)
 
+    def _temp_for(self, op: str, key: str, final: str, writer) -> str:
+        """:meth:`_write_temp`, its I/O errors reported as ``op`` on ``key``."""
+        try:
+            return self._write_temp(final, writer)
+        except OSError as e:
+            raise self._io_error(op, key, e) from e
+
     def _io_error(self, op: str, key: str, e: OSError) -> StoreError:
         if isinstance(e, (NotADirectoryError, IsADirectoryError)) or e.errno in (
             errno.ENOTDIR, errno.EISDIR
@@ -206,10 +213,7 @@ class LocalStore(Store):
     def put(self, key: str, data: bytes) -> None:
         data = self._check_data(key, data)
         final = self._path(key)
-        try:
-            tmp = self._write_temp(final, lambda f: f.write(data))
-        except OSError as e:
-            raise self._io_error("put", key, e) from e
+        tmp = self._temp_for("put", key, final, lambda f: f.write(data))
         self._replace("put", key, tmp, final)
 
     def put_file(self, key: str, path: str | os.PathLike) -> None:
@@ -219,20 +223,14 @@ class LocalStore(Store):
             fin = open(src, "rb")
         except OSError as e:
             raise StoreError(f"put_file({key!r}): cannot read {src}: {e}") from e
-        try:
-            with fin:
-                tmp = self._write_temp(final, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
-        except OSError as e:
-            raise self._io_error("put_file", key, e) from e
+        with fin:
+            tmp = self._temp_for("put_file", key, final, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
         self._replace("put_file", key, tmp, final)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         data = self._check_data(key, data)
         final = self._path(key)
-        try:
-            tmp = self._write_temp(final, lambda f: f.write(data))
-        except OSError as e:
-            raise self._io_error("put_if_absent", key, e) from e
+        tmp = self._temp_for("put_if_absent", key, final, lambda f: f.write(data))
         try:
             with self._lock(key):
                 os.link(tmp, final)  # atomic, exclusive: EEXIST if the key exists
@@ -252,10 +250,7 @@ class LocalStore(Store):
         tag = self._check_tag(key, tag)
         data = self._check_data(key, data)
         final = self._path(key)
-        try:
-            tmp = self._write_temp(final, lambda f: f.write(data))
-        except OSError as e:
-            raise self._io_error("put_if_match", key, e) from e
+        tmp = self._temp_for("put_if_match", key, final, lambda f: f.write(data))
         try:
             with self._lock(key):
                 try:
