@@ -302,10 +302,10 @@ def header_of(target, names=None, **override):
     return json.dumps(h)
 
 
+ABS_EVIL = "/tmp/nemo-dcr-test-absolute-evil.safetensors"  # must never be created
 BAD_LAYOUTS = {
     "dotdot": lambda t: {"kind": "dir", "files": [{"name": "../evil.safetensors", "header": header_of(t)}], "index": None},
-    "absolute": lambda t: {"kind": "dir", "files": [{"name": "/tmp/evil.safetensors", "header": header_of(t)}],
-                           "index": None},
+    "absolute": lambda t: {"kind": "dir", "files": [{"name": ABS_EVIL, "header": header_of(t)}], "index": None},
     "not-safetensors": lambda t: {"kind": "dir", "files": [{"name": "config.json", "header": header_of(t)}],
                                   "index": None},
     "no-files": lambda t: {"kind": "dir", "files": [], "index": None},
@@ -333,7 +333,7 @@ def test_crafted_layouts_are_refused_before_writing(tmp_path, capsys, bad):
     rc, _, err = cli(capsys, "apply", b, d, "-o", out)
     one_line_error(rc, err)
     assert not out.exists() and not (work / "sub" / "evil.safetensors").exists()
-    assert not os.path.exists("/tmp/evil.safetensors") and not (tmp_path / "evil.safetensors").exists()
+    assert not os.path.exists(ABS_EVIL) and not (tmp_path / "evil.safetensors").exists()
     assert not (work / "a.safetensors").exists()
 
 

@@ -322,8 +322,10 @@ def _placed(out: str, layout: dict) -> tuple[bool, list, str | None]:
     if layout["kind"] == "dir":
         return True, files, layout["index"]
     if os.path.isdir(out):
-        name = files[0][0] if files[0][0].endswith(".safetensors") and "/" not in files[0][0] \
-            and not files[0][0].startswith(".") else "model.safetensors"
+        try:
+            name = check_file_name(files[0][0], out)
+        except CheckpointError:  # a single file's recorded name is otherwise unused
+            name = "model.safetensors"
         return True, [(name, files[0][1], files[0][2])], None
     return False, files, None
 
