@@ -10,7 +10,7 @@ from nemo_dcr.errors import DcrError
 from nemo_dcr.checkpoint.safetensors_io import (Checkpoint, CheckpointError, check_layout, has_layout, layout_for,
                                                 owned_files, write_checkpoint)
 from nemo_dcr.state.statedigest import state_contrib
-from nemo_dcr.sync.versions import VersionNotFound, read_head, read_manifest
+from nemo_dcr.sync.versions import read_head, walk
 
 
 def _open(store, *, create: bool = True):
@@ -41,14 +41,10 @@ def history(store, limit: int | None = None) -> list:
     store = _open(store, create=False)
     head, _ = read_head(store)
     out = []
-    key = head.manifest if head else None
-    while key is not None and (limit is None or len(out) < limit):
-        try:
-            m = read_manifest(store, key)
-        except VersionNotFound:
+    for m in walk(store, head) if head is not None else ():
+        if limit is not None and len(out) >= limit:
             break
         out.append(m)
-        key = m.base_manifest
     return out
 
 
@@ -91,7 +87,7 @@ def pull_checkpoint(store, out: str, version: int | None = None) -> PullResult:
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
     f = Follower(store, tensors, version=current, verify_initial=False)
     res = f.sync(version)
-    m = _manifest_at(store, res.version)
+    m = f.manifest  # the very manifest whose state was verified
     layout = (m.meta or {}).get("layout") or layout_for(tensors)
     where = f"version {res.version}'s file layout"
     held = {t for f in check_layout(layout, None, where)["files"] for t in f["parsed"] if t != "__metadata__"}
@@ -102,13 +98,6 @@ def pull_checkpoint(store, out: str, version: int | None = None) -> PullResult:
         return PullResult(res)
     write_checkpoint(out, layout, lambda name: tensors[name])
     return PullResult(res, rewritten=not res.updated)
-
-
-def _manifest_at(store, version):
-    for m in history(store):
-        if m.version == version:
-            return m
-    raise VersionNotFound(f"version {version} is no longer in the store")
 
 
 def verify_checkpoint(store, path: str):

@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
@@ -271,6 +272,23 @@ def changes_contrib(name: str, dtype: Union[torch.dtype, str], global_shape: Seq
     for s in range(0, idx.numel(), CHUNK):
         acc = _add(acc, _kernel(keys, idx[s:s + CHUNK], b[s:s + CHUNK]))
     return StateDigest(tuple(acc))
+
+
+class ChangeDigest:
+    """The digest change of a sparse update, accumulated from the ``on_change(name, dtype,
+    global_shape, global_idx, old, new)`` calls of ``diff``/``apply`` (from any thread):
+    ``+ contrib(new) - contrib(old)`` (``old`` None: elements that held nothing before)."""
+
+    def __init__(self):
+        self.total = StateDigest.zero()
+        self._lock = threading.Lock()
+
+    def __call__(self, name, dtype, global_shape, global_idx, old, new) -> None:
+        c = changes_contrib(name, dtype, global_shape, global_idx, new)
+        if old is not None:
+            c = c - changes_contrib(name, dtype, global_shape, global_idx, old)
+        with self._lock:
+            self.total = self.total + c
 
 
 def allreduce_digest(d: StateDigest, group=None) -> StateDigest:
