@@ -111,3 +111,9 @@ class PublishError(DcrError):
 
 class DeltaPublishError(DcrError):
     """A background publish failed; the message names the step and the cause."""
+
+
+# ----------------------------------------------------------------------------- optional dependencies
+
+class MissingExtraError(DcrError, ImportError):
+    """An optional dependency is not installed; the message names the extra that installs it."""

@@ -91,5 +91,6 @@ def test_pull_failure_leaves_output_unchanged(tmp_path, cli):
     assert len(r.stderr.strip().splitlines()) == 1 and "corrupt" in r.stderr and "part-" in r.stderr
     assert tree_sha(out) == before
     assert sorted(os.listdir(tmp_path)) == ["ckpt0", "ckpt1", "rollout", "store"]
+    (tmp_path / "empty").mkdir()  # a missing store directory is an error of its own (tests/test_file_safety.py)
     r = cli("pull", "--store", tmp_path / "empty", "--into", tmp_path / "x")
     assert r.returncode == 1 and "no committed version" in r.stderr

@@ -17,14 +17,20 @@ from nemo_dcr.state.digest import tensor_digest_like
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.util.progress import NullProgress, Progress
-from nemo_dcr.checkpoint.safetensors_io import Checkpoint, atomic_output, layout_for, write_file
+from nemo_dcr.checkpoint.safetensors_io import (Checkpoint, check_layout, input_kind, layout_for, refuse_overlap,
+                                                write_checkpoint)
+from nemo_dcr.util.atomic import output_file
 
 
 def diff_checkpoints(base: str, target: str, out: str, *, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                      chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, progress: bool | None = None) -> dict:
     """Write the delta BASE -> TARGET to ``out`` atomically. Returns the delta header."""
     b, t = Checkpoint(base), Checkpoint(target)
-    with atomic_output(out, is_dir=False) as tmp:
+    out = os.path.realpath(out)  # a symlink named as the output is written through
+    if os.path.isdir(out):
+        raise DcrError(f"{out} is a directory; the delta is a single file")
+    refuse_overlap(out, [out], [base, target, *b.files.values(), *t.files.values()])
+    with output_file(out) as tmp:
         with open(tmp, "wb") as f:
             header = diff(b, t, encoding=encoding, level=level, chunk_elems=chunk_elems, workers=workers,
                           meta={"layout": t.layout()}, out=f, progress=progress)
@@ -42,6 +48,8 @@ class FileApplyResult:
 
 def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = None,
                      progress: bool | None = None) -> FileApplyResult:
+    if input_kind(delta, "delta") != "file":  # a FIFO would block the reader forever
+        raise DcrError(f"{delta}: is a directory; the delta must be a regular file")
     reader = DeltaReader.open(delta)
     reader.check_payloads()
     h = reader.header
@@ -57,6 +65,9 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
     layout = h.get("meta", {}).get("layout")
     if layout is None:
         layout = layout_for(_TargetShapes(entries))
+    layout = check_layout(layout, [n for n, e in entries.items() if e["kind"] != "removed"], f"{delta}: layout")
+    in_place = os.path.exists(out) and os.path.samefile(out, base)
+    protect = [delta] if in_place else [delta, base, *ckpt.files.values()]  # checked before any write
     report = ApplyReport()
     bar = Progress(ckpt.total_bytes, "apply") if progress or progress is None else NullProgress(0, "")
 
@@ -79,16 +90,9 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
     for name, e in entries.items():  # removed tensors: the base must still be the right one
         if e["kind"] == "removed" and e.get("base_digest") and tensor_digest_like(ckpt[name], e["base_digest"]) != e["base_digest"]:
             raise BaseMismatchError(f"{name}: base tensor is not the one this delta was built from")
-    with bar, atomic_output(out, is_dir=layout["kind"] == "dir") as tmp:
-        for f in layout["files"]:
-            path = os.path.join(tmp, f["name"]) if layout["kind"] == "dir" else tmp
-            write_file(path, f["header"], produce)
-        if layout["kind"] == "dir" and layout.get("index") is not None:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "wb") as fi:
-                fi.write(layout["index"].encode("utf-8"))
-                fi.flush()
-                os.fsync(fi.fileno())
-    return FileApplyResult(out, len(layout["files"]), report)
+    with bar:
+        files = write_checkpoint(out, layout, produce, protect=protect)
+    return FileApplyResult(out, files, report)
 
 
 class _TargetShapes(dict):

@@ -2,18 +2,25 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
 from nemo_dcr.errors import DcrError
-from nemo_dcr.checkpoint.safetensors_io import Checkpoint, CheckpointError, atomic_output, layout_for, write_file
+from nemo_dcr.checkpoint.safetensors_io import (Checkpoint, CheckpointError, check_layout, has_layout, layout_for,
+                                                owned_files, write_checkpoint)
 from nemo_dcr.state.statedigest import state_contrib
 from nemo_dcr.sync.versions import read_head, walk
 
 
-def _open(store):
+def _open(store, *, create: bool = True):
+    """The store a URL names. Reads pass ``create=False``: a mistyped local path is an error,
+    not a new empty store."""
     from nemo_dcr.stores import open_store
-    return open_store(store) if isinstance(store, str) else store
+    if not isinstance(store, str):
+        return store
+    local = "://" not in store or store.startswith("file://")
+    return open_store(store, create=create) if local else open_store(store)
 
 
 def load_checkpoint(path: str) -> tuple[dict, dict]:
@@ -31,7 +38,7 @@ def publish_checkpoint(store, path: str, *, keyframe_every: int = 0, keyframe: b
 
 def history(store, limit: int | None = None) -> list:
     """Committed manifests, newest first, as far back as the store still has them."""
-    store = _open(store)
+    store = _open(store, create=False)
     head, _ = read_head(store)
     out = []
     for m in walk(store, head) if head is not None else ():
@@ -50,14 +57,29 @@ def find_version(store, tensors: dict) -> int | None:
     return None
 
 
-def pull_checkpoint(store, out: str, version: int | None = None):
-    """Bring the checkpoint at ``out`` (created if missing) to ``version`` (default newest)."""
+@dataclass
+class PullResult:
+    sync: object  # the Follower's SyncResult
+    rewritten: bool = False  # the tensors were at the version but the files' bytes were not
+
+
+def pull_checkpoint(store, out: str, version: int | None = None) -> PullResult:
+    """Bring the checkpoint at ``out`` (created if missing) to ``version`` (default newest).
+
+    Promise: afterwards the checkpoint's files at ``out`` are byte for byte the files of that
+    version as published (names, headers with their metadata, data order, index), or, for a
+    version published without a file layout, the canonical single file of its tensors. A
+    checkpoint already holding the version's tensors is checked against that too and rewritten
+    when its files differ. Other files in a directory ``out`` are left alone."""
     from nemo_dcr.sync.follower import Follower
-    store = _open(store)
+    store = _open(store, create=False)
     tensors, current = {}, None
-    if os.path.exists(out):
+    if os.path.isdir(out) and not owned_files(out) or not os.path.exists(out):
+        ckpt = None  # nothing yet (a model directory may hold config files only)
+    else:
         try:
-            tensors, _ = load_checkpoint(out)
+            ckpt = Checkpoint(out)
+            tensors = {k: ckpt[k] for k in ckpt}
         except CheckpointError as e:
             raise DcrError(f"{out} exists but is not a checkpoint this command can update: {e}") from None
         current = find_version(store, tensors)
@@ -65,34 +87,22 @@ def pull_checkpoint(store, out: str, version: int | None = None):
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
     f = Follower(store, tensors, version=current, verify_initial=False)
     res = f.sync(version)
-    if not res.updated and current is not None:
-        return res
     m = f.manifest  # the very manifest whose state was verified
     layout = (m.meta or {}).get("layout") or layout_for(tensors)
-    if set(_layout_names(layout)) != set(tensors):
-        layout = layout_for(tensors)
-    is_dir = layout["kind"] == "dir"
-    with atomic_output(out, is_dir=is_dir) as tmp:
-        for f_ in layout["files"]:
-            path = os.path.join(tmp, f_["name"]) if is_dir else tmp
-            write_file(path, f_["header"], lambda name: tensors[name])
-        if is_dir and layout.get("index") is not None:
-            with open(os.path.join(tmp, "model.safetensors.index.json"), "wb") as fi:
-                fi.write(layout["index"].encode())
-    return res
-
-
-def _layout_names(layout):
-    import json
-    for f in layout["files"]:
-        for k in json.loads(f["header"]):
-            if k != "__metadata__":
-                yield k
+    where = f"version {res.version}'s file layout"
+    held = {t for f in check_layout(layout, None, where)["files"] for t in f["parsed"] if t != "__metadata__"}
+    for n in [n for n, t in tensors.items() if n not in held and t.numel() == 0]:
+        del tensors[n]  # adds nothing to the state digest: the version's files decide whether it is there
+    layout = check_layout(layout, tensors, where)
+    if not res.updated and current is not None and has_layout(ckpt, layout):
+        return PullResult(res)
+    write_checkpoint(out, layout, lambda name: tensors[name])
+    return PullResult(res, rewritten=not res.updated)
 
 
 def verify_checkpoint(store, path: str):
     tensors, _ = load_checkpoint(path)
-    return find_version(_open(store), tensors), state_contrib(tensors).hex()
+    return find_version(_open(store, create=False), tensors), state_contrib(tensors).hex()
 
 
 __all__ = ["publish_checkpoint", "pull_checkpoint", "history", "verify_checkpoint", "find_version"]

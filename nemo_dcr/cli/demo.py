@@ -27,6 +27,8 @@ import time
 import torch
 from torch import nn
 
+from nemo_dcr.util.extras import require
+
 CTX = 64
 
 
@@ -88,7 +90,7 @@ class TinyLM(nn.Module):
 
 
 def _lightning_module(lr: float, model: nn.Module):
-    import lightning.pytorch as pl
+    pl = require("lightning.pytorch", "lightning", "the demo")
 
     class CharLM(pl.LightningModule):
         def __init__(self):
@@ -153,7 +155,7 @@ def rollout_main(store: str, out: str, done: str, deadline_s: float = 600.0) -> 
 # ---------------------------------------------------------------------------- trainer + driver
 def run_demo(workdir: str = "runs/demo", store: str | None = None, steps: int = 40, every: int = 4,
              lr: float = 5e-6, keyframe_every: int = 0, pretrain_steps: int = 150, out=print) -> list:
-    import lightning.pytorch as pl
+    pl = require("lightning.pytorch", "lightning", "the demo")
     from lightning.pytorch.loggers import CSVLogger
 
     from nemo_dcr.integrations import DeltaPublishCallback
@@ -207,7 +209,7 @@ def run_demo(workdir: str = "runs/demo", store: str | None = None, steps: int = 
     plot = _plot(rows, os.path.join(workdir, "demo.png"))
     ok = all(r["verified"] for r in rows)
     out(f"{len(rows)} versions; rollout verified {'every one bit-exactly' if ok else 'NOT all'}; "
-        f"summary {workdir}/summary.json" + (f", plot {plot}" if plot else " (pip install matplotlib for a plot)"))
+        f"summary {workdir}/summary.json" + (f", plot {plot}" if plot else ' (pip install "nemo-dcr[plot]" for a plot)'))
     if not ok:
         raise SystemExit("demo: some versions were not verified")
     return rows
@@ -248,10 +250,10 @@ def _table(manifests, metrics: dict, rollout_log: str) -> list:
 
 def _plot(rows, path):
     try:
-        import matplotlib
+        matplotlib = require("matplotlib", "plot", "the demo's plot")
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
+    except ImportError:  # MissingExtraError too: the plot is optional
         return None
     deltas = [r for r in rows if r["change_rate"] is not None]
     if not deltas:

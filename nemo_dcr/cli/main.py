@@ -30,10 +30,14 @@ def _cmd_apply(a):
 
 
 def _cmd_inspect(a):
+    from nemo_dcr.checkpoint.safetensors_io import input_kind
+    from nemo_dcr.codec import backend
     from nemo_dcr.delta.stats import format_text, inspect
+    if input_kind(a.delta, "delta") != "file":  # a FIFO would block the reader forever
+        raise DcrError(f"{a.delta}: is a directory; the delta must be a regular file")
     s = inspect(a.delta)
     if a.json:
-        print(json.dumps(s, indent=2))
+        print(json.dumps({**s, "backend": backend()}, indent=2))
     else:
         print(format_text(s))
 
@@ -51,9 +55,13 @@ def _cmd_publish(a):
 
 def _cmd_pull(a):
     from nemo_dcr.checkpoint.sync import pull_checkpoint
-    r = pull_checkpoint(a.store, a.into, version=a.version)
-    if not r.updated:
-        print(f"{a.into} is already at version {r.version}")
+    p = pull_checkpoint(a.store, a.into, version=a.version)
+    r = p.sync
+    if p.rewritten:
+        print(f"{a.into} held version {r.version}'s tensors; its files differed from the version's and were "
+              f"rewritten")
+    elif not r.updated:
+        print(f"{a.into} is already at version {r.version} (tensors and file bytes checked)")
     else:
         steps = ", ".join(f"{k} {v}" for k, v in r.steps)
         print(f"{a.into} is now at version {r.version} (from {r.from_version if r.from_version is not None else 'nothing'}; "
@@ -112,9 +120,36 @@ def _cmd_relay(a):
                                               flush=True)))
 
 
+# Allowed ranges of the numeric options, checked after parsing so that a bad value is the usual
+# one-line error with exit status 1 (zstd's levels are 1..22; counts are non-negative).
+RANGES = {"level": (1, 22), "chunk_elems": (1, None), "workers": (1, None), "keyframe_every": (0, None),
+          "retain": (0, None), "version": (0, None), "limit": (1, None), "steps": (1, None), "every": (1, None)}
+
+
+def check_ranges(args) -> None:
+    for name, (lo, hi) in RANGES.items():
+        v = getattr(args, name, None)
+        if v is not None and (v < lo or (hi is not None and v > hi)):
+            want = f"{lo}..{hi}" if hi is not None else f"at least {lo}"
+            raise DcrError(f"--{name.replace('_', '-')} {v}: out of range (must be {want})")
+
+
+class _Version(argparse.Action):
+    """``--version``: the package version and the codec backend in use (found out only when asked:
+    it may compile the kernel)."""
+
+    def __init__(self, option_strings, dest, **kw):
+        super().__init__(option_strings, dest, nargs=0, help="show the version and codec backend, then exit")
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from nemo_dcr.codec import backend
+        print(f"nemo-dcr {__version__} (codec backend: {backend()})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-dcr", description="Bit-exact delta-compressed weight refit.")
-    p.add_argument("--version", action="version", version=f"nemo-dcr {__version__}")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("diff", help="encode TARGET as a delta against BASE (safetensors file or directory)")
@@ -124,7 +159,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--encoding", choices=list(CHOICES), default="auto",
                    help="auto (default): per chunk, classes where it pays, else the smallest of all; "
                         "portable: the smallest of xor, add and overwrite (receivers sharded finer than the sender)")
-    d.add_argument("--level", type=int, default=3, help="zstd level (default 3)")
+    d.add_argument("--level", type=int, default=3, help="zstd level, 1..22 (default 3)")
     d.add_argument("--chunk-elems", type=int, default=1 << 20, help="elements per chunk (bounds memory)")
     d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
     d.set_defaults(func=_cmd_diff)
@@ -144,9 +179,11 @@ def build_parser() -> argparse.ArgumentParser:
     pb = sub.add_parser("publish", help="publish a checkpoint as the next version in a store")
     pb.add_argument("--store", required=True, help="s3://bucket/prefix, file:///path or a directory")
     pb.add_argument("checkpoint")
-    pb.add_argument("--keyframe-every", type=int, default=0, help="also store the full state every K versions")
+    pb.add_argument("--keyframe-every", type=int, default=0,
+                    help="also store the full state every K versions (0: only the first)")
     pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
-    pb.add_argument("--retain", type=int, default=None, help="delete versions no receiver needs, keeping N recent")
+    pb.add_argument("--retain", type=int, default=None,
+                    help="delete versions no receiver needs, keeping N recent")
     pb.add_argument("--encoding", choices=list(CHOICES), default="auto")
     pb.add_argument("--level", type=int, default=3)
     pb.set_defaults(func=_cmd_publish)
@@ -194,6 +231,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        check_ranges(args)
         args.func(args)
     except DcrError as e:
         print(f"nemo-dcr: error: {e}", file=sys.stderr)

@@ -13,9 +13,10 @@ import hashlib
 import logging
 import os
 import subprocess
-import tempfile
 import threading
 from pathlib import Path
+
+from nemo_dcr.util.atomic import replacing
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "dcr_classes.c"  # package data: ships in the wheel
 CFLAGS = ["-O3", "-std=c99", "-shared", "-fPIC"]
@@ -39,16 +40,10 @@ def _build(src: Path) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
+    with replacing(str(out)) as tmp:  # concurrent first uses each build their own, then rename
         r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(src)], capture_output=True, text=True)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip()[:500]}")
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
     return out
 
 

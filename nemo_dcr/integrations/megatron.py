@@ -248,6 +248,8 @@ def _live_storages(models) -> set:
 
 
 def _pieces(models, metadata: Mapping, main_only: bool = True) -> List[_Piece]:
+    from nemo_dcr.util.extras import require
+    require("megatron.core", "megatron", "Megatron-core snapshots")
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories, is_main_replica
 

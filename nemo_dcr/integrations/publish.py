@@ -26,8 +26,11 @@ from typing import Callable, Optional
 
 import torch
 
-from lightning.pytorch import Callback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from nemo_dcr.util.extras import require
+
+require("lightning.pytorch", "lightning", "DeltaPublishCallback")
+from lightning.pytorch import Callback  # noqa: E402
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
 from nemo_dcr.codec.chunk import CHOICES
 from nemo_dcr.delta.core import DEFAULT_CHUNK

@@ -30,8 +30,9 @@ import hashlib
 import os
 import stat
 import shutil
-import uuid
 from typing import Iterator, Tuple
+
+from nemo_dcr.util.atomic import fsync_dir, install, remove_quiet, write_temp
 
 from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
 
@@ -45,31 +46,6 @@ _STREAM_BUF = 1 << 20
 
 def _tag_of(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _tmp_name(final: str) -> str:
-    d, base = os.path.split(final)
-    return os.path.join(d, f".{base}.tmp-{uuid.uuid4().hex}")
-
-
-def _remove_quiet(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 class LocalStore(Store):
@@ -136,28 +112,16 @@ class LocalStore(Store):
         raise OSError(errno.EAGAIN, "directory kept disappearing while being created", d)
 
     def _write_temp(self, final: str, writer) -> str:
-        """Create a hidden temporary file next to ``final``, fill it with ``writer(f)``,
-        fsync it and return its path. On failure nothing is left behind."""
-        d = os.path.dirname(final)
-        for attempt in range(1000):
-            self._ensure_dir(d)
-            tmp = _tmp_name(final)
-            try:
-                f = open(tmp, "xb")
-                break
-            except FileNotFoundError:
-                # a concurrent delete() pruned the directory just made; make it again
-                if attempt == 999:
-                    raise
+        """A filled, fsync'ed hidden temporary next to ``final`` (util/atomic.py); its directory
+        is made again if a concurrent delete() pruned it. On failure nothing is left behind."""
+        return write_temp(final, writer, make_dir=self._ensure_dir)
+
+    def _temp_for(self, op: str, key: str, final: str, writer) -> str:
+        """:meth:`_write_temp`, its I/O errors reported as ``op`` on ``key``."""
         try:
-            with f:
-                writer(f)
-                f.flush()
-                os.fsync(f.fileno())
-        except BaseException:
-            _remove_quiet(tmp)
-            raise
-        return tmp
+            return self._write_temp(final, writer)
+        except OSError as e:
+            raise self._io_error(op, key, e) from e
 
     def _io_error(self, op: str, key: str, e: OSError) -> StoreError:
         if isinstance(e, (NotADirectoryError, IsADirectoryError)) or e.errno in (
@@ -200,15 +164,9 @@ class LocalStore(Store):
         fin = self._open_object("get_to_file", key)
         try:
             with fin:
-                tmp = self._write_temp(dest, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
+                install(self._write_temp(dest, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF)), dest)
         except OSError as e:
             raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
-        try:
-            os.replace(tmp, dest)
-        except OSError as e:
-            _remove_quiet(tmp)
-            raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
-        _fsync_dir(os.path.dirname(dest))
 
     def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
         f = self._open_object("get_stream", key)
@@ -269,20 +227,14 @@ class LocalStore(Store):
 
     def _replace(self, op: str, key: str, tmp: str, final: str) -> None:
         try:
-            with self._lock(key):
-                os.replace(tmp, final)
+            install(tmp, final, lock=self._lock(key))
         except OSError as e:
-            _remove_quiet(tmp)
             raise self._io_error(op, key, e) from e
-        _fsync_dir(os.path.dirname(final))
 
     def put(self, key: str, data: bytes) -> None:
         data = self._check_data(key, data)
         final = self._path(key)
-        try:
-            tmp = self._write_temp(final, lambda f: f.write(data))
-        except OSError as e:
-            raise self._io_error("put", key, e) from e
+        tmp = self._temp_for("put", key, final, lambda f: f.write(data))
         self._replace("put", key, tmp, final)
 
     def put_file(self, key: str, path: str | os.PathLike) -> None:
@@ -292,20 +244,14 @@ class LocalStore(Store):
             fin = open(src, "rb")
         except OSError as e:
             raise StoreError(f"put_file({key!r}): cannot read {src}: {e}") from e
-        try:
-            with fin:
-                tmp = self._write_temp(final, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
-        except OSError as e:
-            raise self._io_error("put_file", key, e) from e
+        with fin:
+            tmp = self._temp_for("put_file", key, final, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
         self._replace("put_file", key, tmp, final)
 
     def put_if_absent(self, key: str, data: bytes) -> None:
         data = self._check_data(key, data)
         final = self._path(key)
-        try:
-            tmp = self._write_temp(final, lambda f: f.write(data))
-        except OSError as e:
-            raise self._io_error("put_if_absent", key, e) from e
+        tmp = self._temp_for("put_if_absent", key, final, lambda f: f.write(data))
         try:
             with self._lock(key):
                 os.link(tmp, final)  # atomic, exclusive: EEXIST if the key exists
@@ -318,17 +264,14 @@ class LocalStore(Store):
         except OSError as e:
             raise self._io_error("put_if_absent", key, e) from e
         finally:
-            _remove_quiet(tmp)
-        _fsync_dir(os.path.dirname(final))
+            remove_quiet(tmp)
+        fsync_dir(os.path.dirname(final))
 
     def put_if_match(self, key: str, data: bytes, tag: str) -> str:
         tag = self._check_tag(key, tag)
         data = self._check_data(key, data)
         final = self._path(key)
-        try:
-            tmp = self._write_temp(final, lambda f: f.write(data))
-        except OSError as e:
-            raise self._io_error("put_if_match", key, e) from e
+        tmp = self._temp_for("put_if_match", key, final, lambda f: f.write(data))
         try:
             with self._lock(key):
                 try:
@@ -342,8 +285,8 @@ class LocalStore(Store):
         except OSError as e:
             raise self._io_error("put_if_match", key, e) from e
         finally:
-            _remove_quiet(tmp)  # no-op after a successful replace
-        _fsync_dir(os.path.dirname(final))
+            remove_quiet(tmp)  # no-op after a successful replace
+        fsync_dir(os.path.dirname(final))
         return _tag_of(data)
 
     def delete(self, key: str) -> None:
@@ -358,7 +301,7 @@ class LocalStore(Store):
         except OSError as e:
             raise self._io_error("delete", key, e) from e
         parent = os.path.dirname(final)
-        _fsync_dir(parent)
+        fsync_dir(parent)
         # Prune directories left empty, so that the key 'a' can be written after 'a/b' was
         # deleted. A put racing with this re-creates the directory (see _write_temp).
         while parent != self.root:

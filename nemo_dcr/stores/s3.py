@@ -38,6 +38,9 @@ import time
 import uuid
 from typing import Callable, Iterator, Optional, Tuple, TypeVar
 
+from nemo_dcr.util.atomic import replacing
+from nemo_dcr.util.extras import require
+
 from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
 
 __all__ = ["S3Store"]
@@ -60,13 +63,8 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
 def _import_boto():
-    try:
-        import boto3  # noqa: F401
-        import botocore  # noqa: F401
-    except ImportError as e:  # pragma: no cover - depends on the environment
-        raise StoreError(
-            "S3 stores need boto3: pip install 'nemo-dcr[s3]' (or boto3>=1.34)"
-        ) from e
+    require("boto3", "s3", "S3 stores")
+    require("botocore", "s3", "S3 stores")
 
 
 class _Retryable(Exception):
@@ -258,39 +256,33 @@ class S3Store(Store):
     def get_to_file(self, key: str, path: str | os.PathLike) -> None:
         full = self._full(key)
         dest = os.path.abspath(os.fspath(path))
-        d, base = os.path.split(dest)
         try:
-            os.makedirs(d, exist_ok=True)
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
         except OSError as e:
             raise StoreError(f"get_to_file({key!r}) -> {dest}: {e}") from e
-        tmp = os.path.join(d, f".{base}.tmp-{uuid.uuid4().hex}")
 
-        def go():
+        def download(tmp):
             # boto3 downloads parts in parallel with ranged GETs pinned to the first ETag
             # (If-Match), so an object replaced mid-download fails with 412 instead of
             # yielding a mix of two versions; we then start over.
-            self.client.download_file(self.bucket, full, tmp, Config=self._transfer)
+            def go():
+                self.client.download_file(self.bucket, full, tmp, Config=self._transfer)
 
-        try:
             for n in range(3):
                 try:
                     self._call("get_to_file", key, go)
-                    break
+                    return
                 except PreconditionFailed:
                     if n == 2:
                         raise StoreError(
                             f"S3 get_to_file {self._where(key)}: the object kept changing "
                             "during the download") from None
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, dest)
+
+        try:
+            with replacing(dest) as tmp:  # temp next to dest, fsync, rename; removed on failure
+                download(tmp)
         except OSError as e:
             raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
-        finally:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
     def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
         full = self._full(key)
