@@ -1,0 +1,56 @@
+"""Tiny random-init Hugging Face models for the real-engine vLLM tests (no hub access needed).
+
+Saved with ``save_pretrained`` in bf16, the way a trainer's initial checkpoint is. Prompts are
+token ids (engines start with ``skip_tokenizer_init=True``), so no tokenizer is needed.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+KINDS = ("llama", "qwen2")
+
+
+def tiny_model(kind: str, seed: int = 0):
+    """A tiny causal LM: ``llama`` (untied embeddings, GQA) or ``qwen2`` (qkv bias, tied
+    embeddings, a vocabulary that vLLM pads: 500 rows, padded to 512 per rank)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
+                  torch_dtype="bfloat16")
+    if kind == "llama":
+        cfg = LlamaConfig(vocab_size=512, tie_word_embeddings=False, **common)
+    elif kind == "qwen2":
+        cfg = Qwen2Config(vocab_size=500, tie_word_embeddings=True, **common)
+    else:
+        raise ValueError(kind)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    with torch.no_grad():  # random init is small; spread the weights so generations differ by version
+        for p in model.parameters():
+            p.mul_(4.0)
+    return model
+
+
+def hf_state(model) -> dict:
+    """The published state: the model's state dict (tied weights once), bf16, contiguous."""
+    from nemo_dcr.integrations import module_snapshot
+    return module_snapshot(model, dtype="bfloat16")[0]
+
+
+def save(model, path: str) -> str:
+    os.makedirs(path, exist_ok=True)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def perturb(model, step: int, rate: float = 0.05) -> None:
+    """A trainer-like update: a random ``rate`` of every tensor's elements moves a little."""
+    g = torch.Generator().manual_seed(1000 + step)
+    with torch.no_grad():
+        for p in model.parameters():
+            mask = torch.rand(p.shape, generator=g) < rate
+            noise = torch.randn(p.shape, generator=g).to(p.dtype) * 0.5
+            p.add_(torch.where(mask, noise, torch.zeros_like(noise)))
