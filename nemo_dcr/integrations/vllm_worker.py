@@ -199,25 +199,23 @@ class _Prefetched:
         return repr(self.inner)
 
 
-def undecodable(loader: RolloutLoader, store, version: Optional[int] = None) -> List[str]:
+def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
     """Chunks of the coming update that this receiver cannot decode (before anything is written).
 
     A ``classes`` chunk decodes only against the whole base chunk; a receiver that holds part of
     the entry's region (a TP worker holding its rows of a tensor the trainer published whole)
-    cannot decode it. Returns one line per such tensor; fetched parts stay cached in ``store``
-    (a :class:`_Prefetched`) for the follower."""
+    cannot decode it. ``version``: the target, ``head``: the store's HEAD (as every rank of the
+    group saw it). Returns one line per such tensor; fetched parts stay cached in ``store`` (a
+    :class:`_Prefetched`) for the follower."""
     import hashlib
 
     from nemo_dcr.codec.chunk import CLASSES
     from nemo_dcr.codec.format import DeltaReader
-    from nemo_dcr.sync.versions import VersionNotFound, chain, read_head, read_manifest
+    from nemo_dcr.sync.versions import VersionNotFound, chain, read_manifest
 
-    if loader.version is None:
+    if loader.version is None or head is None:
         return []  # bootstrapping from a keyframe or resuming: keyframes are whole tensors
-    head, _ = read_head(store)
-    if head is None:
-        return []
-    target_v = head.version if version is None else version
+    target_v = version
     if target_v == loader.version:
         return []
     try:
@@ -305,10 +303,17 @@ class DcrWorkerExtension:
                 raise DcrError("dcr_update: no store yet; pass its URL (or call dcr_init first)")
             self.dcr_init(store)
             loader = self._dcr_loader
+        from nemo_dcr.sync.versions import read_head
+
         bad: List[str] = []
         err = None
+        g = loader.group
+        # one HEAD for the check and the update, the same on every rank: what was checked is applied
+        head = g.broadcast(read_head(self._dcr_prefetch)[0] if g.rank == 0 else None)
+        if head is not None and version is None:
+            version = head.version
         try:
-            bad = undecodable(loader, self._dcr_prefetch, version)
+            bad = undecodable(loader, self._dcr_prefetch, version, head)
         except Exception as e:  # noqa: BLE001 - reported on every rank below
             err = e
         if not loader.group.all_ok(err is None and not bad):
