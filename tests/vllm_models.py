@@ -72,10 +72,22 @@ def require_vllm():
 def engine(path: str, tp: int = 1, **kw):
     """A stock vLLM engine on ``path``, with the nemo-dcr worker extension, as the user guide says."""
     from vllm import LLM
+    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+    if tp > 1 and bind is None:
+        # vLLM-CPU binds each worker to its own NUMA node by default; one node here: one CPU list
+        # each, for this engine only (the workers are started while it is constructed)
+        cpus = sorted(os.sched_getaffinity(0))
+        per = len(cpus) // tp
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(tp)) if per else "nobind"
     args = dict(dtype="bfloat16", tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, block_size=32, seed=0, enable_prefix_caching=True, worker_extension_cls=EXT)
     args.update(kw)
-    return LLM(model=path, **args)
+    try:
+        return LLM(model=path, **args)
+    finally:
+        if bind is None:
+            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
 
 
 def sampling(n: int = 8):

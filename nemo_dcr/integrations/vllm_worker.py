@@ -333,6 +333,15 @@ class DcrWorkerExtension:
             self._dcr_prefetch.cache.clear()
             self._dcr_engine.rebuild_changed()
 
+    def dcr_update_outcome(self, store: Optional[str] = None, version: Optional[int] = None) -> dict:
+        """``dcr_update``, its error returned rather than raised: vLLM's executor stops reading
+        replies at the first worker that raises and the others' replies answer the next call,
+        so ``refit`` collects every worker's outcome this way."""
+        try:
+            return {"version": self.dcr_update(store, version)}
+        except Exception as e:  # noqa: BLE001 - handed to the driver, raised there
+            return {"version": self.dcr_version(), "error": f"{type(e).__name__}: {e}"}
+
     def dcr_version(self) -> Optional[int]:
         loader = getattr(self, "_dcr_loader", None)
         return loader.version if loader is not None else None
@@ -391,11 +400,13 @@ def refit(llm, store: str, version: Optional[int] = None) -> Optional[int]:
     _engine_call(llm, "pause_scheduler", "keep", False)
     try:
         before = llm.collective_rpc("dcr_version")
-        try:
-            after = llm.collective_rpc("dcr_update", args=(store, version))
-        except Exception:
+        outcomes = llm.collective_rpc("dcr_update_outcome", args=(store, version))
+        after = [o["version"] for o in outcomes]
+        failed = [(rank, o["error"]) for rank, o in enumerate(outcomes) if "error" in o]
+        if failed:
             _drop_kv_cache(llm)  # a failed update may have changed some weights
-            raise
+            raise DcrError(f"refit failed on {len(failed)} of {len(outcomes)} vLLM workers: "
+                           + "; ".join(f"worker {r}: {msg}" for r, msg in failed))
         if list(after) != list(before):
             _drop_kv_cache(llm)
         if len(set(after)) != 1:
