@@ -116,6 +116,8 @@ def shutdown(llm) -> None:
         pass
     del llm
     gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
 
 def fresh_greedy(path: str, prompts=PROMPTS, tp: int = 1, n: int = 8):

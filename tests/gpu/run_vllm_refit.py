@@ -26,7 +26,6 @@ Prints one JSON line per step and a summary; exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -37,6 +36,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from vllm_models import shutdown  # noqa: E402
 
 EXT = "nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"
 PROMPTS = [[1, 17, 42, 99, 3, 250], [5, 6, 7, 8], [300, 301, 2, 2, 2, 9, 11]]
@@ -74,16 +76,6 @@ def greedy(llm):
     sp = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def shutdown(llm):
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
