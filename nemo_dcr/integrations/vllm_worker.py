@@ -211,7 +211,7 @@ def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
 
     from nemo_dcr.codec.chunk import CLASSES
     from nemo_dcr.codec.format import DeltaReader
-    from nemo_dcr.sync.versions import VersionNotFound, chain, read_manifest
+    from nemo_dcr.sync.versions import VersionNotFound, manifest_at, plans
 
     if loader.version is None or head is None:
         return []  # bootstrapping from a keyframe or resuming: keyframes are whole tensors
@@ -219,10 +219,8 @@ def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
     if target_v == loader.version:
         return []
     try:
-        m = read_manifest(store, head.manifest)
-        while m.version > target_v and m.base_manifest is not None:
-            m = read_manifest(store, m.base_manifest)
-        steps = chain(store, m, loader.version) if m.version == target_v else []
+        target = manifest_at(store, target_v, head)
+        steps = next(iter(plans(store, target, loader.version)), [])  # the path the follower takes first
     except (VersionNotFound, DcrError):
         return []  # the follower reports it
     bad: List[str] = []
@@ -305,28 +303,25 @@ class DcrWorkerExtension:
             loader = self._dcr_loader
         from nemo_dcr.sync.versions import read_head
 
-        bad: List[str] = []
-        err = None
         g = loader.group
         # one HEAD for the check and the update, the same on every rank: what was checked is applied
         head = g.broadcast(read_head(self._dcr_prefetch)[0] if g.rank == 0 else None)
         if head is not None and version is None:
             version = head.version
-        try:
+
+        def check():
             bad = undecodable(loader, self._dcr_prefetch, version, head)
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
-            err = e
-        if not loader.group.all_ok(err is None and not bad):
-            self._dcr_prefetch.cache.clear()
-            if err is not None:
-                raise err
             if bad:
-                raise DcrError("this worker cannot decode the update (nothing was written): "
-                               + "; ".join(bad[:3]) + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+                raise DcrError("this worker cannot decode the update (nothing was written): " + "; ".join(bad[:3])
+                               + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
                                + ". A receiver sharded differently from the trainer needs deltas published "
                                "with encoding='portable'")
-            raise DcrError("another worker cannot decode the update (nothing was written); publish with "
-                           "encoding='portable' for receivers sharded differently from the trainer")
+
+        try:
+            g.run(check, "check that every worker can decode the update before the first write")
+        except Exception:
+            self._dcr_prefetch.cache.clear()
+            raise
         try:
             return loader.update(version)
         finally:
