@@ -48,7 +48,8 @@ $(VLLM_STAMP): pyproject.toml
 
 venv-vllm: $(VLLM_STAMP)
 
-# The real-engine tests (tests/test_vllm_engine*.py), one engine per module; they skip without the venv.
+# The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module, plus fresh engines as the
+# reference (8 engine starts, ~5-6 min on 2 cores); in the main venv they skip.
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine*.py
 
