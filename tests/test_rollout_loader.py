@@ -306,12 +306,15 @@ def test_worker_extension_on_an_hf_module(tmp_path):
     pub = Publisher(store)
     resets = []
 
-    class FakeLLM:  # the driver side: collective_rpc over the one worker
+    class FakeLLM:  # the driver side: collective_rpc over the one worker (the real engine: test_vllm_engine*.py)
+        llm_engine = types.SimpleNamespace(engine_core=types.SimpleNamespace(call_utility=lambda *a: None))
+
         def collective_rpc(self, method, args=()):
             return [getattr(worker, method)(*args)]
 
-        def reset_prefix_cache(self):
-            resets.append(1)
+        def reset_prefix_cache(self, reset_running_requests=False):
+            resets.append(reset_running_requests)
+            return True
 
     llm = FakeLLM()
     for i in trainer_steps(trainer, 2):

