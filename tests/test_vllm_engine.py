@@ -2,14 +2,14 @@
 
 One engine is refitted (v0 -> v1 -> v2 -> v3) and compared with fresh engines started on each
 version's checkpoint: greedy tokens and their logprobs identical, and the raw bits the engine keeps
-equal to the trainer's. Runs in .venv-vllm (``make test-vllm``); skipped elsewhere.
+equal to the trainer's. Runs in the vLLM venv (``make test-vllm``); skipped elsewhere.
 """
 from __future__ import annotations
 
 import pytest
 import torch
 
-import vllm_models as vm
+from dcr_testing import vllm_models as vm
 
 vm.require_vllm()
 

@@ -3,13 +3,13 @@ from a packed copy of the embedding), a vocabulary vLLM pads (500 -> 512 rows).
 
 Refitted v0 -> v1 -> v2 through ``refit(llm, store)`` without a known start version (the first
 update reads the keyframe); at v2 greedy tokens and logprobs equal a fresh engine's on v2's
-checkpoint, and every tensor's bits equal the trainer's. Runs in .venv-vllm (``make test-vllm``).
+checkpoint, and every tensor's bits equal the trainer's. Runs in the vLLM venv (``make test-vllm``).
 """
 from __future__ import annotations
 
 import pytest
 
-import vllm_models as vm
+from dcr_testing import vllm_models as vm
 
 vm.require_vllm()
 

