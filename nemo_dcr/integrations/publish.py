@@ -30,7 +30,7 @@ from lightning.pytorch import Callback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from nemo_dcr.codec.chunk import CHOICES
-from nemo_dcr.delta.core import DEFAULT_CHUNK
+from nemo_dcr.delta import DEFAULT_CHUNK
 from nemo_dcr.errors import DcrError
 
 from .snapshot import is_megatron, parse_dtype, take_snapshot

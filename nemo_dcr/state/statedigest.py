@@ -273,6 +273,33 @@ def changes_contrib(name: str, dtype: Union[torch.dtype, str], global_shape: Seq
     return StateDigest(tuple(acc))
 
 
+class DigestChange:
+    """The change of a state digest, summed from ``on_change`` calls (see ``delta/changes.py``):
+    ``+ contrib(new_bits)`` for elements that are now there, ``- contrib(old_bits)`` for elements
+    that were. ``old_bits`` None: the elements are new (an added tensor, or the new side of a
+    reshape/re-type); ``new_bits`` None: they are gone (a removed tensor, or the old side).
+    Thread-safe: diff and apply call it from worker threads.
+
+        change = DigestChange()
+        diff(base, target, on_change=change)        # or apply(..., on_change=change)
+        new_digest = old_digest + change.total
+    """
+
+    def __init__(self):
+        import threading
+        self._lock = threading.Lock()
+        self.total = StateDigest.zero()
+
+    def __call__(self, name, dtype, global_shape, global_idx, old_bits, new_bits) -> None:
+        c = StateDigest.zero()
+        if new_bits is not None:
+            c = c + changes_contrib(name, dtype, global_shape, global_idx, new_bits)
+        if old_bits is not None:
+            c = c - changes_contrib(name, dtype, global_shape, global_idx, old_bits)
+        with self._lock:
+            self.total = self.total + c
+
+
 def allreduce_digest(d: StateDigest, group=None) -> StateDigest:
     """Sum the ranks' partial digests with ``torch.distributed.all_reduce`` (every rank gets the
     total). Lanes are < 2**31, so an int64 sum is exact for up to 2**32 ranks."""

@@ -25,7 +25,7 @@ from typing import Mapping, MutableMapping
 
 import torch
 
-from nemo_dcr.delta.core import apply
+from nemo_dcr.delta import apply
 from nemo_dcr.sync.group import Group
 from nemo_dcr.errors import BaseMismatchError, DcrError, PartialApplyError, TargetMismatchError
 from nemo_dcr.state.index_map import ShardSpec

@@ -19,7 +19,7 @@ from typing import Mapping
 
 import torch
 
-from nemo_dcr.delta.core import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
+from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.sync.group import Group
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
