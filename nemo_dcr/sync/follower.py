@@ -18,18 +18,17 @@ only ever names a state that has been verified.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Mapping, MutableMapping
 
 import torch
 
-from nemo_dcr.delta import apply
+from nemo_dcr.delta import apply, remove_absent
 from nemo_dcr.sync.group import Group
 from nemo_dcr.errors import BaseMismatchError, DcrError, PartialApplyError, TargetMismatchError
 from nemo_dcr.state.index_map import ShardSpec
-from nemo_dcr.state.statedigest import StateDigest, allreduce_digest, changes_contrib, state_contrib
+from nemo_dcr.state.statedigest import DigestChange, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.versions import Head, Manifest, VersionNotFound, chain, read_head, read_manifest
 
 
@@ -141,16 +140,7 @@ class Follower:
             self._pending = {"version": m.version, "kind": kind, "manifest": m, "journal": {},
                              "change": StateDigest.zero()}
         pend = self._pending
-        lock = threading.Lock()
-
-        def on_change(name, dtype, gshape, gidx, old, new):
-            if kind != "delta":
-                return  # a keyframe's digest is recomputed whole
-            c = changes_contrib(name, dtype, gshape, gidx, new)
-            if old is not None:
-                c = c - changes_contrib(name, dtype, gshape, gidx, old)
-            with lock:
-                pend["change"] = pend["change"] + c
+        change = DigestChange() if kind == "delta" else None  # a keyframe's digest is recomputed whole
 
         self._version = None  # from here until verified, the state is "in between"
         err = None
@@ -161,10 +151,14 @@ class Follower:
                 # apply. A tensor no rank holds still fails the group's digest check.
                 r = apply(self.tensors, blob, shards=self.shards, verify=False, resume=True,
                           workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
-                          on_change=on_change, progress=False, held_only=self.group.active)
+                          on_change=change, progress=False, held_only=self.group.active)
                 res.changed += r.elements_changed
+            if kind == "keyframe":  # the keyframe names every tensor of the version: drop the rest
+                remove_absent(self.tensors, blobs, shards=self.shards)
         except Exception as e:
             err = e
+        if change is not None:
+            pend["change"] = pend["change"] + change.total
         if not self.group.all_ok(err is None):
             raise err if err is not None else DcrError(f"another rank failed to apply version {m.version}")
         self._verify(m, kind, full=resume)
