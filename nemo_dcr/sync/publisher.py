@@ -12,7 +12,6 @@ visible version.
 from __future__ import annotations
 
 import hashlib
-import threading
 import time
 from dataclasses import dataclass
 from typing import Mapping
@@ -24,7 +23,7 @@ from nemo_dcr.sync.group import Group
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.delta.stats import inspect
-from nemo_dcr.state.statedigest import StateDigest, changes_contrib, state_contrib
+from nemo_dcr.state.statedigest import DigestChange, StateDigest, state_contrib
 from nemo_dcr.sync.versions import (CommitConflict, Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest,
                        version_dir)
 
@@ -138,22 +137,14 @@ class Publisher:
         d = version_dir(version, publish_id)
         out = {"ok": True, "parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
-        lock = threading.Lock()
-        change = [StateDigest.zero()]
-
-        def on_change(name, dtype, gshape, gidx, old, new):
-            c = changes_contrib(name, dtype, gshape, gidx, new)
-            if old is not None:
-                c = c - changes_contrib(name, dtype, gshape, gidx, old)
-            with lock:
-                change[0] = change[0] + c
+        change = DigestChange()  # added, removed, reshaped and re-typed tensors included
 
         if head is not None and self._base is not None:
-            blob = diff(self._base, snap, shards=shards, encoding=self.encoding, level=self.level,
-                        chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, on_change=on_change,
-                        progress=False)
+            blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
+                        level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
+                        on_change=change, progress=False)
             out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
-            new_digest = self._digest + change[0]
+            new_digest = self._digest + change.total
         else:
             new_digest = state_contrib(snap, shards)
         if kf:
@@ -194,7 +185,12 @@ class Publisher:
     def _restore(self, head: Head, like: dict, shards: dict) -> None:
         """Rebuild this rank's part of the published state at ``head`` from the store."""
         from nemo_dcr.sync.follower import Follower
-        tensors = {k: torch.zeros_like(v) for k, v in like.items()}
+        # Seed only what the keyframe cannot create: a tensor held in a group (where each rank
+        # applies the tensors it holds) or a shard. A single rank starts empty, so the published
+        # state is rebuilt with exactly its own tensor set, dtypes and shapes, not the new
+        # snapshot's (tensors added, removed, reshaped or re-typed since then).
+        tensors = {k: torch.zeros_like(v) for k, v in like.items()
+                   if self.group.active or (k in shards and not shards[k].is_full)}
         f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers)
         f.sync(head.version, head=head)
         self._base, self._shards, self._head = tensors, shards, head
