@@ -153,7 +153,7 @@ class TensorEntry:
         _need(bd is None or isinstance(bd, str), f"{name}: base_digest")
         if kind == TensorKind.REMOVED:
             return cls(name=name, kind=kind, base_digest=bd or None)
-        _need(t.get("dtype") in DTYPES, f"{name}: dtype")
+        _need(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, f"{name}: dtype")
         _need(isinstance(t.get("target_digest"), str), f"{name}: target_digest")
         _need(kind != TensorKind.DELTA or isinstance(bd, str), f"{name}: base_digest")
         shape = t.get("shape")
