@@ -1,4 +1,7 @@
 """Helpers every test module imports: bit-exact comparisons and receiver states."""
+import signal
+from contextlib import contextmanager
+
 import torch
 
 
@@ -24,3 +27,17 @@ def assert_state(recv, state):
     assert sorted(recv) == sorted(state)
     for k in state:
         assert_bits_equal(recv[k], state[k], k)
+
+
+@contextmanager
+def deadline(seconds: int):
+    """Fail instead of hanging (SIGALRM; main thread only)."""
+    def boom(*_):
+        raise AssertionError(f"did not finish within {seconds}s")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

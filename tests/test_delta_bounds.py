@@ -205,3 +205,14 @@ def test_typed_header_is_what_the_writer_wrote():
 
 def test_container_constants_unchanged():
     assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 1
+
+
+def test_kernel_errors_are_dcr_errors(monkeypatch):
+    """Asking for the C kernel where it is unavailable is a DcrError, not a RuntimeError."""
+    from nemo_dcr.codec import classes, native
+    monkeypatch.setattr(native, "lib", lambda: None)
+    old = torch.zeros(8, dtype=torch.bfloat16).view(torch.int16)
+    with pytest.raises(DcrError, match="C kernels unavailable"):
+        classes.encode(old, old, classes.MANTISSA[torch.bfloat16], use_native=True)
+    with pytest.raises(DcrError, match="C kernels unavailable"):
+        classes.decode(old, [], b"", b"", 0, classes.MANTISSA[torch.bfloat16], use_native=True)

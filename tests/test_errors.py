@@ -11,33 +11,18 @@ from __future__ import annotations
 import copy
 import io
 import random
-import signal
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 from nemo_dcr import (BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, PartialApplyError, ShardSpec,
                       TargetMismatchError, apply, diff)
+from dcr_testing import deadline
 from nemo_dcr.state.dtypes import int_view
 from nemo_dcr.codec.format import FOOTER, PREAMBLE, DeltaWriter
 
 
 # ----------------------------------------------------------------------------- helpers
-
-@contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging."""
-    def boom(*_):
-        raise AssertionError(f"did not finish within {seconds}s")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
 
 def bits(t):
     return int_view(t).contiguous().clone()

@@ -12,14 +12,12 @@ import copy
 import io
 import os
 import random
-import signal
 import zlib
-from contextlib import contextmanager
 
 import pytest
 import torch
 
-from dcr_testing import bits
+from dcr_testing import bits, deadline
 from nemo_dcr import DcrError, DeltaReader, apply, diff, inspect
 from nemo_dcr.codec import native
 from nemo_dcr.codec.format import PREAMBLE, DeltaWriter
@@ -28,19 +26,6 @@ SEED = 20261201
 # per family and backend: ~900 mutated deltas in a few seconds; a longer campaign:
 # NEMO_DCR_FUZZ_CASES=20000 pytest tests/test_fuzz_delta.py
 CASES = int(os.environ.get("NEMO_DCR_FUZZ_CASES", "150"))
-
-
-@contextmanager
-def deadline(seconds: int):
-    def boom(*_):
-        raise AssertionError(f"no result within {seconds}s: a hang")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
 
 
 def states():
