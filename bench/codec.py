@@ -293,7 +293,7 @@ def chunk_kernel_times(base: dict, target: dict, *, encoding: str, level: int, r
                 idx = torch.nonzero(o != nw).squeeze(1)
                 if not torch.equal(got[0].to(torch.int64), idx):
                     raise BenchError(f"decode_chunk({encoding!r}) returns other positions than the changes")
-                if h.get("enc") == CLASSES and not torch.equal(got[1].reshape(-1).view(nw.dtype), nw[idx]):
+                if h.enc == CLASSES and not torch.equal(got[1].reshape(-1).view(nw.dtype), nw[idx]):
                     raise BenchError(f"decode_chunk({encoding!r}) returns other values than the new bits")
         out["decode_s"] = _median_time(dec_all, reps)
     except BenchError:

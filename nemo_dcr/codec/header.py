@@ -15,6 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nemo_dcr.codec import chunk as _c
+from nemo_dcr.codec import classes as _cl
+from nemo_dcr.codec import positions as _p
 from nemo_dcr.errors import DeltaFormatError
 from nemo_dcr.state.dtypes import DTYPES
 from nemo_dcr.state.index_map import ShardSpec
@@ -74,10 +77,7 @@ class ChunkEntry:
     @classmethod
     def parse(cls, c, where: str, *, w: int, dtype: torch.dtype, kind: TensorKind, numel: int,
               chunk_elems: int, payload_end: int) -> "ChunkEntry":
-        from nemo_dcr.codec import chunk as _c
-        from nemo_dcr.codec import classes as _cl
-        from nemo_dcr.codec import positions as _p
-        from nemo_dcr.codec.format import PREAMBLE
+        from nemo_dcr.codec.format import PREAMBLE  # (format imports this module)
 
         _need(isinstance(c, dict), f"{where}: chunk entry is not an object")
         for key in ("start", "n", "k", "off", "plen", "vlen", "praw", "vraw"):
@@ -180,8 +180,7 @@ class TensorEntry:
             end = ch.end
             chunks.append(ch)
         if kind == TensorKind.FULL:
-            from nemo_dcr.codec.chunk import OVERWRITE
-            _need(end == region.numel and all(c.enc == OVERWRITE for c in chunks), f"{name}: full tensor not covered")
+            _need(end == region.numel and all(c.enc == _c.OVERWRITE for c in chunks), f"{name}: full tensor not covered")
         return cls(name=name, kind=kind, dtype=t["dtype"], shape=tuple(shape), region=region, base_digest=bd,
                    target_digest=t["target_digest"], chunks=tuple(chunks))
 
