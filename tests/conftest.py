@@ -1,18 +1,36 @@
-import os
-import sys
+"""Fixtures only; the helpers tests import are in the dcr_testing package beside this file."""
+import functools
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from dcr_testing.cli import console_script, run_cli
+from dcr_testing.s3 import make_s3_store, moto_server
+
+
+@pytest.fixture(scope="session")
+def moto_s3():
+    """One moto S3 server on 127.0.0.1 over HTTP for the session (see dcr_testing.s3)."""
+    with moto_server() as moto:
+        yield moto
+
+
+@pytest.fixture(params=["local", "s3"])
+def store(request, tmp_path):
+    """A fresh, empty store: a LocalStore in tmp_path, or an S3Store on the moto server."""
+    if request.param == "local":
+        from nemo_dcr.stores import LocalStore
+        return LocalStore(tmp_path / "store")
+    return make_s3_store(request.getfixturevalue("moto_s3"), request)
+
+
+@pytest.fixture
+def cli(capsys):
+    """``cli("diff", a, b, "-o", out)``: run ``nemo-dcr`` in this process -> CliResult
+    (returncode, stdout, stderr)."""
+    return functools.partial(run_cli, capsys)
 
 
 @pytest.fixture
 def nemo_dcr_cmd():
-    """The installed console script, next to the running interpreter."""
-    exe = os.path.join(os.path.dirname(sys.executable), "nemo-dcr")
-    assert os.path.exists(exe), "nemo-dcr console script not installed in this environment"
-    return exe
-
-
-# The S3 server and the store fixtures, shared by every module (one moto server per session).
-from stores_fixtures import make_s3_store, moto_s3, store  # noqa: E402,F401
+    """The installed console script, next to the running interpreter (for the subprocess smoke tests)."""
+    return console_script()

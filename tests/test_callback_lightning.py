@@ -377,16 +377,14 @@ def _ddp_rank(rank, world, port, root, out):
 def test_ddp_ranks_publish_over_their_own_gloo_group(tmp_path):
     """DDP on 2 CPU ranks: a replicated module is published by rank 0 alone; with a
     snapshot_fn every rank publishes its part and the parts are committed jointly."""
-    from proc_group import launch
+    from dcr_testing.procs import launch
 
     root = str(tmp_path / "stores")
     out = tmp_path / "out"
     out.mkdir()
     # the fork server imports these once (Lightning alone takes seconds) and every rank forks from
     # it; the first test module to start the server sets the list (test_publish_multirank's too)
-    preload = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores", "boto3",
-               "lightning.pytorch", "nemo_dcr.integrations.publish"]
-    found, codes, hung = launch(_ddp_rank, 2, lambda r, port: (r, 2, port, root, str(out)), out, 120, preload)
+    found, codes, hung = launch(_ddp_rank, 2, lambda r, port: (r, 2, port, root, str(out)), out, 120)
     assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
     res = [found[r] for r in range(2)]
     for mode in ("replicated", "joint"):

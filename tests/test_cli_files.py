@@ -1,8 +1,10 @@
-"""The offline CLI on real safetensors files: single files and sharded directories."""
+"""The offline CLI on real safetensors files: single files and sharded directories.
+
+In-process through ``nemo_dcr.cli.main`` (the ``cli`` fixture); the console script itself is
+run once per command in test_cli_smoke.py."""
 import hashlib
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -44,18 +46,14 @@ def states(seed=0):
     return base, target
 
 
-def run(cmd, *args):
-    return subprocess.run([cmd, *args], capture_output=True, text=True, timeout=120)
-
-
-def test_single_file_round_trip_is_byte_identical(tmp_path, nemo_dcr_cmd):
+def test_single_file_round_trip_is_byte_identical(tmp_path, cli):
     base, target = states()
     save_file(base, tmp_path / "base.safetensors", metadata={"step": "1"})
     save_file(target, tmp_path / "target.safetensors", metadata={"step": "2"})
-    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
+    r = cli("diff", str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
             "-o", str(tmp_path / "d.dcr"))
     assert r.returncode == 0, r.stderr
-    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "base.safetensors"), str(tmp_path / "d.dcr"),
+    r = cli("apply", str(tmp_path / "base.safetensors"), str(tmp_path / "d.dcr"),
             "-o", str(tmp_path / "out.safetensors"))
     assert r.returncode == 0, r.stderr
     assert sha(tmp_path / "out.safetensors") == sha(tmp_path / "target.safetensors")
@@ -66,20 +64,20 @@ def test_single_file_round_trip_is_byte_identical(tmp_path, nemo_dcr_cmd):
 
 
 @pytest.mark.parametrize("encoding", ["auto", "portable", "classes", "xor", "overwrite", "add"])
-def test_sharded_directory_round_trip(tmp_path, nemo_dcr_cmd, encoding):
+def test_sharded_directory_round_trip(tmp_path, cli, encoding):
     base, target = states(1)
     target["new.tensor"] = torch.arange(12, dtype=torch.int32).reshape(3, 4)
     del target["mask"]
     save_sharded(base, str(tmp_path / "base"), shards=3)
     save_sharded(target, str(tmp_path / "target"), shards=2)
-    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "base"), str(tmp_path / "target"), "-o", str(tmp_path / "d.dcr"),
+    r = cli("diff", str(tmp_path / "base"), str(tmp_path / "target"), "-o", str(tmp_path / "d.dcr"),
             "--encoding", encoding, "--level", "5")
     assert r.returncode == 0, r.stderr
-    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "base"), str(tmp_path / "d.dcr"), "-o", str(tmp_path / "out"))
+    r = cli("apply", str(tmp_path / "base"), str(tmp_path / "d.dcr"), "-o", str(tmp_path / "out"))
     assert r.returncode == 0, r.stderr
     assert sorted(os.listdir(tmp_path / "out")) == sorted(os.listdir(tmp_path / "target"))
     assert sha(tmp_path / "out") == sha(tmp_path / "target")
-    r = run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr"), "--json")
+    r = cli("inspect", str(tmp_path / "d.dcr"), "--json")
     s = json.loads(r.stdout)
     assert s["encoding"] == encoding
     if encoding in ("xor", "overwrite", "add"):
@@ -89,7 +87,7 @@ def test_sharded_directory_round_trip(tmp_path, nemo_dcr_cmd, encoding):
         assert "classes" not in s["bytes_by_encoding"]
 
 
-def test_diff_picks_classes_by_default_on_small_updates(tmp_path, nemo_dcr_cmd):
+def test_diff_picks_classes_by_default_on_small_updates(tmp_path, cli):
     """Weights moved a step in the monotone order, more often the smaller they are (as under
     Adam at a small learning rate): the default coding is ``classes``, smaller than ``portable``."""
     g = torch.Generator().manual_seed(3)
@@ -101,36 +99,36 @@ def test_diff_picks_classes_by_default_on_small_updates(tmp_path, nemo_dcr_cmd):
     sizes = {}
     for enc in ("auto", "portable"):
         out = tmp_path / f"{enc}.dcr"
-        r = run(nemo_dcr_cmd, "diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "-o", str(out),
+        r = cli("diff", str(tmp_path / "a.safetensors"), str(tmp_path / "b.safetensors"), "-o", str(out),
                 *(["--encoding", enc] if enc != "auto" else []))
         assert r.returncode == 0, r.stderr
         sizes[enc] = os.path.getsize(out)
-    s = json.loads(run(nemo_dcr_cmd, "inspect", str(tmp_path / "auto.dcr"), "--json").stdout)
+    s = json.loads(cli("inspect", str(tmp_path / "auto.dcr"), "--json").stdout)
     assert set(s["bytes_by_encoding"]) == {"classes"}
     assert sizes["auto"] < 0.9 * sizes["portable"]
-    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "a.safetensors"), str(tmp_path / "auto.dcr"), "-o", str(tmp_path / "o.safetensors"))
+    r = cli("apply", str(tmp_path / "a.safetensors"), str(tmp_path / "auto.dcr"), "-o", str(tmp_path / "o.safetensors"))
     assert r.returncode == 0, r.stderr
     assert sha(tmp_path / "o.safetensors") == sha(tmp_path / "b.safetensors")
 
 
-def test_apply_in_place_over_base_directory(tmp_path, nemo_dcr_cmd):
+def test_apply_in_place_over_base_directory(tmp_path, cli):
     base, target = states(2)
     save_sharded(base, str(tmp_path / "rollout"))
     save_sharded(base, str(tmp_path / "base"))
     save_sharded(target, str(tmp_path / "target"))
-    assert run(nemo_dcr_cmd, "diff", str(tmp_path / "base"), str(tmp_path / "target"), "-o",
+    assert cli("diff", str(tmp_path / "base"), str(tmp_path / "target"), "-o",
                str(tmp_path / "d.dcr")).returncode == 0
-    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "rollout"), str(tmp_path / "d.dcr"), "-o", str(tmp_path / "rollout"))
+    r = cli("apply", str(tmp_path / "rollout"), str(tmp_path / "d.dcr"), "-o", str(tmp_path / "rollout"))
     assert r.returncode == 0, r.stderr
     assert sha(tmp_path / "rollout") == sha(tmp_path / "target")
     assert sorted(os.listdir(tmp_path)) == ["base", "d.dcr", "rollout", "target"]  # no temp left behind
 
 
-def _prepare(tmp_path, cmd):
+def _prepare(tmp_path, cli):
     base, target = states(3)
     save_file(base, tmp_path / "base.safetensors")
     save_file(target, tmp_path / "target.safetensors")
-    assert run(cmd, "diff", str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
+    assert cli("diff", str(tmp_path / "base.safetensors"), str(tmp_path / "target.safetensors"),
                "-o", str(tmp_path / "d.dcr")).returncode == 0
     return base, target
 
@@ -142,14 +140,14 @@ def _assert_failed_cleanly(r, tmp_path, before):
     assert sorted(os.listdir(tmp_path)) == before  # no OUT, no temp file
 
 
-def test_wrong_base_fails_without_output(tmp_path, nemo_dcr_cmd):
-    base, target = _prepare(tmp_path, nemo_dcr_cmd)
+def test_wrong_base_fails_without_output(tmp_path, cli):
+    base, target = _prepare(tmp_path, cli)
     wrong = dict(base)
     wrong["layers.0.b"] = base["layers.0.b"].clone()
     wrong["layers.0.b"][0] = -wrong["layers.0.b"][0]  # one sign bit
     save_file(wrong, tmp_path / "wrong.safetensors")
     before = sorted(os.listdir(tmp_path))
-    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "wrong.safetensors"), str(tmp_path / "d.dcr"),
+    r = cli("apply", str(tmp_path / "wrong.safetensors"), str(tmp_path / "d.dcr"),
             "-o", str(tmp_path / "out.safetensors"))
     _assert_failed_cleanly(r, tmp_path, before)
     assert "layers.0.b" in r.stderr
@@ -157,15 +155,15 @@ def test_wrong_base_fails_without_output(tmp_path, nemo_dcr_cmd):
     extra = dict(base, intruder=torch.zeros(3))
     save_file(extra, tmp_path / "extra.safetensors")
     before = sorted(os.listdir(tmp_path))
-    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "extra.safetensors"), str(tmp_path / "d.dcr"),
+    r = cli("apply", str(tmp_path / "extra.safetensors"), str(tmp_path / "d.dcr"),
             "-o", str(tmp_path / "out.safetensors"))
     _assert_failed_cleanly(r, tmp_path, before)
     assert "intruder" in r.stderr
 
 
 @pytest.mark.parametrize("damage", ["truncate", "flip", "foreign", "empty"])
-def test_damaged_delta_fails_and_leaves_existing_output_untouched(tmp_path, nemo_dcr_cmd, damage):
-    _prepare(tmp_path, nemo_dcr_cmd)
+def test_damaged_delta_fails_and_leaves_existing_output_untouched(tmp_path, cli, damage):
+    _prepare(tmp_path, cli)
     blob = (tmp_path / "d.dcr").read_bytes()
     if damage == "truncate":
         blob = blob[: len(blob) // 2]
@@ -180,28 +178,28 @@ def test_damaged_delta_fails_and_leaves_existing_output_untouched(tmp_path, nemo
     (tmp_path / "bad.dcr").write_bytes(blob)
     (tmp_path / "out.safetensors").write_bytes(b"previous contents")
     before = sorted(os.listdir(tmp_path))
-    r = run(nemo_dcr_cmd, "apply", str(tmp_path / "base.safetensors"), str(tmp_path / "bad.dcr"),
+    r = cli("apply", str(tmp_path / "base.safetensors"), str(tmp_path / "bad.dcr"),
             "-o", str(tmp_path / "out.safetensors"))
     _assert_failed_cleanly(r, tmp_path, before)
     assert (tmp_path / "out.safetensors").read_bytes() == b"previous contents"
-    r = run(nemo_dcr_cmd, "inspect", str(tmp_path / "bad.dcr"))
+    r = cli("inspect", str(tmp_path / "bad.dcr"))
     assert r.returncode != 0 and r.stderr.startswith("nemo-dcr: error:")
 
 
-def test_not_a_checkpoint(tmp_path, nemo_dcr_cmd):
+def test_not_a_checkpoint(tmp_path, cli):
     (tmp_path / "junk.safetensors").write_bytes(os.urandom(100))
-    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "junk.safetensors"), str(tmp_path / "junk.safetensors"),
+    r = cli("diff", str(tmp_path / "junk.safetensors"), str(tmp_path / "junk.safetensors"),
             "-o", str(tmp_path / "d.dcr"))
     assert r.returncode == 1 and "not a safetensors file" in r.stderr
     assert not (tmp_path / "d.dcr").exists()
-    r = run(nemo_dcr_cmd, "diff", str(tmp_path / "missing"), str(tmp_path / "junk.safetensors"),
+    r = cli("diff", str(tmp_path / "missing"), str(tmp_path / "junk.safetensors"),
             "-o", str(tmp_path / "d.dcr"))
     assert r.returncode == 1 and "no such file" in r.stderr
 
 
-def test_inspect_reports_streams_and_rates(tmp_path, nemo_dcr_cmd):
-    base, target = _prepare(tmp_path, nemo_dcr_cmd)
-    s = json.loads(run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr"), "--json").stdout)
+def test_inspect_reports_streams_and_rates(tmp_path, cli):
+    base, target = _prepare(tmp_path, cli)
+    s = json.loads(cli("inspect", str(tmp_path / "d.dcr"), "--json").stdout)
     from nemo_dcr.state.dtypes import int_view
     changed = sum(int((int_view(base[k]) != int_view(target[k])).sum()) for k in base)
     assert s["changed"] == changed
@@ -209,5 +207,5 @@ def test_inspect_reports_streams_and_rates(tmp_path, nemo_dcr_cmd):
     assert s["bytes"] == os.path.getsize(tmp_path / "d.dcr")
     assert sum(s["bytes_by_stream"].values()) == s["bytes"]
     assert s["bytes_per_changed"] == pytest.approx(s["bytes"] / changed)
-    text = run(nemo_dcr_cmd, "inspect", str(tmp_path / "d.dcr")).stdout
+    text = cli("inspect", str(tmp_path / "d.dcr")).stdout
     assert "bytes per change" in text and "by stream" in text

@@ -1,9 +1,11 @@
 """publish / pull / log / verify on real safetensors checkpoints, through a local directory
-store and a real S3 server over HTTP."""
+store and a real S3 server over HTTP.
+
+In-process through ``nemo_dcr.cli.main`` (the ``cli`` fixture); the console script itself is
+run once per command in test_cli_smoke.py."""
 import hashlib
 import json
 import os
-import subprocess
 
 import pytest
 import torch
@@ -34,65 +36,60 @@ def checkpoints(tmp_path, n=3):
 
 
 @pytest.fixture(params=["local", "s3"])
-def store_url(request, tmp_path):
+def store_url(request, tmp_path, monkeypatch):
     if request.param == "local":
         return str(tmp_path / "store")
     moto = request.getfixturevalue("moto_s3")
-    os.environ["NEMO_DCR_S3_ENDPOINT"] = moto.endpoint_url
-    request.addfinalizer(lambda: os.environ.pop("NEMO_DCR_S3_ENDPOINT", None))
+    monkeypatch.setenv("NEMO_DCR_S3_ENDPOINT", moto.endpoint_url)
     return f"s3://{moto.bucket}/cli-{request.node.name.replace('[', '-').strip(']')}"
 
 
-def run(cmd, *args):
-    return subprocess.run([cmd, *map(str, args)], capture_output=True, text=True, timeout=120)
-
-
-def test_publish_pull_log_verify(tmp_path, nemo_dcr_cmd, store_url):
+def test_publish_pull_log_verify(tmp_path, cli, store_url):
     ck = checkpoints(tmp_path)
     for i, p in enumerate(ck):
-        r = run(nemo_dcr_cmd, "publish", "--store", store_url, p, "--keyframe-every", "2")
+        r = cli("publish", "--store", store_url, p, "--keyframe-every", "2")
         assert r.returncode == 0, r.stderr
         assert r.stdout.startswith(f"published version {i}")
-    log = json.loads(run(nemo_dcr_cmd, "log", "--store", store_url, "--json").stdout)
+    log = json.loads(cli("log", "--store", store_url, "--json").stdout)
     assert [e["version"] for e in log] == [2, 1, 0]
     assert [e["kind"] for e in log] == ["delta+keyframe", "delta", "keyframe"]
     assert 0 < log[1]["change_rate"] < 0.1
-    assert "version" in run(nemo_dcr_cmd, "log", "--store", store_url).stdout
+    assert "version" in cli("log", "--store", store_url).stdout
 
     out = tmp_path / "rollout"
-    r = run(nemo_dcr_cmd, "pull", "--store", store_url, "--into", out, "--version", "1")
+    r = cli("pull", "--store", store_url, "--into", out, "--version", "1")
     assert r.returncode == 0, r.stderr
     assert tree_sha(out) == tree_sha(ck[1])
-    r = run(nemo_dcr_cmd, "pull", "--store", store_url, "--into", out)
+    r = cli("pull", "--store", store_url, "--into", out)
     assert r.returncode == 0, r.stderr
     assert "delta 2" in r.stdout and "keyframe" not in r.stdout  # an update, not a reload
     assert tree_sha(out) == tree_sha(ck[2])
-    assert "already at version 2" in run(nemo_dcr_cmd, "pull", "--store", store_url, "--into", out).stdout
+    assert "already at version 2" in cli("pull", "--store", store_url, "--into", out).stdout
 
-    r = run(nemo_dcr_cmd, "verify", "--store", store_url, ck[1])
+    r = cli("verify", "--store", store_url, ck[1])
     assert r.returncode == 0 and "is version 1" in r.stdout
     other = tmp_path / "other"
     save_sharded({"w": torch.zeros(3)}, str(other))
-    r = run(nemo_dcr_cmd, "verify", "--store", store_url, other)
+    r = cli("verify", "--store", store_url, other)
     assert r.returncode == 1 and "matches no version" in r.stderr
 
 
-def test_pull_failure_leaves_output_unchanged(tmp_path, nemo_dcr_cmd):
+def test_pull_failure_leaves_output_unchanged(tmp_path, cli):
     store = tmp_path / "store"
     ck = checkpoints(tmp_path, 2)
     for p in ck:
-        assert run(nemo_dcr_cmd, "publish", "--store", store, p).returncode == 0
+        assert cli("publish", "--store", store, p).returncode == 0
     out = tmp_path / "rollout"
-    assert run(nemo_dcr_cmd, "pull", "--store", store, "--into", out, "--version", "0").returncode == 0
+    assert cli("pull", "--store", store, "--into", out, "--version", "0").returncode == 0
     before = tree_sha(out)
     part = next(p for p in (store / "versions" / "000000000001").rglob("part-*.dcr"))
     blob = bytearray(part.read_bytes())
     blob[len(blob) // 2] ^= 1
     part.write_bytes(bytes(blob))
-    r = run(nemo_dcr_cmd, "pull", "--store", store, "--into", out)
+    r = cli("pull", "--store", store, "--into", out)
     assert r.returncode == 1
     assert len(r.stderr.strip().splitlines()) == 1 and "corrupt" in r.stderr and "part-" in r.stderr
     assert tree_sha(out) == before
     assert sorted(os.listdir(tmp_path)) == ["ckpt0", "ckpt1", "rollout", "store"]
-    r = run(nemo_dcr_cmd, "pull", "--store", tmp_path / "empty", "--into", tmp_path / "x")
+    r = cli("pull", "--store", tmp_path / "empty", "--into", tmp_path / "x")
     assert r.returncode == 1 and "no committed version" in r.stderr

@@ -9,7 +9,7 @@ import torch
 
 from nemo_dcr import DcrError, IndexMap, ShardSpec, apply, diff
 from nemo_dcr.state.dtypes import int_view
-from shard_helpers import cut, grid
+from dcr_testing.shards import cut, grid
 
 
 # ----------------------------------------------------------------------------- helpers

@@ -24,8 +24,8 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install '.[megatron]')")
 
-import mp_megatron as W  # noqa: E402
-from proc_group import launch  # noqa: E402
+from dcr_testing import mp_megatron as W  # noqa: E402
+from dcr_testing.procs import launch  # noqa: E402
 from dcr_testing import assert_bits_equal  # noqa: E402
 from nemo_dcr.integrations import hf_mapping as H  # noqa: E402
 from nemo_dcr.integrations.megatron import check_cover, is_megatron_module, megatron_snapshot  # noqa: E402
@@ -33,9 +33,6 @@ from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.state.index_map import ShardSpec  # noqa: E402
 
-PRELOAD = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores", "boto3",
-           "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
-           "megatron.core.distributed", "nemo_dcr.integrations.megatron", "nemo_dcr.integrations.hf_mapping"]
 DEADLINE = 90.0
 LAYOUT = H.GPTLayout(num_attention_heads=8, num_query_groups=4, head_dim=8, vocab_size=W.VOCAB)
 
@@ -43,8 +40,7 @@ LAYOUT = H.GPTLayout(num_attention_heads=8, num_query_groups=4, head_dim=8, voca
 def run_group(world, scenario, args, out, deadline=DEADLINE):
     """Run ``world`` ranks of ``scenario``; -> {rank: result}. Fails on a hang or a rank error."""
     out.mkdir(parents=True, exist_ok=True)
-    res, codes, hung = launch(W.main, world, lambda r, port: (r, world, port, scenario, args, str(out)), out,
-                              deadline, PRELOAD)
+    res, codes, hung = launch(W.main, world, lambda r, port: (r, world, port, scenario, args, str(out)), out, deadline)
     assert not hung, f"ranks {hung} of {scenario!r} still running after {deadline}s; results so far: {res}"
     missing = [r for r in range(world) if r not in res]
     assert not missing, f"ranks {missing} of {scenario!r} wrote no result (exit codes {codes})"

@@ -13,14 +13,13 @@ import time
 import pytest
 import torch
 
-import mp_workers as W
-from proc_group import launch
+from dcr_testing import mp_workers as W
+from dcr_testing.procs import launch
 from dcr_testing import assert_bits_equal
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.versions import read_head, read_manifest
-from stores_fixtures import make_s3_store
+from dcr_testing.s3 import make_s3_store
 
-PRELOAD = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores", "boto3"]
 DEADLINE = 60.0  # seconds for one group of processes, start-up included
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",
            "AWS_CONFIG_FILE", "AWS_SHARED_CREDENTIALS_FILE")
@@ -45,7 +44,7 @@ def run_group(world, spec, scenario, tmp_path, deadline=DEADLINE):
     out = tmp_path / f"out-{scenario}-{time.monotonic_ns()}"
     out.mkdir()
     results, codes, hung = launch(W.main, world, lambda r, port: (r, world, port, spec, scenario, str(out)), out,
-                                  deadline, PRELOAD)
+                                  deadline)
     assert not hung, f"ranks {hung} of {scenario!r} still running after {deadline}s; exit codes {codes}, " \
                      f"results so far: {results}"
     return results, codes

@@ -18,7 +18,7 @@ from nemo_dcr.integrations import RolloutLoader, module_snapshot, module_tensors
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.sync.publisher import Publisher
-from proc_group import launch
+from dcr_testing.procs import launch
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2)
@@ -530,9 +530,7 @@ def test_sharded_receiver_group_with_a_replicated_tensor(tmp_path):
         pub.publish(_group_state(v))
     out = tmp_path / "out"
     out.mkdir()
-    preload = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores",
-               "nemo_dcr.callbacks.rollout"]  # ranks fork from a server that imported these once
-    found, codes, hung = launch(_group_rank, 2, lambda r, port: (r, 2, port, store, str(out)), out, 90, preload)
+    found, codes, hung = launch(_group_rank, 2, lambda r, port: (r, 2, port, store, str(out)), out, 90)
     assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
     res = [found[r] for r in range(2)]
     for r in range(2):

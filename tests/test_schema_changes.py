@@ -9,7 +9,7 @@ import torch
 
 from dcr_testing import assert_state
 from nemo_dcr import Follower, Publisher, apply, diff
-from nemo_dcr.state.statedigest import DigestChange, state_contrib
+from nemo_dcr.state.statedigest import ChangeDigest, state_contrib
 
 
 def base_state(seed=0):
@@ -60,11 +60,11 @@ def test_digest_change_of_diff_and_apply_is_exact(change):
     target = clone(base)
     CHANGES[change](target)
     touch(target)
-    sent = DigestChange()
+    sent = ChangeDigest()
     blob = diff(base, target, on_change=sent, workers=1)
     assert state_contrib(base) + sent.total == state_contrib(target)
     recv = clone(base)
-    got = DigestChange()
+    got = ChangeDigest()
     apply(recv, blob, on_change=got, workers=1)
     assert_state(recv, target)
     assert got.total == sent.total

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import math
 import os
-import socket
 
 import pytest
 import torch
@@ -13,7 +12,8 @@ from nemo_dcr.state import statedigest as sd
 from nemo_dcr.state.dtypes import DTYPES, INT_VIEW, int_view
 from nemo_dcr.state.statedigest import (P, StateDigest, allreduce_digest, changes_contrib, state_contrib,
                                   tensor_contrib)
-from shard_helpers import cut, grid
+from dcr_testing.procs import launch
+from dcr_testing.shards import cut, grid
 
 ALL_DTYPES = list(DTYPES.values())  # every width 1/2/4/8, incl. bool, float8, bf16, fp64, int64
 
@@ -400,6 +400,8 @@ def _state():
 
 
 def _worker(rank, world, port, out_dir):
+    import json
+
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -412,26 +414,20 @@ def _worker(rank, world, port, out_dir):
             local[name] = cut(t, spec).clone()
             shards[name] = spec
         d = allreduce_digest(state_contrib(local, shards))
-        with open(os.path.join(out_dir, f"rank{rank}"), "w") as f:
-            f.write(d.hex())
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(d.hex(), f)
     finally:
         dist.destroy_process_group()
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_allreduce_digest_gloo_two_processes(tmp_path):
     import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     if not dist.is_available():
         pytest.skip("torch.distributed not available")
     world = 2
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    found, codes, hung = launch(_worker, world, lambda r, port: (r, world, port, str(tmp_path)), tmp_path, 60)
+    assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
     expect = state_contrib(_state()).hex()
     for r in range(world):
-        assert (tmp_path / f"rank{r}").read_text() == expect
+        assert found[r] == expect

@@ -19,7 +19,7 @@ from nemo_dcr.errors import DcrError
 from nemo_dcr.stores import (
     LocalStore, NotFound, PreconditionFailed, S3Store, Store, StoreError, open_store,
 )
-from stores_fixtures import make_s3_store
+from dcr_testing.s3 import make_s3_store
 
 MiB = 1 << 20
 

@@ -20,7 +20,7 @@ from contextlib import contextmanager
 
 import torch
 
-from nemo_dcr.errors import DcrError
+from nemo_dcr.errors import CheckpointError, DcrError  # CheckpointError re-exported: defined with every other error
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -31,10 +31,6 @@ ST_DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
-
-
-class CheckpointError(DcrError):
-    """A checkpoint file is missing, unreadable or not valid safetensors."""
 
 
 def read_header(path: str):

@@ -8,7 +8,7 @@ import torch
 from nemo_dcr.errors import DcrError
 from nemo_dcr.checkpoint.safetensors_io import Checkpoint, CheckpointError, atomic_output, layout_for, write_file
 from nemo_dcr.state.statedigest import state_contrib
-from nemo_dcr.sync.versions import VersionNotFound, read_head, read_manifest
+from nemo_dcr.sync.versions import read_head, walk
 
 
 def _open(store):
@@ -34,14 +34,10 @@ def history(store, limit: int | None = None) -> list:
     store = _open(store)
     head, _ = read_head(store)
     out = []
-    key = head.manifest if head else None
-    while key is not None and (limit is None or len(out) < limit):
-        try:
-            m = read_manifest(store, key)
-        except VersionNotFound:
+    for m in walk(store, head) if head is not None else ():
+        if limit is not None and len(out) >= limit:
             break
         out.append(m)
-        key = m.base_manifest
     return out
 
 
@@ -71,7 +67,7 @@ def pull_checkpoint(store, out: str, version: int | None = None):
     res = f.sync(version)
     if not res.updated and current is not None:
         return res
-    m = _manifest_at(store, res.version)
+    m = f.manifest  # the very manifest whose state was verified
     layout = (m.meta or {}).get("layout") or layout_for(tensors)
     if set(_layout_names(layout)) != set(tensors):
         layout = layout_for(tensors)
@@ -92,13 +88,6 @@ def _layout_names(layout):
         for k in json.loads(f["header"]):
             if k != "__metadata__":
                 yield k
-
-
-def _manifest_at(store, version):
-    for m in history(store):
-        if m.version == version:
-            return m
-    raise VersionNotFound(f"version {version} is no longer in the store")
 
 
 def verify_checkpoint(store, path: str):

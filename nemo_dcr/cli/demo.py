@@ -234,13 +234,11 @@ def _table(manifests, metrics: dict, rollout_log: str) -> list:
                 applied[r["version"]] = r
     rows = []
     for m in sorted(manifests, key=lambda m: m.version):
-        elements = sum(p.elements for p in m.parts) or sum(p.elements for p in m.keyframe_parts)
-        dense = sum(p.dense_bytes for p in (m.parts or m.keyframe_parts))
+        dense = m.dense_bytes
         delta = m.delta_bytes() if m.parts else m.keyframe_bytes()
-        changed = sum(p.changed for p in m.parts)
         met = metrics.get(m.step) if m.step is not None else None
         a = applied.get(m.version)
-        rows.append({"version": m.version, "step": m.step, "change_rate": changed / elements if m.parts else None,
+        rows.append({"version": m.version, "step": m.step, "change_rate": m.change_rate,
                      "delta_bytes": delta, "dense_bytes": dense, "ratio": dense / delta if delta else None,
                      "publish_s": met.get("dcr/publish_s") if met else None,
                      "apply_s": a["apply_s"] if a else None, "verified": bool(a and a["verified"]),

@@ -43,7 +43,7 @@ def _cmd_publish(a):
     r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
                            retain=a.retain, encoding=a.encoding, level=a.level)
     m = r.manifest
-    kind = "keyframe" if not m.parts else ("delta + keyframe" if m.keyframe_parts else "delta")
+    kind = m.kind
     base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
     print(f"published version {m.version} {base}: {kind}; delta {r.delta_bytes:,} B, keyframe {r.keyframe_bytes:,} B, "
           f"{100 * r.change_rate:.4f} % changed")
@@ -65,11 +65,8 @@ def _cmd_log(a):
     ms = history(a.store, limit=a.limit)
     rows = []
     for m in ms:
-        elements = sum(p.elements for p in m.parts) or sum(p.elements for p in m.keyframe_parts)
-        changed = sum(p.changed for p in m.parts)
-        rows.append({"version": m.version, "base": m.base_version, "kind": "keyframe" if not m.parts else
-                     ("delta+keyframe" if m.keyframe_parts else "delta"), "delta_bytes": m.delta_bytes(),
-                     "keyframe_bytes": m.keyframe_bytes(), "change_rate": changed / elements if m.parts and elements else None,
+        rows.append({"version": m.version, "base": m.base_version, "kind": m.kind, "delta_bytes": m.delta_bytes(),
+                     "keyframe_bytes": m.keyframe_bytes(), "change_rate": m.change_rate,
                      "parts": len(m.parts) or len(m.keyframe_parts), "step": m.step, "created": m.created,
                      "digest": m.target_digest})
     if a.json:

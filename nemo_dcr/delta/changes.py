@@ -4,7 +4,7 @@
 threads with integer-view bits at canonical flat indices. ``old_bits`` is None for elements of a
 tensor that did not exist before (added, or the new side of a reshape/re-type); ``new_bits`` is
 None for elements of a tensor that no longer exists (removed, or the old side of a reshape/re-type).
-An incremental state digest (``statedigest.DigestChange``) subtracts the old and adds the new.
+An incremental state digest (``statedigest.ChangeDigest``) subtracts the old and adds the new.
 """
 from __future__ import annotations
 

@@ -31,17 +31,13 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from nemo_dcr.codec.chunk import CHOICES
 from nemo_dcr.delta import DEFAULT_CHUNK
-from nemo_dcr.errors import DcrError
+from nemo_dcr.errors import DcrError, DeltaPublishError
 
 from .snapshot import is_megatron, parse_dtype, take_snapshot
 
 log = logging.getLogger("nemo_dcr.callbacks")
 
 SKIP_MODES = ("skip", "empty")
-
-
-class DeltaPublishError(DcrError):
-    """A background publish failed; the message names the step and the cause."""
 
 
 @dataclass
@@ -336,7 +332,7 @@ class DeltaPublishCallback(Callback):
                     self._error.__cause__ = e
             return
         m = res.manifest
-        dense = sum(p.dense_bytes for p in m.parts) or sum(p.dense_bytes for p in m.keyframe_parts)
+        dense = m.dense_bytes
         sent = res.delta_bytes + res.keyframe_bytes
         delta = res.delta_bytes or res.keyframe_bytes
         metrics = {
@@ -359,14 +355,14 @@ class DeltaPublishCallback(Callback):
             log.debug(msg)
 
     def _publish_version(self, job: _Job):
-        from nemo_dcr.sync.publisher import PublishError
+        from nemo_dcr.errors import PublishError
 
         pub = self.publisher
         keyframe = job.keyframe
         if job.tensors is None:  # an empty version: the last published state again
-            if pub._base is None:
+            if pub.published is None:
                 raise DcrError("an empty version was asked for before anything was published")
-            job.tensors, job.shards = pub._base, pub._shards
+            job.tensors, job.shards = pub.published
         if self._check_resume:
             self._check_resume = False
             keyframe = self._resume_needs_keyframe() or keyframe
@@ -384,14 +380,9 @@ class DeltaPublishCallback(Callback):
         from nemo_dcr.sync.group import Group
         from nemo_dcr.sync.versions import read_head
 
-        g = Group(self._group)
-        has = None
-        if g.rank == 0:
-            try:
-                has = read_head(self.publisher.store)[0] is not None
-            except Exception:
-                has = False
-        return bool(g.broadcast(has))
+        g = Group(self._group)  # rank 0 reads; a failure there is raised on every rank
+        return bool(g.run(lambda: read_head(self.publisher.store)[0] is not None if g.rank == 0 else None,
+                          f"read HEAD of {self._store_name}", src=0))
 
     def _resume_needs_keyframe(self) -> bool:
         """Does the store still hold the version the checkpoint recorded, on HEAD's chain? If not
@@ -399,11 +390,11 @@ class DeltaPublishCallback(Callback):
         from nemo_dcr.sync.group import Group
 
         g = Group(self._group)
-        answer = self._check_chain() if g.rank == 0 else None
-        return bool(g.broadcast(answer))
+        return bool(g.run(lambda: self._check_chain() if g.rank == 0 else None,
+                          "check the checkpoint's version against the store", src=0))
 
     def _check_chain(self) -> bool:
-        from nemo_dcr.sync.versions import read_head, read_manifest
+        from nemo_dcr.sync.versions import read_head, walk
 
         r = self._resume or {}
         v, key = r.get("version"), r.get("manifest")
@@ -420,10 +411,8 @@ class DeltaPublishCallback(Callback):
                 rank_zero_warn(f"nemo-dcr: {self._store_name} is at version {head.version}, behind the checkpoint's "
                                f"version {v}; the next version is a keyframe")
                 return True
-            m = read_manifest(store, head.manifest)
-            while m.version > v and m.base_manifest is not None:
-                m = read_manifest(store, m.base_manifest)
-            if m.version != v or (key is not None and m.key != key):
+            m = next((m for m in walk(store, head) if m.version <= v), None)
+            if m is None or m.version != v or (key is not None and m.key != key):
                 rank_zero_warn(f"nemo-dcr: version {v} in {self._store_name} is not the one this checkpoint published "
                                f"({key}); the next version is a keyframe")
                 return True

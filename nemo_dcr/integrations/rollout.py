@@ -255,7 +255,6 @@ class RolloutLoader:
         with self._writing():
             self.follower = Follower(store, self.tensors, self.shards, version=version, group=group,
                                      workers=workers, verify_initial=verify_initial)
-        self.follower.shards = self.shards  # looked up lazily from now on (name_map may be a callable)
         self.store = self.follower.store
 
     # ------------------------------------------------------------------ public
@@ -278,17 +277,14 @@ class RolloutLoader:
         if the store is still empty). Waits for ``sampling()`` blocks to finish. Raises on an
         error (corrupt object, wrong base, ...); the follower then knows the weights are in between
         and the next update repairs them."""
-        from nemo_dcr.sync.versions import read_head
-
         if self._lock.reading():
             raise DcrError("update() called inside sampling() in the same thread: it would wait for itself")
         # outside the lock: usually nothing is new, and samplers need not wait to learn that
-        g = self.group
-        head = g.broadcast(read_head(self.store)[0] if g.rank == 0 else None)
+        head = self.follower.read_head()
         if head is None:
             return self.version
-        if (version if version is not None else head.version) == self.version:
-            return self.version  # (a follower mid-way after a failure holds version None)
+        if self.follower.is_current(head, version):  # the very manifest, not just its number
+            return self.version
         with self._lock.write(), self._writing():
             before = self.version
             res = self.follower.sync(version, head=head)

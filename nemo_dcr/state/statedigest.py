@@ -33,6 +33,7 @@ import functools
 import hashlib
 import json
 import math
+import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
@@ -273,29 +274,28 @@ def changes_contrib(name: str, dtype: Union[torch.dtype, str], global_shape: Seq
     return StateDigest(tuple(acc))
 
 
-class DigestChange:
-    """The change of a state digest, summed from ``on_change`` calls (see ``delta/changes.py``):
-    ``+ contrib(new_bits)`` for elements that are now there, ``- contrib(old_bits)`` for elements
-    that were. ``old_bits`` None: the elements are new (an added tensor, or the new side of a
-    reshape/re-type); ``new_bits`` None: they are gone (a removed tensor, or the old side).
-    Thread-safe: diff and apply call it from worker threads.
+class ChangeDigest:
+    """The change of a state digest, summed from the ``on_change(name, dtype, global_shape,
+    global_idx, old, new)`` calls of ``diff``/``apply`` (from any thread; see
+    ``delta/changes.py``): ``+ contrib(new)`` for elements that are now there, ``- contrib(old)``
+    for elements that were. ``old`` None: the elements are new (an added tensor, or the new side
+    of a reshape/re-type); ``new`` None: they are gone (a removed tensor, or the old side).
 
-        change = DigestChange()
+        change = ChangeDigest()
         diff(base, target, on_change=change)        # or apply(..., on_change=change)
         new_digest = old_digest + change.total
     """
 
     def __init__(self):
-        import threading
-        self._lock = threading.Lock()
         self.total = StateDigest.zero()
+        self._lock = threading.Lock()
 
-    def __call__(self, name, dtype, global_shape, global_idx, old_bits, new_bits) -> None:
+    def __call__(self, name, dtype, global_shape, global_idx, old, new) -> None:
         c = StateDigest.zero()
-        if new_bits is not None:
-            c = c + changes_contrib(name, dtype, global_shape, global_idx, new_bits)
-        if old_bits is not None:
-            c = c - changes_contrib(name, dtype, global_shape, global_idx, old_bits)
+        if new is not None:
+            c = c + changes_contrib(name, dtype, global_shape, global_idx, new)
+        if old is not None:
+            c = c - changes_contrib(name, dtype, global_shape, global_idx, old)
         with self._lock:
             self.total = self.total + c
 

@@ -16,30 +16,9 @@ import abc
 import os
 from typing import Tuple
 
-from nemo_dcr.errors import DcrError
+from nemo_dcr.errors import NotFound, PreconditionFailed, StoreError  # re-exported: defined with every other error
 
 __all__ = ["Store", "StoreError", "NotFound", "PreconditionFailed", "check_key", "check_prefix"]
-
-
-class StoreError(DcrError):
-    """A storage operation failed (bad key, I/O error, remote error after retries, ...)."""
-
-
-class NotFound(StoreError):
-    """The object does not exist. ``.key`` is the key that was asked for."""
-
-    def __init__(self, key: str, where: str = ""):
-        self.key = key
-        super().__init__(f"object not found: {key!r}" + (f" in {where}" if where else ""))
-
-
-class PreconditionFailed(StoreError):
-    """A conditional write lost: the key already exists (put_if_absent) or its tag changed
-    (put_if_match). Nothing was written. ``.key`` is the key."""
-
-    def __init__(self, key: str, reason: str = ""):
-        self.key = key
-        super().__init__(f"precondition failed for {key!r}" + (f": {reason}" if reason else ""))
 
 
 def check_key(key: str) -> str:

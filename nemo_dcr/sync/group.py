@@ -1,10 +1,23 @@
 """The few collectives the publisher and follower need, over the caller's own process group
 (the trainer's, or the rollout cluster's). Nothing here ever crosses clusters. Without an
-initialised torch.distributed, everything is single-process."""
+initialised torch.distributed, everything is single-process.
+
+One way to fail across ranks: :meth:`Group.run` runs a step on every rank, gathers every rank's
+outcome, and when any rank raised, raises *the same* typed error on every rank, naming which
+ranks failed and why (as ``torch.distributed.checkpoint``'s ``CheckpointException`` does). So no
+rank walks on into a collective that a failed rank never joins (a hang until the group's
+timeout, or collectives paired wrongly), and every rank takes the same recovery path.
+"""
 from __future__ import annotations
 
-import torch
+import importlib
+from typing import Callable, Optional, TypeVar
+
 import torch.distributed as dist
+
+from nemo_dcr.errors import DcrError, GroupError, RankFailure
+
+T = TypeVar("T")
 
 
 class Group:
@@ -23,6 +36,51 @@ class Group:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
+    def run(self, fn: Callable[[], T], what: str, *, error: Optional[type] = None, src: Optional[int] = None,
+            gather: bool = False, note: str = ""):
+        """``fn()`` on every rank; if it raises on any rank, raise on every rank.
+
+        Returns this rank's result, or with ``src=r`` rank r's result on every rank (the others'
+        ``fn`` may return None: only rank r's result travels), or with ``gather=True`` the list
+        of every rank's result. The error raised when some ranks failed:
+
+        * of class ``error`` if given; else of the class every failed rank raised, if they all
+          raised the same ``DcrError`` subclass; else ``GroupError``;
+        * its message is ``"<what> failed: rank 2: OSError: ...; rank 3: ..."`` (+ ``note``);
+        * ``rank_failures`` maps each failed rank to its ``RankFailure`` (class, message); an
+          error that was itself raised by a nested ``run`` contributes its own failures;
+        * on a rank that failed, its own exception is the ``__cause__``.
+
+        Only ``Exception`` is caught: a rank that dies or is interrupted breaks the collective
+        (the backend reports that), which is all a group can do about it.
+        """
+        value, exc = None, None
+        try:
+            value = fn()
+        except Exception as e:  # noqa: BLE001 - reported to every rank below
+            exc = e
+        if not self.active:
+            if exc is None:
+                return [value] if gather else value
+            if error is None or isinstance(exc, error):
+                raise exc  # no other rank to tell: the error as it is
+            failures = _failures_of(exc, 0)
+        else:
+            mine = _failures_of(exc, self.rank) if exc is not None else None
+            send = value if exc is None and (gather or src == self.rank) else None
+            outs = self.all_gather((mine, send))
+            failures = {}
+            for f, _ in outs:
+                failures.update(f or {})
+            if not failures:
+                if gather:
+                    return [v for _, v in outs]
+                return outs[src][1] if src is not None else value
+        err = _group_error(what, failures, error, note)
+        if exc is not None:
+            raise err from exc
+        raise err from None
+
     def broadcast(self, obj, src: int = 0):
         if not self.active:
             return obj
@@ -30,13 +88,49 @@ class Group:
         dist.broadcast_object_list(box, src=self._global(src), group=self.group)
         return box[0]
 
-    def all_ok(self, ok: bool) -> bool:
-        """True only when every rank says True."""
-        if not self.active:
-            return ok
-        t = torch.tensor([1 if ok else 0], dtype=torch.int64)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(t.item())
-
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
+
+
+def _failures_of(exc: BaseException, rank: int) -> dict:
+    inner = getattr(exc, "rank_failures", None)
+    if isinstance(inner, dict) and inner:
+        return dict(inner)  # already a group's verdict (a nested run): keep the ranks that failed
+    cls = type(exc)
+    return {rank: RankFailure(cls.__module__, cls.__qualname__, str(exc))}
+
+
+def _resolve(f: RankFailure):
+    try:
+        obj = importlib.import_module(f.module)
+        for part in f.qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return None
+    return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
+
+
+def _group_error(what: str, failures: dict, error: Optional[type], note: str) -> DcrError:
+    """The same error on every rank: built from the gathered failures alone."""
+    cls = error
+    if cls is None:
+        kinds = {(f.module, f.qualname) for f in failures.values()}
+        one = _resolve(next(iter(failures.values()))) if len(kinds) == 1 else None
+        cls = one if one is not None and issubclass(one, DcrError) else GroupError
+    msg = f"{what} failed: " + "; ".join(f"rank {r}: {f.qualname}: {f.message}" for r, f in sorted(failures.items()))
+    if note:
+        msg += f" ({note})"
+    return _instance(cls, msg, failures)
+
+
+def _instance(cls: type, msg: str, failures: dict) -> DcrError:
+    try:
+        err = cls(msg)
+        ok = str(err) == msg
+    except Exception:  # noqa: BLE001 - a constructor that takes other arguments
+        ok = False
+    if not ok:  # e.g. NotFound(key): keep the class, set the message
+        err = cls.__new__(cls)
+        err.args = (msg,)
+    err.rank_failures = dict(failures)
+    return err

@@ -19,17 +19,14 @@ from typing import Mapping
 import torch
 
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
-from nemo_dcr.sync.group import Group
-from nemo_dcr.errors import DcrError
-from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.delta.stats import inspect
-from nemo_dcr.state.statedigest import DigestChange, StateDigest, state_contrib
-from nemo_dcr.sync.versions import (CommitConflict, Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest,
-                       version_dir)
+from nemo_dcr.errors import CommitConflict, PublishError
+from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
+from nemo_dcr.sync.group import Group
+from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
 
-
-class PublishError(DcrError):
-    """A rank could not publish its part; no version was committed."""
+__all__ = ["Publisher", "PublishResult", "PublishError", "CommitConflict", "snapshot"]
 
 
 @dataclass
@@ -77,69 +74,71 @@ class Publisher:
     def version(self) -> int | None:
         return self._head.version if self._head else None
 
+    @property
+    def head(self) -> Head | None:
+        """HEAD as this publisher last committed (or restored) it."""
+        return self._head
+
+    @property
+    def published(self) -> tuple[dict, dict] | None:
+        """``(tensors, shards)``: this rank's copy of the last published state (None before the
+        first publish). Read-only: it is the base of the next delta."""
+        return None if self._base is None else (self._base, self._shards)
+
     # ------------------------------------------------------------------ publish
     def publish(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] | None = None, *,
                 keyframe: bool = False, step: int | None = None, meta: dict | None = None) -> PublishResult:
         """Publish the next version. ``keyframe=True`` also stores the full state; if the last
         published state cannot then be rebuilt from the store (a restarted trainer whose base is
-        lost or corrupt), the version is a keyframe alone, without a delta part."""
+        lost or corrupt), the version is a keyframe alone, without a delta part.
+
+        Every step that can fail on one rank goes through ``Group.run``: a failure anywhere is
+        raised alike on every rank (``PublishError`` naming the ranks and their errors for the
+        upload, ``CommitConflict`` for a lost race), and nothing is committed."""
         t0 = time.perf_counter()
         g = self.group
-        snap = snapshot(tensors)
-        shards = dict(shards or {})
-        head_tag = read_head(self.store) if g.rank == 0 else (None, None)
-        head = g.broadcast(head_tag[0])
-        publish_id = g.broadcast(new_publish_id() if g.rank == 0 else None)
+        head, tag, publish_id = g.run(lambda: (*read_head(self.store), new_publish_id()) if g.rank == 0 else None,
+                                      "read the store's HEAD", src=0)
         version = 0 if head is None else head.version + 1
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
-        result = {"ok": True}
-        try:
-            if head is not None and (self._head is None or self._head.version != head.version
-                                     or self._head.manifest != head.manifest):
-                restored = True
-                try:
-                    self._restore(head, snap, shards)  # fresh publisher, or the store moved on
+        local = {}
+
+        def upload():
+            local["snap"], local["shards"] = snapshot(tensors), dict(shards or {})
+            if head is not None and not _same_head(self._head, head):
+                try:  # fresh publisher, or the store moved on; every rank fails alike (Group.run)
+                    g.run(lambda: self._restore(head, local["snap"], local["shards"]),
+                          f"rebuild version {head.version} from the store")
                 except Exception:
                     if not keyframe:
                         raise
-                    restored = False
-                if keyframe and not g.all_ok(restored):
                     # a keyframe was asked for and the published state cannot be rebuilt (and
                     # verified) on every rank: publish the keyframe alone, no delta part
                     self._base = self._shards = self._head = self._digest = None
-            result = self._upload(snap, shards, head, version, publish_id, kf)
-        except Exception as e:  # reported to every rank below; nothing is committed
-            result = {"ok": False, "error": f"rank {g.rank}: {type(e).__name__}: {e}"}
-        results = g.all_gather(result)
-        failed = [r["error"] for r in results if not r["ok"]]
-        if failed:
-            raise PublishError("; ".join(failed) + " (no version committed)")
-        outcome = None
-        if g.rank == 0:
-            outcome = self._commit(results, head, head_tag[1], version, publish_id, step, meta)
-        outcome = g.broadcast(outcome)
-        if not outcome["ok"]:
-            if outcome.get("conflict"):
-                raise CommitConflict(outcome["error"])
-            raise PublishError(outcome["error"])
-        manifest = Manifest.from_bytes(outcome["manifest"].encode())
-        self._base, self._shards, self._digest = snap, shards, result["new_digest"]
-        self._head = Head.from_bytes(outcome["head"].encode())
-        if g.rank == 0 and self.retain is not None:
-            from nemo_dcr.sync.retention import prune
-            prune(self.store, self._head, keep=self.retain)
-        return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(),
-                             sum(p.changed for p in manifest.parts), sum(p.elements for p in manifest.parts)
-                             or sum(p.elements for p in manifest.keyframe_parts), time.perf_counter() - t0)
+            receipt, local["digest"] = self._upload(local["snap"], local["shards"], head, version, publish_id, kf)
+            return receipt
 
-    def _upload(self, snap, shards, head, version, publish_id, kf) -> dict:
+        receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
+                         note="no version committed")
+        manifest, new_head = g.run(
+            lambda: self._commit(receipts, head, tag, version, publish_id, step, meta) if g.rank == 0 else None,
+            f"committing version {version}", src=0)
+        self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
+        if self.retain is not None:
+            from nemo_dcr.sync.retention import prune
+            g.run(lambda: prune(self.store, new_head, keep=self.retain) if g.rank == 0 else None,
+                  f"retention after version {version}", src=0)
+        return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
+                             manifest.elements, time.perf_counter() - t0)
+
+    def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest]:
+        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``)."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
-        out = {"ok": True, "parts": [], "keyframe_parts": []}
+        out = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
-        change = DigestChange()  # added, removed, reshaped and re-typed tensors included
-
         if head is not None and self._base is not None:
+            change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
             blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
                         level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
                         on_change=change, progress=False)
@@ -152,8 +151,7 @@ class Publisher:
                         chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
             out["keyframe_parts"].append(self._put(f"{d}/key-{rank:05d}.dcr", blob))
         out["digest"] = new_digest.hex()
-        out["new_digest"] = new_digest
-        return out
+        return out, new_digest
 
     def _put(self, key: str, blob: bytes) -> dict:
         s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
@@ -161,26 +159,26 @@ class Publisher:
         return Part(rank=self.group.rank, key=key, size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
                     changed=s["changed"], elements=s["elements"], dense_bytes=s["dense_bytes"]).__dict__
 
-    def _commit(self, results, head, tag, version, publish_id, step, meta=None) -> dict:
+    def _commit(self, results, head, tag, version, publish_id, step, meta=None) -> tuple[Manifest, Head]:
+        """Rank 0: the manifest from every rank's receipt, then HEAD by compare-and-set."""
         try:
             total = StateDigest.zero()
             for r in results:
                 total = total + StateDigest.from_hex(r["digest"])
-            base = read_manifest(self.store, head.manifest) if head is not None else None
+            base = read_manifest(self.store, head.manifest, head.manifest_sha256) if head is not None else None
             m = Manifest(
                 version=version, publish_id=publish_id, target_digest=total.hex(),
                 base_version=head.version if head else None, base_manifest=head.manifest if head else None,
-                base_digest=base.target_digest if base else None,
+                base_digest=base.target_digest if base else None, base_sha256=base.sha256 if base else None,
                 parts=[Part(**p) for r in results for p in r["parts"]],
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
                 world_size=self.group.world_size, step=step, meta=meta or {})
-            new_head = commit(self.store, m, head, tag)
-            return {"ok": True, "manifest": m.to_bytes().decode(), "head": new_head.to_bytes().decode()}
-        except CommitConflict as e:
-            return {"ok": False, "conflict": True, "error": str(e)}
+            return m, commit(self.store, m, head, tag)
+        except CommitConflict:
+            raise
         except Exception as e:
-            return {"ok": False, "error": f"commit failed: {type(e).__name__}: {e}"}
+            raise PublishError(f"commit failed: {type(e).__name__}: {e}") from e
 
     def _restore(self, head: Head, like: dict, shards: dict) -> None:
         """Rebuild this rank's part of the published state at ``head`` from the store."""
@@ -195,3 +193,8 @@ class Publisher:
         f.sync(head.version, head=head)
         self._base, self._shards, self._head = tensors, shards, head
         self._digest = state_contrib(tensors, shards)
+
+
+def _same_head(a: Head | None, b: Head) -> bool:
+    return a is not None and a.version == b.version and a.manifest == b.manifest \
+        and a.manifest_sha256 == b.manifest_sha256

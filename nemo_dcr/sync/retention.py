@@ -7,7 +7,7 @@ lost race or of a rank that died mid-upload).
 """
 from __future__ import annotations
 
-from nemo_dcr.sync.versions import Head, read_manifest
+from nemo_dcr.sync.versions import Head, walk
 
 
 def _version_of(key: str):
@@ -20,13 +20,11 @@ def _version_of(key: str):
 def prune(store, head: Head, keep: int = 0) -> list:
     """Returns the deleted keys."""
     cutoff = min(head.keyframe_version, head.version - max(keep, 0))
-    committed = {}
-    m = read_manifest(store, head.manifest)
-    while True:  # committed publish id of every version still reachable from HEAD
+    committed = {}  # committed publish id of every version still reachable from HEAD
+    for m in walk(store, head, missing_ok=False):  # a gap above the cutoff: delete nothing
         committed[m.version] = m.publish_id
-        if m.version <= cutoff or m.base_manifest is None:
+        if m.version <= cutoff:
             break
-        m = read_manifest(store, m.base_manifest)
     deleted = []
     for key in store.list("versions/"):
         v, pid = _version_of(key)

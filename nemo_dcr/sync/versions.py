@@ -14,23 +14,44 @@ objects; its own are orphans that retention removes.
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
+from typing import Iterator
 
-from nemo_dcr.errors import DcrError, DeltaFormatError
+from nemo_dcr.errors import CommitConflict, ManifestError, VersionNotFound
+
+__all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
+           "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
+           "no_plan"]
+
+log = logging.getLogger("nemo_dcr.sync")
 
 HEAD_KEY = "HEAD"
-FORMAT = 1
+FORMAT = 2          # written; 2 = with checksums (see docs/design.md, "Integrity of manifests and HEAD")
+_READABLE = (1, 2)  # 1: stores written before checksums, read unverified
 
 
-class CommitConflict(DcrError):
-    """Another publisher committed this version first (or the head moved underneath us)."""
+def _canonical(d: dict) -> bytes:
+    return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
 
 
-class VersionNotFound(DcrError):
-    """The store has no such version, or retention has removed what reaching it needs."""
+def _sealed(d: dict, fmt: int, what: str) -> dict:
+    """Check and strip the checksum of a parsed object (format 2), or make sure a format-1
+    object has none (a one-byte edit of the format number must not switch the check off)."""
+    checksum = d.pop("checksum", None)
+    if fmt == 1:
+        if checksum is not None:
+            raise ValueError("a format-1 object carries a checksum")
+        return d
+    if not isinstance(checksum, str):
+        raise ValueError("no checksum")
+    if hashlib.sha256(_canonical(d)).hexdigest() != checksum:
+        raise ManifestError(f"{what}: checksum mismatch: the object was altered or damaged in the store")
+    return d
 
 
 def new_publish_id() -> str:
@@ -70,14 +91,47 @@ class Manifest:
     meta: dict = field(default_factory=dict)      # free-form (the CLI keeps the file layout here)
     created: float = field(default_factory=time.time)
     format: int = FORMAT
+    base_sha256: str | None = None        # the base manifest's sha256 (format 2): links are checked
 
     @property
     def key(self) -> str:
         return f"{version_dir(self.version, self.publish_id)}/manifest.json"
 
     @property
+    def sha256(self) -> str:
+        """The manifest's identity: sha256 of its canonical body (stored in it as ``checksum``,
+        and recorded by HEAD and by the next version's ``base_sha256``)."""
+        return hashlib.sha256(_canonical(asdict(self))).hexdigest()
+
+    @property
     def is_keyframe(self) -> bool:
         return bool(self.keyframe_parts)
+
+    @property
+    def kind(self) -> str:
+        """``delta``, ``keyframe`` (the full state alone) or ``delta+keyframe``."""
+        if not self.parts:
+            return "keyframe"
+        return "delta+keyframe" if self.keyframe_parts else "delta"
+
+    @property
+    def elements(self) -> int:
+        """Elements of the whole state (from the delta parts, or the keyframe's)."""
+        return sum(p.elements for p in self.parts) or sum(p.elements for p in self.keyframe_parts)
+
+    @property
+    def changed(self) -> int:
+        """Elements the delta changed (0 for a version without a delta)."""
+        return sum(p.changed for p in self.parts)
+
+    @property
+    def dense_bytes(self) -> int:
+        """Bytes of the whole state, uncompressed."""
+        return sum(p.dense_bytes for p in self.parts) or sum(p.dense_bytes for p in self.keyframe_parts)
+
+    @property
+    def change_rate(self) -> float | None:
+        return self.changed / self.elements if self.parts and self.elements else None
 
     def delta_bytes(self) -> int:
         return sum(p.size for p in self.parts)
@@ -86,14 +140,21 @@ class Manifest:
         return sum(p.size for p in self.keyframe_parts)
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, indent=1).encode()
+        d = asdict(self)
+        if self.format != 1:
+            d["checksum"] = hashlib.sha256(_canonical(d)).hexdigest()
+        return json.dumps(d, sort_keys=True, indent=1).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, key: str = "<manifest>") -> "Manifest":
+    def from_bytes(cls, data: bytes, key: str = "<manifest>", sha256: str | None = None) -> "Manifest":
+        """Parse and check a manifest; ``sha256``: the identity its referrer recorded for it."""
         try:
             d = json.loads(data)
-            if d.get("format") != FORMAT:
-                raise DeltaFormatError(f"{key}: manifest format {d.get('format')!r} is not supported")
+            if not isinstance(d, dict):
+                raise ValueError("not an object")
+            if d.get("format") not in _READABLE:
+                raise ManifestError(f"{key}: manifest format {d.get('format')!r} is not supported")
+            d = _sealed(d, d["format"], key)
             d["parts"] = [Part(**p) for p in d["parts"]]
             d["keyframe_parts"] = [Part(**p) for p in d["keyframe_parts"]]
             m = cls(**d)
@@ -104,9 +165,12 @@ class Manifest:
             if not m.parts and not m.keyframe_parts:
                 raise ValueError("no parts")
         except (ValueError, TypeError, KeyError, AttributeError) as e:
-            raise DeltaFormatError(f"{key}: not a valid nemo-dcr manifest ({e})") from None
+            raise ManifestError(f"{key}: not a valid nemo-dcr manifest ({e})") from None
         if m.key != key and key != "<manifest>":
-            raise DeltaFormatError(f"{key}: manifest names itself {m.key}")
+            raise ManifestError(f"{key}: manifest names itself {m.key}")
+        if sha256 is not None and m.sha256 != sha256:
+            raise ManifestError(f"{key}: not the manifest its referrer recorded (sha256 {m.sha256[:16]}..., "
+                                f"expected {sha256[:16]}...): altered, or replaced by another publish")
         return m
 
 
@@ -116,16 +180,36 @@ class Head:
     manifest: str
     keyframe_version: int
     keyframe_manifest: str
+    manifest_sha256: str | None = None    # the manifest's identity (None only in format-1 stores)
+    keyframe_sha256: str | None = None
+    format: int = FORMAT
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True).encode()
+        d = asdict(self)
+        if self.format != 1:
+            d["checksum"] = hashlib.sha256(_canonical(d)).hexdigest()
+        return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Head":
         try:
-            return cls(**json.loads(data))
+            d = json.loads(data)
+            if not isinstance(d, dict):
+                raise ValueError("not an object")
+            fmt = d.setdefault("format", 1)  # format-1 HEADs carry no format field
+            if fmt not in _READABLE:
+                raise ManifestError(f"HEAD format {fmt!r} is not supported")
+            d = _sealed(d, fmt, "HEAD")
+            h = cls(**d)
+            if fmt == 1 and (h.manifest_sha256 is not None or h.keyframe_sha256 is not None):
+                raise ValueError("a format-1 HEAD names manifest digests")
+            if fmt != 1 and not (isinstance(h.manifest_sha256, str) and isinstance(h.keyframe_sha256, str)):
+                raise ValueError("no manifest digests")
+            if not isinstance(h.version, int) or not isinstance(h.manifest, str):
+                raise ValueError("version/manifest")
         except (ValueError, TypeError) as e:
-            raise DeltaFormatError(f"HEAD is not a valid nemo-dcr head pointer ({e})") from None
+            raise ManifestError(f"HEAD is not a valid nemo-dcr head pointer ({e})") from None
+        return h
 
 
 def read_head(store):
@@ -138,12 +222,54 @@ def read_head(store):
     return Head.from_bytes(data), tag
 
 
-def read_manifest(store, key: str) -> Manifest:
+def read_manifest(store, key: str, sha256: str | None = None) -> Manifest:
+    """The manifest at ``key``, checked (and, with ``sha256``, checked to be the one recorded)."""
     from nemo_dcr.stores import NotFound
     try:
-        return Manifest.from_bytes(store.get(key), key)
+        data = store.get(key)
     except NotFound:
         raise VersionNotFound(f"manifest {key} is not in the store (removed by retention?)") from None
+    return Manifest.from_bytes(data, key, sha256)
+
+
+def _base_of(store, m: Manifest) -> Manifest:
+    return read_manifest(store, m.base_manifest, m.base_sha256)
+
+
+def walk(store, start: "Head | Manifest", *, missing_ok: bool = True) -> Iterator[Manifest]:
+    """The manifests of the chain from ``start`` (HEAD or a manifest) back through base links,
+    newest first, each checked against the digest its referrer recorded. Stops at a version
+    without a base, or (``missing_ok``) at one retention removed; a damaged manifest raises."""
+    try:
+        m = read_manifest(store, start.manifest, start.manifest_sha256) if isinstance(start, Head) else start
+    except VersionNotFound:
+        if missing_ok:
+            return
+        raise
+    while True:
+        yield m
+        if m.base_manifest is None:
+            return
+        try:
+            m = _base_of(store, m)
+        except VersionNotFound:
+            if missing_ok:
+                return
+            raise
+
+
+def manifest_at(store, version: int, head: "Head | None" = None) -> Manifest:
+    """The manifest of ``version`` on HEAD's chain."""
+    if head is None:
+        head, _ = read_head(store)
+    if head is None or version > head.version:
+        raise VersionNotFound(f"version {version} is not committed")
+    for m in walk(store, head):
+        if m.version <= version:
+            if m.version == version:
+                return m
+            break
+    raise VersionNotFound(f"version {version} is no longer in the store")
 
 
 def commit(store, manifest: Manifest, expected_head: Head | None, tag) -> Head:
@@ -154,10 +280,12 @@ def commit(store, manifest: Manifest, expected_head: Head | None, tag) -> Head:
     except PreconditionFailed:
         raise CommitConflict(f"{manifest.key} already exists: publish ids must be unique") from None
     if manifest.is_keyframe:
-        kv, kk = manifest.version, manifest.key
+        kv, kk, ks = manifest.version, manifest.key, manifest.sha256
     else:
-        kv, kk = expected_head.keyframe_version, expected_head.keyframe_manifest
-    head = Head(manifest.version, manifest.key, kv, kk)
+        kv, kk, ks = expected_head.keyframe_version, expected_head.keyframe_manifest, expected_head.keyframe_sha256
+        if ks is None:  # the keyframe was committed to a format-1 store: record its identity now
+            ks = read_manifest(store, kk).sha256
+    head = Head(manifest.version, manifest.key, kv, kk, manifest.sha256, ks)
     try:
         if expected_head is None:
             store.put_if_absent(HEAD_KEY, head.to_bytes())
@@ -169,40 +297,54 @@ def commit(store, manifest: Manifest, expected_head: Head | None, tag) -> Head:
     return head
 
 
-def chain(store, target: Manifest, current: int | None) -> list:
-    """Steps that take a receiver at ``current`` (None: nothing) to ``target``.
+def plans(store, target: Manifest, current: int | None = None, digest: str | None = None) -> Iterator[list]:
+    """Ways to take a receiver holding version ``current`` (state digest ``digest``, when
+    known; None: nothing) to ``target``, best first. Each is a list of ("delta" | "keyframe",
+    Manifest) steps, oldest first: the deltas from the receiver's own version, then each
+    keyframe on the chain (newest first) with the deltas after it. The receiver's version
+    counts only if its manifest on this chain has the receiver's digest: a store wiped and
+    republished (same numbers, another history) is recognised and the receiver re-keyed from a
+    keyframe. Manifests are read lazily: a caller that takes the first plan reads no further
+    back than it needs. A broken link (removed or damaged manifest) ends the walk there."""
+    walked: list = []
+    waiting: list = []          # keyframes newer than the receiver's version, offered after its deltas
+    searching = current is not None
 
-    Returns a list of ("delta" | "keyframe", Manifest), oldest first. Deltas are preferred; a
-    keyframe is used when the receiver has nothing, or the deltas back to it were removed.
-    """
-    if current is not None and current > target.version:
-        raise VersionNotFound(f"receiver is at version {current}, newer than the requested {target.version}")
-    steps, newest_keyframe = [], None
+    def from_keyframe(j):
+        return [("keyframe", walked[j])] + [("delta", walked[i]) for i in range(j - 1, -1, -1)]
+
     m = target
     while True:
-        if current is not None and m.version == current:
-            return list(reversed(steps))
-        if m.is_keyframe and current is None:
-            steps.append(("keyframe", m))
-            return list(reversed(steps))
-        if m.is_keyframe and newest_keyframe is None:
-            newest_keyframe = len(steps)
-        if m.parts and m.base_version is not None and (current is None or m.base_version >= current):
-            try:
-                prev = read_manifest(store, m.base_manifest)
-            except VersionNotFound:
-                prev = None
-            if prev is not None:
-                steps.append(("delta", m))
-                m = prev
-                continue
+        walked.append(m)
+        j = len(walked) - 1
+        if searching and m.version <= current:
+            searching = False
+            if m.version == current and (digest is None or m.target_digest == digest):
+                yield [("delta", walked[i]) for i in range(j - 1, -1, -1)]
+            for k in waiting:
+                yield from_keyframe(k)
+            waiting = []
         if m.is_keyframe:
-            steps.append(("keyframe", m))
-            return list(reversed(steps))
-        if newest_keyframe is not None:
-            kf = steps[newest_keyframe][1]
-            return [("keyframe", kf)] + list(reversed(steps[:newest_keyframe]))
-        raise VersionNotFound(
-            f"cannot reach version {target.version} from "
-            f"{'an empty receiver' if current is None else f'version {current}'}: "
-            f"the deltas or keyframe needed are no longer in the store")
+            if searching:
+                waiting.append(j)
+            else:
+                yield from_keyframe(j)
+        if not m.parts:
+            break  # no delta into this version: nothing older can lead past it
+        try:
+            m = _base_of(store, m)
+        except VersionNotFound:
+            break  # retention removed what is older
+        except ManifestError as e:
+            log.warning("nemo-dcr: the chain below version %d is broken (%s)", m.version, e)
+            break
+    for k in waiting:
+        yield from_keyframe(k)
+
+
+def no_plan(target: Manifest, current: int | None) -> VersionNotFound:
+    """The error when :func:`plans` has nothing (left) to offer."""
+    return VersionNotFound(
+        f"cannot reach version {target.version} from "
+        f"{'an empty receiver' if current is None else f'version {current}'}: "
+        f"the deltas or keyframe needed are no longer in the store")

@@ -1,4 +1,13 @@
-"""Helpers every test module imports: bit-exact comparisons and receiver states."""
+"""Helpers the tests import (fixtures live in tests/conftest.py, nothing here is a fixture).
+
+* this module: bit-exact comparisons and receiver states
+  (``from dcr_testing import assert_bits_equal, assert_state, bits, zeros_like``)
+* ``dcr_testing.shards``: shard layouts (``grid``, ``cut``)
+* ``dcr_testing.procs``: groups of worker processes with a deadline (``launch``, ``free_port``)
+* ``dcr_testing.s3``: the moto S3 server on 127.0.0.1 and ``S3Store``s on it
+* ``dcr_testing.cli``: ``nemo-dcr`` in-process (``run_cli``) and the console script's path
+* ``dcr_testing.mp_workers``, ``dcr_testing.mp_megatron``: what the multi-process tests' ranks run
+"""
 import signal
 from contextlib import contextmanager
 

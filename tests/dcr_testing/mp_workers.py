@@ -1,4 +1,4 @@
-"""Worker processes for test_publish_multirank.py (importable, so a fork server or ``spawn`` can
+"""Worker processes for tests/test_publish_multirank.py (importable, so a fork server or ``spawn`` can
 start them).
 
 Every process computes the same deterministic *global* state for a version and keeps only its
@@ -16,17 +16,13 @@ import traceback
 
 import torch
 
+from dcr_testing import bits as int_bits
+
 # trainer: TP=4; W0 sharded on dim 0, W1 on dim 1, bias replicated (published by rank 0 only)
 # receivers: TP=2 on dim 1 for both weights, bias held (and counted) by rank 0 only
 SHAPES = {"W0": ((32, 24), torch.bfloat16), "W1": ((24, 32), torch.float32), "bias": ((24,), torch.float32)}
 CHUNK = 64  # small chunks: several per shard, so chunk and shard boundaries cross
 TIMEOUT = datetime.timedelta(seconds=20)  # collectives fail after this instead of hanging
-
-
-
-def int_bits(t: torch.Tensor) -> torch.Tensor:
-    from nemo_dcr.state.dtypes import int_view
-    return int_view(t)
 
 
 # ----------------------------------------------------------------------------- state

@@ -6,7 +6,7 @@ scenario: a trainer that publishes versions (``Publisher``) and writes, per vers
 rank published as a reference file (``ref-<tag>-r<rank>-v<version>.pt``: name -> (tensor,
 global shape, offsets, local shape)); or a receiver group that follows them
 (``Follower(group=...)``) and compares with the trainer's references. Results go to
-``<out>/<rank>.json`` like mp_workers.py; every collective has a timeout.
+``<out>/<rank>.json`` like dcr_testing/mp_workers.py; every collective has a timeout.
 
 CPU shim (test only): megatron-core 0.16 calls CUDA in a few places even on a CPU model:
 ``torch.cuda.current_device()`` (RoPE moves ``inv_freq`` there; DDP allocates its buffers

@@ -1,7 +1,7 @@
-"""Fixtures for the storage layer: a real S3-compatible HTTP server (moto) and a ``store``
-fixture parametrized over the backends.
+"""A real S3-compatible HTTP server (moto) on 127.0.0.1, and ``S3Store``s on it for tests.
 
-Use them from a test module with ``from stores_fixtures import moto_s3, store  # noqa: F401``.
+The fixtures ``moto_s3`` (one server per session) and ``store`` (local and S3) in tests/conftest.py
+are built from these.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import itertools
 import logging
 import re
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import pytest
@@ -44,9 +45,10 @@ class _Serialized:
             return list(self.app(environ, start_response))
 
 
-@pytest.fixture(scope="session")
-def moto_s3():
-    """A moto S3 server on 127.0.0.1 over HTTP with one bucket; dummy credentials in env."""
+@contextmanager
+def moto_server():
+    """A moto S3 server on 127.0.0.1 over HTTP with one bucket; dummy credentials in the
+    environment while it runs. Skips the test when boto3 or moto's server is not installed."""
     pytest.importorskip("boto3", reason="S3 store tests need boto3 (pip install boto3)")
     pytest.importorskip("moto.moto_server.werkzeug_app",
                         reason="S3 store tests need pip install 'moto[server]'")
@@ -99,12 +101,3 @@ def make_s3_store(moto: MotoS3, request, **kwargs):
     kwargs.setdefault("backoff_max", 0.1)
     return S3Store(moto.bucket, f"t{next(_counter):04d}-{name}", endpoint_url=moto.endpoint_url,
                    **kwargs)
-
-
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
-    """A fresh, empty store: a LocalStore in tmp_path, or an S3Store on the moto server."""
-    if request.param == "local":
-        from nemo_dcr.stores import LocalStore
-        return LocalStore(tmp_path / "store")
-    return make_s3_store(request.getfixturevalue("moto_s3"), request)

@@ -1,0 +1,49 @@
+"""Start a group of worker processes for the multi-process tests and wait for them, with a
+deadline so a hang fails the test instead of blocking CI."""
+import json
+import multiprocessing
+import socket
+import time
+
+# What the fork server imports once, before it forks any rank: everything any multi-process test's
+# ranks need. There is one fork server per test session and only the first launch starts it (later
+# preload lists are ignored), so a per-test list would leave later tests' ranks importing their
+# frameworks themselves (megatron.core: seconds per rank). Modules that are not installed are
+# skipped by the server.
+PRELOAD = (
+    "torch", "torch.distributed", "boto3",
+    "nemo_dcr.state.statedigest", "nemo_dcr.stores", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower",
+    "lightning.pytorch", "nemo_dcr.integrations.publish", "nemo_dcr.integrations.rollout",
+    "megatron.core.parallel_state", "megatron.core.models.gpt", "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.distributed", "nemo_dcr.integrations.megatron", "nemo_dcr.integrations.hf_mapping",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(target, world: int, make_args, out, deadline: float, preload=()):
+    """Run ``target(*make_args(rank, port))`` in ``world`` processes forked from a fork server
+    that has imported PRELOAD (and ``preload``) once (``spawn`` would import torch in every
+    process: most of the run time on 2 cores; Python 3.11's fork server only preloads installed
+    modules). Each worker writes ``out/<rank>.json``.
+    -> ({rank: result}, {rank: exit code}, [hung ranks])."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD) + [m for m in preload if m not in PRELOAD])  # used by the first launch
+    port = free_port()
+    procs = [ctx.Process(target=target, args=make_args(r, port), daemon=True) for r in range(world)]
+    for p in procs:
+        p.start()
+    end = time.monotonic() + deadline
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+    hung = [r for r, p in enumerate(procs) if p.is_alive()]
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+            p.join(5)
+    results = {r: json.loads((out / f"{r}.json").read_text()) for r in range(world) if (out / f"{r}.json").exists()}
+    return results, {r: p.exitcode for r, p in enumerate(procs)}, hung
