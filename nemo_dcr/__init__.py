@@ -20,16 +20,35 @@ _moved.install()
 
 from nemo_dcr.errors import (BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError,  # noqa: E402
                              TargetMismatchError)
-from nemo_dcr.state.index_map import IndexMap, ShardSpec  # noqa: E402
-from nemo_dcr.codec.format import DeltaReader  # noqa: E402
-from nemo_dcr.delta import ApplyReport, apply, diff  # noqa: E402
-from nemo_dcr.delta.stats import inspect  # noqa: E402
-from nemo_dcr.state.digest import state_digest, tensor_digest  # noqa: E402
-from nemo_dcr.sync.publisher import Publisher  # noqa: E402
-from nemo_dcr.sync.follower import Follower  # noqa: E402
+
+# The rest is resolved at first use: ``import nemo_dcr`` stays cheap (no torch) for processes that
+# need only part of it, such as a relay or ``nemo-dcr --help``.
+_LAZY = {
+    "IndexMap": "nemo_dcr.state.index_map", "ShardSpec": "nemo_dcr.state.index_map",
+    "DeltaReader": "nemo_dcr.codec.format",
+    "ApplyReport": "nemo_dcr.delta", "apply": "nemo_dcr.delta", "diff": "nemo_dcr.delta",
+    "inspect": "nemo_dcr.delta.stats",
+    "state_digest": "nemo_dcr.state.digest", "tensor_digest": "nemo_dcr.state.digest",
+    "Publisher": "nemo_dcr.sync.publisher", "Follower": "nemo_dcr.sync.follower",
+}
 
 __all__ = [
     "__version__", "diff", "apply", "inspect", "ApplyReport", "DeltaReader", "IndexMap", "ShardSpec",
     "DcrError", "DeltaFormatError", "BaseMismatchError", "TargetMismatchError", "PartialApplyError",
     "tensor_digest", "state_digest", "Publisher", "Follower",
 ]
+
+
+def __getattr__(name):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

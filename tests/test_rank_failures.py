@@ -1,15 +1,15 @@
 """One way to fail across ranks (issue 9): ``Group.run`` in a real gloo group of 4 processes. A
 rank that raises a specific error makes every rank raise the same typed error naming it (the
 failed rank with its own exception as ``__cause__``); the Follower and the Publisher report a
-rank's failure that way. Workers: mp_rank_failures.py."""
+rank's failure that way. Workers: dcr_testing/mp_rank_failures.py."""
 import time
 
 import pytest
 
-import mp_rank_failures as M
-from proc_group import launch
+from dcr_testing import mp_rank_failures as M
+from dcr_testing.procs import launch
 
-PRELOAD = ["torch", "torch.distributed", "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.stores"]
+PRELOAD = []  # dcr_testing.procs.PRELOAD covers what the ranks import
 WORLD = 4
 
 

@@ -402,7 +402,9 @@ def test_open_store_local(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("url, match", [
     ("gs://bucket/x", "unknown scheme 'gs'"),
-    ("http://host/x", "unknown scheme 'http'"),
+    ("ftp://host/x", "unknown scheme 'ftp'"),
+    ("http://host/x?a=1", "no query"),
+    ("http://host/../x", "bad path"),
     ("file://remotehost/x", "not a host"),
     ("s3://", "expected s3://bucket"),
     ("s3:///prefix", "expected s3://bucket"),

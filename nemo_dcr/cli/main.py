@@ -96,6 +96,22 @@ def _cmd_demo(a):
     run_demo(a.workdir, store=a.store, steps=a.steps, every=a.every, keyframe_every=a.keyframe_every)
 
 
+def _cmd_relay(a):
+    import asyncio
+
+    from nemo_dcr.stores import open_store
+    from nemo_dcr.stores.http import read_token_file
+    from nemo_dcr.transport import serve
+    token = read_token_file(a.token_file) if a.token_file else None
+    up_token = read_token_file(a.upstream_token_file) if a.upstream_token_file else token
+    http = [u for u in a.upstream if u.lower().startswith(("http://", "https://"))]
+    upstream = open_store([open_store(u, token=up_token) if u in http else u for u in a.upstream])
+    asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, mount=a.prefix,
+                      cache_max_bytes=a.cache_max_bytes, poll_interval=a.poll_interval,
+                      ready=lambda url: print(f"nemo-dcr relay: serving {' -> '.join(a.upstream)} at {url}",
+                                              flush=True)))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-dcr", description="Bit-exact delta-compressed weight refit.")
     p.add_argument("--version", action="version", version=f"nemo-dcr {__version__}")
@@ -151,6 +167,19 @@ def build_parser() -> argparse.ArgumentParser:
     vf.add_argument("--store", required=True)
     vf.add_argument("checkpoint")
     vf.set_defaults(func=_cmd_verify)
+
+    r = sub.add_parser("relay", help="serve a store's read side over HTTP with a cache, for a tree of receivers")
+    r.add_argument("--listen", required=True, help="HOST:PORT to listen on (PORT 0: any free port)")
+    r.add_argument("--upstream", required=True, action="append",
+                   help="store or parent relay URL; repeat to fall back along ancestors to the store")
+    r.add_argument("--cache-dir", default=None, help="where verified objects are kept (default: a temp dir)")
+    r.add_argument("--cache-max-bytes", type=int, default=8 << 30, help="cache size cap (default 8 GiB)")
+    r.add_argument("--token-file", default=None, help="require this bearer token from children")
+    r.add_argument("--upstream-token-file", default=None, help="token for a parent relay (default: --token-file)")
+    r.add_argument("--prefix", default="", help="serve under http://HOST:PORT/PREFIX")
+    r.add_argument("--poll-interval", type=float, default=0.5,
+                   help="seconds between HEAD reads of a store that cannot long-poll, while children wait")
+    r.set_defaults(func=_cmd_relay)
 
     m = sub.add_parser("demo", help="a Lightning trainer publishes, a rollout process follows and samples")
     m.add_argument("--workdir", default="runs/demo")

@@ -2,6 +2,7 @@
 
 >>> from nemo_dcr.stores import open_store
 >>> store = open_store("s3://bucket/runs/7")      # or "file:///abs/dir", or "some/dir"
+>>> store = open_store("http://relay:8470/runs/7")  # a relay's read side (nemo-dcr relay)
 >>> store.put("v1/delta.dcr", blob)
 
 See :class:`Store` for the operations and their guarantees.
@@ -14,29 +15,38 @@ import re
 from urllib.parse import unquote, urlsplit
 
 from .base import NotFound, PreconditionFailed, Store, StoreError
+from .fallback import FallbackStore
+from .http import HttpStore, StoreUnavailable
 from .local import LocalStore
 from .s3 import S3Store  # boto3 is imported only when an S3Store is made
 
 __all__ = [
     "Store", "LocalStore", "S3Store", "open_store", "StoreError", "NotFound",
-    "PreconditionFailed",
+    "PreconditionFailed", "HttpStore", "FallbackStore", "StoreUnavailable",
 ]
 
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
-def open_store(url: "str | os.PathLike", **kwargs) -> Store:
+def open_store(url: "str | os.PathLike | list", **kwargs) -> Store:
     """Open the store that ``url`` names.
 
     * ``file:///abs/path`` or a plain path (relative or absolute): :class:`LocalStore`.
     * ``s3://bucket/prefix``: :class:`S3Store`. The endpoint is ``endpoint_url=`` if given,
       else ``$NEMO_DCR_S3_ENDPOINT``, else ``$AWS_ENDPOINT_URL``, else AWS. Credentials and
       region come the standard boto3 way. Other keyword arguments go to ``S3Store``.
+    * ``http://host:port[/prefix]``: :class:`HttpStore`, the read side served by a relay.
+    * a list of these: :class:`FallbackStore`, reading from the first that answers (a relay,
+      its ancestors, the store itself), read-only; keyword arguments go to every source.
 
     Anything else raises :class:`StoreError`.
     """
     if isinstance(url, Store):
         return url
+    if isinstance(url, (list, tuple)):
+        if len(url) == 1:
+            return open_store(url[0], **kwargs)
+        return FallbackStore([open_store(u, **kwargs) for u in url])
     if isinstance(url, os.PathLike):
         url = os.fspath(url)
     if not isinstance(url, str) or not url:
@@ -70,7 +80,10 @@ def open_store(url: "str | os.PathLike", **kwargs) -> Store:
                 or None
             )
         return S3Store(bucket, unquote(parts.path).strip("/"), **kwargs)
+    if scheme in ("http", "https"):
+        return HttpStore(url, **kwargs)
     raise StoreError(
         f"unsupported store URL {url!r}: unknown scheme {scheme!r} "
-        "(supported: file:///abs/path, s3://bucket/prefix, or a plain directory path)"
+        "(supported: file:///abs/path, s3://bucket/prefix, http://relay:port/prefix, "
+        "or a plain directory path)"
     )

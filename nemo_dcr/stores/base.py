@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Tuple
+from typing import Iterator, Tuple
 
 from nemo_dcr.errors import NotFound, PreconditionFailed, StoreError  # re-exported: defined with every other error
 
@@ -81,13 +81,28 @@ class Store(abc.ABC):
         file next to ``path`` and renamed into place, so on any failure ``path`` is untouched
         and no partial file is left behind."""
 
+    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+        """``(size, chunks)``: the whole object's size in bytes and an iterator over its bytes
+        from ``offset`` on, read as they arrive (a relay passes them on before the object is
+        complete; a reader that lost its source resumes at an offset from another one).
+        :class:`NotFound` if the object does not exist. Close the iterator (``chunks.close()``)
+        when stopping early. This default reads the whole object first; backends that can
+        stream override it."""
+        data = self.get(key)
+        offset = max(0, int(offset))
+        return len(data), iter([data[offset:]] if offset < len(data) else [])
+
     @abc.abstractmethod
     def get_with_tag(self, key: str) -> Tuple[bytes, str]:
         """``(bytes, tag)``, a consistent pair: the tag is that of exactly these bytes."""
 
-    @abc.abstractmethod
     def exists(self, key: str) -> bool:
-        """Whether the object exists."""
+        """Whether the object exists (this default asks for its size)."""
+        try:
+            self.size(key)
+            return True
+        except NotFound:
+            return False
 
     @abc.abstractmethod
     def size(self, key: str) -> int:

@@ -40,6 +40,7 @@ __all__ = ["LocalStore"]
 _LOCK_DIR = ".locks"
 _N_LOCKS = 256
 _COPY_BUF = 8 << 20
+_STREAM_BUF = 1 << 20
 
 
 def _tag_of(data: bytes) -> str:
@@ -186,15 +187,17 @@ class LocalStore(Store):
         data = self.get(key)
         return data, _tag_of(data)
 
-    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
-        src = self._path(key)
-        dest = os.path.abspath(os.fspath(path))
+    def _open_object(self, op: str, key: str):
         try:
-            fin = open(src, "rb")
+            return open(self._path(key), "rb")
         except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
             raise NotFound(key, self.url) from None
         except OSError as e:
-            raise self._io_error("get_to_file", key, e) from e
+            raise self._io_error(op, key, e) from e
+
+    def get_to_file(self, key: str, path: str | os.PathLike) -> None:
+        dest = os.path.abspath(os.fspath(path))
+        fin = self._open_object("get_to_file", key)
         try:
             with fin:
                 tmp = self._write_temp(dest, lambda f: shutil.copyfileobj(fin, f, _COPY_BUF))
@@ -206,6 +209,24 @@ class LocalStore(Store):
             _remove_quiet(tmp)
             raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
         _fsync_dir(os.path.dirname(dest))
+
+    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+        f = self._open_object("get_stream", key)
+        size = os.fstat(f.fileno()).st_size  # the file is only ever replaced whole, never grown
+
+        def chunks() -> Iterator[bytes]:
+            with f:
+                try:
+                    f.seek(max(0, int(offset)))
+                    while True:
+                        b = f.read(_STREAM_BUF)
+                        if not b:
+                            return
+                        yield b
+                except OSError as e:
+                    raise self._io_error("get_stream", key, e) from e
+
+        return size, chunks()
 
     def exists(self, key: str) -> bool:
         return os.path.isfile(self._path(key))

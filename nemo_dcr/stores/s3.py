@@ -36,7 +36,7 @@ import os
 import random
 import time
 import uuid
-from typing import Callable, Optional, Tuple, TypeVar
+from typing import Callable, Iterator, Optional, Tuple, TypeVar
 
 from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
 
@@ -292,12 +292,32 @@ class S3Store(Store):
             except OSError:
                 pass
 
-    def exists(self, key: str) -> bool:
-        try:
-            self.size(key)
-            return True
-        except NotFound:
-            return False
+    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+        full = self._full(key)
+        offset = max(0, int(offset))
+        if offset:
+            # S3 answers a range starting at the end of the object with 416, not an empty body
+            size = self.size(key)
+            if offset >= size:
+                return size, iter(())
+        r = self._call("get_stream", key, lambda: self.client.get_object(
+            Bucket=self.bucket, Key=full, **({"Range": f"bytes={offset}-"} if offset else {})))
+        size = int(r["ContentRange"].rsplit("/", 1)[1]) if offset else int(r["ContentLength"])
+
+        def chunks() -> Iterator[bytes]:
+            body = r["Body"]
+            try:
+                for b in body.iter_chunks(MiB):
+                    yield b
+            except Exception as e:  # a dropped connection mid-body: the reader may resume
+                c = self._classify("get_stream", key, e)
+                raise (c if isinstance(c, StoreError) else StoreError(
+                    f"S3 get_stream {self._where(key)}: the download broke off: "
+                    f"{type(e).__name__}: {e}")) from e
+            finally:
+                body.close()
+
+        return size, chunks()
 
     def size(self, key: str) -> int:
         full = self._full(key)

@@ -192,7 +192,7 @@ def _fresh_group_publishes(rank, world, spec, res):
     r = pub.publish(local_state(2, layout), layout)
     res["versions"] = [r.version]
     res["kinds"] = [bool(r.manifest.parts), bool(r.manifest.keyframe_parts)]
-    res["held"] = sorted(pub._base)
+    res["held"] = sorted(pub.published[0])
 
 
 def _raise_mid_upload(rank, world, spec, res):

@@ -10,7 +10,7 @@ import traceback
 
 import torch
 
-import mp_workers as W
+from dcr_testing import mp_workers as W
 
 
 def _seen(e: BaseException) -> dict:

@@ -1,0 +1,228 @@
+"""Objects fetched once from the upstream, passed on while they arrive, kept once verified.
+
+Each object the relay does not hold is downloaded by one :class:`Fetch` into a file under the
+cache's temporary directory; every request for it, the first and any that arrive while it is
+in flight, reads that file as it grows (cut-through), so N children cost one upstream fetch
+(coalescing). When the download ends, its size and sha256 are compared with what the object's
+manifest (``versions/<v>/<id>/manifest.json``, fetched the same way) declares: a match goes into
+the cache, anything else is dropped, so the next request fetches it afresh. Children check every
+object themselves: a relay is never trusted for correctness, only for speed.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import re
+from collections import OrderedDict
+from typing import Optional
+
+from nemo_dcr.errors import DcrError
+from nemo_dcr.stores.base import NotFound, Store
+from nemo_dcr.sync.versions import Manifest
+from nemo_dcr.transport.cache import ObjectCache
+from nemo_dcr.transport.workers import Workers
+
+__all__ = ["Fetch", "Fetcher", "Reader"]
+
+log = logging.getLogger("nemo_dcr.relay")
+
+_VERSIONED = re.compile(r"^versions/(\d+)/([^/]+)/([^/]+)$")
+_MAX_MANIFEST = 64 << 20
+
+
+class Fetch:
+    """One upstream download in flight. Updated on the event loop only."""
+
+    def __init__(self, key: str, path: str):
+        self.key, self.path = key, path
+        self.size: Optional[int] = None   # the object's size, once the upstream said it
+        self.written = 0                  # bytes in the file so far
+        self.done = False
+        self.error: Optional[BaseException] = None
+        self.sha256: Optional[str] = None
+        self._changed = asyncio.Event()
+
+    def update(self, *, size=None, written=None, done=False, error=None, sha256=None) -> None:
+        if size is not None:
+            self.size = size
+        if written is not None:
+            self.written = written
+        if sha256 is not None:
+            self.sha256 = sha256
+        self.done = self.done or done
+        if error is not None:
+            self.error = error
+        ev, self._changed = self._changed, asyncio.Event()
+        ev.set()
+
+    async def changed(self) -> None:
+        await self._changed.wait()
+
+
+class Reader:
+    """An open handle on an object: from the cache (``fetch`` None, ``size`` known) or on a
+    download in flight. Opened at once so that a later rename or unlink does not matter."""
+
+    def __init__(self, fd: int, size: Optional[int], fetch: Optional[Fetch]):
+        self.fd, self._size, self.fetch = fd, size, fetch
+
+    @property
+    def size(self) -> Optional[int]:
+        return self._size if self.fetch is None else self.fetch.size
+
+    def available(self) -> int:
+        return self._size if self.fetch is None else self.fetch.written
+
+    async def wait_size(self) -> int:
+        """The object's size; raises the upstream's error (NotFound, ...) if it failed first."""
+        f = self.fetch
+        while f is not None and f.size is None:
+            if f.error is not None:
+                raise f.error
+            await f.changed()
+        return self.size
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class Fetcher:
+    def __init__(self, upstream: Store, cache: ObjectCache, workers: Workers, stats: dict):
+        self.upstream, self.cache, self.workers, self.stats = upstream, cache, workers, stats
+        self._inflight: dict = {}
+        self._manifests: "OrderedDict[str, Manifest]" = OrderedDict()
+
+    def open(self, key: str) -> Reader:
+        """A reader on ``key``: the cached copy, the download in flight, or a new download."""
+        e = self.cache.lookup(key)
+        if e is not None:
+            try:
+                fd = os.open(e.path, os.O_RDONLY)
+            except OSError:
+                self.cache.discard(key)
+            else:
+                self.stats["cache_hits"] += 1
+                return Reader(fd, e.size, None)
+        f = self._inflight.get(key)
+        if f is not None:
+            self.stats["coalesced"] += 1
+        else:
+            f = Fetch(key, self.cache.temp_path())
+            open(f.path, "wb").close()  # exists before any reader opens it
+            self._inflight[key] = f
+            self._count_fetch(key)
+            asyncio.get_running_loop().create_task(self._run(f))
+        return Reader(os.open(f.path, os.O_RDONLY), None, f)
+
+    def _count_fetch(self, key: str) -> None:
+        self.stats["upstream_fetches"] += 1
+        by_key = self.stats["upstream_fetches_by_key"]
+        if key in by_key or len(by_key) < 10000:
+            by_key[key] = by_key.get(key, 0) + 1
+
+    def _download(self, f: Fetch, loop) -> None:
+        """On a worker thread: stream the object into ``f.path``, reporting progress."""
+        size, chunks = self.upstream.get_stream(f.key)
+        loop.call_soon_threadsafe(lambda: f.update(size=size))
+        h, n = hashlib.sha256(), 0
+        try:
+            with open(f.path, "r+b") as out:
+                for b in chunks:
+                    out.write(b)
+                    out.flush()  # readers read through the page cache what is flushed
+                    h.update(b)
+                    n += len(b)
+                    loop.call_soon_threadsafe(lambda n=n: f.update(written=n))
+        finally:
+            chunks.close()
+        if n != size:
+            raise DcrError(f"{f.key}: the upstream sent {n} of {size} bytes")
+        loop.call_soon_threadsafe(lambda: f.update(sha256=h.hexdigest(), done=True))
+
+    async def _run(self, f: Fetch) -> None:
+        loop = asyncio.get_running_loop()
+        kept = False
+        try:
+            try:
+                await self.workers.run(self._download, f, loop)
+            except NotFound as e:
+                f.update(error=e)
+                return
+            except Exception as e:
+                self.stats["upstream_errors"] += 1
+                log.warning("relay: fetching %s from the upstream failed: %s", f.key, e)
+                f.update(error=e)
+                return
+            await asyncio.sleep(0)  # let the done/sha256 update queued by the thread land
+            kept = await self._keep(f)
+        finally:
+            if self._inflight.get(f.key) is f:
+                del self._inflight[f.key]
+            if not kept:
+                try:
+                    os.unlink(f.path)
+                except OSError:
+                    pass
+
+    async def _keep(self, f: Fetch) -> bool:
+        """Cache ``f`` if it is what its manifest declares (a manifest: if it parses and names
+        itself)."""
+        m = _VERSIONED.match(f.key)
+        if m is None:
+            return False  # not a versioned object: nothing to check it against; pass it through
+        version = int(m.group(1))
+        if m.group(3) == "manifest.json":
+            if f.size > _MAX_MANIFEST:
+                return False
+            with open(f.path, "rb") as fh:
+                data = fh.read()
+            try:
+                self._remember(Manifest.from_bytes(data, f.key))
+            except DcrError as e:
+                self.stats["bad_objects"] += 1
+                log.warning("relay: %s is not a valid manifest, not cached: %s", f.key, e)
+                return False
+            return self.cache.admit(f.key, f.path, f.size, version)
+        try:
+            manifest = await self.manifest(f"versions/{m.group(1)}/{m.group(2)}/manifest.json")
+        except Exception as e:  # no manifest (yet, or any more): serve, but do not keep
+            log.info("relay: no manifest to check %s against (%s); not cached", f.key, e)
+            return False
+        part = next((p for p in list(manifest.parts) + list(manifest.keyframe_parts)
+                     if p.key == f.key), None)
+        if part is None or part.size != f.size or part.sha256 != f.sha256:
+            self.stats["bad_objects"] += 1
+            log.warning("relay: %s does not match its manifest (%s bytes, sha256 %s...); "
+                        "not cached, the next request fetches it again", f.key, f.size,
+                        (f.sha256 or "")[:16])
+            return False
+        return self.cache.admit(f.key, f.path, f.size, version)
+
+    def _remember(self, m: Manifest) -> None:
+        self._manifests[m.key] = m
+        self._manifests.move_to_end(m.key)
+        while len(self._manifests) > 256:
+            self._manifests.popitem(last=False)
+
+    async def manifest(self, key: str) -> Manifest:
+        """The parsed manifest ``key``, fetched (coalesced and cached) like any object."""
+        m = self._manifests.get(key)
+        if m is not None:
+            return m
+        r = self.open(key)
+        try:
+            size = await r.wait_size()
+            if size > _MAX_MANIFEST:
+                raise DcrError(f"{key}: {size} bytes is too large for a manifest")
+            while r.available() < size:
+                if r.fetch.error is not None:
+                    raise r.fetch.error
+                await r.fetch.changed()
+            data = os.pread(r.fd, size, 0)
+        finally:
+            r.close()
+        m = Manifest.from_bytes(data, key)
+        self._remember(m)
+        return m
