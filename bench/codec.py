@@ -52,7 +52,7 @@ import torch
 
 from nemo_dcr import apply, diff, inspect
 from nemo_dcr.codec import chunk, ordered
-from nemo_dcr.delta.core import DEFAULT_CHUNK, DEFAULT_LEVEL
+from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL
 from nemo_dcr.util.parallel import default_workers
 
 CLASSES = getattr(chunk, "CLASSES", "classes")
@@ -279,7 +279,7 @@ def chunk_kernel_times(base: dict, target: dict, *, encoding: str, level: int, r
         if c is None:
             continue
         payload = c.payload() if callable(getattr(c, "payload", None)) else c.pos_bytes + c.val_bytes
-        jobs.append((c.header(0), payload, nw.element_size(), o, nw, target[n].dtype))
+        jobs.append((c.entry(0), payload, nw.element_size(), o, nw, target[n].dtype))
 
     def dec_all():
         return [chunk.decode_chunk(h, pl, w, base=o, dtype=dt) for h, pl, w, o, _, dt in jobs]
@@ -293,7 +293,7 @@ def chunk_kernel_times(base: dict, target: dict, *, encoding: str, level: int, r
                 idx = torch.nonzero(o != nw).squeeze(1)
                 if not torch.equal(got[0].to(torch.int64), idx):
                     raise BenchError(f"decode_chunk({encoding!r}) returns other positions than the changes")
-                if h.get("enc") == CLASSES and not torch.equal(got[1].reshape(-1).view(nw.dtype), nw[idx]):
+                if h.enc == CLASSES and not torch.equal(got[1].reshape(-1).view(nw.dtype), nw[idx]):
                     raise BenchError(f"decode_chunk({encoding!r}) returns other values than the new bits")
         out["decode_s"] = _median_time(dec_all, reps)
     except BenchError:

@@ -30,7 +30,7 @@ import torch
 
 from nemo_dcr import apply, diff
 from nemo_dcr.codec.chunk import decode_chunk, encode_chunk
-from nemo_dcr.delta.core import DEFAULT_CHUNK
+from nemo_dcr.delta import DEFAULT_CHUNK
 from nemo_dcr.util.parallel import default_workers, ordered_map
 
 
@@ -96,7 +96,7 @@ def run(lr=3e-7, copies=10, reps=3, warmup_steps=300, cache_dir=None, workers=No
         c = chunks[r]
         if c is None:
             return
-        h = c.header(0)
+        h = c.entry(0)
         idx, vals = decode_chunk(h, c.pos_bytes + c.val_bytes, 2, base=ob[r[0]:r[1]], dtype=torch.bfloat16)
         work[r[0]:r[1]][idx] = vals
 

@@ -167,7 +167,7 @@ def _model(seed=0, p=0.02):
 def test_auto_picks_classes_where_it_pays_and_round_trips():
     base, target = _model()
     blob = diff(base, target, chunk_elems=4096, workers=2)
-    encs = {c["enc"] for t in DeltaReader(blob).header["tensors"] for c in t["chunks"]}
+    encs = {c["enc"] for t in DeltaReader(blob).raw_header["tensors"] for c in t["chunks"]}
     assert "classes" in encs
     assert len(blob) < len(diff(base, target, encoding="portable", chunk_elems=4096))
     recv = {k: v.clone() for k, v in base.items()}
@@ -186,7 +186,7 @@ def test_auto_falls_back_when_classes_does_not_pay():
     g = torch.Generator().manual_seed(0)
     base = {"x": torch.randn(20000, generator=g).to(torch.bfloat16)}
     target = {"x": torch.randn(20000, generator=g).to(torch.bfloat16)}
-    h = DeltaReader(diff(base, target)).header
+    h = DeltaReader(diff(base, target)).raw_header
     assert {c["enc"] for c in h["tensors"][0]["chunks"]} == {"overwrite"}
     forced = diff(base, target, encoding="classes")
     recv = {"x": base["x"].clone()}
@@ -212,7 +212,7 @@ def test_resume_after_a_partial_apply():
     base, target = _model(seed=3)
     name = "t0"
     blob = diff({name: base[name]}, {name: target[name]}, encoding="classes", chunk_elems=2048)
-    chunks = DeltaReader(blob).header["tensors"][0]["chunks"]
+    chunks = DeltaReader(blob).raw_header["tensors"][0]["chunks"]
     assert len(chunks) > 4 and all(c["enc"] == "classes" for c in chunks)
     half = chunks[len(chunks) // 2]["start"]
     recv = base[name].clone()
@@ -253,11 +253,11 @@ def test_receiver_holding_part_of_a_chunk_gets_a_clear_error():
 def test_reference_decoder_is_used_without_the_kernel(monkeypatch):
     """With the kernels off, diff/apply go through the reference and give the same bytes."""
     base, target = _model(seed=5)
-    with_native = DeltaReader(diff(base, target, encoding="classes")).header
+    with_native = DeltaReader(diff(base, target, encoding="classes")).raw_header
     monkeypatch.setattr(native, "_lib", None)
     monkeypatch.setattr(native, "_tried", True)
     blob = diff(base, target, encoding="classes")
-    ref = DeltaReader(blob).header
+    ref = DeltaReader(blob).raw_header
     for a, b in zip(with_native["tensors"], ref["tensors"]):
         assert [(c["cls"], c["crc"], c["plen"], c["vlen"]) for c in a["chunks"]] == \
             [(c["cls"], c["crc"], c["plen"], c["vlen"]) for c in b["chunks"]]
@@ -297,13 +297,14 @@ def test_vector_and_scalar_scans_agree(dtype):
 def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     """Deltas written before the SHA-256 tensor digests carry bare BLAKE2b ones: a reader checks
     each with the algorithm it names, and still refuses a wrong base."""
-    from nemo_dcr.delta import core as delta_mod
+    import importlib
+    delta_mod = importlib.import_module("nemo_dcr.delta.diff")  # the module (nemo_dcr.delta.diff is the function)
     from nemo_dcr.state import digest
     base, target = _model(seed=6)
     monkeypatch.setattr(delta_mod, "tensor_digest", lambda t: digest.tensor_digest(t, "blake2b"))
     old_blob = diff(base, target)
     monkeypatch.undo()
-    entries = DeltaReader(old_blob).header["tensors"]
+    entries = DeltaReader(old_blob).raw_header["tensors"]
     assert all(not e["target_digest"].startswith("sha256:") for e in entries)
     recv = {k: v.clone() for k, v in base.items()}
     apply(recv, old_blob)
@@ -312,7 +313,7 @@ def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     other, _ = _model(seed=7)
     with pytest.raises(BaseMismatchError):
         apply({k: v.clone() for k, v in other.items()}, old_blob)
-    new_entries = DeltaReader(diff(base, target)).header["tensors"]
+    new_entries = DeltaReader(diff(base, target)).raw_header["tensors"]
     assert all(e["target_digest"].startswith("sha256:") for e in new_entries)
 
 

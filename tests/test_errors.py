@@ -11,33 +11,18 @@ from __future__ import annotations
 import copy
 import io
 import random
-import signal
-from contextlib import contextmanager
 
 import pytest
 import torch
 
 from nemo_dcr import (BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, PartialApplyError, ShardSpec,
                       TargetMismatchError, apply, diff)
+from dcr_testing import deadline
 from nemo_dcr.state.dtypes import int_view
 from nemo_dcr.codec.format import FOOTER, PREAMBLE, DeltaWriter
 
 
 # ----------------------------------------------------------------------------- helpers
-
-@contextmanager
-def deadline(seconds: int):
-    """Fail instead of hanging."""
-    def boom(*_):
-        raise AssertionError(f"did not finish within {seconds}s")
-    old = signal.signal(signal.SIGALRM, boom)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, old)
-
 
 def bits(t):
     return int_view(t).contiguous().clone()
@@ -110,7 +95,7 @@ def blob(states):
 def rebuild(blob_bytes: bytes, mutate) -> bytes:
     """Same payloads, a header changed by ``mutate`` -- written with valid checksums."""
     r = DeltaReader(blob_bytes)
-    h = copy.deepcopy(r.header)
+    h = copy.deepcopy(r.raw_header)
     mutate(h)
     out = io.BytesIO()
     w = DeltaWriter(out)
@@ -133,10 +118,10 @@ def try_apply(state, delta, **kw):
 
 def test_small_delta_is_sane(states, blob):
     base, target = states
-    kinds = {t["name"]: t["kind"] for t in DeltaReader(blob).header["tensors"]}
+    kinds = {t["name"]: t["kind"] for t in DeltaReader(blob).raw_header["tensors"]}
     assert kinds == {"a": "delta", "b": "delta", "same": "delta", "gone": "removed", "new": "full",
                      "retyped": "full"}
-    encs = {c["enc"] for t in DeltaReader(blob).header["tensors"] for c in t.get("chunks", ())}
+    encs = {c["enc"] for t in DeltaReader(blob).raw_header["tensors"] for c in t.get("chunks", ())}
     assert "overwrite" in encs and encs & {"xor", "add"} and encs <= {"xor", "add", "overwrite"}
     s = clone_state(base)
     apply(s, blob)
@@ -494,7 +479,7 @@ def test_applying_twice_is_harmless(states, encoding):
     rep = apply(recv, blob)
     assert states_equal(recv, target)
     # every entry, delta or whole ("full"), is recognised as already at its target and skipped
-    entries = DeltaReader(blob).header["tensors"]
+    entries = DeltaReader(blob).raw_header["tensors"]
     assert rep.chunks_applied == 0 and rep.tensors_added == []
     assert rep.tensors_changed == 0
     assert rep.tensors_skipped == sum(1 for t in entries if t["kind"] != "removed")
@@ -509,7 +494,7 @@ def test_xor_twice_on_a_single_tensor():
     target = base.clone()
     target[::7] = -target[::7]
     blob = diff({"w": base}, {"w": target}, encoding="xor", chunk_elems=100)
-    assert {c["enc"] for c in DeltaReader(blob).header["tensors"][0]["chunks"]} == {"xor"}
+    assert {c["enc"] for c in DeltaReader(blob).raw_header["tensors"][0]["chunks"]} == {"xor"}
     recv = {"w": base.clone()}
     r1 = apply(recv, blob)
     r2 = apply(recv, blob)
@@ -543,7 +528,7 @@ def _half_chunk_state(rows=8, cols=16, seed=3):
     assert same_bits(recv["w"][: rows // 2], target[: rows // 2])
     assert same_bits(recv["w"][rows // 2:], base[rows // 2:])
     blob_full = diff({"w": base}, {"w": target}, chunk_elems=cols)
-    assert len(DeltaReader(blob_full).header["tensors"][0]["chunks"]) == rows
+    assert len(DeltaReader(blob_full).raw_header["tensors"][0]["chunks"]) == rows
     return base, target, recv, blob_full
 
 
@@ -631,7 +616,7 @@ def test_sampled_flips_in_a_compressed_delta():
               "v": base["v"].clone()}
     target["v"][1000:2000] = 0.0
     blob = diff(base, target, chunk_elems=1024, workers=1)
-    chunks = [c for t in DeltaReader(blob).header["tensors"] for c in t["chunks"]]
+    chunks = [c for t in DeltaReader(blob).raw_header["tensors"] for c in t["chunks"]]
     assert any(c["vz"] for c in chunks) and any(c["pz"] for c in chunks)
     n = len(blob)
     flags = set(range(PREAMBLE.size - 4, PREAMBLE.size))

@@ -49,7 +49,7 @@ def test_golden_set_is_complete():
 def test_golden_delta_applies_bit_exactly(encoding, inputs):
     base, target, _, _ = inputs
     r = DeltaReader.open(os.path.join(GOLDEN, f"{encoding}.dcr"))
-    assert r.header["encoding"] == encoding
+    assert r.header.encoding == encoding
     state = {k: v.clone() for k, v in base.items()}
     report = apply(state, r)
     assert_state(state, target)
@@ -60,8 +60,8 @@ def test_golden_encodings_cover_every_chunk_coding():
     """The set holds every chunk coding at least once (else a coding could change unnoticed)."""
     seen = set()
     for name in DELTAS:
-        for t in DeltaReader.open(os.path.join(GOLDEN, name)).header["tensors"]:
-            seen.update(c["enc"] for c in t.get("chunks", ()))
+        for t in DeltaReader.open(os.path.join(GOLDEN, name)).header.tensors:
+            seen.update(c.enc for c in t.chunks)
     assert seen == {"classes", "xor", "add", "overwrite"}
 
 
@@ -96,7 +96,7 @@ def _split(blob: bytes):
     """-> (preamble and chunk payloads, header dict): the bytes before the stored header, by the
     footer as docs/format.md defines it, and the header as the reader decodes it."""
     stored_len = FOOTER.unpack_from(blob, len(blob) - FOOTER.size)[0]
-    return blob[:len(blob) - FOOTER.size - stored_len], DeltaReader.open(blob).header
+    return blob[:len(blob) - FOOTER.size - stored_len], DeltaReader.open(blob).raw_header  # the JSON as written
 
 
 @pytest.mark.parametrize("name", DELTAS)

@@ -12,10 +12,11 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from nemo_dcr.delta.core import DEFAULT_CHUNK, DEFAULT_LEVEL, ApplyReport, diff, plan_entry, run_plan, verify_plan
+from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, ApplyReport, diff, plan_entry, run_plan, verify_plan
 from nemo_dcr.state.digest import tensor_digest_like
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.codec.header import TensorKind
 from nemo_dcr.util.progress import NullProgress, Progress
 from nemo_dcr.checkpoint.safetensors_io import (Checkpoint, check_layout, input_kind, layout_for, refuse_overlap,
                                                 write_checkpoint)
@@ -54,15 +55,15 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
     reader.check_payloads()
     h = reader.header
     ckpt = Checkpoint(base)
-    entries = {e["name"]: e for e in h["tensors"]}
+    entries = {e.name: e for e in h.tensors}
     foreign = sorted(set(ckpt) - set(entries))
     if foreign:
         raise BaseMismatchError(f"base has {len(foreign)} tensor(s) the delta does not know "
                                 f"(e.g. {foreign[0]!r}): not the base this delta was built from")
-    missing = sorted(n for n, e in entries.items() if e["kind"] in ("delta", "removed") and n not in ckpt)
+    missing = sorted(n for n, e in entries.items() if e.kind != TensorKind.FULL and n not in ckpt)
     if missing:
         raise BaseMismatchError(f"base lacks tensor {missing[0]!r} that the delta was built on")
-    layout = h.get("meta", {}).get("layout")
+    layout = h.meta.get("layout")
     if layout is None:
         layout = layout_for(_TargetShapes(entries))
     layout = check_layout(layout, [n for n, e in entries.items() if e["kind"] != "removed"], f"{delta}: layout")
@@ -73,14 +74,14 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
 
     def produce(name):
         e = entries.get(name)
-        if e is None or e["kind"] == "removed":
+        if e is None or e.removed:
             raise DcrError(f"delta layout names {name!r} but carries no data for it")
-        tensor = ckpt[name] if e["kind"] == "delta" else None  # a fresh, writable copy
+        tensor = ckpt[name] if e.kind == TensorKind.DELTA else None  # a fresh, writable copy
         if tensor is not None:
-            d = tensor_digest_like(tensor, e["base_digest"])
-            if d != e["base_digest"]:
+            d = tensor_digest_like(tensor, e.base_digest)
+            if d != e.base_digest:
                 raise BaseMismatchError(f"{name}: base tensor is not the one this delta was built from "
-                                        f"(digest {d}, expected {e['base_digest']})")
+                                        f"(digest {d}, expected {e.base_digest})")
         plan = plan_entry(e, tensor, None, verify=False)  # base checked above; chunks check pre-images
         result = run_plan(reader, plan, report, workers)
         verify_plan(plan, result)
@@ -88,7 +89,7 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
         return result
 
     for name, e in entries.items():  # removed tensors: the base must still be the right one
-        if e["kind"] == "removed" and e.get("base_digest") and tensor_digest_like(ckpt[name], e["base_digest"]) != e["base_digest"]:
+        if e.removed and e.base_digest and tensor_digest_like(ckpt[name], e.base_digest) != e.base_digest:
             raise BaseMismatchError(f"{name}: base tensor is not the one this delta was built from")
     with bar:
         files = write_checkpoint(out, layout, produce, protect=protect)
@@ -100,6 +101,5 @@ class _TargetShapes(dict):
 
     def __init__(self, entries):
         import torch
-        from nemo_dcr.state.dtypes import dtype_from_name
-        super().__init__({n: torch.empty(e["shape"], dtype=dtype_from_name(e["dtype"]), device="meta")
-                          for n, e in entries.items() if e["kind"] != "removed"})
+        super().__init__({n: torch.empty(e.shape, dtype=e.torch_dtype, device="meta")
+                          for n, e in entries.items() if not e.removed})

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import zstandard
@@ -30,6 +31,9 @@ from nemo_dcr.codec import planes
 from nemo_dcr.codec import positions
 from nemo_dcr.state.digest import values_digest
 from nemo_dcr.errors import DeltaFormatError
+
+if TYPE_CHECKING:
+    from nemo_dcr.codec.header import ChunkEntry
 
 OVERWRITE, XOR, ADD, CLASSES = "overwrite", "xor", "add", "classes"
 ENCODINGS = (OVERWRITE, XOR, ADD, CLASSES)
@@ -67,14 +71,26 @@ def pack(raw: bytes, level: int):
     return (z, True) if len(z) < len(raw) else (raw, False)
 
 
+def check_frame(stored, raw_len: int) -> None:
+    """A zstd frame may declare its content size, and zstd allocates what it declares whatever
+    ``max_output_size`` says: compare it with the header's before decompressing anything."""
+    try:
+        declared = zstandard.frame_content_size(stored)
+    except zstandard.ZstdError as e:
+        raise DeltaFormatError(f"zstd stream does not decode: {e}") from None
+    if declared not in (-1, raw_len):
+        raise DeltaFormatError(f"zstd frame declares {declared} bytes, header says {raw_len}")
+
+
 def unpack(stored, compressed: bool, raw_len: int) -> bytes:
     if not compressed:
         if len(stored) != raw_len:
             raise DeltaFormatError(f"stream is {len(stored)} bytes, header says {raw_len}")
         return bytes(stored)
+    check_frame(stored, raw_len)
     try:
         out = _decompressor().decompress(stored, max_output_size=raw_len)
-    except zstandard.ZstdError as e:
+    except (zstandard.ZstdError, MemoryError, OverflowError) as e:
         raise DeltaFormatError(f"zstd stream does not decode: {e}") from None
     if len(out) != raw_len:
         raise DeltaFormatError(f"zstd stream gives {len(out)} bytes, header says {raw_len}")
@@ -99,6 +115,13 @@ class EncodedChunk:
     alt_val_len: dict  # stored value bytes of every encoding tried (for inspect/bench)
     changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
     cls: list | None = None  # the classes table (classes coding only)
+
+    def entry(self, offset: int) -> "ChunkEntry":
+        """The typed entry a reader would parse from ``header(offset)``."""
+        from nemo_dcr.codec.header import ChunkEntry
+        h = self.header(offset)
+        h["cls"] = tuple(tuple(r) for r in h["cls"]) if "cls" in h else None
+        return ChunkEntry(**h)
 
     def header(self, offset: int) -> dict:
         extra = {"cls": self.cls} if self.cls is not None else {}
@@ -189,28 +212,31 @@ def _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx) -> Enc
     )
 
 
-def decode_chunk(h: dict, payload, w: int, base: torch.Tensor | None = None, dtype: torch.dtype | None = None):
-    """Header entry + its payload bytes -> (positions relative to the chunk, value bits).
+def decode_chunk(h: "ChunkEntry", payload, w: int, base: torch.Tensor | None = None,
+                 dtype: torch.dtype | None = None):
+    """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
 
     A ``classes`` chunk also needs ``base`` (the receiver's bits of the whole chunk, 1-D integer
     view) and ``dtype``; its values are the new bits, not a difference."""
-    if zlib.crc32(payload) != h["crc"]:
+    if zlib.crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     p = memoryview(payload)
-    if h["enc"] == CLASSES or h["pos"] == CLASSES:
-        if h["enc"] != h["pos"] or h["pz"] or h["vz"] or not isinstance(h.get("cls"), list):
+    if h.enc == CLASSES or h.pos == CLASSES:
+        if h.enc != h.pos or h.pz or h.vz or h.cls is None:
             raise DeltaFormatError("malformed classes chunk entry")
         if dtype is None or not classes.applicable(dtype) or w != dtype.itemsize:
             raise DeltaFormatError(f"a classes chunk for dtype {dtype}")
-        if base is None or base.numel() != h["n"]:
+        if base is None or base.numel() != h.n:
             raise DeltaFormatError("a classes chunk decodes only against the whole base chunk")
-        pos_raw = bytes(p[: h["plen"]])
-        val_raw = bytes(p[h["plen"]:])
-        if len(pos_raw) != h["praw"] or len(val_raw) != h["vraw"]:
+        pos_raw = bytes(p[: h.plen])
+        val_raw = bytes(p[h.plen:])
+        if len(pos_raw) != h.praw or len(val_raw) != h.vraw:
             raise DeltaFormatError("classes chunk stream lengths differ from the header")
-        return classes.decode(base, h["cls"], pos_raw, val_raw, h["k"], classes.MANTISSA[dtype])
-    pos_raw = unpack(p[: h["plen"]], h["pz"], h["praw"])
-    val_raw = unpack(p[h["plen"]:], h["vz"], h["vraw"])
-    idx = positions.decode(h["pos"], pos_raw, h["n"], h["k"])
-    vals = planes.join(val_raw, h["k"], w)
+        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, classes.MANTISSA[dtype])
+    if h.vraw != h.k * w:  # what planes.join would allocate: never more than the header's k allows
+        raise DeltaFormatError(f"value stream of {h.vraw} bytes for {h.k} changes of {w} bytes")
+    pos_raw = unpack(p[: h.plen], h.pz, h.praw)
+    val_raw = unpack(p[h.plen:], h.vz, h.vraw)
+    idx = positions.decode(h.pos, pos_raw, h.n, h.k)
+    vals = planes.join(val_raw, h.k, w)
     return idx, vals

@@ -32,7 +32,7 @@ import torch
 
 from nemo_dcr.codec import native
 from nemo_dcr.codec.ordered import key, to_bits, unkey, unsigned
-from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.errors import DcrError, DeltaFormatError
 
 MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float8_e4m3fn: 3, torch.float8_e5m2: 2}
 QMAX, ESC_BITS = 32, 48
@@ -258,7 +258,7 @@ def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | N
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
-            raise RuntimeError(f"C kernels unavailable: {native.build_error}")
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
         out = encode_reference(old, new, mant)
         return out + (torch.nonzero(old != new).squeeze(1),) if with_idx else out
     old, new = old.contiguous(), new.contiguous()
@@ -269,7 +269,7 @@ def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | N
     k = lib.dcr_cls_encode(_ptr(old), _ptr(new), new.numel(), w, mant, _ptr(table), ctypes.byref(ntab),
                            ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp), ctypes.byref(vlen), ctypes.byref(ip))
     if k < 0:
-        raise RuntimeError(f"classes encode failed: {_ERRORS.get(k, k)}")
+        raise DcrError(f"classes encode failed in the C kernel: {_ERRORS.get(k, k)}")
     try:
         pos = ctypes.string_at(pp, plen.value) if plen.value else b""
         val = ctypes.string_at(vp, vlen.value) if vlen.value else b""
@@ -289,7 +289,7 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
-            raise RuntimeError(f"C kernels unavailable: {native.build_error}")
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
         return decode_reference(old, rows, pos, val, k, mant)
     w = old.element_size()
     _check_table(rows, w, mant, k)

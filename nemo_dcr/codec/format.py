@@ -20,6 +20,7 @@ from typing import BinaryIO
 
 import zstandard
 
+from nemo_dcr.codec.header import ChunkEntry, DeltaHeader, parse_header
 from nemo_dcr.errors import DeltaFormatError
 
 MAGIC = b"NDCRDLT\x00"
@@ -27,7 +28,18 @@ END_MAGIC = b"\x00TLDRCDN"
 FORMAT_VERSION = 1
 PREAMBLE = struct.Struct("<8sII")
 FOOTER = struct.Struct("<QQII8s")
-MAX_HEADER = 1 << 31
+# A header's raw (decompressed) length is bounded before anything is allocated: by MAX_HEADER,
+# and by what its stored bytes can hold. Real headers compress ~3-10x (digests and checksums
+# do not compress); HEADER_RATIO leaves two orders of magnitude of room, so a 70 KB header can
+# no longer claim 2 GiB.
+MAX_HEADER = 1 << 30
+HEADER_RATIO = 1024
+HEADER_MIN_BOUND = 1 << 20
+
+
+def header_bound(stored_len: int) -> int:
+    """The largest raw header length a reader accepts for ``stored_len`` stored bytes."""
+    return min(MAX_HEADER, max(HEADER_MIN_BOUND, HEADER_RATIO * stored_len))
 
 
 class DeltaWriter:
@@ -65,7 +77,8 @@ class DeltaReader:
         self.name = name
         self.buf = memoryview(buf) if not isinstance(buf, memoryview) else buf
         self.size = len(self.buf)
-        self.header = self._read_header()
+        self.raw_header: dict = {}  # the JSON as stored (for tools that rewrite a header)
+        self.header: DeltaHeader = self._read_header()
         self.payload_end = self.size - FOOTER.size - self._stored_len
 
     @classmethod
@@ -89,7 +102,7 @@ class DeltaReader:
     def _fail(self, why: str):
         raise DeltaFormatError(f"{self.name}: {why}")
 
-    def _read_header(self) -> dict:
+    def _read_header(self) -> DeltaHeader:
         if self.size < PREAMBLE.size + FOOTER.size:
             self._fail(f"{self.size} bytes is too short to be a nemo-dcr delta")
         magic, version, _flags = PREAMBLE.unpack_from(self.buf, 0)
@@ -102,96 +115,49 @@ class DeltaReader:
             self._fail("truncated or damaged: end marker missing")
         if fversion != version:
             self._fail("preamble and footer disagree on the format version")
-        if stored_len > self.size - PREAMBLE.size - FOOTER.size or raw_len > MAX_HEADER:
+        if stored_len > self.size - PREAMBLE.size - FOOTER.size:
             self._fail("header length out of range")
+        if raw_len > header_bound(stored_len):
+            self._fail(f"header claims {raw_len} bytes from {stored_len} stored (at most {header_bound(stored_len)})")
         self._stored_len = stored_len
         start = self.size - FOOTER.size - stored_len
         stored = self.buf[start:self.size - FOOTER.size]
         if zlib.crc32(stored) != crc:
             self._fail("header checksum mismatch")
+        from nemo_dcr.codec.chunk import unpack
         try:
-            raw = zstandard.ZstdDecompressor().decompress(stored, max_output_size=raw_len)
+            raw = unpack(stored, True, raw_len)
             header = json.loads(raw)
-        except (zstandard.ZstdError, ValueError) as e:
+        except DeltaFormatError as e:
             self._fail(f"header does not decode: {e}")
-        if len(raw) != raw_len:
-            self._fail("header length mismatch")
+        except (ValueError, RecursionError) as e:
+            self._fail(f"header is not JSON: {e}")
+        self.raw_header = header
         try:
-            validate_header(header, start)
+            return parse_header(header, start)
         except DeltaFormatError as e:
             self._fail(str(e))
-        return header
 
-    def payload(self, chunk: dict) -> memoryview:
-        return self.buf[chunk["off"]:chunk["off"] + chunk["plen"] + chunk["vlen"]]
+    def payload(self, chunk: ChunkEntry) -> memoryview:
+        return self.buf[chunk.off:chunk.off + chunk.payload_len]
 
     def check_payloads(self) -> None:
-        """Verify every chunk checksum (reads the whole payload area, decodes nothing)."""
-        for t in self.header["tensors"]:
-            for c in t.get("chunks", ()):
-                if zlib.crc32(self.payload(c)) != c["crc"]:
-                    self._fail(f"tensor {t['name']!r}: chunk at element {c['start']} fails its checksum")
-
-
-_CHUNK_INT = ("start", "n", "k", "off", "plen", "vlen", "praw", "vraw", "crc")
-
-
-def _need(cond, why):
-    if not cond:
-        raise DeltaFormatError(f"malformed header: {why}")
+        """Verify every chunk checksum and the sizes its zstd frames declare (reads the whole
+        payload area, decodes nothing): a bad chunk is found before anything is written."""
+        from nemo_dcr.codec.chunk import check_frame
+        for t in self.header.tensors:
+            for c in t.chunks:
+                p = self.payload(c)
+                if zlib.crc32(p) != c.crc:
+                    self._fail(f"tensor {t.name!r}: chunk at element {c.start} fails its checksum")
+                try:
+                    if c.pz:
+                        check_frame(p[:c.plen], c.praw)
+                    if c.vz:
+                        check_frame(p[c.plen:], c.vraw)
+                except DeltaFormatError as e:
+                    self._fail(f"tensor {t.name!r}: chunk at element {c.start}: {e}")
 
 
 HEADER_LEVEL = 15
 HEADER_STRONG_MAX = 1 << 20
-
-
-def validate_header(h: dict, payload_end: int) -> None:
-    """Type- and range-check everything a decoder relies on, so decoding never crashes."""
-    from nemo_dcr.codec import chunk as _c
-    from nemo_dcr.codec import positions as _p
-    from nemo_dcr.state.dtypes import DTYPES
-    import math
-
-    _need(isinstance(h, dict), "not an object")
-    _need(h.get("format") == FORMAT_VERSION, "format field")
-    _need(isinstance(h.get("tensors"), list), "tensors is not a list")
-    seen = set()
-    for t in h["tensors"]:
-        _need(isinstance(t, dict) and isinstance(t.get("name"), str), "tensor entry")
-        name = t["name"]
-        _need(name not in seen, f"duplicate tensor {name!r}")
-        seen.add(name)
-        _need(t.get("kind") in ("delta", "full", "removed"), f"{name}: kind")
-        if t["kind"] == "removed":
-            continue
-        _need(t.get("dtype") in DTYPES, f"{name}: dtype")
-        _need(isinstance(t.get("target_digest"), str), f"{name}: target_digest")
-        _need(t["kind"] != "delta" or isinstance(t.get("base_digest"), str), f"{name}: base_digest")
-        for key in ("shape",):
-            _need(isinstance(t.get(key), list) and all(isinstance(x, int) and x >= 0 for x in t[key]), f"{name}: {key}")
-        r = t.get("region")
-        _need(isinstance(r, dict), f"{name}: region")
-        for key in ("offsets", "shape"):
-            _need(isinstance(r.get(key), list) and len(r[key]) == len(t["shape"])
-                  and all(isinstance(x, int) and x >= 0 for x in r[key]), f"{name}: region {key}")
-        _need(all(o + s <= g for o, s, g in zip(r["offsets"], r["shape"], t["shape"])), f"{name}: region outside tensor")
-        numel = math.prod(r["shape"])
-        _need(isinstance(t.get("chunks"), list), f"{name}: chunks")
-        end = 0
-        for c in t["chunks"]:
-            _need(isinstance(c, dict), f"{name}: chunk entry")
-            for key in _CHUNK_INT:
-                _need(isinstance(c.get(key), int) and not isinstance(c.get(key), bool) and c[key] >= 0, f"{name}: chunk {key}")
-            if t["kind"] == "full":
-                _need(c["start"] == end and c["k"] == c["n"], f"{name}: full tensor chunks must be dense and contiguous")
-            _need(c["start"] >= end and c["start"] + c["n"] <= numel and 0 < c["k"] <= c["n"], f"{name}: chunk range")
-            end = c["start"] + c["n"]
-            _need(c.get("enc") in _c.ENCODINGS and c.get("pos") in _p.CODINGS + (_c.CLASSES,), f"{name}: chunk coding")
-            _need((c["enc"] == _c.CLASSES) == (c["pos"] == _c.CLASSES), f"{name}: classes chunk coding")
-            _need(c["enc"] != _c.CLASSES or (isinstance(c.get("cls"), list) and t["kind"] == "delta"),
-                  f"{name}: classes table")
-            _need(isinstance(c.get("pz"), bool) and isinstance(c.get("vz"), bool), f"{name}: chunk flags")
-            _need(isinstance(c.get("pre"), str) and isinstance(c.get("post"), str), f"{name}: chunk digests")
-            _need(c["off"] >= PREAMBLE.size and c["off"] + c["plen"] + c["vlen"] <= payload_end, f"{name}: chunk payload outside the file")
-        if t["kind"] == "full":
-            _need(end == numel and all(c["enc"] == _c.OVERWRITE for c in t["chunks"]), f"{name}: full tensor not covered")

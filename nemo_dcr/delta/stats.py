@@ -1,10 +1,9 @@
 """What is inside a delta: sizes by stream and by encoding, change rate, bytes per change."""
 from __future__ import annotations
 
-import math
 from collections import Counter
 
-from nemo_dcr.state.dtypes import dtype_from_name, itemsize
+from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.codec.format import DeltaReader
 
 
@@ -21,32 +20,32 @@ def inspect(delta, *, check: bool = True) -> dict:
     by_position = Counter()
     chunks_by_encoding = Counter()
     tensors = []
-    for t in h["tensors"]:
-        if t["kind"] == "removed":
-            tensors.append({"name": t["name"], "kind": "removed"})
+    for t in h.tensors:
+        if t.removed:
+            tensors.append({"name": t.name, "kind": t.kind.value})
             continue
-        w = itemsize(dtype_from_name(t["dtype"]))
-        n = math.prod(t["region"]["shape"])
-        k = sum(c["k"] for c in t["chunks"])
-        b = sum(c["plen"] + c["vlen"] for c in t["chunks"])
+        w = itemsize(t.torch_dtype)
+        n = t.numel
+        k = sum(c.k for c in t.chunks)
+        b = sum(c.payload_len for c in t.chunks)
         elements += n
         changed += k
         dense += n * w
-        for c in t["chunks"]:
-            by_stream["positions"] += c["plen"]
-            by_stream["values"] += c["vlen"]
-            by_encoding[c["enc"]] += c["plen"] + c["vlen"]
-            by_position[c["pos"]] += c["plen"]
-            chunks_by_encoding[c["enc"]] += 1
-        tensors.append({"name": t["name"], "kind": t["kind"], "dtype": t["dtype"], "elements": n,
-                        "changed": k, "bytes": b, "chunks": len(t["chunks"])})
+        for c in t.chunks:
+            by_stream["positions"] += c.plen
+            by_stream["values"] += c.vlen
+            by_encoding[c.enc] += c.payload_len
+            by_position[c.pos] += c.plen
+            chunks_by_encoding[c.enc] += 1
+        tensors.append({"name": t.name, "kind": t.kind.value, "dtype": t.dtype, "elements": n,
+                        "changed": k, "bytes": b, "chunks": len(t.chunks)})
     total = r.size
     by_stream["header"] = total - by_stream["positions"] - by_stream["values"]
     return {
-        "format": h["format"],
-        "tool": h.get("tool"),
-        "encoding": h.get("encoding"),
-        "level": h.get("level"),
+        "format": h.format,
+        "tool": h.tool,
+        "encoding": h.encoding,
+        "level": h.level,
         "bytes": total,
         "tensors": len([t for t in tensors if t["kind"] != "removed"]),
         "elements": elements,
@@ -59,8 +58,8 @@ def inspect(delta, *, check: bool = True) -> dict:
         "bytes_by_encoding": dict(by_encoding),
         "chunks_by_encoding": dict(chunks_by_encoding),
         "position_bytes_by_coding": dict(by_position),
-        "base_digest": h["base_digest"],
-        "target_digest": h["target_digest"],
+        "base_digest": h.base_digest,
+        "target_digest": h.target_digest,
         "per_tensor": tensors,
     }
 

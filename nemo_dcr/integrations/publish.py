@@ -33,7 +33,7 @@ from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
 from nemo_dcr.codec.chunk import CHOICES
-from nemo_dcr.delta.core import DEFAULT_CHUNK
+from nemo_dcr.delta import DEFAULT_CHUNK
 from nemo_dcr.errors import DcrError, DeltaPublishError
 
 from .snapshot import is_megatron, parse_dtype, take_snapshot

@@ -275,16 +275,25 @@ def changes_contrib(name: str, dtype: Union[torch.dtype, str], global_shape: Seq
 
 
 class ChangeDigest:
-    """The digest change of a sparse update, accumulated from the ``on_change(name, dtype,
-    global_shape, global_idx, old, new)`` calls of ``diff``/``apply`` (from any thread):
-    ``+ contrib(new) - contrib(old)`` (``old`` None: elements that held nothing before)."""
+    """The change of a state digest, summed from the ``on_change(name, dtype, global_shape,
+    global_idx, old, new)`` calls of ``diff``/``apply`` (from any thread; see
+    ``delta/changes.py``): ``+ contrib(new)`` for elements that are now there, ``- contrib(old)``
+    for elements that were. ``old`` None: the elements are new (an added tensor, or the new side
+    of a reshape/re-type); ``new`` None: they are gone (a removed tensor, or the old side).
+
+        change = ChangeDigest()
+        diff(base, target, on_change=change)        # or apply(..., on_change=change)
+        new_digest = old_digest + change.total
+    """
 
     def __init__(self):
         self.total = StateDigest.zero()
         self._lock = threading.Lock()
 
     def __call__(self, name, dtype, global_shape, global_idx, old, new) -> None:
-        c = changes_contrib(name, dtype, global_shape, global_idx, new)
+        c = StateDigest.zero()
+        if new is not None:
+            c = c + changes_contrib(name, dtype, global_shape, global_idx, new)
         if old is not None:
             c = c - changes_contrib(name, dtype, global_shape, global_idx, old)
         with self._lock:

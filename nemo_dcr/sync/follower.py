@@ -34,7 +34,7 @@ from typing import Mapping, MutableMapping
 
 import torch
 
-from nemo_dcr.delta.core import apply
+from nemo_dcr.delta import apply, remove_absent
 from nemo_dcr.errors import (BaseMismatchError, CorruptObjectError, DcrError, GroupError, PartialApplyError,
                              TargetMismatchError, VersionNotFound)
 from nemo_dcr.state.index_map import ShardSpec
@@ -250,6 +250,8 @@ class Follower:
                           workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
                           on_change=on_change, progress=False, held_only=g.active)
                 res.changed += r.elements_changed
+            if kind == "keyframe":  # the keyframe names every tensor of the version: drop the rest
+                remove_absent(self.tensors, blobs, shards=self.shards)
 
         self._version = None  # from here until verified, the state is "in between"
         g.run(apply_parts, f"apply version {m.version}")

@@ -18,7 +18,7 @@ from typing import Mapping
 
 import torch
 
-from nemo_dcr.delta.core import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
+from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec
@@ -138,10 +138,10 @@ class Publisher:
         out = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
         if head is not None and self._base is not None:
-            change = ChangeDigest()
-            blob = diff(self._base, snap, shards=shards, encoding=self.encoding, level=self.level,
-                        chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, on_change=change,
-                        progress=False)
+            change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
+            blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
+                        level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
+                        on_change=change, progress=False)
             out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
             new_digest = self._digest + change.total
         else:
@@ -183,7 +183,12 @@ class Publisher:
     def _restore(self, head: Head, like: dict, shards: dict) -> None:
         """Rebuild this rank's part of the published state at ``head`` from the store."""
         from nemo_dcr.sync.follower import Follower
-        tensors = {k: torch.zeros_like(v) for k, v in like.items()}
+        # Seed only what the keyframe cannot create: a tensor held in a group (where each rank
+        # applies the tensors it holds) or a shard. A single rank starts empty, so the published
+        # state is rebuilt with exactly its own tensor set, dtypes and shapes, not the new
+        # snapshot's (tensors added, removed, reshaped or re-typed since then).
+        tensors = {k: torch.zeros_like(v) for k, v in like.items()
+                   if self.group.active or (k in shards and not shards[k].is_full)}
         f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers)
         f.sync(head.version, head=head)
         self._base, self._shards, self._head = tensors, shards, head

@@ -8,6 +8,9 @@
 * ``dcr_testing.cli``: ``nemo-dcr`` in-process (``run_cli``) and the console script's path
 * ``dcr_testing.mp_workers``, ``dcr_testing.mp_megatron``: what the multi-process tests' ranks run
 """
+import signal
+from contextlib import contextmanager
+
 import torch
 
 
@@ -33,3 +36,17 @@ def assert_state(recv, state):
     assert sorted(recv) == sorted(state)
     for k in state:
         assert_bits_equal(recv[k], state[k], k)
+
+
+@contextmanager
+def deadline(seconds: int):
+    """Fail instead of hanging (SIGALRM; main thread only)."""
+    def boom(*_):
+        raise AssertionError(f"did not finish within {seconds}s")
+    old = signal.signal(signal.SIGALRM, boom)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)

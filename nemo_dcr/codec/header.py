@@ -1,0 +1,235 @@
+"""The delta header as typed, immutable objects: parsed and checked once, at the format boundary.
+
+``DeltaReader`` turns the JSON header into a ``DeltaHeader`` (``parse_header``); everything above
+the format (apply, inspect, the file layer) reads these objects, never the JSON dicts. Parsing
+checks every type and range a decoder relies on, and bounds every size it will allocate by what
+the container and the header allow (``format.py``'s limits), so a crafted header is a
+``DeltaFormatError`` before anything is decoded or allocated. The writer still writes the JSON
+dicts of ``EncodedChunk.header`` and ``delta.diff``: the bytes are unchanged.
+"""
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from nemo_dcr.codec import chunk as _c
+from nemo_dcr.codec import classes as _cl
+from nemo_dcr.codec import positions as _p
+from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.state.dtypes import DTYPES
+from nemo_dcr.state.index_map import ShardSpec
+
+# bounds on every declared size (also the writer's limits); see docs/format.md "Limits"
+MAX_DIMS = 64
+MAX_ELEMENTS = 1 << 48  # elements of one tensor
+MAX_CHUNK_ELEMS = 1 << 26  # elements of one chunk: bounds a decoder's scratch (512 MiB at 8 bytes)
+MAX_CLASS_ROWS = 256
+_U32 = (1 << 32) - 1
+
+
+class TensorKind(str, enum.Enum):
+    DELTA = "delta"
+    FULL = "full"
+    REMOVED = "removed"
+
+
+def _need(cond, why: str) -> None:
+    if not cond:
+        raise DeltaFormatError(f"malformed header: {why}")
+
+
+def _int(v, lo: int, hi: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and lo <= v <= hi
+
+
+@dataclass(frozen=True)
+class ChunkEntry:
+    """One chunk: the region's flat range ``[start, start + n)`` with ``k`` changes (docs/format.md)."""
+
+    start: int
+    n: int
+    k: int
+    enc: str
+    pos: str
+    off: int
+    plen: int
+    vlen: int
+    praw: int
+    vraw: int
+    pz: bool
+    vz: bool
+    crc: int
+    pre: str
+    post: str
+    cls: tuple | None = None  # the classes table: rows of 6 ints (classes coding only)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.n
+
+    @property
+    def payload_len(self) -> int:
+        return self.plen + self.vlen
+
+    @classmethod
+    def parse(cls, c, where: str, *, w: int, dtype: torch.dtype, kind: TensorKind, numel: int,
+              chunk_elems: int, payload_end: int) -> "ChunkEntry":
+        from nemo_dcr.codec.format import PREAMBLE  # (format imports this module)
+
+        _need(isinstance(c, dict), f"{where}: chunk entry is not an object")
+        for key in ("start", "n", "k", "off", "plen", "vlen", "praw", "vraw"):
+            _need(_int(c.get(key), 0, MAX_ELEMENTS * 16), f"{where}: chunk {key}")
+        _need(_int(c.get("crc"), 0, _U32), f"{where}: chunk crc")
+        start, n, k = c["start"], c["n"], c["k"]
+        _need(0 < k <= n and start + n <= numel, f"{where}: chunk range")
+        _need(n <= chunk_elems, f"{where}: chunk of {n} elements, more than the header's chunk_elems {chunk_elems}")
+        enc, pos = c.get("enc"), c.get("pos")
+        _need(enc in _c.ENCODINGS and pos in _p.CODINGS + (_c.CLASSES,), f"{where}: chunk coding")
+        _need((enc == _c.CLASSES) == (pos == _c.CLASSES), f"{where}: classes chunk coding")
+        _need(isinstance(c.get("pz"), bool) and isinstance(c.get("vz"), bool), f"{where}: chunk flags")
+        _need(isinstance(c.get("pre"), str) and isinstance(c.get("post"), str), f"{where}: chunk digests")
+        _need(c["off"] >= PREAMBLE.size and c["off"] + c["plen"] + c["vlen"] <= payload_end,
+              f"{where}: chunk payload outside the file")
+        rows = None
+        if enc == _c.CLASSES:
+            _need(isinstance(c.get("cls"), list) and kind == TensorKind.DELTA, f"{where}: classes table")
+            _need(_cl.applicable(dtype) and len(c["cls"]) <= MAX_CLASS_ROWS, f"{where}: classes table")
+            _need(not c["pz"] and not c["vz"] and c["praw"] == c["plen"] and c["vraw"] == c["vlen"],
+                  f"{where}: classes streams are stored raw")
+            try:
+                _cl._check_table(c["cls"], w, _cl.MANTISSA[dtype], k)
+            except DeltaFormatError as e:
+                _need(False, f"{where}: {e}")
+            rows = tuple(tuple(r) for r in c["cls"])
+        else:
+            # the raw sizes are what a decoder allocates: bound them by k and n, never trust them
+            _need(c["vraw"] == k * w, f"{where}: value stream of {c['vraw']} raw bytes for {k} x {w}")
+            praw_max = {_p.DENSE: 0, _p.BITMAP: (n + 7) // 8}.get(pos, 10 * k)
+            _need(c["praw"] <= praw_max if pos == _p.GAPS else c["praw"] == praw_max,
+                  f"{where}: position stream of {c['praw']} raw bytes for {pos} positions")
+            _need(c["pz"] or c["plen"] == c["praw"], f"{where}: stored position stream length")
+            _need(c["vz"] or c["vlen"] == c["vraw"], f"{where}: stored value stream length")
+        return cls(start=start, n=n, k=k, enc=enc, pos=pos, off=c["off"], plen=c["plen"], vlen=c["vlen"],
+                   praw=c["praw"], vraw=c["vraw"], pz=c["pz"], vz=c["vz"], crc=c["crc"], pre=c["pre"],
+                   post=c["post"], cls=rows)
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of the delta: its canonical name, dtype, global shape and the region sent."""
+
+    name: str
+    kind: TensorKind
+    dtype: str | None = None  # None for a removed tensor
+    shape: tuple | None = None  # global shape (None for a removed tensor)
+    region: ShardSpec | None = None
+    base_digest: str | None = None
+    target_digest: str | None = None
+    chunks: tuple = ()
+
+    @property
+    def removed(self) -> bool:
+        return self.kind == TensorKind.REMOVED
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    @property
+    def numel(self) -> int:
+        """Elements of the region sent (0 for a removed tensor)."""
+        return self.region.numel if self.region is not None else 0
+
+    @classmethod
+    def parse(cls, t, *, chunk_elems: int, payload_end: int) -> "TensorEntry":
+        _need(isinstance(t, dict) and isinstance(t.get("name"), str), "tensor entry")
+        name = t["name"]
+        _need(t.get("kind") in [k.value for k in TensorKind], f"{name}: kind")
+        kind = TensorKind(t["kind"])
+        bd = t.get("base_digest")
+        _need(bd is None or isinstance(bd, str), f"{name}: base_digest")
+        if kind == TensorKind.REMOVED:
+            return cls(name=name, kind=kind, base_digest=bd or None)
+        _need(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, f"{name}: dtype")
+        _need(isinstance(t.get("target_digest"), str), f"{name}: target_digest")
+        _need(kind != TensorKind.DELTA or isinstance(bd, str), f"{name}: base_digest")
+        shape = t.get("shape")
+        _need(isinstance(shape, list) and len(shape) <= MAX_DIMS
+              and all(_int(x, 0, MAX_ELEMENTS) for x in shape), f"{name}: shape")
+        r = t.get("region")
+        _need(isinstance(r, dict), f"{name}: region")
+        for key in ("offsets", "shape"):
+            _need(isinstance(r.get(key), list) and len(r[key]) == len(shape)
+                  and all(_int(x, 0, MAX_ELEMENTS) for x in r[key]), f"{name}: region {key}")
+        _need(all(o + s <= g for o, s, g in zip(r["offsets"], r["shape"], shape)), f"{name}: region outside tensor")
+        _need(math.prod(shape) <= MAX_ELEMENTS, f"{name}: more than {MAX_ELEMENTS} elements")
+        region = ShardSpec(tuple(shape), tuple(r["offsets"]), tuple(r["shape"]))
+        dtype = DTYPES[t["dtype"]]
+        w = torch.empty((), dtype=dtype).element_size()
+        _need(isinstance(t.get("chunks"), list), f"{name}: chunks")
+        chunks, end = [], 0
+        for c in t["chunks"]:
+            ch = ChunkEntry.parse(c, name, w=w, dtype=dtype, kind=kind, numel=region.numel,
+                                  chunk_elems=chunk_elems, payload_end=payload_end)
+            if kind == TensorKind.FULL:
+                _need(ch.start == end and ch.k == ch.n, f"{name}: full tensor chunks must be dense and contiguous")
+            _need(ch.start >= end, f"{name}: chunk range")
+            end = ch.end
+            chunks.append(ch)
+        if kind == TensorKind.FULL:
+            _need(end == region.numel and all(c.enc == _c.OVERWRITE for c in chunks), f"{name}: full tensor not covered")
+        return cls(name=name, kind=kind, dtype=t["dtype"], shape=tuple(shape), region=region, base_digest=bd,
+                   target_digest=t["target_digest"], chunks=tuple(chunks))
+
+
+@dataclass(frozen=True)
+class DeltaHeader:
+    """The parsed header of one delta (docs/format.md, "Header")."""
+
+    format: int
+    tensors: tuple
+    tool: str | None = None
+    created: float | None = None
+    encoding: str | None = None
+    level: int | None = None
+    chunk_elems: int | None = None
+    base_digest: str | None = None
+    target_digest: str | None = None
+    meta: dict = field(default_factory=dict)  # free-form (the file layer's layout lives here)
+
+    def entry(self, name: str) -> TensorEntry | None:
+        return next((t for t in self.tensors if t.name == name), None)
+
+    @property
+    def names(self) -> list:
+        return [t.name for t in self.tensors]
+
+
+def parse_header(h, payload_end: int) -> DeltaHeader:
+    """Type- and range-check the JSON header and return it typed; ``DeltaFormatError`` otherwise."""
+    from nemo_dcr.codec.format import FORMAT_VERSION
+
+    _need(isinstance(h, dict), "not an object")
+    _need(h.get("format") == FORMAT_VERSION, "format field")
+    _need(isinstance(h.get("tensors"), list), "tensors is not a list")
+    ce = h.get("chunk_elems", MAX_CHUNK_ELEMS)
+    _need(_int(ce, 1, MAX_CHUNK_ELEMS), f"chunk_elems must be an integer in [1, {MAX_CHUNK_ELEMS}]")
+    for key, typ in (("tool", str), ("encoding", str), ("base_digest", str), ("target_digest", str),
+                     ("meta", dict)):
+        _need(h.get(key) is None or isinstance(h[key], typ), f"{key}")
+    _need(h.get("level") is None or _int(h["level"], -(1 << 31), 1 << 31), "level")
+    _need(h.get("created") is None or (isinstance(h["created"], (int, float)) and not isinstance(h["created"], bool)),
+          "created")
+    tensors, seen = [], set()
+    for t in h["tensors"]:
+        e = TensorEntry.parse(t, chunk_elems=ce, payload_end=payload_end)
+        _need(e.name not in seen, f"duplicate tensor {e.name!r}")
+        seen.add(e.name)
+        tensors.append(e)
+    return DeltaHeader(format=h["format"], tensors=tuple(tensors), tool=h.get("tool"), created=h.get("created"),
+                       encoding=h.get("encoding"), level=h.get("level"), chunk_elems=h.get("chunk_elems"),
+                       base_digest=h.get("base_digest"), target_digest=h.get("target_digest"),
+                       meta=h.get("meta") or {})

@@ -1,0 +1,270 @@
+"""Apply: decode a delta and write it into the receiver's tensors in place (decode → apply → verify).
+
+    report = apply(tensors, blob)             # in place, verified bit-exactly
+
+Per entry, ``plan_entry`` (plan.py) decides what to do before anything is written; ``run_plan``
+then runs each chunk through four steps: decode (the chunk's positions and values), locate (the
+receiver's local indices), check (the pre-image of what is held) and write.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, MutableMapping
+
+import torch
+
+from nemo_dcr.codec import ordered
+from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk
+from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.codec.header import ChunkEntry
+from nemo_dcr.delta.changes import report_gone
+from nemo_dcr.delta.plan import Action, Plan, plan_entry
+from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
+from nemo_dcr.state.digest import tensor_digest_like, values_digest
+from nemo_dcr.state.dtypes import itemsize
+from nemo_dcr.state.flat import FlatAccess
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
+from nemo_dcr.util.parallel import ordered_map
+from nemo_dcr.util.progress import NullProgress, Progress
+
+
+@dataclass
+class ApplyReport:
+    tensors_changed: int = 0
+    tensors_skipped: int = 0  # already at the target
+    tensors_added: list = field(default_factory=list)
+    tensors_removed: list = field(default_factory=list)
+    chunks_applied: int = 0
+    chunks_already_applied: int = 0
+    elements_changed: int = 0
+    unverified: list = field(default_factory=list)  # entries only partly held: no digest check possible
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class _Target:
+    """Where one plan's chunks are written, and how."""
+
+    plan: Plan
+    tensor: torch.Tensor
+    fa: FlatAccess
+    region_map: IndexMap
+    recv_map: IndexMap
+    dtype: torch.dtype
+    w: int
+
+    @property
+    def identity(self) -> bool:  # region and receiver both whole: region-local == local
+        return self.region_map.identity and self.recv_map.identity
+
+    @property
+    def xor_ok(self) -> bool:  # chunks coded against the base (xor, add) need a base
+        return self.plan.action in (Action.APPLY, Action.RESUME, Action.UNVERIFIED)
+
+
+def _target_of(plan: Plan) -> _Target:
+    dtype = plan.entry.torch_dtype
+    if plan.action == Action.CREATE:
+        try:
+            tensor = torch.empty(plan.region.shape, dtype=dtype)
+        except RuntimeError as e:
+            raise DcrError(f"{plan.name}: cannot allocate the new tensor {plan.region.shape}: {e}") from None
+        recv = plan.region
+    else:
+        tensor, recv = plan.tensor, plan.recv
+    return _Target(plan, tensor, FlatAccess(tensor), IndexMap(plan.region), IndexMap(recv), dtype, itemsize(dtype))
+
+
+# ----------------------------------------------------------------------------- the four steps
+
+def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
+    """Positions (relative to the chunk) and values of chunk ``c``."""
+    if c.enc != CLASSES:
+        return decode_chunk(c, reader.payload(c), t.w)
+    # a classes chunk decodes against the receiver's bits of the *whole* chunk
+    if not t.plan.checks_chunks:
+        raise DcrError(f"{t.plan.name}: chunk at element {c.start} is coded against the whole base chunk, which "
+                       "this receiver does not hold; publish with encoding 'portable' for receivers sharded "
+                       "differently")
+    if t.identity:
+        base = t.fa.read(c.start, c.end)
+    else:
+        local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end)))
+        base = t.fa.gather(local)
+    try:
+        return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype)
+    except DeltaFormatError:
+        # a checksum-valid chunk that does not decode against what is held: not this base (or
+        # applied already); the pre-image check that follows reports it
+        return torch.empty(0, dtype=torch.int64), base[:0]
+
+
+def _locate(t: _Target, c: ChunkEntry, idx: torch.Tensor, vals: torch.Tensor):
+    """-> (canonical indices, the receiver's local indices, values) of the changes it holds."""
+    glob = t.region_map.to_global(idx + c.start)
+    if t.identity:
+        return glob, glob, vals
+    local, mask = t.recv_map.to_local(glob)
+    if not bool(mask.all()):
+        vals, glob = vals[mask], glob[mask]  # (to_local returns the held ones only)
+    return glob, local, vals
+
+
+def _check(t: _Target, c: ChunkEntry, cur: torch.Tensor, in_journal: bool) -> bool:
+    """True when the chunk is applied already; raises when what is held is not its base."""
+    d = values_digest(cur)
+    if d == c.post or (d != c.pre and in_journal):
+        return True  # (a classes chunk's post-image is not always recognisable)
+    if d != c.pre:
+        extra = (" (or it was applied already and changed the classes its positions are coded in: "
+                 "resume with the journal of the first attempt)") if c.enc == CLASSES else ""
+        raise BaseMismatchError(f"{t.plan.name}: chunk at element {c.start} does not match its base{extra}")
+    return False
+
+
+def _write(t: _Target, c: ChunkEntry, local: torch.Tensor, cur: torch.Tensor | None, vals: torch.Tensor):
+    """Write the chunk's new bits; returns them."""
+    if c.enc in (OVERWRITE, CLASSES):
+        new = vals
+    elif not t.xor_ok:
+        raise DeltaFormatError(f"{t.plan.name}: a {c.enc} chunk in a whole-tensor entry")
+    elif c.enc == ADD:
+        if t.w not in ordered.WIDTHS:
+            raise DeltaFormatError(f"{t.plan.name}: an add chunk for a {t.w}-byte dtype")
+        new = ordered.decode(cur, vals, t.dtype.is_floating_point)
+    else:
+        new = torch.bitwise_xor(cur, vals)
+    t.fa.scatter(local, new)
+    return new
+
+
+def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | None, on_change):
+    key = (t.plan.name, c.start)
+    in_journal = journal is not None and key in journal
+    check = t.plan.checks_chunks
+    if in_journal and not check:  # pre-images, where checkable, are stronger
+        return "already", 0
+    idx, vals = _decode(reader, t, c)
+    glob, local, vals = _locate(t, c, idx, vals)
+    need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
+    cur = t.fa.gather(local) if need_cur else None
+    if check and _check(t, c, cur, in_journal):
+        return "already", 0
+    new = _write(t, c, local, cur, vals)
+    if journal is not None:
+        journal.add(key)
+    if on_change is not None:
+        on_change(t.plan.name, t.dtype, t.plan.region.global_shape, glob, cur, new)
+    return "applied", int(local.numel())
+
+
+def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int | None = None, bar=None,
+             journal: set | None = None, on_change=None):
+    """Apply one planned entry in place. Returns the tensor (a new one for ``create``).
+
+    ``journal``: a set of ``(name, chunk start)`` already applied; those chunks are skipped and
+    each chunk applied is added (re-delivery safety where pre-images cannot be checked).
+    ``on_change`` (``delta/changes.py``) is called for every chunk written, and for every element
+    of a tensor removed or replaced by one of another dtype or shape: incremental digests hang
+    off it.
+    """
+    entry = plan.entry
+    if plan.action == Action.IGNORE:
+        return plan.tensor
+    if plan.action == Action.REMOVE:
+        report_gone(plan.name, plan.tensor, plan.recv, on_change)
+        return plan.tensor
+    if plan.action == Action.SKIP or (plan.action != Action.CREATE and not entry.chunks):
+        report.tensors_skipped += 1
+        return plan.tensor
+    t = _target_of(plan)
+    if plan.replaces:
+        report_gone(plan.name, plan.tensor, plan.recv, on_change)
+    for status, k in ordered_map(lambda c: _apply_chunk(reader, t, c, journal, on_change), entry.chunks, workers):
+        if status == "applied":
+            report.chunks_applied += 1
+            report.elements_changed += k
+        else:
+            report.chunks_already_applied += 1
+    if bar:
+        bar.update(1)
+    if plan.action == Action.CREATE:
+        report.tensors_added.append(plan.name)
+    else:
+        report.tensors_changed += 1
+    if plan.action == Action.UNVERIFIED or (plan.action == Action.OVERWRITE and not plan.covered):
+        report.unverified.append(plan.name)
+    return t.tensor
+
+
+def verify_plan(plan: Plan, tensor: torch.Tensor) -> None:
+    if plan.action in (Action.IGNORE, Action.REMOVE, Action.UNVERIFIED) or not plan.covered:
+        return
+    view = tensor if plan.action == Action.CREATE else tensor[plan.recv.slices_of(plan.region)]
+    d = tensor_digest_like(view, plan.entry.target_digest)
+    if d != plan.entry.target_digest:
+        raise TargetMismatchError(f"{plan.name}: result does not match the target digest "
+                                  f"(got {d}, expected {plan.entry.target_digest})")
+
+
+def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
+          verify: bool = True, resume: bool = False, workers: int | None = None,
+          progress: bool | None = None, journal: set | None = None, on_change=None,
+          held_only: bool = False) -> ApplyReport:
+    """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
+
+    Before anything is changed: the container and every chunk checksum are checked, and every
+    entry's base digest (where the receiver holds the entry's whole region). While applying,
+    each chunk's pre-image is checked; a chunk already applied is skipped, so re-delivery of
+    an XOR delta is harmless. After applying, target digests are checked. ``held_only``: skip
+    entries for tensors ``tensors`` does not have (instead of creating them or refusing). A failure after the
+    first write raises ``PartialApplyError``; calling again with ``resume=True`` finishes.
+    """
+    t0 = time.perf_counter()
+    reader = DeltaReader.open(delta)
+    reader.check_payloads()
+    shards = shards or {}
+    entries = reader.header.tensors
+    if held_only:  # one rank of a group: tensors it does not hold are other ranks' to apply
+        entries = [e for e in entries if e.name in tensors]
+    # the base digests of all entries, hashed on the worker threads; nothing is changed yet
+    plans = list(ordered_map(lambda e: plan_entry(e, tensors.get(e.name), shards.get(e.name), verify=verify,
+                                                  resume=resume), entries, workers))
+    report = ApplyReport()
+    started = False
+    try:
+        with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
+            for p in plans:
+                started = started or p.action.writes or p.action == Action.REMOVE
+                out = run_plan(reader, p, report, workers, bar, journal=journal, on_change=on_change)
+                if verify:
+                    verify_plan(p, out)
+                if p.action == Action.CREATE:
+                    tensors[p.name] = out
+                elif p.action == Action.REMOVE:
+                    del tensors[p.name]
+                    report.tensors_removed.append(p.name)
+    except DcrError as e:
+        if started:
+            raise PartialApplyError(f"apply stopped after changing tensors in place: {e}. "
+                                    "Call apply again with resume=True to finish, or reload the base.") from e
+        raise
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def remove_absent(tensors: MutableMapping[str, torch.Tensor], deltas: Iterable, *,
+                  shards: Mapping[str, ShardSpec] | None = None, on_change=None) -> list:
+    """After applying every part of a keyframe (a delta against nothing, which names every tensor
+    of the target): drop the tensors ``tensors`` holds that no part names, so the receiver ends
+    with exactly the target's tensor set. Returns the names removed."""
+    named = set()
+    for d in deltas:
+        named.update(DeltaReader.open(d).header.names)
+    shards = shards or {}
+    gone = sorted(set(tensors) - named)
+    for name in gone:
+        report_gone(name, tensors[name], shards.get(name), on_change)
+        del tensors[name]
+    return gone

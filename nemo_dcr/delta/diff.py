@@ -1,0 +1,141 @@
+"""Encode: a target state as a delta against a base state (snapshot → diff → encode).
+
+    blob = diff(base, target)                 # bytes of one delta
+
+``base``/``target`` may be any Mapping (a lazy one that loads a tensor per lookup keeps memory
+at one tensor). ``shards`` gives, per name, where a local tensor sits in the canonical tensor
+(``ShardSpec``); without it every tensor is whole. Sender and receiver may shard differently.
+"""
+from __future__ import annotations
+
+import io
+import time
+from typing import BinaryIO, Mapping
+
+import torch
+
+from nemo_dcr import __version__
+from nemo_dcr.codec.chunk import AUTO, CHOICES, encode_chunk
+from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
+from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
+from nemo_dcr.delta.changes import report_gone, spec_of
+from nemo_dcr.errors import DcrError
+from nemo_dcr.state.digest import state_digest, tensor_digest
+from nemo_dcr.state.dtypes import dtype_name
+from nemo_dcr.state.flat import FlatAccess
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
+from nemo_dcr.util.parallel import ordered_map
+from nemo_dcr.util.progress import NullProgress, Progress
+
+DEFAULT_CHUNK = 1 << 20  # elements per chunk: bounds encode/apply scratch
+DEFAULT_LEVEL = 3
+
+
+def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
+         level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
+         base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
+         out: BinaryIO | None = None, progress: bool | None = None, on_change=None):
+    """Encode ``target`` as a delta against ``base``.
+
+    Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
+    delta into it and returns the header dict. ``shards`` places the target's tensors;
+    ``base_shards`` the base's (default: ``shards``; a tensor whose shape changed is taken whole
+    where no spec fits it). ``on_change(name, dtype, global_shape, global_idx, old_bits,
+    new_bits)`` sees every changed element, from worker threads (it must be thread-safe):
+    ``old_bits`` None for a tensor sent whole, ``new_bits`` None for the elements of a tensor
+    that is removed or replaced by one of another dtype or shape (``delta/changes.py``).
+    """
+    if encoding not in CHOICES:
+        raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
+    if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
+        raise DcrError(f"chunk_elems must be in [1, {MAX_CHUNK_ELEMS}], not {chunk_elems}")
+    shards = shards or {}
+    base_shards = shards if base_shards is None else base_shards
+    sink = out if out is not None else io.BytesIO()
+    w = DeltaWriter(sink)
+    names = sorted(set(base.keys()) | set(target.keys()))
+    total = getattr(target, "total_bytes", None)
+    if total is None and isinstance(target, dict):
+        total = sum(t.numel() * t.element_size() for t in target.values())
+    total = total or 0
+    entries, base_digests, target_digests = [], {}, {}
+    bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
+    with bar:
+        for name in names:
+            entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
+                                   chunk_elems, workers, bar, on_change)
+            entries.append(entry)
+            if "base_digest" in entry:
+                base_digests[name] = entry["base_digest"]
+            if entry["kind"] != "removed":
+                target_digests[name] = entry["target_digest"]
+    header = {
+        "format": FORMAT_VERSION,
+        "tool": f"nemo-dcr {__version__}",
+        "created": round(time.time(), 3),
+        "byte_order": "little",
+        "encoding": encoding,
+        "level": level,
+        "chunk_elems": chunk_elems,
+        "base_digest": state_digest(base_digests),
+        "target_digest": state_digest(target_digests),
+        "tensors": entries,
+        "meta": meta or {},
+    }
+    w.finish(header)
+    return header if out is not None else sink.getvalue()
+
+
+def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
+                   on_change=None) -> dict:
+    if name not in target:
+        old = base[name]
+        report_gone(name, old, base_spec, on_change)
+        return {"name": name, "kind": "removed", "base_digest": tensor_digest(old)}
+    new = target[name]
+    dtype_name(new.dtype)
+    if spec is None:
+        spec = ShardSpec.full(new.shape)
+    if tuple(new.shape) != spec.shape:
+        raise DcrError(f"{name}: tensor shape {tuple(new.shape)} differs from its shard shape {spec.shape}")
+    old = base[name] if name in base else None
+    if old is not None and (old.dtype != new.dtype or old.shape != new.shape
+                            or spec_of(old, base_spec).global_shape != spec.global_shape):
+        # dtype or shape changed: the old elements leave the state and the tensor is sent whole
+        report_gone(name, old, base_spec, on_change)
+        old = None
+    kind = "delta" if old is not None else "full"
+    nf = FlatAccess(new)
+    of = FlatAccess(old) if old is not None else None
+    n = nf.numel
+    ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
+    region_map = IndexMap(spec) if on_change is not None else None
+    digests = {}
+
+    def job(r):
+        if r[0] == "digest":  # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
+            digests[r[1]] = tensor_digest(new if r[1] == "target" else old)
+            return None, 0
+        s, e = r
+        c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
+                         keep_changes=on_change is not None, is_float=new.dtype.is_floating_point, dtype=new.dtype)
+        if c is not None and on_change is not None:
+            idx, oldv, newv = c.changes
+            on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
+            c.changes = None
+        return c, (e - s) * new.element_size()
+
+    chunks = []
+    jobs = [("digest", "target")] + ([("digest", "base")] if old is not None else []) + ranges
+    for c, nbytes in ordered_map(job, jobs, workers):
+        bar.update(nbytes)
+        if c is not None:
+            off = w.add_payload(c.pos_bytes, c.val_bytes)
+            chunks.append(c.header(off))
+    entry = {
+        "name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
+        "region": spec.to_json(), "target_digest": digests["target"], "chunks": chunks,
+    }
+    if old is not None:
+        entry["base_digest"] = digests["base"]
+    return entry
