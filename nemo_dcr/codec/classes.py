@@ -139,7 +139,19 @@ def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
     inv[order] = torch.arange(n)
     first = torch.searchsorted(cls[order], torch.arange(int(cls.max()) + 1))
     rank = inv[idx] - first[cls[idx]]
-    c_ch = cls[idx]
+    return encode_ranked(cls[idx], rank, uo[idx], un[idx], w)
+
+
+def encode_ranked(c_ch: torch.Tensor, rank: torch.Tensor, uo: torch.Tensor, un: torch.Tensor, w: int):
+    """The coding of one chunk's changes once each is placed: ``c_ch`` its (clamped) class,
+    ``rank`` its rank among the chunk's elements of that class, ``uo``/``un`` its unsigned old
+    and new bits, all 1-D int64 in position order. -> (k, rows, position bytes, value bytes).
+    What ``encode_reference`` ends with; the device path (``nemo_dcr/device``) finds the
+    classes and ranks on the GPU and calls this on the host with O(changes) data."""
+    k = c_ch.numel()
+    if k == 0:
+        return 0, [], b"", b""
+    idx = torch.arange(k)
     o = torch.argsort(c_ch, stable=True)
     c_ch, rank, idx = c_ch[o], rank[o], idx[o]
     mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
