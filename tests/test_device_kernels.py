@@ -17,7 +17,9 @@ from dcr_testing.device_cases import FLOATS, INTS, make_pair  # noqa: E402
 from nemo_dcr.codec import classes  # noqa: E402
 from nemo_dcr.device import kernels  # noqa: E402
 from nemo_dcr.device.apply import PreImageMismatch, apply_, digest_change  # noqa: E402
-from nemo_dcr.device.diff import bits, diff_, encode_chunks  # noqa: E402
+from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
+from nemo_dcr.device.diff import bits, diff_  # noqa: E402
+from nemo_dcr.device.encode import encode_changes_chunks  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.state.statedigest import tensor_contrib  # noqa: E402
 
@@ -49,7 +51,8 @@ def _check_diff(base, live, chunk, block, **kw):
 def test_classes_bytes_match_the_reference(dtype, rate, n, chunk, block):
     base, live = make_pair(dtype, n, rate if n > 1 else 1.0, seed=n + int(rate * 100))
     ch = _check_diff(base, live, chunk, block)
-    got = encode_chunks(ch)
+    got = {c.start // (chunk or max(n, 1)): (c.k, c.cls, c.pos_bytes, c.val_bytes)
+           for c in encode_changes_chunks(ch, "classes")}
     chunk = chunk or max(n, 1)
     mant = classes.MANTISSA[dtype]
     for c in range(0, -(-n // chunk)):
@@ -76,7 +79,8 @@ def test_every_bit_pattern_change_is_found():
     live = torch.tensor([b for _, b in pats], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
     ch = _check_diff(base, live, None, 16)
     assert ch.pos.tolist() == [0, 1, 2, 3]
-    assert encode_chunks(ch)[0] == classes.encode_reference(bits(base), bits(live), 7)
+    c, = encode_changes_chunks(ch, "classes")
+    assert (c.k, c.cls, c.pos_bytes, c.val_bytes) == classes.encode_reference(bits(base), bits(live), 7)
 
 
 def test_the_compact_stream_grows_past_its_first_capacity():
@@ -117,10 +121,10 @@ def test_trainer_to_receiver_round_trip(dtype):
     ch = diff_(snap, live, chunk_elems=500, block=128, capacity=1200)
     if classes.applicable(dtype):
         mant = classes.MANTISSA[dtype]
-        for c, (k, rows, pb, vb) in encode_chunks(ch).items():
-            s = slice(c * 500, (c + 1) * 500)
-            idx, newv = classes.decode_reference(bits(recv)[s], rows, pb, vb, k, mant)
-            pos = idx + c * 500
+        for c in encode_changes_chunks(ch, "classes"):
+            s = slice(c.start, c.start + c.n)
+            idx, newv = classes.decode_reference(bits(recv)[s], c.cls, c.pos_bytes, c.val_bytes, c.k, mant)
+            pos = idx + c.start
             apply_(recv, pos, newv, bits(recv)[pos].clone(), block=64)
     else:
         apply_(recv, ch.pos, ch.new, ch.old, block=64)
@@ -154,3 +158,28 @@ def test_digest_change_is_the_whole_digest_difference():
     ch = diff_(snap, live, block=64)
     d = digest_change("w", torch.bfloat16, (1000,), ch.pos, ch.old, ch.new)
     assert tensor_contrib("w", base) + d == tensor_contrib("w", live)
+
+
+def _header(c):
+    h = c.header(0)
+    return h, c.pos_bytes, c.val_bytes, c.alt_val_len
+
+
+@pytest.mark.parametrize("dtype,rate", [(torch.bfloat16, 0.01), (torch.bfloat16, 0.3), (torch.float32, 0.3),
+                                        (torch.float8_e4m3fn, 0.05), (torch.int16, 0.05), (torch.bool, 0.1)],
+                         ids=str)
+def test_chunks_match_encode_chunk_for_every_encoding(dtype, rate):
+    """The whole chunk (header fields, both streams, the digests, which encoding won) from the
+    compact stream equals the reference's from the whole chunks, for every encoding."""
+    n, chunk = 1100, 400
+    base, live = make_pair(dtype, n, rate, seed=11)
+    ch = diff_(base.clone(), live, chunk_elems=chunk, block=256, capacity=n)
+    for encoding in CHOICES:
+        got = encode_changes_chunks(ch, encoding, level=3, keep_changes=True)
+        ref = [c for s in range(0, n, chunk)
+               if (c := encode_chunk(bits(base)[s:s + chunk], bits(live)[s:s + chunk], s, encoding, 3,
+                                     keep_changes=True, is_float=dtype.is_floating_point, dtype=dtype)) is not None]
+        assert [_header(c) for c in got] == [_header(c) for c in ref], encoding
+        for g, r in zip(got, ref):
+            for a, b in zip(g.changes, r.changes):
+                assert torch.equal(a, b)

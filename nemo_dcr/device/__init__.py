@@ -4,8 +4,9 @@
   finds the changed elements on raw bits and compacts positions, pre-image and new bits; for the
   ``classes`` coding a second pass over the snapshot alone places each change in its base
   exponent class and ranks it within the class; the snapshot is then updated in place. Only the
-  compact change stream crosses to the host, where ``diff.encode_chunks`` codes it with the
-  reference coder (``codec/classes.encode_ranked``): the same bytes as ``classes.encode``.
+  compact change stream crosses to the host, where ``encode.encode_changes_chunks`` codes it
+  with the reference coders (``codec/classes.encode_ranked``, ``codec/chunk.encode_changes``):
+  the same bytes as ``codec/chunk.encode_chunk`` for every encoding and dtype.
 * ``apply.apply_`` (receiver): checks every pre-image, writes nothing if one differs, then
   scatters the new bits in place; ``apply.digest_change`` is the O(changes) state-digest update.
 

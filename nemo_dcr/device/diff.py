@@ -1,11 +1,11 @@
 """Trainer side of the device path: diff the live shard against the published snapshot where
 both live, update the snapshot in place, and hand the host only the compact change stream.
 
-    ch = diff_(snapshot, live, dtype=torch.bfloat16, chunk_elems=1 << 20)   # device work
-    coded = encode_chunks(ch.cpu())                                         # host, O(changes)
+    ch = diff_(snapshot, live, chunk_elems=1 << 20)          # device work
+    chunks = encode.encode_changes_chunks(ch, "auto", 3)    # host, O(changes)
 
-``coded[c]`` is ``(k, rows, position bytes, value bytes)`` of chunk ``c``: exactly what
-``codec/classes.encode`` returns for that chunk of (snapshot before, live).
+``chunks`` are exactly what ``codec/chunk.encode_chunk`` makes of each chunk of (snapshot
+before, live) (``device/encode.py``).
 """
 from __future__ import annotations
 
@@ -167,22 +167,3 @@ def _ranks(old, out, pos_r, old_r, boff, bcnt, bid, src, nchunks, bpc, block, gr
     rank = before[bid, cls - lo[chunk_of]] + within[src].to(torch.int64)
     return cls, rank
 
-
-def encode_chunks(ch: DeviceChanges) -> dict:
-    """Host side: the ``classes`` coding of each chunk with changes, from the compact stream
-    alone -> {chunk index: (k, rows, position bytes, value bytes)}."""
-    if ch.cls is None:
-        raise DcrError("these changes carry no classes and ranks (diff_ with use_classes)")
-    ch = ch.cpu()
-    w = ch.old.element_size()
-    out = {}
-    if not ch.k:
-        return out
-    chunk_of = ch.pos // ch.chunk_elems
-    ids, counts = torch.unique_consecutive(chunk_of, return_counts=True)
-    a = 0
-    for c, kc in zip(ids.tolist(), counts.tolist()):
-        s = slice(a, a + kc)
-        out[c] = classes.encode_ranked(ch.cls[s], ch.rank[s], unsigned(ch.old[s]), unsigned(ch.new[s]), w)
-        a += kc
-    return out
