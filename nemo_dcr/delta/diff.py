@@ -15,7 +15,7 @@ from typing import BinaryIO, Mapping
 import torch
 
 from nemo_dcr import __version__
-from nemo_dcr.codec.chunk import AUTO, CHOICES, encode_chunk
+from nemo_dcr.codec.chunk import AUTO, CHOICES, EncodedChunk, encode_chunk
 from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
 from nemo_dcr.delta.changes import report_gone, spec_of
@@ -34,7 +34,7 @@ DEFAULT_LEVEL = 3
 def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
          level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
-         out: BinaryIO | None = None, progress: bool | None = None, on_change=None):
+         out: BinaryIO | None = None, progress: bool | None = None, on_change=None, chunker=None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -44,6 +44,10 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     new_bits)`` sees every changed element, from worker threads (it must be thread-safe):
     ``old_bits`` None for a tensor sent whole, ``new_bits`` None for the elements of a tensor
     that is removed or replaced by one of another dtype or shape (``delta/changes.py``).
+    ``chunker(name, old, new, chunk_elems, encoding, level, keep_changes)``: the chunks of a
+    tensor in delta (same dtype and shape) found elsewhere, the same ``EncodedChunk``s the
+    reference would make (the device path, ``nemo_dcr/device/trainer.py``), or None to let the
+    reference encode that tensor.
     """
     if encoding not in CHOICES:
         raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
@@ -63,7 +67,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     with bar:
         for name in names:
             entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
-                                   chunk_elems, workers, bar, on_change)
+                                   chunk_elems, workers, bar, on_change, chunker)
             entries.append(entry)
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
@@ -87,7 +91,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
 
 
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
-                   on_change=None) -> dict:
+                   on_change=None, chunker=None) -> dict:
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)
@@ -109,24 +113,31 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     of = FlatAccess(old) if old is not None else None
     n = nf.numel
     ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
+    found = None if chunker is None or old is None else \
+        chunker(name, old, new, chunk_elems, encoding, level, on_change is not None)
     region_map = IndexMap(spec) if on_change is not None else None
     digests = {}
 
     def job(r):
-        if r[0] == "digest":  # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
+        if isinstance(r, tuple) and r[0] == "digest":  # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
             digests[r[1]] = tensor_digest(new if r[1] == "target" else old)
             return None, 0
-        s, e = r
-        c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
-                         keep_changes=on_change is not None, is_float=new.dtype.is_floating_point, dtype=new.dtype)
+        if isinstance(r, EncodedChunk):  # found by the chunker
+            c, s = r, r.start
+        else:
+            s, e = r
+            c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
+                             keep_changes=on_change is not None, is_float=new.dtype.is_floating_point,
+                             dtype=new.dtype)
         if c is not None and on_change is not None:
             idx, oldv, newv = c.changes
             on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
             c.changes = None
-        return c, (e - s) * new.element_size()
+        return c, (c.n if isinstance(r, EncodedChunk) else e - s) * new.element_size()
 
     chunks = []
-    jobs = [("digest", "target")] + ([("digest", "base")] if old is not None else []) + ranges
+    jobs = [("digest", "target")] + ([("digest", "base")] if old is not None else []) \
+        + (ranges if found is None else found)
     for c, nbytes in ordered_map(job, jobs, workers):
         bar.update(nbytes)
         if c is not None:
