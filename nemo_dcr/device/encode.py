@@ -46,8 +46,8 @@ def encode_changes_chunks(ch: DeviceChanges, encoding: str, level: int = 3,
         start = c * chunk
         n = min(chunk, ch.numel - start)
         prev, newv = ch.old[s], ch.new[s]
-        cls_try = classes.encode_ranked(ch.cls[s], ch.rank[s], unsigned(prev), unsigned(newv), w) \
-            if use_classes else None
+        cls_try = classes.encode_ranked(ch.cls[s], ch.rank[s], unsigned(prev), unsigned(newv), w,
+                                        classes.MANTISSA[ch.dtype]) if use_classes else None
         out.append(encode_changes(ch.pos[s] - start, prev, newv, n, start, encoding, level, keep_changes,
                                   ch.dtype.is_floating_point, cls_try))
         a += kc
