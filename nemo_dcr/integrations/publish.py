@@ -40,6 +40,8 @@ from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
 from .snapshot import is_megatron, parse_dtype, take_snapshot  # noqa: E402
 
 if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
     from nemo_dcr.sync.publisher import Publisher
 
 log = logging.getLogger("nemo_dcr.callbacks")
@@ -126,7 +128,7 @@ class DeltaPublishCallback(Callback):
         self.slow_publish_s = float(slow_publish_s)
 
         self.publisher: Publisher | None = None  # on ranks that publish
-        self._group = None             # the dedicated gloo group (distributed runs)
+        self._group: ProcessGroup | None = None  # the dedicated gloo group (distributed runs)
         self._publishes = True         # False on ranks that hold nothing to publish
         self._joint = False
         self._queue: queue.Queue | None = None

@@ -219,8 +219,8 @@ class RolloutLoader:
     def __init__(self, store: Store | str, model_or_tensors, shards: Mapping[str, ShardSpec] | None = None,
                  group: ProcessGroup | None = None,
                  name_map: NameMap = None, check_every: int = 0, *, version: int | None = None,
-                 verify_initial: bool = True, on_update: Callable | None = None, workers: int | None = None,
-                 staging: str | bool = "auto"):
+                 verify_initial: bool = True, on_update: Callable[[int | None, SyncResult], None] | None = None,
+                 workers: int | None = None, staging: str | bool = "auto"):
         from nemo_dcr.sync.follower import Follower
         from nemo_dcr.sync.group import Group
 

@@ -216,7 +216,7 @@ class Head:
         return h
 
 
-def read_head(store):
+def read_head(store: Store) -> tuple[Head | None, str | None]:
     """-> (Head or None, tag or None)."""
     from nemo_dcr.stores import NotFound
     try:
