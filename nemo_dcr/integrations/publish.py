@@ -33,7 +33,7 @@ require("lightning.pytorch", "lightning", "DeltaPublishCallback")
 from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
-from nemo_dcr.codec.chunk import CHOICES  # noqa: E402
+from nemo_dcr.codec.names import CHOICES  # noqa: E402
 from nemo_dcr.delta import DEFAULT_CHUNK  # noqa: E402
 from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
 
