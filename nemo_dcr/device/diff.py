@@ -48,10 +48,10 @@ class DeviceChanges:
         ts = [self.pos, self.old, self.new] + [t for t in (self.cls, self.rank) if t is not None]
         return sum(t.numel() * t.element_size() for t in ts)
 
-    def cpu(self) -> "DeviceChanges":
-        mv = (lambda t: None if t is None else t.cpu())
-        return replace(self, pos=mv(self.pos), old=mv(self.old), new=mv(self.new), cls=mv(self.cls),
-                       rank=mv(self.rank))
+    def cpu(self) -> DeviceChanges:
+        cls = None if self.cls is None else self.cls.cpu()
+        rank = None if self.rank is None else self.rank.cpu()
+        return replace(self, pos=self.pos.cpu(), old=self.old.cpu(), new=self.new.cpu(), cls=cls, rank=rank)
 
 
 def _need_kernels():

@@ -34,7 +34,7 @@ def encode_changes_chunks(ch: DeviceChanges, encoding: str, level: int = 3,
     if use_classes and ch.cls is None:
         raise DcrError(f"encoding {encoding!r} tries classes for {ch.dtype}: diff_ needs use_classes=True")
     ch = ch.cpu()
-    out = []
+    out: list[EncodedChunk] = []
     if not ch.k:
         return out
     w = ch.old.element_size()
@@ -46,8 +46,11 @@ def encode_changes_chunks(ch: DeviceChanges, encoding: str, level: int = 3,
         start = c * chunk
         n = min(chunk, ch.numel - start)
         prev, newv = ch.old[s], ch.new[s]
-        cls_try = classes.encode_ranked(ch.cls[s], ch.rank[s], unsigned(prev), unsigned(newv), w,
-                                        classes.MANTISSA[ch.dtype]) if use_classes else None
+        cls_try = None
+        if use_classes:
+            assert ch.cls is not None and ch.rank is not None  # checked above
+            cls_try = classes.encode_ranked(ch.cls[s], ch.rank[s], unsigned(prev), unsigned(newv), w,
+                                            classes.MANTISSA[ch.dtype])
         out.append(encode_changes(ch.pos[s] - start, prev, newv, n, start, encoding, level, keep_changes,
                                   ch.dtype.is_floating_point, cls_try))
         a += kc

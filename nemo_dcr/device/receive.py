@@ -20,7 +20,7 @@ yet.
 """
 from __future__ import annotations
 
-from typing import MutableMapping
+from collections.abc import MutableMapping
 
 import torch
 
@@ -56,7 +56,8 @@ def _all(name, t: torch.Tensor) -> StateDigest:
 def _plan(reader: DeltaReader, tensors: MutableMapping[str, torch.Tensor], device):
     """Decode and check every chunk -> ([(entry, positions, pre-image, new bits) on the device],
     {name: tensor sent whole, or None for removed})."""
-    out, whole = [], {}
+    out: list = []
+    whole: dict[str, torch.Tensor | None] = {}
     for e in reader.header.tensors:
         if e.kind == TensorKind.REMOVED:
             whole[e.name] = None
