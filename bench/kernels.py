@@ -13,8 +13,8 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
 
 * ``memcpy`` -- ``dst.copy_(shard)`` on one torch thread: the unit every ratio is in;
 * encode side (``diff+encode+snapshot-update``: what a publish costs before its upload):
-  * ``reference`` -- the snapshot copied, then ``diff`` hashing base and target (the publisher
-    before issue #12: both whole-tensor digests every version);
+  * ``reference`` -- the snapshot copied, then ``diff`` hashing base and target and summing the
+    state digest's change (the publisher before issue #12: both whole-tensor digests every version);
   * ``fast`` -- the snapshot copied, then ``diff`` with the base's known digest (the publisher
     now: its private snapshot was hashed when it was published);
   * ``codec`` -- the chunk encode alone (no digests, no container): the floor of the codec;
@@ -22,6 +22,9 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   * ``reference`` -- plan (base digest), chunks, then the target digest as a second pass (apply
     before issue #12);
   * ``fast`` -- ``apply``: the target digest hashed while the chunks are written;
+  * ``follower`` -- what ``Follower.sync`` runs: ``apply(verify=False)`` (per-chunk pre-image
+    checks only) with the state digest moved by the changes (``ChangeDigest``) and compared with
+    the target's: the O(changes) verification, no whole-tensor pass;
   * ``unverified`` -- ``apply(verify=False)``: the chunks alone;
 * state digest of the shard: the torch reference (timed on at most 8M elements, scaled) and the
   C kernel on ``--workers`` threads;
@@ -54,6 +57,7 @@ from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta import DEFAULT_CHUNK, plan_entry, run_plan, verify_plan
 from nemo_dcr.delta.apply import ApplyReport
 from nemo_dcr.state import statedigest
+from nemo_dcr.state.statedigest import ChangeDigest
 from nemo_dcr.stores.local import LocalStore
 from nemo_dcr.sync.publisher import Publisher
 from nemo_dcr.util.parallel import ordered_map
@@ -122,13 +126,14 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
     snap = torch.empty_like(target)
 
+    # both as the publisher calls diff: the state digest's change summed from the changed elements
     def enc_ref():
         snap.copy_(target)
-        return diff(b, {"shard": snap}, workers=workers)
+        return diff(b, {"shard": snap}, workers=workers, on_change=ChangeDigest())
 
     def enc_fast():
         snap.copy_(target)
-        return diff(b, {"shard": snap}, workers=workers, base_digests=known)
+        return diff(b, {"shard": snap}, workers=workers, base_digests=known, on_change=ChangeDigest())
 
     ranges = [(s, min(s + DEFAULT_CHUNK, n)) for s in range(0, n, DEFAULT_CHUNK)]
 
@@ -146,8 +151,18 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
 
     recv = {"shard": base.clone()}
     fresh = lambda: recv["shard"].copy_(base)  # noqa: E731  each apply on a fresh base, untimed
+    d_base, d_target = (statedigest.state_contrib(s, workers=workers) for s in (b, t))
+
+    def follower(_):
+        """The follower's check: per-chunk pre-images, then the state digest moved by the changes."""
+        change = ChangeDigest()
+        apply(recv, blob, workers=workers, verify=False, on_change=change)
+        if d_base + change.total != d_target:
+            raise AssertionError("the incremental state digest does not reach the target's")
+
     paths = {"reference": lambda _: _apply_reference(recv, blob, workers),
              "fast": lambda _: apply(recv, blob, workers=workers),
+             "follower": follower,
              "unverified": lambda _: apply(recv, blob, workers=workers, verify=False)}
     for name, fn in paths.items():
         s = _median(fn, reps, setup=fresh)

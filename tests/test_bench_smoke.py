@@ -207,7 +207,7 @@ def test_kernels_bench_quick_json():
     rows = {(row["change"], row["side"], row["path"]) for row in r["rows"]}
     for ch in (0.01, 0.05):
         for side, path in (("encode", "reference"), ("encode", "fast"), ("encode", "codec"), ("apply", "reference"),
-                           ("apply", "fast"), ("apply", "unverified")):
+                           ("apply", "fast"), ("apply", "follower"), ("apply", "unverified")):
             assert (ch, side, path) in rows
     for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
                        ("keyframe", "fast")):
