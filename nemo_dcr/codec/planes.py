@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.state.dtypes import INT_VIEW
 
 
 def split(values: torch.Tensor) -> bytes:
