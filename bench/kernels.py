@@ -46,7 +46,7 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Callable, List
+from collections.abc import Callable
 
 import torch
 
@@ -63,7 +63,7 @@ from nemo_dcr.sync.publisher import Publisher
 from nemo_dcr.util.parallel import ordered_map
 
 #: hook for device paths (see the module docstring): fn(base, target, rate, workers, reps) -> rows
-DEVICE_PATHS: List[Callable] = []
+DEVICE_PATHS: list[Callable] = []
 _REF_DIGEST_MAX = 1 << 23  # the torch state digest is timed on at most this many elements
 
 
@@ -239,7 +239,6 @@ def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick
     torch.set_num_threads(1)
     memcpy = _median(lambda: dst.copy_(base), max(5, reps * 3))
     torch.set_num_threads(threads)
-    del dst
     out = {"config": {"elements": elems, "bytes": 2 * elems, "dtype": "bfloat16", "changes": list(changes),
                       "reps": reps, "workers": workers, "quick": quick, "chunk_elems": DEFAULT_CHUNK},
            "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
@@ -263,7 +262,8 @@ def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick
 def format_table(r: dict) -> str:
     c = r["config"]
     lines = [f"shard: {c['elements'] / 1e6:.1f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB), {c['workers']} workers, "
-             f"memcpy {1e3 * r['memcpy_seconds']:.1f} ms ({c['bytes'] / r['memcpy_seconds'] / 1e9:.2f} GB/s, 1 thread); "
+             f"memcpy {1e3 * r['memcpy_seconds']:.1f} ms "
+             f"({c['bytes'] / r['memcpy_seconds'] / 1e9:.2f} GB/s, 1 thread); "
              f"load {r['machine']['load_before']} -> {r['machine']['load_after']}",
              "", "| change | side | path | device | ms | x memcpy |", "|---|---|---|---|---:|---:|"]
     for row in r["rows"]:

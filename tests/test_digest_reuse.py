@@ -5,15 +5,13 @@ hashing from scratch, and every check must still fire (a wrong target digest thr
 pipelined check: tests/test_errors.py::test_wrong_target_digest_is_target_mismatch)."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
+from dcr_testing import assert_state, zeros_like
 
 from nemo_dcr import BaseMismatchError, DeltaReader, Follower, Publisher, apply, diff
 from nemo_dcr.state.digest import RunningDigest, tensor_digest
 from nemo_dcr.stores.local import LocalStore
-from dcr_testing import assert_state, zeros_like
 
 
 def _states(seed=0):

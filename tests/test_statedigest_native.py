@@ -4,17 +4,15 @@ tensor, a run of the canonical tensor, a general shard, explicit indices past 2*
 SIMD and the scalar builds, and the weight clamp's two edge cases constructed on purpose."""
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
+from dcr_testing.shards import cut
 
 from nemo_dcr import ShardSpec
 from nemo_dcr.codec import native
 from nemo_dcr.state import statedigest as sd
 from nemo_dcr.state.dtypes import DTYPES, dtype_name, int_view
 from nemo_dcr.state.statedigest import P, StateDigest, changes_contrib, state_contrib, tensor_contrib
-from dcr_testing.shards import cut
 
 pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.build_error}")
 
@@ -44,7 +42,8 @@ def special_tensor(dtype, n, seed):
     if dtype == torch.bool:
         return torch.randint(0, 2, (n,), generator=g).bool()
     w = torch.empty((), dtype=dtype).element_size()
-    raw = torch.randint(0, 256, (n * w,), dtype=torch.uint8, generator=g).view(int_view(torch.empty(0, dtype=dtype)).dtype)
+    view = int_view(torch.empty(0, dtype=dtype)).dtype
+    raw = torch.randint(0, 256, (n * w,), dtype=torch.uint8, generator=g).view(view)
     bits = 8 * w
     specials = [0, 1, (1 << bits) - 1, 1 << (bits - 1), (1 << (bits - 1)) - 1, (1 << (bits - 1)) + 1]
     if dtype.is_floating_point and w >= 2:

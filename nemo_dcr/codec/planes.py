@@ -25,5 +25,6 @@ def join(raw: bytes, k: int, w: int) -> torch.Tensor:
     if k == 0:
         return torch.empty(0, dtype=INT_VIEW[w])
     planes = np.frombuffer(raw, dtype=np.uint8).reshape(w, k)
-    # numpy's transposing copy (see split); the result is a fresh, writable array (np.array always copies; the input may be read-only bytes)
+    # numpy's transposing copy (see split); np.array always copies, so the result is writable
+    # even where raw is read-only bytes
     return torch.from_numpy(np.array(planes.T, order="C").reshape(-1)).view(INT_VIEW[w])
