@@ -77,3 +77,22 @@ def test_publisher_reuses_its_snapshot_digests(tmp_path):
         pub.publish(s)
         fol.sync()
         assert_state(recv, s)
+
+
+def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
+    """After the first version the publisher's diff hashes only the target, not its snapshot."""
+    import sys
+
+    diff_mod = sys.modules["nemo_dcr.delta.diff"]  # (the package's ``diff`` attribute is the function)
+    hashed = []
+    real = diff_mod.tensor_digest
+    monkeypatch.setattr(diff_mod, "tensor_digest", lambda t, *a: hashed.append(t.data_ptr()) or real(t, *a))
+    base, target = _states()
+    pub = Publisher(LocalStore(tmp_path / "store"), chunk_elems=4096)
+    pub.publish(base)  # the first version: a keyframe, each tensor hashed once
+    assert len(hashed) == len(base)
+    hashed.clear()
+    pub.publish(target)
+    assert len(hashed) == len(target)  # target digests only; the snapshot's were known
+    snap, _ = pub.published
+    assert not set(hashed) - {t.data_ptr() for t in snap.values()}  # and they are of the new snapshot
