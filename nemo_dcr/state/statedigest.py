@@ -24,8 +24,9 @@ where ``mix`` is a 32-bit xorshift-multiply avalanche (multipliers < 2**31).
 
 Two implementations compute it: ``_kernel`` below (torch ops; the reference, and the fallback
 without a C compiler or with ``NEMO_DCR_NATIVE=0``) and ``dcr_sd_contrib`` in
-codec/csrc/dcr_classes.c (vectorised, 12-35x faster in bench/kernels.py, ranges spread over the worker threads),
-which the tests hold to the reference bit for bit on every dtype. ``backend()`` says which runs.
+codec/csrc/dcr_classes.c (vectorised, 12-35x faster in bench/kernels.py, ranges spread over the
+worker threads), which the tests hold to the reference bit for bit on every dtype.
+``backend()`` says which runs.
 
 All arithmetic is on non-negative int64 values that provably stay below 2**63 (products of a
 value < 2**32 and a constant < 2**31; of a weight < 2**31 and a limb < 2**16 summed over at
