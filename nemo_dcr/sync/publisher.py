@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
+from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec
@@ -78,6 +79,9 @@ class Publisher:
         self._shards: dict | None = None
         self._head: Head | None = None
         self._digest: StateDigest | None = None  # this rank's partial digest of _base
+        # name -> tensor digest of _base[name], as the diff that published it wrote it: _base is
+        # private and unchanged since, so the next diff need not hash it again
+        self._tensor_digests: dict = {}
         self.device, self.keep = device, keep
         self._dev = None  # the device path's DeviceSnapshot (its tensors are _base), once chosen
         self._dev_chosen = False
@@ -130,7 +134,9 @@ class Publisher:
                     # a keyframe was asked for and the published state cannot be rebuilt (and
                     # verified) on every rank: publish the keyframe alone, no delta part
                     self._base = self._shards = self._head = self._digest = None
-            receipt, local["digest"] = self._upload(local["snap"], local["shards"], head, version, publish_id, kf)
+                    self._tensor_digests = {}
+            receipt, local["digest"], local["tensor_digests"] = self._upload(
+                local["snap"], local["shards"], head, version, publish_id, kf)
             return receipt
 
         receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
@@ -142,6 +148,7 @@ class Publisher:
             dev.commit(local["snap"]) if self._base is dev.tensors else dev.reset(local["snap"])
             local["snap"] = dev.tensors
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
+        self._tensor_digests = local["tensor_digests"]
         if self.retain is not None:
             from nemo_dcr.sync.retention import prune
             g.run(lambda: prune(self.store, new_head, keep=self.retain) if g.rank == 0 else None,
@@ -149,8 +156,9 @@ class Publisher:
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0)
 
-    def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest]:
-        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``)."""
+    def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest, dict]:
+        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``, the
+        tensor digests of ``snap`` the deltas hold)."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
         out = {"parts": [], "keyframe_parts": []}
@@ -166,17 +174,21 @@ class Publisher:
             base, target = dev.views(snap) if dev else (self._base, snap)
             blob = diff(base, target, shards=shards, base_shards=self._shards, encoding=self.encoding,
                         level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
-                        on_change=change, progress=False, chunker=dev.chunker if dev else None)
+                        on_change=change, progress=False, base_digests=self._tensor_digests,
+                        chunker=dev.chunker if dev else None)
             out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
+            digests = target_digests(blob)
             new_digest = self._digest + change.total
         else:
             new_digest = state_contrib(host, shards)
+        digests = {}
         if kf:
             blob = diff({}, host, shards=shards, encoding="overwrite", level=self.level,
                         chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
             out["keyframe_parts"].append(self._put(f"{d}/key-{rank:05d}.dcr", blob))
+            digests = target_digests(blob)
         out["digest"] = new_digest.hex()
-        return out, new_digest
+        return out, new_digest, digests
 
     def _put(self, key: str, blob: bytes) -> dict:
         s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
@@ -230,6 +242,12 @@ class Publisher:
             self._dev.reset(tensors, like)
             tensors = self._dev.tensors
         self._base, self._shards, self._head = tensors, shards, head
+        self._tensor_digests = {}  # rebuilt, not published from here: hashed by the next diff
+
+
+def target_digests(blob: bytes) -> dict:
+    """name -> target tensor digest of every tensor a delta leaves in place."""
+    return {e.name: e.target_digest for e in DeltaReader.open(blob).header.tensors if not e.removed}
 
 
 def _same_head(a: Head | None, b: Head) -> bool:
