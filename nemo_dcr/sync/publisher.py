@@ -55,12 +55,16 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 class Publisher:
     def __init__(self, store, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group=None):
+                 group=None, signer="env"):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
-        the newest ``retain`` versions (None: delete nothing)."""
+        the newest ``retain`` versions (None: delete nothing). ``signer``: a
+        :class:`~nemo_dcr.sync.signing.Signer` that signs every manifest and HEAD; ``"env"``
+        (default): from ``$NEMO_DCR_SIGNING_KEY(_FILE)`` if set; None: unsigned."""
         from nemo_dcr.stores import open_store
+        from nemo_dcr.sync.signing import resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
+        self.signer = resolve_signer(signer)
         self.keyframe_every = keyframe_every
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
@@ -174,7 +178,7 @@ class Publisher:
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
                 world_size=self.group.world_size, step=step, meta=meta or {})
-            return m, commit(self.store, m, head, tag)
+            return m, commit(self.store, m, head, tag, signer=self.signer)
         except CommitConflict:
             raise
         except Exception as e:
