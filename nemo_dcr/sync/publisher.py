@@ -101,7 +101,7 @@ class Publisher:
         upload, ``CommitConflict`` for a lost race), and nothing is committed."""
         t0 = time.perf_counter()
         g = self.group
-        head, tag, publish_id = g.run(lambda: (*read_head(self.store), new_publish_id()) if g.rank == 0 else None,
+        head, tag, publish_id = g.run(lambda: self._read_head() if g.rank == 0 else None,
                                       "read the store's HEAD", src=0)
         version = 0 if head is None else head.version + 1
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
@@ -134,6 +134,14 @@ class Publisher:
                   f"retention after version {version}", src=0)
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0)
+
+    def _read_head(self):
+        """Rank 0 (which signs): HEAD, its tag and a fresh publish id. A chain signed for another
+        run is refused here, before the first upload."""
+        head, tag = read_head(self.store)
+        if self.signer is not None:
+            self.signer.check_continues(head)
+        return head, tag, new_publish_id()
 
     def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest]:
         """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``)."""

@@ -80,11 +80,13 @@ def generate_key():
 
 def _raw_public(pub) -> bytes:
     s = _serialization()
+    if isinstance(pub, _ed25519().Ed25519PrivateKey):
+        pub = pub.public_key()
     return pub.public_bytes(s.Encoding.Raw, s.PublicFormat.Raw)
 
 
 def key_id(pub) -> str:
-    """A public key's short name: the first 16 hex digits of the sha256 of its raw bytes."""
+    """A public key's (or a private key's public half's) short name: the first 16 hex digits of the sha256 of its raw bytes."""
     return hashlib.sha256(_raw_public(pub)).hexdigest()[:16]
 
 
