@@ -273,7 +273,8 @@ def make_version_target(kind: str):
         key, raw = fx.manifests[fdp.ConsumeIntInRange(0, len(fx.manifests) - 1)]
         d = json.loads(raw)
         for _ in range(fdp.ConsumeIntInRange(1, 3)):
-            places = [d, *[p for p in d.get("parts", []) + d.get("keyframe_parts", []) if isinstance(p, dict)]]
+            lists = [x for x in (d.get("parts"), d.get("keyframe_parts")) if isinstance(x, list)]
+            places = [d, *[p for x in lists for p in x if isinstance(p, dict)]]
             if isinstance(d.get("signature"), dict):
                 places.append(d["signature"])
             where = places[fdp.ConsumeIntInRange(0, len(places) - 1)]
