@@ -9,8 +9,11 @@ with AddressSanitizer), the manifest parser and the HEAD parser.
 
 Each target runs in its own process (libFuzzer runs one target per process). ``--backend native``
 rebuilds the C kernel with ``NEMO_DCR_NATIVE_CFLAGS="-fsanitize=address ..."`` (cached apart from
-the normal build) and preloads the ASan runtime, so an out-of-bounds read or write in the kernel
-aborts the run with ASan's report. Invariant checked on every input: the target returns, or raises
+the normal build), preloads the ASan runtime and sets ``PYTHONMALLOC=malloc`` (so that the
+``bytes`` the kernel reads, small ones too, have redzones), so an out-of-bounds read or write in
+the kernel aborts the run with ASan's report. (gcc's ASan runtime then supplies the coverage
+hooks atheris would use: the native runs are not coverage-guided; they start from the corpus the
+reference run of the same target grew, which is why ``--backend both`` runs the reference first.) Invariant checked on every input: the target returns, or raises
 a ``DcrError`` (a typed error); any other exception, a crash, a hang (``--timeout`` seconds per
 input) or memory past ``--rss-limit-mb`` is a finding, and libFuzzer writes the input that caused
 it under ``--artifacts``. A JSON summary per target (inputs, coverage counters, findings) is
@@ -344,6 +347,7 @@ def run_target(args, target: str, inputs: int) -> dict:
                                  capture_output=True, text=True).stdout.strip()
         env["LD_PRELOAD"] = libasan
         env["ASAN_OPTIONS"] = "detect_leaks=0:abort_on_error=1:allocator_may_return_null=1"
+        env["PYTHONMALLOC"] = "malloc"  # Python's small objects (the kernel's input streams) get redzones too
     cmd = [sys.executable, os.path.abspath(__file__), "--child", "--target", target, "--backend", args.backend,
            "--inputs", str(inputs), "--timeout", str(args.timeout), "--rss-limit-mb", str(args.rss_limit_mb),
            "--max-len", str(args.max_len), "--corpus", args.corpus, "--artifacts", args.artifacts,
