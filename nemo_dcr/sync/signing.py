@@ -38,7 +38,7 @@ import hashlib
 import os
 import re
 import threading
-from typing import Iterable, Iterator, Optional, Tuple
+from collections.abc import Iterable, Iterator
 
 from nemo_dcr.errors import ReplayError, SignatureError, UnsignedError
 from nemo_dcr.stores.base import Store
@@ -86,7 +86,8 @@ def _raw_public(pub) -> bytes:
 
 
 def key_id(pub) -> str:
-    """A public key's (or a private key's public half's) short name: the first 16 hex digits of the sha256 of its raw bytes."""
+    """A public key's (or a private key's public half's) short name: the first 16 hex digits of
+    the sha256 of its raw bytes."""
     return hashlib.sha256(_raw_public(pub)).hexdigest()[:16]
 
 
@@ -180,7 +181,7 @@ def _check_namespace(namespace) -> str:
 
 # ----------------------------------------------------------------------------- what is signed
 
-def _subject(obj) -> Tuple[str, int, Optional[str]]:
+def _subject(obj) -> tuple[str, int, str | None]:
     """(kind, version, parent) of a manifest or HEAD."""
     if isinstance(obj, Manifest):
         return "manifest", obj.version, obj.base_sha256
@@ -211,11 +212,11 @@ class Signer:
         self.key_id = key_id(self.public_key)
 
     @classmethod
-    def from_file(cls, path, namespace: str) -> "Signer":
+    def from_file(cls, path, namespace: str) -> Signer:
         return cls(read_private_key_file(path), namespace)
 
     @classmethod
-    def from_env(cls, namespace: Optional[str] = None) -> Optional["Signer"]:
+    def from_env(cls, namespace: str | None = None) -> Signer | None:
         """From ``NEMO_DCR_SIGNING_KEY`` or ``NEMO_DCR_SIGNING_KEY_FILE`` (None when neither is
         set), for ``namespace`` or ``NEMO_DCR_NAMESPACE``."""
         if os.environ.get(SIGNING_KEY_ENV):
@@ -240,7 +241,7 @@ class Signer:
         obj.signature = None
         obj.signature = self.signature(obj)
 
-    def check_continues(self, head: Optional[Head]) -> None:
+    def check_continues(self, head: Head | None) -> None:
         """Before anything is written: the chain this publish extends must be this namespace's
         (a publisher pointed at another run's store would otherwise sign on top of it)."""
         sig = head.signature if head is not None else None
@@ -252,7 +253,7 @@ class Signer:
         return f"Signer(key {self.key_id}, namespace {self.namespace!r})"
 
 
-def resolve_signer(signer) -> Optional[Signer]:
+def resolve_signer(signer) -> Signer | None:
     """``"env"``: :meth:`Signer.from_env`; None: no signing; a Signer: itself."""
     if isinstance(signer, str) and signer == "env":
         return Signer.from_env()
@@ -268,7 +269,7 @@ class Verifier:
     one namespace (given, or pinned by the first object verified), and remembers the newest HEAD
     it accepted so that an older one is refused."""
 
-    def __init__(self, keys: Iterable, namespace: Optional[str] = None):
+    def __init__(self, keys: Iterable, namespace: str | None = None):
         ed = _ed25519()
         self.keys = {}
         for k in keys:
@@ -280,11 +281,11 @@ class Verifier:
         if not self.keys:
             raise SignatureError("a Verifier needs at least one trusted public key")
         self.namespace = _check_namespace(namespace) if namespace is not None else None
-        self._seen: Optional[Tuple[int, Optional[str]]] = None  # newest HEAD accepted: (version, manifest digest)
+        self._seen: tuple[int, str | None] | None = None  # newest HEAD accepted: (version, manifest digest)
         self._lock = threading.Lock()
 
     @classmethod
-    def from_sources(cls, sources: Iterable[str], namespace: Optional[str] = None) -> "Verifier":
+    def from_sources(cls, sources: Iterable[str], namespace: str | None = None) -> Verifier:
         """Keys from a list of files or ``ed25519:...`` key texts (the CLI's ``--trusted-key``)."""
         keys = []
         for s in sources:
@@ -293,7 +294,7 @@ class Verifier:
         return cls(keys, namespace)
 
     @classmethod
-    def from_env(cls, namespace: Optional[str] = None) -> Optional["Verifier"]:
+    def from_env(cls, namespace: str | None = None) -> Verifier | None:
         """From ``NEMO_DCR_TRUSTED_KEYS`` / ``NEMO_DCR_TRUSTED_KEYS_FILE`` (None when neither is
         set), for ``namespace`` or ``NEMO_DCR_NAMESPACE`` (unset: pinned on first use)."""
         keys = []
@@ -346,7 +347,7 @@ class Verifier:
             if remember:
                 self._seen = (h.version, h.manifest_sha256)
 
-    def wrap(self, store: Store) -> "VerifiedStore":
+    def wrap(self, store: Store) -> VerifiedStore:
         return VerifiedStore(store, self)
 
     def __repr__(self) -> str:
@@ -393,11 +394,11 @@ class VerifiedStore(Store):
     def get(self, key: str) -> bytes:
         return self._checked(key, self.inner.get(key))
 
-    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+    def get_with_tag(self, key: str) -> tuple[bytes, str]:
         data, tag = self.inner.get_with_tag(key)
         return self._checked(key, data), tag
 
-    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         if not self._signed(key):
             return self.inner.get_stream(key, offset)
         data = self.get(key)
@@ -410,7 +411,7 @@ class VerifiedStore(Store):
         data = self.get(key)
         write_stream_to_file(len(data), iter([data]), path)
 
-    def wait_head(self, newer_than: Optional[int], wait: float):
+    def wait_head(self, newer_than: int | None, wait: float):
         res = wait_head(self.inner, newer_than, wait)
         if res is not None:
             self._checked(HEAD_KEY, res[0])

@@ -87,6 +87,13 @@ def _sealed(d: dict, fmt: int, what: str) -> dict:
     return d
 
 
+def _fields(obj, signed: bool) -> dict:
+    d = asdict(obj)
+    if not signed or d["signature"] is None:
+        del d["signature"]
+    return d
+
+
 def new_publish_id() -> str:
     return f"{int(time.time() * 1000):013d}-{uuid.uuid4().hex[:12]}"
 
@@ -145,10 +152,7 @@ class Manifest:
         """The stored fields (without the checksum); ``signed=False``: without the signature
         too, the body a signature covers. An unsigned object has no ``signature`` field, so its
         bytes and identity are those of a store written before signing existed."""
-        d = asdict(self)
-        if not signed or d["signature"] is None:
-            del d["signature"]
-        return d
+        return _fields(self, signed)
 
     @property
     def sha256(self) -> str:
@@ -206,7 +210,8 @@ class Manifest:
         for p in (*self.parts, *self.keyframe_parts):
             p.check(d)
         if self.base_version is not None or self.base_manifest is not None:
-            if not _uint(self.base_version) or self.base_version >= self.version:
+            if not isinstance(self.base_version, int) or not _uint(self.base_version) \
+                    or self.base_version >= self.version:
                 raise ValueError(f"base version {self.base_version!r} of version {self.version}")
             _check_manifest_key(self.base_manifest, self.base_version, "base manifest")
         if self.signature is not None and not isinstance(self.signature, dict):
@@ -253,7 +258,9 @@ class Head:
     format: int = FORMAT
     signature: dict | None = None         # the publisher's signature (nemo_dcr.sync.signing); None: unsigned
 
-    fields = Manifest.fields  # (the same rule: no signature field when unsigned)
+    def fields(self, signed: bool = True) -> dict:
+        """As :meth:`Manifest.fields`: no ``signature`` field when unsigned (or ``signed=False``)."""
+        return _fields(self, signed)
 
     def to_bytes(self) -> bytes:
         d = self.fields()
