@@ -206,8 +206,12 @@ def make_delta_target(kind: str):
         name = fx.names[fdp.ConsumeIntInRange(0, len(fx.names) - 1)]
         h = copy.deepcopy(fx.readers[name].raw_header)
         for _ in range(fdp.ConsumeIntInRange(1, 3)):
-            t = h["tensors"][fdp.ConsumeIntInRange(0, len(h["tensors"]) - 1)]
-            places = [h, t, *(t.get("chunks") or [])]
+            tensors = h.get("tensors")
+            if not isinstance(tensors, list) or not tensors:
+                break  # (an earlier change replaced or emptied the list)
+            t = tensors[fdp.ConsumeIntInRange(0, len(tensors) - 1)]
+            chunks = t.get("chunks") if isinstance(t, dict) else None
+            places = [h, t, *(chunks if isinstance(chunks, list) else [])]
             where = places[fdp.ConsumeIntInRange(0, len(places) - 1)]
             if not isinstance(where, dict) or not where:
                 continue
