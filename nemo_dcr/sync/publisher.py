@@ -61,16 +61,20 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 class Publisher:
     def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group: ProcessGroup | None = None, device: str = "off", keep: str = "device"):
+                 group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device"):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
-        the newest ``retain`` versions (None: delete nothing). ``device``: "auto" or "on" diffs
-        CUDA tensors on the device against a snapshot kept there (``keep="device"``) or in
-        pinned host memory (``keep="pinned"``), and only the compact change stream comes to the
-        host (``nemo_dcr/device``; same bytes); "off" (default): the host snapshot and the
-        reference encoder. The first publish logs which path runs."""
+        the newest ``retain`` versions (None: delete nothing). ``signer``: a
+        :class:`~nemo_dcr.sync.signing.Signer` that signs every manifest and HEAD; ``"env"``
+        (default): from ``$NEMO_DCR_SIGNING_KEY(_FILE)`` if set; None: unsigned. ``device``:
+        "auto" or "on" diffs CUDA tensors on the device against a snapshot kept there
+        (``keep="device"``) or in pinned host memory (``keep="pinned"``), and only the compact
+        change stream comes to the host (``nemo_dcr/device``; same bytes); "off" (default): the
+        host snapshot and the reference encoder. The first publish logs which path runs."""
         from nemo_dcr.stores import open_store
+        from nemo_dcr.sync.signing import resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
+        self.signer = resolve_signer(signer)
         self.keyframe_every = keyframe_every
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
@@ -113,7 +117,7 @@ class Publisher:
         upload, ``CommitConflict`` for a lost race), and nothing is committed."""
         t0 = time.perf_counter()
         g = self.group
-        head, tag, publish_id = g.run(lambda: (*read_head(self.store), new_publish_id()) if g.rank == 0 else None,
+        head, tag, publish_id = g.run(lambda: self._read_head() if g.rank == 0 else None,
                                       "read the store's HEAD", src=0)
         version = 0 if head is None else head.version + 1
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
@@ -155,6 +159,14 @@ class Publisher:
                   f"retention after version {version}", src=0)
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0)
+
+    def _read_head(self):
+        """Rank 0 (which signs): HEAD, its tag and a fresh publish id. A chain signed for another
+        run is refused here, before the first upload."""
+        head, tag = read_head(self.store)
+        if self.signer is not None:
+            self.signer.check_continues(head)
+        return head, tag, new_publish_id()
 
     def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest, dict]:
         """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``, the
@@ -211,7 +223,7 @@ class Publisher:
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
                 world_size=self.group.world_size, step=step, meta=meta or {})
-            return m, commit(self.store, m, head, tag)
+            return m, commit(self.store, m, head, tag, signer=self.signer)
         except CommitConflict:
             raise
         except Exception as e:
