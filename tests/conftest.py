@@ -1,5 +1,11 @@
 """Fixtures only; the helpers tests import are in the dcr_testing package beside this file."""
 import functools
+import os
+
+# The device path's Triton kernels run on CPU tensors in Triton's interpreter in this suite; the
+# mode is fixed when a kernel is defined, so before any test imports nemo_dcr.device. On a GPU
+# the kernels are checked by tests/gpu/run_gpu.py, outside pytest.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 

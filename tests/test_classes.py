@@ -9,6 +9,7 @@ import torch
 
 from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, diff
 from nemo_dcr.codec import classes, native
+from nemo_dcr.codec.ordered import unsigned
 from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.state.index_map import ShardSpec
 
@@ -48,6 +49,11 @@ def _check(old, new, mant, native_too=True):
     ref = classes.encode_reference(old, new, mant)
     if native_too and native.lib() is not None:
         assert classes.encode(old, new, mant, use_native=True) == ref  # same bytes, same table
+        placed = classes.place(old, new, mant)  # the device path's host coder: the changes alone
+        if placed is not None:
+            idx, c, r = placed
+            uo, un = unsigned(old[idx]), unsigned(new[idx])
+            assert classes.encode_ranked(c, r, uo, un, old.element_size(), mant, use_native=True) == ref
     k, rows, pos, val = ref
     want = torch.nonzero(old != new).squeeze(1)
     assert k == want.numel()

@@ -147,34 +147,51 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     ``portable``: the smallest of xor, add and overwrite. ``dtype`` (the tensor's) enables
     ``classes``; without it only the other codings are used."""
     n = new.numel()
-    w = new.element_size()
-    use_classes = (old is not None and dtype is not None and classes.applicable(dtype)
-                   and encoding in (AUTO, CLASSES))
-    if encoding == CLASSES and not use_classes:
-        encoding = AUTO if old is None else PORTABLE  # not applicable: the smallest of the rest
+    encoding, use_classes = plan_encoding(encoding, old is not None, dtype)
     cls_try, cidx = None, None
     if use_classes:
         k, rows, pbytes, vbytes, cidx = classes.encode(old, new, classes.MANTISSA[dtype], with_idx=True)
         if k == 0:
             return None
         cls_try = (k, rows, pbytes, vbytes)
-        cost = len(pbytes) + len(vbytes) + _ROW_BYTES * len(rows)
-        if encoding == CLASSES or cost <= CLASSES_ENOUGH * k:
-            return _classes_chunk(old, new, start, n, cls_try, {CLASSES: cost}, keep_changes, cidx)
     if old is None:
         idx = torch.arange(n, dtype=torch.int64)
-        newv, xorv, prev = new, None, None
+        newv, prev = new, None
     elif cidx is not None:  # the classes kernel found the changes already
         idx, prev, newv = cidx, old[cidx], new[cidx]
-        xorv = torch.bitwise_xor(prev, newv)
     else:
         x = torch.bitwise_xor(old, new)
         idx = torch.nonzero(x).squeeze(1)
         if idx.numel() == 0:
             return None
-        newv = new[idx]
-        xorv = x[idx]
-        prev = old[idx]
+        newv, prev = new[idx], old[idx]
+    return encode_changes(idx, prev, newv, n, start, encoding, level, keep_changes, is_float, cls_try)
+
+
+def plan_encoding(encoding: str, has_base: bool, dtype: torch.dtype | None) -> tuple[str, bool]:
+    """-> (the encoding to use, whether to try ``classes``): ``classes`` asked where it does not
+    apply becomes the smallest of the rest."""
+    use_classes = has_base and dtype is not None and classes.applicable(dtype) and encoding in (AUTO, CLASSES)
+    if encoding == CLASSES and not use_classes:
+        encoding = AUTO if not has_base else PORTABLE
+    return encoding, use_classes
+
+
+def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Tensor, n: int, start: int,
+                   encoding: str, level: int = 3, keep_changes: bool = False, is_float: bool = True,
+                   cls_try: tuple | None = None) -> EncodedChunk:
+    """The chunk from its changes alone (O(changes)): ``idx`` their positions in the chunk
+    (increasing), ``prev``/``newv`` their old (None: no base, every element sent) and new bits,
+    ``cls_try`` the ``classes`` coding of the chunk (k, rows, position bytes, value bytes) where
+    ``plan_encoding`` says to try it. What ``encode_chunk`` ends with, and what the device path
+    (``nemo_dcr/device``) calls with the compact change stream, so both give the same bytes."""
+    if cls_try is not None:
+        k, rows, pbytes, vbytes = cls_try
+        cost = len(pbytes) + len(vbytes) + _ROW_BYTES * len(rows)
+        if encoding == CLASSES or cost <= CLASSES_ENOUGH * k:
+            return _classes_chunk(prev, newv, start, n, cls_try, {CLASSES: cost}, keep_changes, idx)
+    w = newv.element_size()
+    xorv = None if prev is None else torch.bitwise_xor(prev, newv)
     k = idx.numel()
     pos_coding, pos_raw = positions.encode(idx, n)
     pos_bytes, pos_z = pack(pos_raw, level)
@@ -192,7 +209,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
         sizes[CLASSES] = len(cls_try[2]) + len(cls_try[3]) + _ROW_BYTES * len(cls_try[1])
     enc = min(sizes, key=lambda e: (sizes[e], _PREFER[e]))
     if enc == CLASSES:
-        return _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx)
+        return _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx)
     val_bytes, val_z = tried[enc]
     return EncodedChunk(
         start=start, n=n, k=k, enc=enc, pos=pos_coding, pos_bytes=pos_bytes, val_bytes=val_bytes,
@@ -203,9 +220,8 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     )
 
 
-def _classes_chunk(old, new, start, n, cls_try, sizes, keep_changes, idx) -> EncodedChunk:
+def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx) -> EncodedChunk:
     k, rows, pbytes, vbytes = cls_try
-    prev, newv = old[idx], new[idx]
     return EncodedChunk(
         start=start, n=n, k=k, enc=CLASSES, pos=CLASSES, pos_bytes=pbytes, val_bytes=vbytes,
         pos_raw=len(pbytes), val_raw=len(vbytes), pos_z=False, val_z=False,

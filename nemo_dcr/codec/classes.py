@@ -122,8 +122,9 @@ class _Reader:
 
 # ----------------------------------------------------------------------------- reference codec
 
-def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
-    """old/new: 1-D integer views of one chunk. -> (k, table rows, position bytes, value bytes)."""
+def place(old: torch.Tensor, new: torch.Tensor, mant: int):
+    """Where each change of a chunk sits in the coding: -> (positions, their clamped classes,
+    their ranks among the chunk's elements of that class), or None when nothing changed."""
     w = new.element_size()
     uo, un = unsigned(old), unsigned(new)
     n = uo.numel()
@@ -131,15 +132,35 @@ def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
     idx = torch.nonzero(uo != un).squeeze(1)
     k = idx.numel()
     if k == 0:
-        return 0, [], b"", b""
+        return None
     lo, hi = class_range(exp[idx], k)
     cls = exp.clamp(lo, hi)
     order = torch.argsort(cls, stable=True)
     inv = torch.empty(n, dtype=torch.int64)
     inv[order] = torch.arange(n)
     first = torch.searchsorted(cls[order], torch.arange(int(cls.max()) + 1))
-    rank = inv[idx] - first[cls[idx]]
-    c_ch = cls[idx]
+    return idx, cls[idx], inv[idx] - first[cls[idx]]
+
+
+def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
+    """old/new: 1-D integer views of one chunk. -> (k, table rows, position bytes, value bytes)."""
+    placed = place(old, new, mant)
+    if placed is None:
+        return 0, [], b"", b""
+    idx, cls, rank = placed
+    return encode_ranked_reference(cls, rank, unsigned(old)[idx], unsigned(new)[idx], new.element_size())
+
+
+def encode_ranked_reference(c_ch: torch.Tensor, rank: torch.Tensor, uo: torch.Tensor, un: torch.Tensor, w: int):
+    """The coding of one chunk's changes once each is placed: ``c_ch`` its (clamped) class,
+    ``rank`` its rank among the chunk's elements of that class, ``uo``/``un`` its unsigned old
+    and new bits, all 1-D int64 in position order. -> (k, rows, position bytes, value bytes).
+    What ``encode_reference`` ends with; the device path (``nemo_dcr/device``) finds the
+    classes and ranks on the GPU and calls ``encode_ranked`` on the host with O(changes) data."""
+    k = c_ch.numel()
+    if k == 0:
+        return 0, [], b"", b""
+    idx = torch.arange(k)
     o = torch.argsort(c_ch, stable=True)
     c_ch, rank, idx = c_ch[o], rank[o], idx[o]
     mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
@@ -282,6 +303,37 @@ def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | N
         lib.dcr_free(ip)
     rows = table[: ntab.value * ROW].reshape(-1, ROW).tolist()
     return (int(k), rows, pos, val, idx) if with_idx else (int(k), rows, pos, val)
+
+
+def encode_ranked(c_ch: torch.Tensor, rank: torch.Tensor, uo: torch.Tensor, un: torch.Tensor, w: int,
+                  mant: int, use_native: bool | None = None):
+    """As ``encode_ranked_reference``, with the C kernel when it is available (the tail of
+    ``dcr_cls_encode``, on the changes alone)."""
+    lib = native.lib() if use_native is not False else None
+    if lib is None:
+        if use_native:
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
+        return encode_ranked_reference(c_ch, rank, uo, un, w)
+    k = c_ch.numel()
+    c_ch, rank = c_ch.to(torch.int64).contiguous(), rank.to(torch.int64).contiguous()
+    ov, nv = to_bits(uo, w).contiguous(), to_bits(un, w).contiguous()  # w bytes per change
+    table = torch.empty(256 * ROW, dtype=torch.int64)
+    ntab, plen, vlen = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+    pp, vp = ctypes.c_void_p(), ctypes.c_void_p()
+    r = lib.dcr_cls_encode_ranked(_ptr(c_ch), _ptr(rank), _ptr(ov), _ptr(nv), k, w, mant, _ptr(table),
+                                  ctypes.byref(ntab), ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp),
+                                  ctypes.byref(vlen))
+    if r < 0:
+        raise DcrError(f"classes encode failed in the C kernel: {_ERRORS.get(r, r)}")
+    try:
+        pos = ctypes.string_at(pp, plen.value) if plen.value else b""
+        val = ctypes.string_at(vp, vlen.value) if vlen.value else b""
+    finally:
+        lib.dcr_free(pp)
+        lib.dcr_free(vp)
+    if k == 0:
+        return 0, [], b"", b""
+    return k, table[: ntab.value * ROW].reshape(-1, ROW).tolist(), pos, val
 
 
 def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, use_native: bool | None = None):

@@ -123,18 +123,24 @@ def _check(t: _Target, c: ChunkEntry, cur: torch.Tensor, in_journal: bool) -> bo
     return False
 
 
+def new_bits(name: str, c: ChunkEntry, dtype: torch.dtype, cur: torch.Tensor | None, vals: torch.Tensor,
+             xor_ok: bool = True) -> torch.Tensor:
+    """The new bits of chunk ``c``'s changes from its decoded values and the bits held there
+    (``cur``; torch ops, so on whatever device they are: the device path uses it too)."""
+    if c.enc in (OVERWRITE, CLASSES):
+        return vals
+    if not xor_ok:
+        raise DeltaFormatError(f"{name}: a {c.enc} chunk in a whole-tensor entry")
+    if c.enc == ADD:
+        if dtype.itemsize not in ordered.WIDTHS:
+            raise DeltaFormatError(f"{name}: an add chunk for a {dtype.itemsize}-byte dtype")
+        return ordered.decode(cur, vals, dtype.is_floating_point)
+    return torch.bitwise_xor(cur, vals)
+
+
 def _write(t: _Target, c: ChunkEntry, local: torch.Tensor, cur: torch.Tensor | None, vals: torch.Tensor):
     """Write the chunk's new bits; returns them."""
-    if c.enc in (OVERWRITE, CLASSES):
-        new = vals
-    elif not t.xor_ok:
-        raise DeltaFormatError(f"{t.plan.name}: a {c.enc} chunk in a whole-tensor entry")
-    elif c.enc == ADD:
-        if t.w not in ordered.WIDTHS:
-            raise DeltaFormatError(f"{t.plan.name}: an add chunk for a {t.w}-byte dtype")
-        new = ordered.decode(cur, vals, t.dtype.is_floating_point)
-    else:
-        new = torch.bitwise_xor(cur, vals)
+    new = new_bits(t.plan.name, c, t.dtype, cur, vals, t.xor_ok)
     t.fa.scatter(local, new)
     return new
 

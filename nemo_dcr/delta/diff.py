@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import io
 import time
-from typing import BinaryIO, Mapping
+from typing import BinaryIO, Callable, Mapping
 
 import torch
 
 from nemo_dcr import __version__
-from nemo_dcr.codec.chunk import AUTO, CHOICES, encode_chunk
+from nemo_dcr.codec.chunk import AUTO, CHOICES, EncodedChunk, encode_chunk
 from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
@@ -30,12 +30,17 @@ from nemo_dcr.util.progress import NullProgress, Progress
 DEFAULT_CHUNK = 1 << 20  # elements per chunk: bounds encode/apply scratch
 DEFAULT_LEVEL = 3
 
+#: ``chunker(name, old, new, chunk_elems, encoding, level, keep_changes)``: a tensor's chunks
+#: found elsewhere (the device path), or None (the reference encodes it); see ``diff``.
+Chunker = Callable[[str, torch.Tensor, torch.Tensor, int, str, int, bool], "list[EncodedChunk] | None"]
+
 
 def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
          level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
          out: BinaryIO | None = None, progress: bool | None = None,
-         on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None):
+         on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None,
+         chunker: Chunker | None = None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -48,6 +53,10 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     ``base_digests``: name -> the tensor digest of ``base[name]`` as a previous ``diff`` wrote it
     (its ``target_digest``), for a base the caller keeps private and unchanged since (the
     publisher's snapshot): that base is then not hashed again. A name missing is hashed.
+    ``chunker(name, old, new, chunk_elems, encoding, level, keep_changes)``: the chunks of a
+    tensor in delta (same dtype and shape) found elsewhere, the same ``EncodedChunk``s the
+    reference would make (the device path, ``nemo_dcr/device/trainer.py``), or None to let the
+    reference encode that tensor.
     """
     if encoding not in CHOICES:
         raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
@@ -68,7 +77,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     with bar:
         for name in names:
             entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
-                                   chunk_elems, workers, bar, on_change, known.get(name))
+                                   chunk_elems, workers, bar, on_change, known.get(name), chunker)
             entries.append(entry)
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
@@ -92,7 +101,8 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
 
 
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
-                   on_change: OnChange | None = None, known_base: str | None = None) -> dict:
+                   on_change: OnChange | None = None, known_base: str | None = None,
+                   chunker: Chunker | None = None) -> dict:
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)
@@ -114,25 +124,32 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     of = FlatAccess(old) if old is not None else None
     n = nf.numel
     ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
+    found = None if chunker is None or old is None else \
+        chunker(name, old, new, chunk_elems, encoding, level, on_change is not None)
     region_map = IndexMap(spec) if on_change is not None else None
     digests = {"base": known_base} if old is not None and known_base else {}
 
     def job(r):
-        if r[0] == "digest":  # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
+        # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
+        if isinstance(r, tuple) and r[0] == "digest":
             digests[r[1]] = tensor_digest(new if r[1] == "target" else old)
             return None, 0
-        s, e = r
-        c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
-                         keep_changes=on_change is not None, is_float=new.dtype.is_floating_point, dtype=new.dtype)
+        if isinstance(r, EncodedChunk):  # found by the chunker
+            c, s = r, r.start
+        else:
+            s, e = r
+            c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
+                             keep_changes=on_change is not None, is_float=new.dtype.is_floating_point,
+                             dtype=new.dtype)
         if c is not None and on_change is not None:
             idx, oldv, newv = c.changes
             on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
             c.changes = None
-        return c, (e - s) * new.element_size()
+        return c, (c.n if isinstance(r, EncodedChunk) else e - s) * new.element_size()
 
     chunks = []
     jobs = [("digest", "target")] + ([("digest", "base")] if old is not None and "base" not in digests else []) \
-        + ranges
+        + (ranges if found is None else found)
     for c, nbytes in ordered_map(job, jobs, workers):
         bar.update(nbytes)
         if c is not None:

@@ -23,7 +23,8 @@ HASH_RANGE = 1 << 22  # elements hashed per update
 
 
 def _bytes(bits: torch.Tensor):
-    return bits.contiguous().view(torch.uint8).numpy().data
+    # .cpu(): a device tensor (the device path's snapshot) is hashed one bounded range at a time
+    return bits.contiguous().view(torch.uint8).cpu().numpy().data
 
 
 class RunningDigest:

@@ -61,12 +61,16 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 class Publisher:
     def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group: ProcessGroup | None = None, signer="env"):
+                 group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device"):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing). ``signer``: a
         :class:`~nemo_dcr.sync.signing.Signer` that signs every manifest and HEAD; ``"env"``
-        (default): from ``$NEMO_DCR_SIGNING_KEY(_FILE)`` if set; None: unsigned."""
+        (default): from ``$NEMO_DCR_SIGNING_KEY(_FILE)`` if set; None: unsigned. ``device``:
+        "auto" or "on" diffs CUDA tensors on the device against a snapshot kept there
+        (``keep="device"``) or in pinned host memory (``keep="pinned"``), and only the compact
+        change stream comes to the host (``nemo_dcr/device``; same bytes); "off" (default): the
+        host snapshot and the reference encoder. The first publish logs which path runs."""
         from nemo_dcr.stores import open_store
         from nemo_dcr.sync.signing import resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
@@ -82,6 +86,9 @@ class Publisher:
         # name -> tensor digest of _base[name], as the diff that published it wrote it: _base is
         # private and unchanged since, so the next diff need not hash it again
         self._tensor_digests: dict = {}
+        self.device, self.keep = device, keep
+        self._dev = None  # the device path's DeviceSnapshot (its tensors are _base), once chosen
+        self._dev_chosen = False
 
     @property
     def version(self) -> int | None:
@@ -116,8 +123,11 @@ class Publisher:
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
         local = {}
 
+        dev = self._device_path(tensors)
+
         def upload():
-            local["snap"], local["shards"] = snapshot(tensors), dict(shards or {})
+            # the device path keeps its own snapshot and diffs the live tensors against it
+            local["snap"], local["shards"] = dict(tensors) if dev else snapshot(tensors), dict(shards or {})
             if head is not None and not _same_head(self._head, head):
                 try:  # fresh publisher, or the store moved on; every rank fails alike (Group.run)
                     g.run(lambda: self._restore(head, local["snap"], local["shards"]),
@@ -138,6 +148,9 @@ class Publisher:
         manifest, new_head = g.run(
             lambda: self._commit(receipts, head, tag, version, publish_id, step, meta) if g.rank == 0 else None,
             f"committing version {version}", src=0)
+        if dev:  # the snapshot becomes what was published: O(changes) where the device pass ran
+            dev.commit(local["snap"]) if self._base is dev.tensors else dev.reset(local["snap"])
+            local["snap"] = dev.tensors
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
         self._tensor_digests = local["tensor_digests"]
         if self.retain is not None:
@@ -162,19 +175,27 @@ class Publisher:
         d = version_dir(version, publish_id)
         out = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
+        dev = self._dev
+        if dev:  # the full-state steps (keyframe, first digest) read host copies, one tensor at a time
+            from nemo_dcr.device.trainer import HostView
+            host = HostView(snap)
+        else:
+            host = snap
         if head is not None and self._base is not None:
             change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
-            blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
+            base, target = dev.views(snap) if dev else (self._base, snap)
+            blob = diff(base, target, shards=shards, base_shards=self._shards, encoding=self.encoding,
                         level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
-                        on_change=change, progress=False, base_digests=self._tensor_digests)
+                        on_change=change, progress=False, base_digests=self._tensor_digests,
+                        chunker=dev.chunker if dev else None)
             out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
             digests = target_digests(blob)
             new_digest = self._digest + change.total
         else:
-            new_digest = state_contrib(snap, shards)
+            new_digest = state_contrib(host, shards)
         digests = {}
         if kf:
-            blob = diff({}, snap, shards=shards, encoding="overwrite", level=self.level,
+            blob = diff({}, host, shards=shards, encoding="overwrite", level=self.level,
                         chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
             out["keyframe_parts"].append(self._put(f"{d}/key-{rank:05d}.dcr", blob))
             digests = target_digests(blob)
@@ -208,6 +229,15 @@ class Publisher:
         except Exception as e:
             raise PublishError(f"commit failed: {type(e).__name__}: {e}") from e
 
+    def _device_path(self, tensors):
+        """The device path's snapshot, when it runs (chosen, and logged, at the first publish)."""
+        if not self._dev_chosen and self.device != "off":
+            from nemo_dcr.device.trainer import DeviceSnapshot, choose
+            self._dev_chosen = True
+            if choose(self.device, tensors):
+                self._dev = DeviceSnapshot(self.keep)
+        return self._dev
+
     def _restore(self, head: Head, like: dict, shards: dict) -> None:
         """Rebuild this rank's part of the published state at ``head`` from the store."""
         from nemo_dcr.sync.follower import Follower
@@ -215,12 +245,15 @@ class Publisher:
         # applies the tensors it holds) or a shard. A single rank starts empty, so the published
         # state is rebuilt with exactly its own tensor set, dtypes and shapes, not the new
         # snapshot's (tensors added, removed, reshaped or re-typed since then).
-        tensors = {k: torch.zeros_like(v) for k, v in like.items()
+        tensors = {k: torch.zeros_like(v, device="cpu") for k, v in like.items()
                    if self.group.active or (k in shards and not shards[k].is_full)}
         f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers)
         f.sync(head.version, head=head)
-        self._base, self._shards, self._head = tensors, shards, head
         self._digest = state_contrib(tensors, shards)
+        if self._dev is not None:  # the rebuilt base goes where the device path keeps it
+            self._dev.reset(tensors, like)
+            tensors = self._dev.tensors
+        self._base, self._shards, self._head = tensors, shards, head
         self._tensor_digests = {}  # rebuilt, not published from here: hashed by the next diff
 
 

@@ -347,6 +347,96 @@ static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, int lo
 }
 #endif
 
+/* ------------------------------------------------------------------ encode, once placed */
+/* The coding of k changes once each is placed: ex[j] its class (< nc), rank[j] its rank among
+ * the chunk's elements of that class, its old and new bits at element at(j) of oldp/newp, where
+ * at(j) = cidx[j] (whole chunks) or j (cidx NULL: the changes' bits alone, compact); position
+ * order. What dcr_cls_encode ends with, and all the device path leaves to the host. */
+static int encode_placed(int64_t k, int nc, int w, const uint8_t *ex, const uint64_t *rank,
+                         const void *oldp, const void *newp, const int64_t *cidx,
+                         int64_t *table, int64_t *ntab, uint8_t **pos_out, int64_t *plen,
+                         uint8_t **val_out, int64_t *vlen) {
+    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    /* pass C: counting sort of the changes by class (stable: index order within a class) */
+    int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
+    for (int64_t j = 0; j < k; j++) ccount[ex[j] + 1]++;
+    for (int c = 0; c < nc; c++) ccount[c + 1] += ccount[c];
+    int64_t fill[256]; memcpy(fill, ccount, sizeof fill);
+    uint64_t *gap = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* rank gaps, class order */
+    uint64_t *mag = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference|, class order */
+    uint8_t *neg = (uint8_t *)malloc((size_t)(k ? k : 1));
+    uint64_t *tmp = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
+    if (!gap || !mag || !neg || !tmp) { free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
+    for (int64_t j = 0; j < k; j++) {
+        int64_t i = cidx ? cidx[j] : j;
+        uint64_t uo = load_u(oldp, i, w), un = load_u(newp, i, w);
+        int64_t at = fill[ex[j]]++;
+        uint64_t d = (key_of(un, mask, sign) - key_of(uo, mask, sign)) & mask;
+        if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
+        gap[at] = rank[j];
+    }
+    /* rank -> gap within each class */
+    for (int c = 0; c < nc; c++)
+        for (int64_t j = ccount[c + 1] - 1; j > ccount[c]; j--) gap[j] = gap[j] - gap[j - 1] - 1;
+    writer pw, vw;
+    w_init(&pw, k + 16); w_init(&vw, k / 4 + 16);
+    {   /* the sign bits, 8 at a time (the stream starts byte-aligned) */
+        int64_t j = 0;
+        for (; j + 8 <= k; j += 8) {
+            uint64_t byte = 0;
+            for (int b = 0; b < 8; b++) byte |= (uint64_t)neg[j + b] << b;
+            w_put(&vw, byte, 8);
+        }
+        for (; j < k; j++) w_put(&vw, neg[j], 1);
+    }
+    int64_t rows = 0;
+    for (int c = 0; c < nc; c++) {
+        int64_t a = ccount[c], kc = ccount[c + 1] - a;
+        if (!kc) continue;
+        int64_t *row = table + TAB * rows++;
+        int kp = choose_k_gen(gap + a, kc);
+        for (int64_t j = 0; j < kc; j++) w_rice(&pw, gap[a + j], kp);
+        int64_t bc = 0, last = -1;
+        for (int64_t j = 0; j < kc; j++)
+            if (mag[a + j] >= 2) { tmp[bc++] = (uint64_t)(j - last - 1); last = j; }
+        int kb = 0, ke = 0;
+        if (bc) {
+            kb = choose_k_gen(tmp, bc);
+            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], kb);
+            int64_t b = 0;
+            for (int64_t j = 0; j < kc; j++) if (mag[a + j] >= 2) tmp[b++] = mag[a + j] - 2;
+            ke = choose_k_gen(tmp, bc);
+            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], ke);
+        }
+        row[0] = c; row[1] = kc; row[2] = kp; row[3] = bc; row[4] = kb; row[5] = ke;
+    }
+    free(gap); free(mag); free(neg); free(tmp);
+    w_finish(&pw); w_finish(&vw);
+    if (pw.oom || vw.oom) { free(pw.buf); free(vw.buf); return E_NOMEM; }
+    *ntab = rows; *pos_out = pw.buf; *plen = pw.len; *val_out = vw.buf; *vlen = vw.len;
+    return 0;
+}
+
+/* The device path's entry: cls/rank (int64, as the device pass found them), old/new the k
+ * changes' bits (w bytes each), position order. Returns k, or a negative error. */
+int64_t dcr_cls_encode_ranked(const int64_t *cls, const int64_t *rank, const void *oldv, const void *newv,
+                              int64_t k, int w, int mant, int64_t *table, int64_t *ntab, uint8_t **pos_out,
+                              int64_t *plen, uint8_t **val_out, int64_t *vlen) {
+    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || k < 0) return E_ARGS;
+    int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
+    const int nc = 1 << ebits;
+    uint8_t *ex = (uint8_t *)malloc((size_t)(k ? k : 1));
+    if (!ex) return E_NOMEM;
+    for (int64_t j = 0; j < k; j++) {
+        if (cls[j] < 0 || cls[j] >= nc || rank[j] < 0) { free(ex); return E_ARGS; }
+        ex[j] = (uint8_t)cls[j];
+    }
+    int e = encode_placed(k, nc, w, ex, (const uint64_t *)rank, oldv, newv, NULL, table, ntab, pos_out, plen,
+                          val_out, vlen);
+    free(ex);
+    return e < 0 ? e : k;
+}
+
 /* ------------------------------------------------------------------ encode */
 void dcr_free(void *p) { free(p); }
 
@@ -360,7 +450,7 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32)) return E_ARGS;
     int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
     const int nc = 1 << ebits;
-    const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
+    const uint64_t sign = 1ULL << (8 * w - 1);
     const uint64_t absmask = sign - 1;
     int64_t cap = 1024, k = 0;
     int64_t *cidx = (int64_t *)malloc((size_t)cap * 8);
@@ -409,63 +499,10 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
         else if (w == 4) rank_scalar(oldp, n, 4, mant, lo, hi, cidx, k, rank);
         else rank_scalar(oldp, n, 1, mant, lo, hi, cidx, k, rank);
     }
-    /* pass C: counting sort of the changes by class (stable: index order within a class) */
-    int64_t ccount[257]; memset(ccount, 0, sizeof ccount);
-    for (int64_t j = 0; j < k; j++) ccount[ex[j] + 1]++;
-    for (int c = 0; c < nc; c++) ccount[c + 1] += ccount[c];
-    int64_t fill[256]; memcpy(fill, ccount, sizeof fill);
-    uint64_t *gap = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* rank gaps, class order */
-    uint64_t *mag = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference|, class order */
-    uint8_t *neg = (uint8_t *)malloc((size_t)(k ? k : 1));
-    uint64_t *tmp = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
-    if (!gap || !mag || !neg || !tmp) { free(cidx); free(rank); free(ex); free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
-    for (int64_t j = 0; j < k; j++) {
-        uint64_t uo = load_u(oldp, cidx[j], w), un = load_u(newp, cidx[j], w);
-        int64_t at = fill[ex[j]]++;
-        uint64_t d = (key_of(un, mask, sign) - key_of(uo, mask, sign)) & mask;
-        if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
-        gap[at] = rank[j];
-    }
+    int e = encode_placed(k, nc, w, ex, rank, oldp, newp, cidx, table, ntab, pos_out, plen, val_out, vlen);
     free(rank); free(ex);
-    /* rank -> gap within each class */
-    for (int c = 0; c < nc; c++)
-        for (int64_t j = ccount[c + 1] - 1; j > ccount[c]; j--) gap[j] = gap[j] - gap[j - 1] - 1;
-    writer pw, vw;
-    w_init(&pw, k + 16); w_init(&vw, k / 4 + 16);
-    {   /* the sign bits, 8 at a time (the stream starts byte-aligned) */
-        int64_t j = 0;
-        for (; j + 8 <= k; j += 8) {
-            uint64_t byte = 0;
-            for (int b = 0; b < 8; b++) byte |= (uint64_t)neg[j + b] << b;
-            w_put(&vw, byte, 8);
-        }
-        for (; j < k; j++) w_put(&vw, neg[j], 1);
-    }
-    int64_t rows = 0;
-    for (int c = 0; c < nc; c++) {
-        int64_t a = ccount[c], kc = ccount[c + 1] - a;
-        if (!kc) continue;
-        int64_t *row = table + TAB * rows++;
-        int kp = choose_k_gen(gap + a, kc);
-        for (int64_t j = 0; j < kc; j++) w_rice(&pw, gap[a + j], kp);
-        int64_t bc = 0, last = -1;
-        for (int64_t j = 0; j < kc; j++)
-            if (mag[a + j] >= 2) { tmp[bc++] = (uint64_t)(j - last - 1); last = j; }
-        int kb = 0, ke = 0;
-        if (bc) {
-            kb = choose_k_gen(tmp, bc);
-            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], kb);
-            int64_t b = 0;
-            for (int64_t j = 0; j < kc; j++) if (mag[a + j] >= 2) tmp[b++] = mag[a + j] - 2;
-            ke = choose_k_gen(tmp, bc);
-            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], ke);
-        }
-        row[0] = c; row[1] = kc; row[2] = kp; row[3] = bc; row[4] = kb; row[5] = ke;
-    }
-    free(gap); free(mag); free(neg); free(tmp);
-    w_finish(&pw); w_finish(&vw);
-    if (pw.oom || vw.oom) { free(pw.buf); free(vw.buf); free(cidx); return E_NOMEM; }
-    *ntab = rows; *pos_out = pw.buf; *plen = pw.len; *val_out = vw.buf; *vlen = vw.len; *idx_out = cidx;
+    if (e < 0) { free(cidx); return e; }
+    *idx_out = cidx;
     return k;
 }
 

@@ -1,0 +1,351 @@
+#!/usr/bin/env python
+"""GPU check of the device path (issue 12), not collected by pytest: one script, one call.
+
+    python tests/gpu/run_gpu.py [--quick] [--json OUT.json] [--bench-elems N] [--no-bench]
+    python tests/gpu/run_gpu.py --interpret     # the script itself, on CPU, under TRITON_INTERPRET=1
+
+Skips cleanly (exit 0, "SKIP: ..." on stdout) without CUDA or triton. Otherwise:
+
+1. **Kernels against the reference**, on the GPU: every dtype (floats with NaN payloads, +-inf,
+   +-0.0 and subnormals in base and changes; ints, bool, float64), odd sizes (1, 1023, 100 003,
+   2 000 003), odd and default chunkings, 1 % and 30 % change. ``diff_`` finds exactly the
+   changed elements (raw bits) and updates the snapshot; the chunks coded from the compact
+   stream equal ``codec/chunk.encode_chunk``'s (every encoding on the small sizes; auto and
+   classes on the large); ``apply_`` rebuilds the target and refuses a wrong pre-image with
+   nothing written; ``digest_change`` is the digest difference; a non-contiguous input is
+   refused with DcrError (the publisher sends those through the reference).
+2. **Trainer -> store -> GPU receiver, end to end**: ``Publisher(device="on")`` (snapshot kept
+   on the device, and again in pinned host memory) publishes 3 versions of CUDA tensors (one
+   of them non-contiguous, one added, a keyframe) into a local store; every part is
+   byte-identical (but creation time and publish id) to a reference publisher's on host copies;
+   a reference ``Follower`` on CPU and the device receiver (``receive.apply_delta_`` on CUDA
+   tensors, state digest updated from the changes alone) both end bit-exact at the trainer's
+   state and digest.
+3. **Bench** (``--bench-elems`` BF16 elements, default 256M; ``--quick`` 64M), 1 % and 5 %
+   change: device memcpy of the shard; the fused diff (compact only, and with the ``classes``
+   class/rank pass) with the snapshot update; the host coder on the compact stream; the device
+   receiver (host decode + device apply); host<->device bytes per version for the device path
+   and for the reference path (which copies the shard to the host: measured, D2H).
+
+Prints one line per check and a summary; ``--json`` writes every figure. Exit 1 on any mismatch.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+import traceback
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description="GPU check of the nemo-dcr device path")
+    ap.add_argument("--quick", action="store_true", help="fewer sizes, a 64M-element bench")
+    ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--bench-elems", type=int, default=None, help="BF16 elements of the bench shard")
+    ap.add_argument("--no-bench", action="store_true")
+    ap.add_argument("--interpret", action="store_true",
+                    help="run on CPU tensors under TRITON_INTERPRET=1 with tiny sizes (checks the script)")
+    return ap.parse_args(argv)
+
+
+ARGS = parse()
+if ARGS.interpret:
+    os.environ["TRITON_INTERPRET"] = "1"
+else:
+    os.environ.pop("TRITON_INTERPRET", None)  # compiled kernels, not the interpreter
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import torch  # noqa: E402
+
+RESULTS = {"checks": [], "failures": [], "bench": [], "e2e": {}}
+
+
+def skip(why: str):
+    print(f"SKIP: {why}")
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump({"skipped": why}, f)
+    sys.exit(0)
+
+
+if not ARGS.interpret and not torch.cuda.is_available():
+    skip("no CUDA device")
+try:
+    import triton  # noqa: E402,F401
+except ImportError:
+    skip('triton is not installed (pip install "nemo-dcr[gpu]")')
+
+from dcr_testing.device_cases import FLOATS, INTS, make_pair  # noqa: E402
+
+from nemo_dcr.codec import classes  # noqa: E402
+from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
+from nemo_dcr.codec.format import DeltaReader  # noqa: E402
+from nemo_dcr.delta import diff  # noqa: E402
+from nemo_dcr.device.apply import PreImageMismatch, apply_, digest_change  # noqa: E402
+from nemo_dcr.device.diff import bits, diff_  # noqa: E402
+from nemo_dcr.device.encode import encode_changes_chunks  # noqa: E402
+from nemo_dcr.device.receive import apply_delta_  # noqa: E402
+from nemo_dcr.errors import DcrError  # noqa: E402
+from nemo_dcr.state.statedigest import StateDigest, state_contrib, tensor_contrib  # noqa: E402
+from nemo_dcr.stores import LocalStore  # noqa: E402
+from nemo_dcr.sync.follower import Follower  # noqa: E402
+from nemo_dcr.sync.publisher import Publisher  # noqa: E402
+
+DEV = torch.device("cpu") if ARGS.interpret else torch.device("cuda")
+
+
+def sync():
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def check(name: str, fn):
+    t0 = time.perf_counter()
+    try:
+        fn()
+        ok, err = True, None
+    except Exception as e:  # a check that fails is reported, the others still run
+        ok, err = False, f"{type(e).__name__}: {e}"
+        RESULTS["failures"].append({"check": name, "error": err, "traceback": traceback.format_exc()[-4000:]})
+    dt = time.perf_counter() - t0
+    RESULTS["checks"].append({"check": name, "ok": ok, "seconds": round(dt, 3)})
+    print(f"{'ok  ' if ok else 'FAIL'} {name} ({dt:.1f} s){'' if ok else ': ' + err}", flush=True)
+
+
+def eq_bits(a, b, what):
+    a, b = a.cpu(), b.cpu()
+    if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits(a.contiguous()), bits(b.contiguous())):
+        raise AssertionError(f"{what}: bits differ")
+
+
+def _header(c):
+    return c.header(0), c.pos_bytes, c.val_bytes, c.alt_val_len
+
+
+# ----------------------------------------------------------------------------- 1. kernels
+
+def kernel_case(dtype, n, rate, chunk, encodings):
+    base, live = make_pair(dtype, n, rate if n > 1 else 1.0, seed=n % 1000 + int(rate * 100))
+    snap, live_d = base.to(DEV, copy=True), live.to(DEV, copy=True)
+    ch = diff_(snap, live_d, chunk_elems=chunk)
+    ob, nb = bits(base), bits(live)
+    idx = torch.nonzero(ob != nb).squeeze(1)
+    if not (torch.equal(ch.pos.cpu(), idx) and torch.equal(ch.old.cpu(), ob[idx]) and torch.equal(ch.new.cpu(), nb[idx])):
+        raise AssertionError("changes differ from the reference's")
+    eq_bits(snap, live, "snapshot after the update")
+    chunk = chunk or max(n, 1)
+    for enc in encodings:
+        got = encode_changes_chunks(ch, enc, 3)
+        ref = [c for s in range(0, n, chunk)
+               if (c := encode_chunk(ob[s:s + chunk], nb[s:s + chunk], s, enc, 3, is_float=dtype.is_floating_point,
+                                     dtype=dtype)) is not None]
+        if [_header(c) for c in got] != [_header(c) for c in ref]:
+            raise AssertionError(f"encoding {enc}: chunks differ from encode_chunk's")
+    target = base.to(DEV, copy=True)
+    apply_(target, ch.pos, ch.new, ch.old)
+    eq_bits(target, live, "apply")
+    if ch.k:
+        target = base.to(DEV, copy=True)
+        wrong = ch.old.clone()
+        wrong[-1] ^= 1
+        try:
+            apply_(target, ch.pos, ch.new, wrong)
+            raise AssertionError("a wrong pre-image was not refused")
+        except PreImageMismatch:
+            pass
+        eq_bits(target, base, "target after a refused apply")
+    d = digest_change("t", dtype, (n,), ch.pos, ch.old, ch.new)
+    if tensor_contrib("t", base) + d != tensor_contrib("t", live):
+        raise AssertionError("digest_change is not the digest difference")
+
+
+def kernels_section():
+    sizes = [1, 1023] if ARGS.interpret else [1, 1023, 100_003]
+    if not ARGS.quick and not ARGS.interpret:
+        sizes.append(2_000_003)
+    for dtype in FLOATS + INTS:
+        for n in sizes:
+            for rate in (0.01, 0.3):
+                for chunk in ((None, 4099) if n > 4099 else (None, 100)):
+                    encs = CHOICES if n <= 100_003 else ("auto", "classes")
+                    name = f"kernels {str(dtype).removeprefix('torch.')} n={n} rate={rate} chunk={chunk}"
+                    check(name, lambda: kernel_case(dtype, n, rate, chunk, encs))
+
+    def noncontig():
+        a = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEV)
+        try:
+            diff_(a.clone().t(), a.t())
+            raise AssertionError("a non-contiguous input was taken")
+        except DcrError:
+            pass
+    check("kernels refuse non-contiguous inputs", noncontig)
+
+
+# ----------------------------------------------------------------------------- 2. end to end
+
+def _same_part(a: bytes, b: bytes):
+    ra, rb = DeltaReader(a), DeltaReader(b)
+    ha, hb = dict(ra.raw_header), dict(rb.raw_header)
+    for h in (ha, hb):
+        h.pop("created"), h.get("meta", {}).pop("publish_id", None)
+    if ha != hb or bytes(ra.buf[:ra.payload_end]) != bytes(rb.buf[:rb.payload_end]):
+        raise AssertionError("a part differs from the reference publisher's")
+
+
+def _versions():
+    n = 1 << 14 if ARGS.interpret else 1 << 22
+    w0, w1 = make_pair(torch.bfloat16, n, 0.01, 1)
+    x0, x1 = make_pair(torch.float32, 300 * 333, 0.05, 2)
+    i0, i1 = make_pair(torch.int32, 10_001, 0.1, 3)
+    f0, f1 = make_pair(torch.float8_e4m3fn, 5000, 0.05, 4)
+    v0 = {"w": w0, "x": x0.view(300, 333), "i": i0, "f8": f0, "nc": torch.arange(64.0).view(8, 8)}
+    v1 = {"w": w1, "x": x1.view(300, 333), "i": i1, "f8": f1, "nc": torch.arange(64.0).view(8, 8) + 1,
+          "new": torch.ones(7, dtype=torch.float16)}
+    v2 = {k: v.clone() for k, v in v1.items()}
+    v2["w"][::5] = w0[::5]
+    return [v0, v1, v2]
+
+
+def e2e(keep: str):
+    versions = _versions()
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = Publisher(LocalStore(os.path.join(tmp, "ref")), keyframe_every=2, chunk_elems=1 << 16)
+        pub = Publisher(LocalStore(os.path.join(tmp, "dev")), keyframe_every=2, chunk_elems=1 << 16,
+                        device="on", keep=keep)
+        live, recv, digest = {}, None, None
+        for v, state in enumerate(versions):
+            live.clear()
+            for k, t in state.items():
+                d = t.to(DEV, copy=True)
+                live[k] = d.t().contiguous().t() if k == "nc" else d  # "nc": a non-contiguous CUDA tensor
+            a, b = ref.publish({k: t.cpu() for k, t in live.items()}), pub.publish(live)
+            if a.manifest.target_digest != b.manifest.target_digest:
+                raise AssertionError(f"version {v}: target digests differ")
+            for pa, pb in zip(a.manifest.parts + a.manifest.keyframe_parts,
+                              b.manifest.parts + b.manifest.keyframe_parts, strict=True):
+                _same_part(ref.store.get(pa.key), pub.store.get(pb.key))
+            if v == 0:  # the device receiver starts where a keyframe load leaves it: version 0
+                recv = {k: t.to(DEV, copy=True).contiguous() for k, t in state.items()}
+                digest = StateDigest.from_hex(b.manifest.target_digest)
+                continue
+            for p in b.manifest.parts:  # host decode, device apply, O(changes) digest update
+                digest = digest + apply_delta_(recv, pub.store.get(p.key), device=DEV)
+            if digest.hex() != b.manifest.target_digest:
+                raise AssertionError(f"version {v}: the device receiver's state digest differs")
+        for k, t in versions[-1].items():
+            eq_bits(recv[k], t, f"device receiver {k}")
+        eq_bits(pub.published[0]["w"], versions[-1]["w"], "the trainer's snapshot")
+        cpu_recv = {k: torch.zeros_like(t) for k, t in versions[0].items()}
+        Follower(LocalStore(os.path.join(tmp, "dev")), cpu_recv).sync()
+        for k, t in versions[-1].items():
+            eq_bits(cpu_recv[k], t, f"reference follower {k}")
+        RESULTS["e2e"][keep] = {"versions": len(versions), "ok": True}
+
+
+def e2e_section():
+    check("end to end, snapshot on the device", lambda: e2e("device"))
+    check("end to end, snapshot in pinned host memory", lambda: e2e("pinned"))
+
+
+# ----------------------------------------------------------------------------- 3. bench
+
+def timed(fn, reps=3):
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def bench_section():
+    n = ARGS.bench_elems or ((1 << 14) if ARGS.interpret else (64 << 20 if ARGS.quick else 256 << 20))
+    nbytes = 2 * n
+    g = torch.Generator(device=DEV).manual_seed(0)
+    base = (torch.randn(n, device=DEV, generator=g) * 0.02).to(torch.bfloat16)
+    dst = torch.empty_like(base)
+    t_memcpy = timed(lambda: dst.copy_(base))
+    memcpy_gbs = 2 * nbytes / t_memcpy / 1e9  # read + write
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=DEV.type == "cuda")
+    t_d2h = timed(lambda: host.copy_(base), reps=2)
+    print(f"bench: {n} BF16 elements ({nbytes / 1e9:.2f} GB); device memcpy {memcpy_gbs:.0f} GB/s; "
+          f"D2H of the shard (what the reference path copies per version) {nbytes / t_d2h / 1e9:.1f} GB/s", flush=True)
+    for rate in (0.01, 0.05):
+        live = base.clone()
+        k = int(rate * n)
+        idx = torch.randperm(n, device=DEV, generator=g)[:k]
+        bv = bits(live)
+        bv[idx] = bv[idx] + torch.where(torch.rand(k, device=DEV, generator=g) < 0.5, 1, -1).to(bv.dtype)
+        snap = base.clone()
+        t_compact = timed(lambda: diff_(snap, live, chunk_elems=1 << 20, use_classes=False, update=False))
+        t_fused = timed(lambda: diff_(snap, live, chunk_elems=1 << 20, use_classes=True, update=False))
+        ch = diff_(snap, live, chunk_elems=1 << 20, use_classes=True, update=False)
+        # the snapshot update after a commit: the changes written (checked), then undone, timed as pairs
+        t_update = timed(lambda: (apply_(snap, ch.pos, ch.new, ch.old), apply_(snap, ch.pos, ch.old, ch.new))) / 2
+        t0 = time.perf_counter()
+        ch_host = ch.cpu()
+        t_stream_d2h = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        chunks = encode_changes_chunks(ch_host, "classes", 3)
+        t_host_code = time.perf_counter() - t0
+        # the receiver: a delta of those chunks, host decode + device apply
+        # (diff with the chunks found on the device; its tensor digests read the shard on the host)
+        blob = diff({"w": base}, {"w": live}, encoding="classes", chunk_elems=1 << 20, progress=False,
+                    chunker=lambda *a: chunks)
+        target = base.clone()
+        t0 = time.perf_counter()
+        apply_delta_({"w": target}, blob)
+        sync()
+        t_recv = time.perf_counter() - t0
+        eq_bits(target, live, "bench receiver")
+        row = {
+            "elements": n, "rate": rate, "changes": ch.k, "shard_bytes": nbytes,
+            "memcpy_s": t_memcpy, "memcpy_GBps": memcpy_gbs,
+            "compact_s": t_compact, "compact_GBps_read": 2 * nbytes / t_compact / 1e9,
+            "fused_classes_s": t_fused, "fused_classes_GBps_read": 2 * nbytes / t_fused / 1e9,
+            "fused_vs_memcpy_bw": (2 * nbytes / t_fused) / (2 * nbytes / t_memcpy),
+            "snapshot_update_s": t_update, "stream_d2h_s": t_stream_d2h, "host_code_s": t_host_code,
+            "delta_bytes": len(blob), "receiver_decode_apply_s": t_recv,
+            # trainer: the compact stream comes up; receiver: positions + new bits go down, the
+            # pre-image bits come up for the chunk digests (classes chunks: the base chunk too)
+            "device_path_d2h_bytes": ch.nbytes(), "receiver_h2d_bytes": ch.k * (8 + 2),
+            "reference_path_d2h_bytes": nbytes, "reference_d2h_s": t_d2h,
+        }
+        RESULTS["bench"].append(row)
+        print(f"bench rate {rate}: compact {row['compact_GBps_read']:.0f} GB/s read, fused+classes "
+              f"{row['fused_classes_GBps_read']:.0f} GB/s ({row['fused_vs_memcpy_bw']:.0%} of memcpy), host coder "
+              f"{t_host_code:.2f} s, receiver {t_recv:.2f} s, D2H {ch.nbytes() / 1e6:.1f} MB vs {nbytes / 1e6:.0f} MB",
+              flush=True)
+
+
+def main():
+    info = {"device": torch.cuda.get_device_name() if DEV.type == "cuda" else "cpu (interpreter)",
+            "torch": torch.__version__, "triton": triton.__version__, "quick": ARGS.quick}
+    RESULTS["info"] = info
+    print(json.dumps(info), flush=True)
+    t0 = time.perf_counter()
+    kernels_section()
+    e2e_section()
+    if not ARGS.no_bench:
+        check("bench", bench_section)
+    RESULTS["seconds"] = time.perf_counter() - t0
+    n_ok = sum(c["ok"] for c in RESULTS["checks"])
+    print(f"{n_ok}/{len(RESULTS['checks'])} checks passed in {RESULTS['seconds']:.0f} s", flush=True)
+    if ARGS.json:
+        with open(ARGS.json, "w") as f:
+            json.dump(RESULTS, f, indent=1)
+    return 0 if not RESULTS["failures"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
