@@ -96,3 +96,8 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     assert len(hashed) == len(target)  # target digests only; the snapshot's were known
     snap, _ = pub.published
     assert not set(hashed) - {t.data_ptr() for t in snap.values()}  # and they are of the new snapshot
+    hashed.clear()
+    third = {k: v.clone() for k, v in target.items()}
+    next(iter(third.values())).view(-1)[0] += 1
+    pub.publish(third)  # a delta after a delta: the digests the previous delta wrote are reused too
+    assert len(hashed) == len(third)

@@ -193,7 +193,7 @@ class Publisher:
             new_digest = self._digest + change.total
         else:
             new_digest = state_contrib(host, shards)
-        digests = {}
+            digests = {}
         if kf:
             blob = diff({}, host, shards=shards, encoding="overwrite", level=self.level,
                         chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
