@@ -8,12 +8,17 @@ snapshot (so publishing every N steps sends the changes of N steps), uploads one
 gathers the parts' receipts over the trainer's own process group, and rank 0 commits the version
 once every part is durable. A rank that fails or dies before its receipt is gathered leaves no
 visible version.
+
+Pipelined: a rank's delta part uploads on a background thread while its keyframe part is
+encoded; the commit still comes after every upload of every rank returned.
+``PublishResult.spans`` records each stage (encode, upload, commit) with its start and end.
 """
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 import torch
@@ -23,6 +28,7 @@ from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
+from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
 
@@ -37,6 +43,7 @@ class PublishResult:
     changed: int
     elements: int
     seconds: float
+    spans: list = field(default_factory=list)  # Span per stage (this rank's), seconds from the start
 
     @property
     def version(self) -> int:
@@ -96,6 +103,7 @@ class Publisher:
         raised alike on every rank (``PublishError`` naming the ranks and their errors for the
         upload, ``CommitConflict`` for a lost race), and nothing is committed."""
         t0 = time.perf_counter()
+        spans = Spans(t0)
         g = self.group
         head, tag, publish_id = g.run(lambda: (*read_head(self.store), new_publish_id()) if g.rank == 0 else None,
                                       "read the store's HEAD", src=0)
@@ -115,47 +123,65 @@ class Publisher:
                     # a keyframe was asked for and the published state cannot be rebuilt (and
                     # verified) on every rank: publish the keyframe alone, no delta part
                     self._base = self._shards = self._head = self._digest = None
-            receipt, local["digest"] = self._upload(local["snap"], local["shards"], head, version, publish_id, kf)
+            receipt, local["digest"] = self._upload(local["snap"], local["shards"], head, version, publish_id, kf,
+                                                    spans)
             return receipt
 
         receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
                          note="no version committed")
+        t = time.perf_counter()
         manifest, new_head = g.run(
             lambda: self._commit(receipts, head, tag, version, publish_id, step, meta) if g.rank == 0 else None,
             f"committing version {version}", src=0)
+        spans.add("commit", f"version {version}", t)
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
         if self.retain is not None:
             from nemo_dcr.sync.retention import prune
             g.run(lambda: prune(self.store, new_head, keep=self.retain) if g.rank == 0 else None,
                   f"retention after version {version}", src=0)
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
-                             manifest.elements, time.perf_counter() - t0)
+                             manifest.elements, time.perf_counter() - t0, spans)
 
-    def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest]:
-        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``)."""
+    def _upload(self, snap, shards, head, version, publish_id, kf, spans: Spans) -> tuple[dict, StateDigest]:
+        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``). Each
+        object uploads on a background thread while the next one is encoded; every upload has
+        returned (or raised here) before this does."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
         out = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
-        if head is not None and self._base is not None:
-            change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
-            blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
-                        level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
-                        on_change=change, progress=False)
-            out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
-            new_digest = self._digest + change.total
-        else:
-            new_digest = state_contrib(snap, shards)
-        if kf:
-            blob = diff({}, snap, shards=shards, encoding="overwrite", level=self.level,
-                        chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
-            out["keyframe_parts"].append(self._put(f"{d}/key-{rank:05d}.dcr", blob))
+        uploads = _Uploads(self, spans)
+        try:
+            if head is not None and self._base is not None:
+                change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
+                t = time.perf_counter()
+                blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
+                            level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
+                            on_change=change, progress=False)
+                spans.add("encode", "delta", t)
+                uploads.start(out["parts"], f"{d}/part-{rank:05d}.dcr", blob)
+                new_digest = self._digest + change.total
+            else:
+                new_digest = state_contrib(snap, shards)
+            if kf:
+                t = time.perf_counter()
+                blob = diff({}, snap, shards=shards, encoding="overwrite", level=self.level,
+                            chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
+                spans.add("encode", "keyframe", t)
+                uploads.start(out["keyframe_parts"], f"{d}/key-{rank:05d}.dcr", blob)
+        except BaseException:
+            uploads.join(quiet=True)  # no upload left running past a failed publish
+            raise
+        uploads.join()  # raises the first upload's error, after every upload ended
         out["digest"] = new_digest.hex()
         return out, new_digest
 
-    def _put(self, key: str, blob: bytes) -> dict:
+    def _put(self, key: str, blob: bytes, spans: Spans | None = None) -> dict:
         s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
+        t = time.perf_counter()
         self.store.put(key, blob)
+        if spans is not None:
+            spans.add("upload", key, t)
         return Part(rank=self.group.rank, key=key, size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
                     changed=s["changed"], elements=s["elements"], dense_bytes=s["dense_bytes"]).__dict__
 
@@ -193,6 +219,31 @@ class Publisher:
         f.sync(head.version, head=head)
         self._base, self._shards, self._head = tensors, shards, head
         self._digest = state_contrib(tensors, shards)
+
+
+class _Uploads:
+    """This rank's uploads, each on its own thread so the next object encodes meanwhile (at
+    most two objects per rank: the delta part and the keyframe part)."""
+
+    def __init__(self, pub: Publisher, spans: Spans):
+        self.pub, self.spans, self.threads, self.errors = pub, spans, [], []
+
+    def start(self, into: list, key: str, blob: bytes) -> None:
+        def run():
+            try:
+                into.append(self.pub._put(key, blob, self.spans))
+            except BaseException as e:  # raised by join() on the publishing thread
+                self.errors.append(e)
+
+        t = threading.Thread(target=run, name="nemo-dcr-upload", daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, quiet: bool = False) -> None:
+        for t in self.threads:
+            t.join()
+        if self.errors and not quiet:
+            raise self.errors[0]
 
 
 def _same_head(a: Head | None, b: Head) -> bool:
