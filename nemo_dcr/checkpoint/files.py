@@ -66,7 +66,7 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
     layout = h.meta.get("layout")
     if layout is None:
         layout = layout_for(_TargetShapes(entries))
-    layout = check_layout(layout, [n for n, e in entries.items() if e["kind"] != "removed"], f"{delta}: layout")
+    layout = check_layout(layout, [n for n, e in entries.items() if not e.removed], f"{delta}: layout")
     in_place = os.path.exists(out) and os.path.samefile(out, base)
     protect = [delta] if in_place else [delta, base, *ckpt.files.values()]  # checked before any write
     report = ApplyReport()

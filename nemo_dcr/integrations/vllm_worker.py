@@ -211,6 +211,7 @@ def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
 
     from nemo_dcr.codec.chunk import CLASSES
     from nemo_dcr.codec.format import DeltaReader
+    from nemo_dcr.codec.header import TensorKind
     from nemo_dcr.sync.versions import VersionNotFound, manifest_at, plans
 
     if loader.version is None or head is None:
@@ -237,21 +238,21 @@ def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
                 continue  # corrupt: the follower refetches and reports
             store.cache[part.key] = data
             try:
-                entries = DeltaReader.open(data).header["tensors"]
+                entries = DeltaReader.open(data).header.tensors
             except Exception:  # noqa: BLE001 - the follower reports a bad object
                 continue
             for e in entries:
-                if e.get("kind") in ("full", "removed") or not any(c.get("enc") == CLASSES for c in e["chunks"]):
+                if e.kind != TensorKind.DELTA or not any(c.enc == CLASSES for c in e.chunks):
                     continue
-                recv = loader.tensors.resolve(e["name"])
+                recv = loader.tensors.resolve(e.name)
                 spec = shards.get(recv) if recv is not None else None
-                if spec is None:
+                if spec is None or e.region is None:
                     continue
-                region = ShardSpec.of(e["shape"], e["region"]["offsets"], e["region"]["shape"])
+                region = e.region
                 overlaps = all(ro < o + n and o < ro + rn for o, n, ro, rn in
                                zip(spec.offsets, spec.shape, region.offsets, region.shape))
                 if overlaps and not spec.contains(region):
-                    bad.append(f"{e['name']} (version {man.version}): this worker holds {spec.shape} at "
+                    bad.append(f"{e.name} (version {man.version}): this worker holds {spec.shape} at "
                                f"{spec.offsets} of {tuple(spec.global_shape)}, the delta's classes chunks are "
                                f"coded against the region {region.shape} at {region.offsets}")
     return bad
