@@ -1,0 +1,261 @@
+"""Reload benchmark: dense vs delta reload of a model across an emulated inter-region link,
+through the S3 server in the trainer region and through a relay in the rollout region, against
+the floor; keyframe publish vs uploading the raw checkpoint; and the pipeline model's
+extrapolation to 120B / 1T parameters next to the published figures.
+
+    python bench/reload.py                  # sizes 10M/30M/100M BF16 elements, 1/3/5 %, 200 Mbit/s + 1 Gbit/s
+    python bench/reload.py --json           # the same as JSON
+    python bench/reload.py --quick --json   # 2M elements, 3 %, 200 Mbit/s, in-process limiter (< 1 min)
+
+Setup: bench/netenv.py (the trainer region is a network namespace behind a veth pair shaped with
+tc tbf; where namespaces are unavailable, an in-process rate limiter, said so in the output).
+The publisher writes into the S3 server (moto, the tests' server) with the link unshaped (it sits
+in the trainer region); then per link rate:
+
+* dense reload: stream the raw checkpoint (one object) into the receiver's tensors;
+* delta reload: ``Follower(stream=True).sync`` from version 0 to 1 (fetch with sha256 as bytes
+  arrive, decode+apply, digest check), with its per-stage spans;
+* floor: max(delta bytes / link rate, one memcpy of the receiver's tensors) + one round trip
+  (a small request across the link, median of 5);
+* via "s3": the receiver reads the S3 server directly; via "relay": a fresh relay in the rollout
+  region (upstream: the S3 server) serves it (one more hop, cut-through).
+
+Changes are INJECTED (random positions, optimizer-step-sized relative nudges), labelled so.
+Every reload is checked bit for bit against the published state.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+import netenv as ne  # noqa: E402
+
+from nemo_dcr.stores import HttpStore  # noqa: E402
+from nemo_dcr.sync.publisher import Publisher  # noqa: E402
+
+PARAMS = {"120B": 120e9, "247 GB (NeMo-RL)": 123.5e9, "1T": 1e12}
+# inter-region rates the published dense figures imply (120B: 240 GB in 750 s; 1T: 2 TB in 87.5 min)
+IMPLIED_LINK = {"120B": 240e9 * 8 / 750, "247 GB (NeMo-RL)": 240e9 * 8 / 750, "1T": 2e12 * 8 / (87.5 * 60)}
+
+
+def publish_vs_raw(store_for, v0: dict, reps: int) -> dict:
+    """Keyframe publish vs ``put`` of the raw bytes, into fresh prefixes of the same S3 server."""
+    raw = ne.raw_bytes(v0)
+    best_raw = best_kf = float("inf")
+    stages = {}
+    for i in range(reps):
+        st = store_for(f"pubraw-{i}")
+        t = time.perf_counter()
+        st.put(ne.RAW_KEY, raw)
+        best_raw = min(best_raw, time.perf_counter() - t)
+        r = Publisher(store_for(f"pubkf-{i}")).publish(v0)
+        if r.seconds < best_kf:
+            best_kf, stages = r.seconds, ne.stage_sums(r.spans)
+    return {"raw_put": best_raw, "keyframe_publish": best_kf, "ratio": best_kf / best_raw,
+            "keyframe_stages": stages, "raw_mb_s": len(raw) / best_raw / 1e6}
+
+
+def measure(region, endpoint, args) -> dict:
+    out = {"rows": [], "publish": [], "notes": []}
+    for size in args.sizes:
+        v0 = ne.model(size)
+        elements, dense_bytes = sum(v.numel() for v in v0.values()), ne.nbytes(v0)
+        memcpy = ne.memcpy_seconds(v0)
+        region.shape(None)
+        tag = f"e{size}-{int(time.time() * 1e3) % 10**8}"
+        pub = publish_vs_raw(lambda p: ne.s3_store(endpoint, f"{tag}-{p}"), v0, args.reps)
+        out["publish"].append({"elements": elements, **pub})
+        dense = {}
+        for change in args.changes:
+            prefix = f"{tag}-c{change:g}"
+            store = ne.s3_store(endpoint, prefix)
+            p = Publisher(store)
+            p.publish(v0)
+            v1 = ne.changed(v0, change)
+            r1 = p.publish(v1)
+            store.put(ne.RAW_KEY, ne.raw_bytes(v1))
+            for mbit in args.rates:
+                region.shape(mbit)
+                rtt = ne.rtt(store, ne.RAW_KEY)
+                for via in ("s3", "relay"):
+                    row = {"elements": elements, "dense_bytes": dense_bytes, "change": change, "changes": "injected",
+                           "changed": r1.changed, "delta_bytes": r1.delta_bytes, "payload_ratio": dense_bytes / r1.delta_bytes,
+                           "link_mbit": mbit, "via": via, "rtt": rtt, "memcpy": memcpy,
+                           "publish_delta_stages": ne.stage_sums(r1.spans), "publish_delta_s": r1.seconds}
+                    with _source(via, prefix, endpoint) as src:
+                        if (mbit, via) not in dense:
+                            recv = {k: v.clone() for k, v in v0.items()}
+                            dense[(mbit, via)] = min(ne.dense_reload(src(), recv) for _ in range(args.reps))
+                            ne.same_bits(recv, v1, f"dense reload {via}")
+                    best = None
+                    for _ in range(args.reps):  # a fresh relay each time: nothing cached
+                        with _source(via, prefix, endpoint) as src:
+                            d = ne.delta_reload(src(), v0)
+                        ne.same_bits(d.pop("tensors"), v1, f"delta reload {via}")
+                        if best is None or d["seconds"] < best["seconds"]:
+                            best = d
+                    row["dense"], row["delta"] = dense[(mbit, via)], best
+                    _derive(row)
+                    out["rows"].append(row)
+                    if not args.json:
+                        print(_row_line(row), file=sys.stderr, flush=True)
+                region.shape(None)
+    return out
+
+
+@contextlib.contextmanager
+def _source(via: str, prefix: str, endpoint: str):
+    """-> a function making the receiver's store: the S3 server itself, or a fresh relay in the
+    rollout region in front of it (stopped afterwards)."""
+    if via == "s3":
+        yield lambda: ne.s3_store(endpoint, prefix)
+        return
+    r = ne.relay(f"s3://{ne.BUCKET}/{prefix}", "127.0.0.1:0", env=ne.s3_env(endpoint))
+    try:
+        r.wait_ready()
+        url = ne.relay_url(r)
+        yield lambda: HttpStore(url)
+    finally:
+        r.stop()
+
+
+def _derive(row: dict) -> None:
+    bps = row["link_mbit"] * 1e6
+    d = row["delta"]
+    row["wire"] = row["delta_bytes"] * 8 / bps
+    row["floor"] = max(row["wire"], row["memcpy"]) + row["rtt"]
+    row["delta_over_floor"] = d["seconds"] / row["floor"]
+    row["speedup"] = row["dense"] / d["seconds"]
+    row["dense_achieved_mbit"] = row["dense_bytes"] * 8 / row["dense"] / 1e6
+    row["transport_share"] = min(1.0, d["fetch_busy"] / d["seconds"])
+    st = d["stages"]
+    # receiver-side work that did not overlap the transfer: what the pipeline failed to hide
+    row["after_transfer"] = max(0.0, d["seconds"] - d["fetch_busy"])
+    row["receiver_s"] = st.get("apply", 0.0) + st.get("digest", 0.0) + st.get("verify", 0.0)
+
+
+def extrapolate(rows: list, workers: int) -> list:
+    """Per change rate, from the largest model measured at the fastest link: EXTRAPOLATED."""
+    out = []
+    if not rows:
+        return out
+    big = max(r["elements"] for r in rows)
+    fast = max(r["link_mbit"] for r in rows)
+    for change in sorted({r["change"] for r in rows}):
+        base = {r["via"]: r for r in rows if r["elements"] == big and r["link_mbit"] == fast and r["change"] == change}
+        if "s3" not in base:
+            continue
+        r = base["s3"]
+        achieved = min(1.0, r["dense_achieved_mbit"] / r["link_mbit"])
+        per_elem = r["receiver_s"] / r["elements"]
+        for name, params in PARAMS.items():
+            for via, fan in (("s3, 1 receiver", None), ("relay tree k=4, 64 receivers", 4)):
+                m = ne.pipeline_model(params, change, bytes_per_elem=r["delta_bytes"] / r["elements"],
+                                      link_bps=IMPLIED_LINK[name], rtt=r["rtt"], achieved=achieved,
+                                      receiver_s_per_elem=per_elem, workers=workers,
+                                      receivers=64 if fan else 1, fanout=fan)
+                out.append({"model": name, "params": params, "change": change, "via": via,
+                            "link_gbit": IMPLIED_LINK[name] / 1e9, "extrapolated": True, **m})
+    return out
+
+
+def run(args) -> dict:
+    region = ne.Region(args.shaping)
+    s3 = None
+    try:
+        s3 = ne.s3_server(region.prefix, region.host)
+        endpoint = region.reach(s3.wait_ready())
+        res = measure(region, endpoint, args)
+    finally:
+        if s3 is not None:
+            s3.stop()
+        region.close()
+    if region.note:
+        res["notes"].append(region.note)
+    res["config"] = {"sizes": args.sizes, "changes": args.changes, "rates_mbit": args.rates, "reps": args.reps,
+                     "quick": args.quick, "shaping": region.kind, "receiver_workers_assumed": args.workers,
+                     "changes_kind": "injected (random positions, relative nudges), not an optimizer's"}
+    res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
+                      "load_1min": os.getloadavg()[0]}
+    res["targets"] = ne.TARGETS
+    res["extrapolated"] = extrapolate(res["rows"], args.workers)
+    res["published"] = ne.PAPER
+    return res
+
+
+def _row_line(r: dict) -> str:
+    return (f"| {r['elements'] / 1e6:.0f}M | {r['change']:.0%} | {r['link_mbit']:g} | {r['via']} | "
+            f"{r['dense']:.3f} | {r['delta']['seconds']:.3f} | {r['floor']:.3f} | {r['delta_over_floor']:.2f} | "
+            f"{r['speedup']:.1f}x | {r['payload_ratio']:.1f}x | {r['transport_share']:.0%} | "
+            f"{r['dense_achieved_mbit']:.0f} |")
+
+
+def table(res: dict) -> str:
+    c = res["config"]
+    L = [f"link emulation: {c['shaping']}; changes {c['changes_kind']}",
+         f"machine: {res['machine']['cpus']} CPUs, load {res['machine']['load_1min']:.2f}", "",
+         "MEASURED",
+         "| elements | change | link Mbit/s | via | dense s | delta s | floor s | delta/floor (<=1.25) | speedup | "
+         "payload ratio | transport share | dense achieved Mbit/s |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    L += [_row_line(r) for r in res["rows"]]
+    L += ["", "per-stage seconds of the delta reload (summed spans; fetch includes waiting on the link):"]
+    for r in res["rows"]:
+        L.append(f"  {r['elements'] / 1e6:.0f}M {r['change']:.0%} {r['link_mbit']:g} Mbit/s {r['via']}: "
+                 f"{r['delta']['stages']}, after the transfer {r['after_transfer'] * 1e3:.1f} ms")
+    if res["rows"]:
+        r = max(res["rows"], key=lambda r: (r["elements"], -r["link_mbit"]))
+        L += [f"timeline ({r['elements'] / 1e6:.0f}M, {r['change']:.0%}, {r['link_mbit']:g} Mbit/s via {r['via']}):",
+              ne.timeline(r["delta"]["spans"])]
+    L += ["", "| elements | keyframe publish s | raw put s | ratio (<=1.0) | keyframe stages |", "|---|---|---|---|---|"]
+    L += [f"| {p['elements'] / 1e6:.0f}M | {p['keyframe_publish']:.3f} | {p['raw_put']:.3f} | {p['ratio']:.2f} | "
+          f"{p['keyframe_stages']} |" for p in res["publish"]]
+    L += ["", f"EXTRAPOLATED (pipeline model, measured rates; receiver work split over {c['receiver_workers_assumed']} "
+              "workers; links at the rate the paper's dense figures imply)",
+          "| model | change | via | link Gbit/s | delta GB | wire s | receiver s | reload s | dense s | transport share |",
+          "|---|---|---|---|---|---|---|---|---|---|"]
+    L += [f"| {e['model']} | {e['change']:.0%} | {e['via']} | {e['link_gbit']:.2f} | {e['delta_bytes'] / 1e9:.1f} | "
+          f"{e['wire']:.1f} | {e['compute']:.1f} | {e['seconds']:.1f} | {e['dense']:.0f} | {e['transport_share']:.0%} |"
+          for e in res["extrapolated"]]
+    L += ["", "PUBLISHED (for comparison, not measured here)"]
+    L += [f"  {p['source']}: {p['model']} {p.get('change', '') and format(p['change'], '.0%')} {p['what']}: "
+          f"{p['seconds'] if not isinstance(p['seconds'], tuple) else '%g-%g' % p['seconds']} s" for p in res["published"]]
+    L += [f"note: {n}" for n in res["notes"]]
+    return "\n".join(L)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="2M elements, 3 %%, 200 Mbit/s, in-process limiter")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--sizes", type=float, nargs="+", default=None, help="BF16 elements per model")
+    ap.add_argument("--changes", type=float, nargs="+", default=None, help="change rates (0.03 = 3 %%)")
+    ap.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s")
+    ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--shaping", choices=("auto", "netns", "proxy"), default=None,
+                    help="netns+veth+tbf (root), the in-process limiter, or auto (netns where possible)")
+    ap.add_argument("--workers", type=int, default=8, help="receiver workers assumed by the extrapolation")
+    args = ap.parse_args(argv)
+    q = args.quick
+    args.sizes = [int(s) for s in (args.sizes or ([2e6] if q else [10e6, 30e6, 100e6]))]
+    args.changes = args.changes or ([0.03] if q else [0.01, 0.03, 0.05])
+    args.rates = args.rates or ([200.0] if q else [200.0, 1000.0])
+    args.reps = args.reps or (1 if q else 2)
+    args.shaping = args.shaping or ("proxy" if q else "auto")
+    res = run(args)
+    print(json.dumps(res, indent=1) if args.json else table(res))
+    return 0
+
+
+if __name__ == "__main__":
+    with contextlib.suppress(BrokenPipeError):
+        sys.exit(main())
