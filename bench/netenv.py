@@ -476,30 +476,53 @@ def timeline(spans: list, width: int = 60) -> str:
 
 
 # ----------------------------------------------------------------------------- receivers
-def receiver_main(url: str, elements: int, endpoint: str | None) -> None:
-    """A receiver process: hold version 0, say ready, on a line on stdin sync to the newest
-    version; print its figures as JSON."""
+def receiver_main(elements: int, endpoint: str | None) -> None:
+    """A receiver process, reused across runs (torch imported and the model built once): per
+    line on stdin (a store URL) open that store and say "prepared"; on the next line sync a
+    fresh copy of version 0 to the newest version and print the figures as JSON. The next copy
+    is made before the answer, outside the timed window."""
     if endpoint:
         os.environ.update(s3_env(endpoint))
-    v0 = model(elements)
     from nemo_dcr.stores import open_store
-    f = Follower(open_store(url), v0, version=0, verify_initial=False, stream=True)
+    v0 = model(elements)
+    tensors = {k: v.clone() for k, v in v0.items()}
     print("ready", flush=True)
-    sys.stdin.readline()
-    t = time.time()
-    r = f.sync()
-    print(json.dumps({"start": t, "end": time.time(), "seconds": r.seconds, "bytes": r.bytes,
-                      "version": r.version}), flush=True)
+    for url in sys.stdin:  # prepare (open the store, read version 0's manifest), then sync on "go"
+        try:
+            f = Follower(open_store(url.strip()), tensors, version=0, verify_initial=False, stream=True)
+            print("prepared", flush=True)
+            sys.stdin.readline()
+            t = time.time()
+            r = f.sync()
+            out = {"start": t, "end": time.time(), "seconds": r.seconds, "bytes": r.bytes, "version": r.version}
+        except Exception as e:  # reported to the parent, which fails the run
+            out = {"error": f"{type(e).__name__}: {e}"}
+        tensors = {k: v.clone() for k, v in v0.items()}
+        print(json.dumps(out), flush=True)
 
 
-def receivers_sync(urls: list, elements: int, endpoint: str | None = None) -> dict:
-    """One receiver process per URL, all started (model built, ready) before the clock starts;
-    then all told to sync at once -> time until the last one finished."""
-    procs = [Proc([sys.executable, os.path.abspath(__file__), "receiver", "--url", u, "--elements", str(elements)]
-                  + (["--endpoint", endpoint] if endpoint else []), "ready", stdin=subprocess.PIPE) for u in urls]
-    try:
-        for p in procs:
+class Receivers:
+    """``n`` receiver processes holding version 0 of an ``elements`` model, started (torch
+    imported, model built) before any clock starts."""
+
+    def __init__(self, n: int, elements: int, endpoint: str | None = None):
+        self.procs = [Proc([sys.executable, os.path.abspath(__file__), "receiver", "--elements", str(elements)]
+                           + (["--endpoint", endpoint] if endpoint else []), "ready", stdin=subprocess.PIPE)
+                      for _ in range(n)]
+        for p in self.procs:
             p.wait_ready()
+
+    def sync(self, urls: list) -> dict:
+        """The first len(urls) receivers sync at once, each from its URL -> time until the last
+        one finished (from the moment the first was told)."""
+        procs = self.procs[:len(urls)]
+        for p, u in zip(procs, urls):
+            p.proc.stdin.write(u + "\n")
+            p.proc.stdin.flush()
+        for p in procs:
+            line = p.proc.stdout.readline()
+            if line.strip() != "prepared":
+                raise RuntimeError(f"a receiver could not open its store: {line}")
         go = time.time()
         for p in procs:
             p.proc.stdin.write("go\n")
@@ -507,15 +530,15 @@ def receivers_sync(urls: list, elements: int, endpoint: str | None = None) -> di
         outs = []
         for p in procs:
             line = p.proc.stdout.readline()
-            if not line.startswith("{"):
-                raise RuntimeError(f"a receiver failed: {line}{p.proc.stdout.read()[-2000:]}")
-            outs.append(json.loads(line))
-    finally:
-        stop_all(procs)
-    if any(o["version"] != 1 for o in outs):
-        raise RuntimeError(f"a receiver did not reach version 1: {outs}")
-    return {"receivers": len(urls), "to_last": max(o["end"] for o in outs) - go,
-            "each": sorted(round(o["seconds"], 4) for o in outs)}
+            o = json.loads(line) if line.startswith("{") else {"error": line + p.proc.stdout.read()[-2000:]}
+            if "error" in o or o["version"] != 1:
+                raise RuntimeError(f"a receiver did not reach version 1: {o}")
+            outs.append(o)
+        return {"receivers": len(urls), "to_last": max(o["end"] for o in outs) - go,
+                "each": sorted(round(o["seconds"], 4) for o in outs)}
+
+    def close(self) -> None:
+        stop_all(self.procs)
 
 
 # ----------------------------------------------------------------------------- model of the pipeline
@@ -553,14 +576,13 @@ def main(argv=None) -> int:
     s = sub.add_parser("s3")
     s.add_argument("--host", default="127.0.0.1")
     r = sub.add_parser("receiver")
-    r.add_argument("--url", required=True)
     r.add_argument("--elements", type=int, required=True)
     r.add_argument("--endpoint", default=None)
     a = ap.parse_args(argv)
     if a.cmd == "s3":
         _serve_s3(a.host)
     else:
-        receiver_main(a.url, a.elements, a.endpoint)
+        receiver_main(a.elements, a.endpoint)
     return 0
 
 
