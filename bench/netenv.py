@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 
 import torch
 
@@ -419,7 +420,10 @@ def dense_reload(store, tensors: dict) -> float:
         while len(mv):
             dst = flat[i]
             n = min(len(mv), dst.numel() - off)
-            dst[off:off + n].copy_(torch.frombuffer(mv[:n], dtype=torch.uint8))
+            with warnings.catch_warnings():  # read-only bytes, only read from
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(mv[:n], dtype=torch.uint8)
+            dst[off:off + n].copy_(src)
             mv, off = mv[n:], off + n
             if off == dst.numel():
                 i, off = i + 1, 0
@@ -447,11 +451,11 @@ def busy(spans, stage: str) -> float:
     return total + (cur[1] - cur[0] if cur else 0.0)
 
 
-def delta_reload(store, v0: dict, stream: bool = True) -> dict:
-    """``Follower.sync`` from version 0 (held, not re-verified) to the newest: -> its figures and
-    the receiver's tensors (checked by the caller)."""
-    tensors = {k: v.clone() for k, v in v0.items()}
-    f = Follower(store, tensors, version=0, verify_initial=False, stream=stream)
+def delta_reload(store, held: dict, version: int = 0, stream: bool = True) -> dict:
+    """``Follower.sync`` from ``version`` (``held``, not re-verified) to the newest: -> its
+    figures and the receiver's tensors (checked by the caller)."""
+    tensors = {k: v.clone() for k, v in held.items()}
+    f = Follower(store, tensors, version=version, verify_initial=False, stream=stream)
     r = f.sync()
     return {"seconds": r.seconds, "bytes": r.bytes, "version": r.version, "changed": r.changed,
             "stages": stage_sums(r.spans), "fetch_busy": busy(r.spans, "fetch"),

@@ -47,42 +47,35 @@ PARAMS = {"120B": 120e9, "247 GB (NeMo-RL)": 123.5e9, "1T": 1e12}
 IMPLIED_LINK = {"120B": 240e9 * 8 / 750, "247 GB (NeMo-RL)": 240e9 * 8 / 750, "1T": 2e12 * 8 / (87.5 * 60)}
 
 
-def publish_vs_raw(store_for, v0: dict, reps: int) -> dict:
-    """Keyframe publish vs ``put`` of the raw bytes, into fresh prefixes of the same S3 server."""
-    raw = ne.raw_bytes(v0)
-    best_raw = best_kf = float("inf")
-    stages = {}
-    for i in range(reps):
-        st = store_for(f"pubraw-{i}")
-        t = time.perf_counter()
-        st.put(ne.RAW_KEY, raw)
-        best_raw = min(best_raw, time.perf_counter() - t)
-        r = Publisher(store_for(f"pubkf-{i}")).publish(v0)
-        if r.seconds < best_kf:
-            best_kf, stages = r.seconds, ne.stage_sums(r.spans)
-    return {"raw_put": best_raw, "keyframe_publish": best_kf, "ratio": best_kf / best_raw,
-            "keyframe_stages": stages, "raw_mb_s": len(raw) / best_raw / 1e6}
-
-
 def measure(region, endpoint, args) -> dict:
+    """Per size: one keyframe (timed against a raw put of the same bytes), then one version per
+    change rate on top of the previous (the keyframe's O(model) digest is paid once per size);
+    each version is reloaded from the one before it."""
     out = {"rows": [], "publish": [], "notes": []}
     for size in args.sizes:
-        v0 = ne.model(size)
-        elements, dense_bytes = sum(v.numel() for v in v0.values()), ne.nbytes(v0)
-        memcpy = ne.memcpy_seconds(v0)
+        prev = ne.model(size)
+        elements, dense_bytes = sum(v.numel() for v in prev.values()), ne.nbytes(prev)
+        memcpy = ne.memcpy_seconds(prev)
         region.shape(None)
-        tag = f"e{size}-{int(time.time() * 1e3) % 10**8}"
-        pub = publish_vs_raw(lambda p: ne.s3_store(endpoint, f"{tag}-{p}"), v0, args.reps)
-        out["publish"].append({"elements": elements, **pub})
+        prefix = f"e{size}-{int(time.time() * 1e3) % 10**8}"
+        raw = ne.raw_bytes(prev)
+        t = time.perf_counter()
+        ne.s3_store(endpoint, prefix + "-raw").put(ne.RAW_KEY, raw)
+        raw_put = time.perf_counter() - t
+        del raw
+        store = ne.s3_store(endpoint, prefix)
+        pub = Publisher(store)
+        r0 = pub.publish(prev)
+        stages = ne.stage_sums(r0.spans)
+        out["publish"].append({"elements": elements, "raw_put": raw_put, "keyframe_publish": r0.seconds,
+                               "ratio": r0.seconds / raw_put, "keyframe_stages": stages,
+                               "digest_and_other": r0.seconds - sum(stages.values())})
         dense = {}
-        for change in args.changes:
-            prefix = f"{tag}-c{change:g}"
-            store = ne.s3_store(endpoint, prefix)
-            p = Publisher(store)
-            p.publish(v0)
-            v1 = ne.changed(v0, change)
-            r1 = p.publish(v1)
-            store.put(ne.RAW_KEY, ne.raw_bytes(v1))
+        for i, change in enumerate(args.changes):
+            cur = ne.changed(prev, change, seed=1 + i)
+            r1 = pub.publish(cur)
+            if i == 0:
+                store.put(ne.RAW_KEY, ne.raw_bytes(cur))
             for mbit in args.rates:
                 region.shape(mbit)
                 rtt = ne.rtt(store, ne.RAW_KEY)
@@ -91,16 +84,16 @@ def measure(region, endpoint, args) -> dict:
                            "changed": r1.changed, "delta_bytes": r1.delta_bytes, "payload_ratio": dense_bytes / r1.delta_bytes,
                            "link_mbit": mbit, "via": via, "rtt": rtt, "memcpy": memcpy,
                            "publish_delta_stages": ne.stage_sums(r1.spans), "publish_delta_s": r1.seconds}
-                    with _source(via, prefix, endpoint) as src:
-                        if (mbit, via) not in dense:
-                            recv = {k: v.clone() for k, v in v0.items()}
+                    if i == 0:
+                        with _source(via, prefix, endpoint) as src:
+                            recv = {k: v.clone() for k, v in prev.items()}
                             dense[(mbit, via)] = min(ne.dense_reload(src(), recv) for _ in range(args.reps))
-                            ne.same_bits(recv, v1, f"dense reload {via}")
+                            ne.same_bits(recv, cur, f"dense reload {via}")
                     best = None
                     for _ in range(args.reps):  # a fresh relay each time: nothing cached
                         with _source(via, prefix, endpoint) as src:
-                            d = ne.delta_reload(src(), v0)
-                        ne.same_bits(d.pop("tensors"), v1, f"delta reload {via}")
+                            d = ne.delta_reload(src(), prev, r1.version - 1)
+                        ne.same_bits(d.pop("tensors"), cur, f"delta reload {via}")
                         if best is None or d["seconds"] < best["seconds"]:
                             best = d
                     row["dense"], row["delta"] = dense[(mbit, via)], best
@@ -109,6 +102,7 @@ def measure(region, endpoint, args) -> dict:
                     if not args.json:
                         print(_row_line(row), file=sys.stderr, flush=True)
                 region.shape(None)
+            prev = cur
     return out
 
 

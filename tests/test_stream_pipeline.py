@@ -191,17 +191,19 @@ def test_two_parts_stream_or_check_all_first(tmp_path, stream):
 
 
 class GatedPutStore(LocalStore):
-    """The delta part's upload waits (bounded) until the keyframe part's upload began: only
-    possible when the delta uploads while the keyframe is encoded."""
+    """The upload of the first object whose key contains ``hold`` waits (bounded) until an
+    upload of a key containing ``until`` began: only possible when that object was encoded while
+    the first uploaded. Default: the delta part waits for the keyframe part."""
 
-    def __init__(self, root):
+    def __init__(self, root, hold="/part-", until="/key-"):
         super().__init__(root)
+        self.hold, self.until = hold, until
         self.key_started, self.overlapped = threading.Event(), None
 
     def put(self, key, data):
-        if "/key-" in key:
+        if self.until in key:
             self.key_started.set()
-        if "/part-" in key and self.overlapped is None:
+        if self.hold in key and self.overlapped is None:
             self.overlapped = self.key_started.wait(GATE)
         return super().put(key, data)
 
@@ -214,7 +216,7 @@ def test_publisher_uploads_the_delta_while_encoding_the_keyframe(tmp_path):
     r = pub.publish(seq[1], keyframe=True)
     assert store.overlapped, "the keyframe was not encoded while the delta uploaded"
     spans = {(s.stage, s.what): s for s in r.spans}
-    assert ("encode", "delta") in spans and ("encode", "keyframe") in spans
+    assert ("encode", "delta part 0") in spans and ("encode", "keyframe part 0") in spans
     ups = [s for s in r.spans if s.stage == "upload"]
     commit_span = [s for s in r.spans if s.stage == "commit"]
     assert len(ups) == 2 and len(commit_span) == 1
@@ -285,3 +287,55 @@ def test_wait_long_polls_a_relay(tmp_path):
             assert_bits_equal(tensors[k], v)
     finally:
         relay.stop()
+
+
+def test_split_parts_groups_whole_tensors_in_order():
+    from nemo_dcr.sync.publisher import split_parts
+    t = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in (("a", 100), ("b", 300), ("c", 50), ("d", 10))}
+    assert split_parts({}, t, 0) == [["a", "b", "c", "d"]]
+    assert split_parts({}, t, 250) == [["a"], ["b"], ["c", "d"]]  # a tensor over the size is a part alone
+    assert split_parts({}, t, 1 << 20) == [["a", "b", "c", "d"]]
+    assert split_parts({"gone": torch.zeros(999)}, t, 250) == [["a"], ["b"], ["c", "d", "gone"]]  # removed: 0 bytes
+    assert split_parts({}, {}, 250) == [[]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_split_versions_apply_bit_exactly_part_by_part(tmp_path, stream):
+    """part_bytes small: each version's delta and keyframe are several objects (whole tensors);
+    a tensor removed, one added and one re-typed on the way. A receiver from the keyframe and one
+    following the deltas both end bit-exact, fetching every part once, in order."""
+    store = LocalStore(tmp_path / "s")
+    seq = states(3)
+    seq[2] = {k: v.clone() for k, v in seq[2].items() if k != "b"}
+    seq[2]["c"] = seq[2]["c"].double()
+    seq[2]["z"] = torch.arange(7, dtype=torch.int32)
+    res = publish_all(store, seq, part_bytes=4096, keyframe_every=2)
+    # a: 16 KiB, b: 8 KiB, c: 132 B -> three parts of whole tensors each
+    assert len(res[0].manifest.keyframe_parts) == 3 and len(res[1].manifest.parts) == 3
+    assert [p.key.rsplit("/", 1)[1] for p in res[1].manifest.parts] == \
+        ["part-00000.dcr", "part-00000.1.dcr", "part-00000.2.dcr"]
+    assert len(res[2].manifest.keyframe_parts) >= 2
+    held = {k: v.clone() for k, v in seq[0].items()}
+    r = Follower(store, held, version=0, stream=stream).sync()
+    assert r.version == 2 and set(held) == set(seq[2])
+    for k, v in seq[2].items():
+        assert_bits_equal(held[k], v)
+    fetched = [s.what for s in r.spans if s.stage == "fetch"]
+    assert fetched == [p.key for x in res[1:] for p in x.manifest.parts]
+    fresh = {}
+    r = Follower(store, fresh, stream=stream).sync()
+    assert r.path == "keyframe 2" and set(fresh) == set(seq[2])
+    for k, v in seq[2].items():
+        assert_bits_equal(fresh[k], v)
+
+
+def test_publisher_encodes_the_next_part_while_one_uploads(tmp_path):
+    """The first part's upload is held until the second part has been encoded (its upload
+    started): without encode/upload overlap the gate's bounded wait runs out."""
+    seq = states(2)
+    store = GatedPutStore(tmp_path / "s", hold="/part-00000.dcr", until="/part-00000.1.dcr")
+    pub = Publisher(store, part_bytes=4096)
+    pub.publish(seq[0])
+    r = pub.publish(seq[1])
+    assert store.overlapped, "the second part was not encoded while the first uploaded"
+    assert [s.what for s in r.spans if s.stage == "encode"] == ["delta part 0", "delta part 1", "delta part 2"]

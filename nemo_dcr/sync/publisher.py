@@ -32,6 +32,10 @@ from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
 
+# dense bytes per object of a rank's delta/keyframe: big enough that a part's header and request
+# are noise, small enough that encode, upload, download and apply of neighbouring parts overlap
+DEFAULT_PART_BYTES = 32 << 20
+
 __all__ = ["Publisher", "PublishResult", "PublishError", "CommitConflict", "snapshot"]
 
 
@@ -62,15 +66,20 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 class Publisher:
     def __init__(self, store, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group=None):
+                 group=None, part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
-        the newest ``retain`` versions (None: delete nothing)."""
+        the newest ``retain`` versions (None: delete nothing). ``part_bytes``: a rank's delta
+        (and keyframe) is split into objects of whole tensors, about this many dense bytes each,
+        so that part j+1 encodes while part j uploads and a receiver applies part j while part
+        j+1 downloads (0: one object per rank). ``max_uploads``: encoded parts uploading at
+        once (their bytes are held until uploaded)."""
         from nemo_dcr.stores import open_store
         self.store = open_store(store) if isinstance(store, str) else store
         self.keyframe_every = keyframe_every
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
+        self.part_bytes, self.max_uploads = int(part_bytes), max(1, int(max_uploads))
         self.group = Group(group)
         self._base: dict | None = None        # the last published snapshot (this rank's tensors)
         self._shards: dict | None = None
@@ -151,28 +160,35 @@ class Publisher:
         out = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
         uploads = _Uploads(self, spans)
+        groups = split_parts(self._base or {}, snap, self.part_bytes)
         try:
             if head is not None and self._base is not None:
                 change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
-                t = time.perf_counter()
-                blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
-                            level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
-                            on_change=change, progress=False)
-                spans.add("encode", "delta", t)
-                uploads.start(out["parts"], f"{d}/part-{rank:05d}.dcr", blob)
+                for j, names in enumerate(groups):
+                    t = time.perf_counter()
+                    blob = diff(_only(self._base, names), _only(snap, names), shards=shards,
+                                base_shards=self._shards, encoding=self.encoding, level=self.level,
+                                chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
+                                on_change=change, progress=False)
+                    spans.add("encode", f"delta part {j}", t)
+                    uploads.start(out["parts"], f"{d}/{_part_name('part', rank, j)}", blob, j)
                 new_digest = self._digest + change.total
             else:
                 new_digest = state_contrib(snap, shards)
             if kf:
-                t = time.perf_counter()
-                blob = diff({}, snap, shards=shards, encoding="overwrite", level=self.level,
-                            chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
-                spans.add("encode", "keyframe", t)
-                uploads.start(out["keyframe_parts"], f"{d}/key-{rank:05d}.dcr", blob)
+                for j, names in enumerate(split_parts({}, snap, self.part_bytes)):
+                    t = time.perf_counter()
+                    blob = diff({}, _only(snap, names), shards=shards, encoding="overwrite", level=self.level,
+                                chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
+                                progress=False)
+                    spans.add("encode", f"keyframe part {j}", t)
+                    uploads.start(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", blob, j)
         except BaseException:
             uploads.join(quiet=True)  # no upload left running past a failed publish
             raise
         uploads.join()  # raises the first upload's error, after every upload ended
+        for k in ("parts", "keyframe_parts"):  # uploads finish in any order; the manifest lists parts in order
+            out[k] = [p for _, p in sorted(out[k], key=lambda x: x[0])]
         out["digest"] = new_digest.hex()
         return out, new_digest
 
@@ -222,19 +238,26 @@ class Publisher:
 
 
 class _Uploads:
-    """This rank's uploads, each on its own thread so the next object encodes meanwhile (at
-    most two objects per rank: the delta part and the keyframe part)."""
+    """This rank's uploads, each on its own thread so the next object encodes meanwhile; at most
+    ``Publisher.max_uploads`` at once (``start`` waits for room: the encoded bytes wait in memory)."""
 
     def __init__(self, pub: Publisher, spans: Spans):
         self.pub, self.spans, self.threads, self.errors = pub, spans, [], []
+        self.room = threading.BoundedSemaphore(pub.max_uploads)
 
-    def start(self, into: list, key: str, blob: bytes) -> None:
+    def start(self, into: list, key: str, blob: bytes, order: int = 0) -> None:
         def run():
             try:
-                into.append(self.pub._put(key, blob, self.spans))
+                into.append((order, self.pub._put(key, blob, self.spans)))
             except BaseException as e:  # raised by join() on the publishing thread
                 self.errors.append(e)
+            finally:
+                self.room.release()
 
+        self.room.acquire()
+        if self.errors:  # an upload failed: encode no more
+            self.room.release()
+            raise self.errors[0]
         t = threading.Thread(target=run, name="nemo-dcr-upload", daemon=True)
         t.start()
         self.threads.append(t)
@@ -244,6 +267,35 @@ class _Uploads:
             t.join()
         if self.errors and not quiet:
             raise self.errors[0]
+
+
+def split_parts(base: Mapping, target: Mapping, part_bytes: int) -> list[list[str]]:
+    """The tensor names of ``base`` and ``target`` (sorted, as a delta lists them) in groups of
+    whole tensors of about ``part_bytes`` dense bytes of the target each (a removed tensor
+    counts nothing; one larger tensor is a group of its own). ``part_bytes`` <= 0: one group."""
+    names = sorted(set(base.keys()) | set(target.keys()))
+    if part_bytes <= 0:
+        return [names]
+    groups, cur, size = [], [], 0
+    for n in names:
+        t = target.get(n) if n in target else None
+        b = t.numel() * t.element_size() if t is not None else 0
+        if cur and size + b > part_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += b
+    return groups + [cur] if cur or not groups else groups
+
+
+def _only(tensors: Mapping, names: list) -> dict:
+    return {n: tensors[n] for n in names if n in tensors}
+
+
+def _part_name(kind: str, rank: int, j: int) -> str:
+    """``part-00003.dcr`` for a rank's first part (the name of a one-part rank), then
+    ``part-00003.1.dcr``, ``part-00003.2.dcr``..."""
+    return f"{kind}-{rank:05d}.dcr" if j == 0 else f"{kind}-{rank:05d}.{j}.dcr"
 
 
 def _same_head(a: Head | None, b: Head) -> bool:
