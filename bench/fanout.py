@@ -13,11 +13,9 @@ to sync at once. A tree's relays are fresh for each run (nothing cached). Change
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
+import itertools
 import os
-import platform
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -94,34 +92,24 @@ def extrapolate(res: dict, workers: int) -> list:
     # what a receiver spent beyond the link's time for its bytes (round trips, decode, apply, verify)
     per_elem = max(0.0, one["to_last"] - wire - res["rtt"]) / res["elements"]
     out = []
-    for name, params, link in (("120B", 120e9, 240e9 * 8 / 750), ("1T", 1e12, 2e12 * 8 / (87.5 * 60))):
-        for n in (64, 256, 1024):
-            for fan in (None, 2, 4):
-                for intra in (100e9, 400e9):
-                    m = ne.pipeline_model(params, res["change"], bytes_per_elem=res["delta_bytes"] / res["elements"],
-                                          link_bps=link, rtt=res["rtt"], achieved=1.0, receiver_s_per_elem=per_elem,
-                                          workers=workers, receivers=n, fanout=fan, intra_bps=intra)
-                    out.append({"model": name, "receivers": n, "how": "store" if fan is None else f"tree k={fan}",
-                                "link_gbit": link / 1e9, "intra_gbit": intra / 1e9, "extrapolated": True, **m})
+    for name in ("120B", "1T"):
+        params, link = ne.PARAMS[name], ne.IMPLIED_LINK[name]
+        for n, fan, intra in itertools.product((64, 256, 1024), (None, 2, 4), (100e9, 400e9)):
+            m = ne.pipeline_model(params, res["change"], bytes_per_elem=res["delta_bytes"] / res["elements"],
+                                  link_bps=link, rtt=res["rtt"], achieved=1.0, receiver_s_per_elem=per_elem,
+                                  workers=workers, receivers=n, fanout=fan, intra_bps=intra)
+            out.append({"model": name, "receivers": n, "how": "store" if fan is None else f"tree k={fan}",
+                        "link_gbit": link / 1e9, "intra_gbit": intra / 1e9, "extrapolated": True, **m})
     return out
 
 
 def run(args) -> dict:
-    region = ne.Region(args.shaping)
-    s3 = None
-    try:
-        s3 = ne.s3_server(region.prefix, region.host)
-        endpoint = region.reach(s3.wait_ready())
-        res = measure(region, endpoint, args)
-    finally:
-        if s3 is not None:
-            s3.stop()
-        region.close()
+    res, kind, note = ne.with_s3_in_trainer_region(args.shaping, lambda region, ep: measure(region, ep, args))
     derive(res)
-    res["notes"] = [region.note] if region.note else []
+    res["notes"] = [note] if note else []
     res["config"] = {"receivers": args.receivers, "fanouts": args.fanouts, "quick": args.quick,
-                     "shaping": region.kind, "receiver_workers_assumed": args.workers}
-    res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "load_1min": os.getloadavg()[0]}
+                     "shaping": kind, "receiver_workers_assumed": args.workers}
+    res["machine"] = ne.machine()
     res["targets"] = {"fanout_over_one": ne.TARGETS["fanout_over_one"]}
     res["extrapolated"] = extrapolate(res, args.workers)
     res["published"] = ne.PAPER
@@ -147,30 +135,24 @@ def table(res: dict) -> str:
           "| model | receivers | from | link Gbit/s | intra Gbit/s | wire s | reload s | dense s |", "|---|---|---|---|---|---|---|---|"]
     L += [f"| {e['model']} | {e['receivers']} | {e['how']} | {e['link_gbit']:.2f} | {e['intra_gbit']:.0f} | "
           f"{e['wire']:.1f} | {e['seconds']:.1f} | {e['dense']:.0f} |" for e in res["extrapolated"]]
-    L += [f"note: {n}" for n in res["notes"]]
+    L += ne.footer(res)
     return "\n".join(L)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--json", action="store_true")
+    ap = ne.parser(__doc__)
     ap.add_argument("--elements", type=int, default=None)
     ap.add_argument("--change", type=float, default=0.03)
     ap.add_argument("--rate", type=float, default=200.0, help="inter-region link, Mbit/s")
     ap.add_argument("--receivers", type=int, nargs="+", default=None)
     ap.add_argument("--fanouts", type=int, nargs="+", default=None, help="relay tree fan-outs (2 4; --quick 2)")
-    ap.add_argument("--shaping", choices=("auto", "netns", "proxy"), default=None)
-    ap.add_argument("--workers", type=int, default=8, help="receiver workers assumed by the extrapolation")
     args = ap.parse_args(argv)
     q = args.quick
     args.elements = args.elements or (1_000_000 if q else 10_000_000)
     args.receivers = args.receivers or ([1, 2] if q else [1, 2, 4, 8])
     args.fanouts = args.fanouts or ([2] if q else [2, 4])
     args.shaping = args.shaping or ("proxy" if q else "auto")
-    res = run(args)
-    print(json.dumps(res, indent=1) if args.json else table(res))
-    return 0
+    return ne.report(run(args), args.json, table)
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ for _p in (ROOT, os.path.join(ROOT, "tests")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from nemo_dcr.stores import HttpStore, S3Store  # noqa: E402
+from nemo_dcr.stores import S3Store  # noqa: E402
 from nemo_dcr.sync.follower import Follower  # noqa: E402
 
 RAW_KEY = "raw/model.bin"
@@ -63,9 +63,10 @@ PAPER = [
 
 # ----------------------------------------------------------------------------- model
 def model(elements: int, seed: int = 0) -> dict:
-    """A BF16 state of about ``elements`` elements: four square-ish matrices and one vector."""
+    """A BF16 state of about ``elements`` elements: sixteen square-ish matrices and one vector
+    (several objects per version at the publisher's default part size from ~20M elements on)."""
     g = torch.Generator().manual_seed(seed)
-    n_mat = 4
+    n_mat = 16
     side = max(8, int((elements / (n_mat + 0.02)) ** 0.5))
     out = {f"layers.{i}.weight": (torch.randn(side, side, generator=g) * 0.02).bfloat16() for i in range(n_mat)}
     out["norm.weight"] = torch.ones(max(1, elements - n_mat * side * side), dtype=torch.bfloat16)
@@ -545,7 +546,57 @@ class Receivers:
         stop_all(self.procs)
 
 
+def with_s3_in_trainer_region(shaping: str, measure) -> tuple:
+    """Make the regions, start the S3 server in the trainer region, run ``measure(region,
+    endpoint)`` (endpoint: how the rollout region reaches the server) and tear everything down
+    -> (its result, a description of the link emulation, a note or None)."""
+    region = Region(shaping)
+    s3 = None
+    try:
+        s3 = s3_server(region.prefix, region.host)
+        return measure(region, region.reach(s3.wait_ready())), region.kind, region.note
+    finally:
+        if s3 is not None:
+            s3.stop()
+        region.close()
+
+
+def parser(doc: str):
+    """An argument parser with the options both benchmarks take."""
+    import argparse
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="small, in-process limiter, under a minute")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--shaping", choices=("auto", "netns", "proxy"), default=None,
+                    help="netns+veth+tbf (root), the in-process limiter, or auto (netns where possible); "
+                         "default: auto, --quick: proxy")
+    ap.add_argument("--workers", type=int, default=8, help="receiver workers assumed by the extrapolation")
+    return ap
+
+
+def footer(res: dict) -> list:
+    """The published figures, printed next to the extrapolation (not measured here), and the notes."""
+    return ["", "PUBLISHED (for comparison, not measured here)"] + [
+        f"  {p['source']}: {p['model']}{' at ' + format(p['change'], '.0%') if 'change' in p else ''}, {p['what']}: "
+        f"{'%g-%g' % p['seconds'] if isinstance(p['seconds'], tuple) else '%g' % p['seconds']} s" for p in PAPER] + [
+        f"note: {n}" for n in res["notes"]]
+
+
+def report(res: dict, as_json: bool, table) -> int:
+    print(json.dumps(res, indent=1) if as_json else table(res))
+    return 0
+
+
+def machine() -> dict:
+    import platform
+    return {"cpus": os.cpu_count(), "platform": platform.platform(), "load_1min": round(os.getloadavg()[0], 2)}
+
+
 # ----------------------------------------------------------------------------- model of the pipeline
+PARAMS = {"120B": 120e9, "247 GB (NeMo-RL)": 123.5e9, "1T": 1e12}
+# inter-region rates the published dense figures imply (120B: 240 GB in 750 s; 1T: 2 TB in 87.5 min)
+IMPLIED_LINK = {"120B": 240e9 * 8 / 750, "247 GB (NeMo-RL)": 240e9 * 8 / 750, "1T": 2e12 * 8 / (87.5 * 60)}
+
 def pipeline_model(params: float, change: float, *, bytes_per_elem: float, link_bps: float, rtt: float,
                    achieved: float, receiver_s_per_elem: float, workers: int, receivers: int = 1,
                    fanout: int | None = None, intra_bps: float = 100e9, chunk_bytes: float = 4 << 20) -> dict:

@@ -25,11 +25,8 @@ Every reload is checked bit for bit against the published state.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import os
-import platform
 import sys
 import time
 
@@ -42,9 +39,6 @@ import netenv as ne  # noqa: E402
 from nemo_dcr.stores import HttpStore  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
 
-PARAMS = {"120B": 120e9, "247 GB (NeMo-RL)": 123.5e9, "1T": 1e12}
-# inter-region rates the published dense figures imply (120B: 240 GB in 750 s; 1T: 2 TB in 87.5 min)
-IMPLIED_LINK = {"120B": 240e9 * 8 / 750, "247 GB (NeMo-RL)": 240e9 * 8 / 750, "1T": 2e12 * 8 / (87.5 * 60)}
 
 
 def measure(region, endpoint, args) -> dict:
@@ -151,35 +145,25 @@ def extrapolate(rows: list, workers: int) -> list:
         r = base["s3"]
         achieved = min(1.0, r["dense_achieved_mbit"] / r["link_mbit"])
         per_elem = r["receiver_s"] / r["elements"]
-        for name, params in PARAMS.items():
+        for name, params in ne.PARAMS.items():
             for via, fan in (("s3, 1 receiver", None), ("relay tree k=4, 64 receivers", 4)):
                 m = ne.pipeline_model(params, change, bytes_per_elem=r["delta_bytes"] / r["elements"],
-                                      link_bps=IMPLIED_LINK[name], rtt=r["rtt"], achieved=achieved,
+                                      link_bps=ne.IMPLIED_LINK[name], rtt=r["rtt"], achieved=achieved,
                                       receiver_s_per_elem=per_elem, workers=workers,
                                       receivers=64 if fan else 1, fanout=fan)
                 out.append({"model": name, "params": params, "change": change, "via": via,
-                            "link_gbit": IMPLIED_LINK[name] / 1e9, "extrapolated": True, **m})
+                            "link_gbit": ne.IMPLIED_LINK[name] / 1e9, "extrapolated": True, **m})
     return out
 
 
 def run(args) -> dict:
-    region = ne.Region(args.shaping)
-    s3 = None
-    try:
-        s3 = ne.s3_server(region.prefix, region.host)
-        endpoint = region.reach(s3.wait_ready())
-        res = measure(region, endpoint, args)
-    finally:
-        if s3 is not None:
-            s3.stop()
-        region.close()
-    if region.note:
-        res["notes"].append(region.note)
+    res, kind, note = ne.with_s3_in_trainer_region(args.shaping, lambda region, ep: measure(region, ep, args))
+    if note:
+        res["notes"].append(note)
     res["config"] = {"sizes": args.sizes, "changes": args.changes, "rates_mbit": args.rates, "reps": args.reps,
-                     "quick": args.quick, "shaping": region.kind, "receiver_workers_assumed": args.workers,
+                     "quick": args.quick, "shaping": kind, "receiver_workers_assumed": args.workers,
                      "changes_kind": "injected (random positions, relative nudges), not an optimizer's"}
-    res["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(),
-                      "load_1min": os.getloadavg()[0]}
+    res["machine"] = ne.machine()
     res["targets"] = ne.TARGETS
     res["extrapolated"] = extrapolate(res["rows"], args.workers)
     res["published"] = ne.PAPER
@@ -220,24 +204,16 @@ def table(res: dict) -> str:
     L += [f"| {e['model']} | {e['change']:.0%} | {e['via']} | {e['link_gbit']:.2f} | {e['delta_bytes'] / 1e9:.1f} | "
           f"{e['wire']:.1f} | {e['compute']:.1f} | {e['seconds']:.1f} | {e['dense']:.0f} | {e['transport_share']:.0%} |"
           for e in res["extrapolated"]]
-    L += ["", "PUBLISHED (for comparison, not measured here)"]
-    L += [f"  {p['source']}: {p['model']} {p.get('change', '') and format(p['change'], '.0%')} {p['what']}: "
-          f"{p['seconds'] if not isinstance(p['seconds'], tuple) else '%g-%g' % p['seconds']} s" for p in res["published"]]
-    L += [f"note: {n}" for n in res["notes"]]
+    L += ne.footer(res)
     return "\n".join(L)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="2M elements, 3 %%, 200 Mbit/s, in-process limiter")
-    ap.add_argument("--json", action="store_true")
+    ap = ne.parser(__doc__)
     ap.add_argument("--sizes", type=float, nargs="+", default=None, help="BF16 elements per model")
     ap.add_argument("--changes", type=float, nargs="+", default=None, help="change rates (0.03 = 3 %%)")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s")
     ap.add_argument("--reps", type=int, default=None)
-    ap.add_argument("--shaping", choices=("auto", "netns", "proxy"), default=None,
-                    help="netns+veth+tbf (root), the in-process limiter, or auto (netns where possible)")
-    ap.add_argument("--workers", type=int, default=8, help="receiver workers assumed by the extrapolation")
     args = ap.parse_args(argv)
     q = args.quick
     args.sizes = [int(s) for s in (args.sizes or ([2e6] if q else [10e6, 30e6, 100e6]))]
@@ -245,9 +221,7 @@ def main(argv=None) -> int:
     args.rates = args.rates or ([200.0] if q else [200.0, 1000.0])
     args.reps = args.reps or (1 if q else 2)
     args.shaping = args.shaping or ("proxy" if q else "auto")
-    res = run(args)
-    print(json.dumps(res, indent=1) if args.json else table(res))
-    return 0
+    return ne.report(run(args), args.json, table)
 
 
 if __name__ == "__main__":

@@ -284,7 +284,8 @@ class Follower:
 
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None
-        for p in plans(self.store, target, self._version, digest):
+        known = self._held if self._version is not None else None
+        for p in plans(self.store, target, self._version, digest, known):
             if not any((m.key, kind) in bad for kind, m in p):
                 return p
         return None
