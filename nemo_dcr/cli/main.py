@@ -7,7 +7,7 @@ import os
 import sys
 
 from nemo_dcr import __version__
-from nemo_dcr.codec.chunk import CHOICES
+from nemo_dcr.codec.names import CHOICES
 from nemo_dcr.errors import DcrError
 
 
