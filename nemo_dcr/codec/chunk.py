@@ -29,7 +29,8 @@ from nemo_dcr.codec import classes
 from nemo_dcr.codec import ordered
 from nemo_dcr.codec import planes
 from nemo_dcr.codec import positions
-from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401 (re-exported)
+# the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
+from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
 from nemo_dcr.state.digest import values_digest
 from nemo_dcr.errors import DeltaFormatError
 

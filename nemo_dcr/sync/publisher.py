@@ -19,7 +19,7 @@ import hashlib
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -31,6 +31,11 @@ from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
 from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from nemo_dcr.stores.base import Store
 
 # dense bytes per object of a rank's delta/keyframe: big enough that a part's header and request
 # are noise, small enough that encode, upload, download and apply of neighbouring parts overlap
@@ -64,9 +69,9 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 
 
 class Publisher:
-    def __init__(self, store, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
+    def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group=None, part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
+                 group: ProcessGroup | None = None, part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing). ``part_bytes``: a rank's delta
