@@ -57,6 +57,8 @@ def _declare(lib) -> None:
     lib.dcr_free.argtypes = [p]
     lib.dcr_set_simd.restype = None
     lib.dcr_set_simd.argtypes = [ctypes.c_int]
+    lib.dcr_sd_contrib.restype = ctypes.c_int
+    lib.dcr_sd_contrib.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p, p]
 
 
 def lib():

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
+from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec
@@ -90,6 +91,9 @@ class Publisher:
         self._shards: dict | None = None
         self._head: Head | None = None
         self._digest: StateDigest | None = None  # this rank's partial digest of _base
+        # name -> tensor digest of _base[name], as the diff that published it wrote it: _base is
+        # private and unchanged since, so the next diff need not hash it again
+        self._tensor_digests: dict = {}
 
     @property
     def version(self) -> int | None:
@@ -137,8 +141,9 @@ class Publisher:
                     # a keyframe was asked for and the published state cannot be rebuilt (and
                     # verified) on every rank: publish the keyframe alone, no delta part
                     self._base = self._shards = self._head = self._digest = None
-            receipt, local["digest"] = self._upload(local["snap"], local["shards"], head, version, publish_id, kf,
-                                                    spans)
+                    self._tensor_digests = {}
+            receipt, local["digest"], local["tensor_digests"] = self._upload(
+                local["snap"], local["shards"], head, version, publish_id, kf, spans)
             return receipt
 
         receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
@@ -149,6 +154,7 @@ class Publisher:
             f"committing version {version}", src=0)
         spans.add("commit", f"version {version}", t)
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
+        self._tensor_digests = local["tensor_digests"]
         if self.retain is not None:
             from nemo_dcr.sync.retention import prune
             g.run(lambda: prune(self.store, new_head, keep=self.retain) if g.rank == 0 else None,
@@ -156,16 +162,18 @@ class Publisher:
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0, spans)
 
-    def _upload(self, snap, shards, head, version, publish_id, kf, spans: Spans) -> tuple[dict, StateDigest]:
-        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``). Each
-        object uploads on a background thread while the next one is encoded; every upload has
-        returned (or raised here) before this does."""
+    def _upload(self, snap, shards, head, version, publish_id, kf, spans: Spans) -> tuple[dict, StateDigest, dict]:
+        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``, the
+        tensor digests of ``snap`` the deltas hold). Each object uploads on a background thread
+        while the next one is encoded; every upload has returned (or raised here) before this
+        does."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
         out = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
         uploads = _Uploads(self, spans)
         groups = split_parts(self._base or {}, snap, self.part_bytes)
+        digests: dict = {}
         try:
             if head is not None and self._base is not None:
                 change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
@@ -174,7 +182,7 @@ class Publisher:
                     blob = diff(_only(self._base, names), _only(snap, names), shards=shards,
                                 base_shards=self._shards, encoding=self.encoding, level=self.level,
                                 chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                on_change=change, progress=False)
+                                on_change=change, progress=False, base_digests=self._tensor_digests)
                     spans.add("encode", f"delta part {j}", t)
                     uploads.start(out["parts"], f"{d}/{_part_name('part', rank, j)}", blob, j)
                 new_digest = self._digest + change.total
@@ -188,6 +196,7 @@ class Publisher:
                                 progress=False)
                     spans.add("encode", f"keyframe part {j}", t)
                     uploads.start(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", blob, j)
+                    digests.update(target_digests(blob))
         except BaseException:
             uploads.join(quiet=True)  # no upload left running past a failed publish
             raise
@@ -195,7 +204,7 @@ class Publisher:
         for k in ("parts", "keyframe_parts"):  # uploads finish in any order; the manifest lists parts in order
             out[k] = [p for _, p in sorted(out[k], key=lambda x: x[0])]
         out["digest"] = new_digest.hex()
-        return out, new_digest
+        return out, new_digest, digests
 
     def _put(self, key: str, blob: bytes, spans: Spans | None = None) -> dict:
         s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
@@ -240,6 +249,12 @@ class Publisher:
         f.sync(head.version, head=head)
         self._base, self._shards, self._head = tensors, shards, head
         self._digest = state_contrib(tensors, shards)
+        self._tensor_digests = {}  # rebuilt, not published from here: hashed by the next diff
+
+
+def target_digests(blob: bytes) -> dict:
+    """name -> target tensor digest of every tensor a delta leaves in place."""
+    return {e.name: e.target_digest for e in DeltaReader.open(blob).header.tensors if not e.removed}
 
 
 class _Uploads:
