@@ -191,12 +191,13 @@ def _load_bench(name):
     if str(here) not in sys.path:
         sys.path.insert(0, str(here))
     spec = importlib.util.spec_from_file_location(f"nemo_dcr_bench_{name}", here / f"{name}.py")
-def _load_kernels():
-    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
-    spec = importlib.util.spec_from_file_location("nemo_dcr_bench_kernels", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _load_kernels():
+    return _load_bench("kernels")
 
 
 def _run_json(mod, argv):
