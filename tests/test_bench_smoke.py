@@ -185,14 +185,76 @@ def test_shard_budget_bench_runs_and_checks_bits():
     assert "| diff |" in shard.format_table(r)
 
 
-def _load_kernels():
-    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
-    spec = importlib.util.spec_from_file_location("nemo_dcr_bench_kernels", path)
+def _load_bench(name):
+    """bench/<name>.py as a module (bench/ on sys.path for its shared netenv module)."""
+    here = pathlib.Path(__file__).resolve().parents[1] / "bench"
+    if str(here) not in sys.path:
+        sys.path.insert(0, str(here))
+    spec = importlib.util.spec_from_file_location(f"nemo_dcr_bench_{name}", here / f"{name}.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
+def _load_kernels():
+    return _load_bench("kernels")
+
+
+def _run_json(mod, argv):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert mod.main(argv) == 0
+    return json.loads(out.getvalue())
+
+
+def test_reload_bench_quick_over_the_rate_limiter():
+    """bench/reload.py --quick (smaller still): the S3 server behind the in-process rate limiter,
+    dense and delta reloads checked bit for bit inside (it raises otherwise), every column."""
+    pytest.importorskip("moto.moto_server.werkzeug_app")
+    res = _run_json(_load_bench("reload"), ["--quick", "--json", "--sizes", "300000", "--shaping", "proxy"])
+    assert res["config"]["shaping"].startswith("in-process rate limiter")
+    assert {r["via"] for r in res["rows"]} == {"s3", "relay"}
+    for r in res["rows"]:
+        assert r["changes"] == "injected" and r["link_mbit"] == 200
+        assert r["delta"]["version"] == 1 and r["delta_bytes"] < r["dense_bytes"] / 5
+        assert math.isclose(r["payload_ratio"], r["dense_bytes"] / r["delta_bytes"])
+        # the limiter holds the dense transfer to the link rate (a little over: its first burst)
+        assert r["dense"] >= r["dense_bytes"] * 8 / 200e6 * 0.8
+        assert r["floor"] >= r["wire"] > 0 and r["delta_over_floor"] > 0 and 0 < r["transport_share"] <= 1
+        assert {"fetch", "apply", "digest"} <= set(r["delta"]["stages"])
+    (p,) = res["publish"]
+    assert p["keyframe_publish"] > 0 and p["raw_put"] > 0
+    models = {(e["model"], e["via"]) for e in res["extrapolated"]}
+    assert ("1T", "relay tree k=4, 64 receivers") in models and all(e["extrapolated"] for e in res["extrapolated"])
+    assert {p["source"] for p in res["published"]} == {"paper", "NeMo-RL"}
+
+
+def test_fanout_bench_quick_crosses_the_slow_link_once_through_a_tree():
+    pytest.importorskip("moto.moto_server.werkzeug_app")
+    res = _run_json(_load_bench("fanout"), ["--quick", "--json", "--elements", "300000", "--shaping", "proxy"])
+    runs = {(r["receivers"], r["how"]): r for r in res["runs"]}
+    assert set(runs) == {(1, "store"), (2, "store"), (1, "tree k=2"), (2, "tree k=2")}
+    d = res["delta_bytes"]
+    # two receivers on the store pull two copies over the slow link; through a tree one (plus
+    # manifests and HEAD reads, well under one more copy)
+    assert runs[(2, "store")]["slow_link_bytes"] >= 2 * d
+    assert d <= runs[(2, "tree k=2")]["slow_link_bytes"] < 2 * d
+    assert runs[(2, "tree k=2")]["relays"] == 1
+    assert any(e["receivers"] == 1024 for e in res["extrapolated"])
+
+
+def test_relay_tree_shape():
+    """Enough relay levels for the receivers, each relay feeding at most k children."""
+    ne = _load_bench("netenv")
+    import math as m
+    for n, k in ((1, 2), (2, 2), (3, 2), (8, 2), (8, 4), (16, 4), (64, 4)):
+        levels = max(1, m.ceil(m.log(n, k) - 1e-9))
+        assert k ** levels >= n and (levels == 1 or k ** (levels - 1) < n), (n, k)
+    m_store = ne.pipeline_model(1e9, 0.03, bytes_per_elem=0.05, link_bps=1e9, rtt=0.001, achieved=1.0,
+                                receiver_s_per_elem=0.0, workers=1, receivers=8)
+    m_tree = ne.pipeline_model(1e9, 0.03, bytes_per_elem=0.05, link_bps=1e9, rtt=0.001, achieved=1.0,
+                               receiver_s_per_elem=0.0, workers=1, receivers=8, fanout=2)
+    assert math.isclose(m_store["wire"], 8 * 0.05e9 * 8 / 1e9) and math.isclose(m_tree["wire"], 0.05e9 * 8 / 1e9)
 def test_kernels_bench_quick_json():
     """bench/kernels.py --quick --json: every row of issue #12's table is there, measured, with its
     ratio to the same memcpy; every encode and apply was checked bit for bit inside the run."""

@@ -5,10 +5,18 @@ committed version.
     f.sync()                                                  # -> SyncResult, or raises
 
 For each version on the way: every object is fetched and checked against the manifest's
-sha256 *before* anything is applied (failed downloads are retried; an object that stays corrupt
-is an error naming it); the receiver's digest is checked against the version's base digest;
-parts are applied in place with per-chunk pre-image checks; the state digest is updated from
-the changed elements alone and checked against the version's target digest.
+size and sha256 *before* anything of that version is applied (failed downloads are retried; an
+object that stays corrupt is an error naming it); the receiver's digest is checked against the
+version's base digest; parts are applied in place with per-chunk pre-image checks; the state
+digest is updated from the changed elements alone and checked against the version's target digest.
+
+Pipelined: one background thread streams the objects of the whole path (``store.get_stream``,
+sha256 computed as the bytes arrive), at most ``prefetch`` objects ahead of the apply, so version
+k+1 downloads while version k is applied and verified. ``stream=True`` (a single receiver, not a
+group) also applies each part of a version as soon as that part checked out, while the next part
+downloads: the first write then comes before the later parts of the version were checked (see
+docs/design.md "Streaming pipeline" for what is checked before it). ``SyncResult.spans`` records
+each stage (fetch, verify, apply, digest) with its start and end.
 
 On a failure the receiver is at the old version (nothing was written yet) or the follower knows
 it is mid-way: the next ``sync`` resumes that version (chunks already applied are recognised),
@@ -28,6 +36,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import queue
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping, MutableMapping
@@ -64,10 +74,38 @@ class SyncResult:
     path: str = ""                              # the path taken, e.g. "keyframe 4 + deltas 5..6"
     fallbacks: list = field(default_factory=list)  # paths given up on the way, with the reason
     rekeyed: bool = False                       # the store's history was not the one followed
+    spans: list = field(default_factory=list)   # Span per stage, seconds from the start of the sync
 
     @property
     def updated(self) -> bool:
         return bool(self.steps)
+
+
+@dataclass
+class Span:
+    """One stage of a sync or publish: ``stage`` (fetch, verify, apply, digest; encode, upload,
+    commit), what it worked on, and its start and end in seconds from the start of the call."""
+    stage: str
+    what: str
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+class Spans(list):
+    """Spans recorded against one origin (``perf_counter`` at the start of the call); appended
+    from several threads (list.append is atomic)."""
+
+    def __init__(self, t0: float | None = None):
+        super().__init__()
+        self.t0 = time.perf_counter() if t0 is None else t0
+
+    def add(self, stage: str, what: str, start: float, end: float | None = None) -> None:
+        end = time.perf_counter() if end is None else end
+        self.append(Span(stage, what, start - self.t0, end - self.t0))
 
 
 class _Unavailable(DcrError):
@@ -92,13 +130,17 @@ class Follower:
                  shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None,
                  group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
-                 max_fallbacks: int = 8, verifier="env"):
+                 max_fallbacks: int = 8, prefetch: int = 2, stream: bool = False, verifier="env"):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``shards``: the receiver's ShardSpec per tensor name (a name missing from it is a whole
         tensor). The mapping is used as given and consulted at every step, so a view that
         resolves names lazily (the rollout loader's) stays live. ``max_fallbacks``: paths given
-        up on missing or corrupt objects before a sync fails. ``verifier``: a
+        up on missing or corrupt objects before a sync fails. ``prefetch``: objects downloaded
+        ahead of the apply (their bytes are held in memory; 0: no background download).
+        ``stream``: apply each part of a version once it checked out, before the version's
+        later parts arrived (ignored in a group, where every rank applies only after every
+        part checked out on every rank). ``verifier``: a
         :class:`~nemo_dcr.sync.signing.Verifier`; HEAD and every manifest are then read through it
         and refused unless signed by a trusted key (``"env"``, the default: from
         ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are)."""
@@ -110,6 +152,7 @@ class Follower:
         self.group = Group(group)
         self.retries, self.backoff, self.workers = retries, backoff, workers
         self.max_fallbacks = max_fallbacks
+        self.prefetch, self.stream = max(0, int(prefetch)), bool(stream)
         self._version: int | None = None
         self._held: Manifest | None = None        # the manifest of the verified state
         self._digest: StateDigest | None = None  # global digest of the verified state
@@ -157,6 +200,35 @@ class Follower:
         head = self.read_head()
         return head.version if head else None
 
+    def wait(self, newer_than: int | None = None, timeout: float = 30.0, *,
+             poll_interval: float = 0.5) -> Head | None:
+        """Block until the store's HEAD names a version newer than ``newer_than`` (default: the
+        version held; None held: any version) and return that HEAD, or None after ``timeout``
+        seconds. A relay (``HttpStore``, or a fallback list of them) is long-polled, so the
+        answer comes as soon as the relay learns of the version; any other store is read every
+        ``poll_interval`` seconds. In a group rank 0 waits and every rank gets its answer.
+        Pass the HEAD on: ``f.sync(head=f.wait())``."""
+        from nemo_dcr.stores.http import wait_head
+        g = self.group
+        newer = self._version if newer_than is None else newer_than
+        long_poll = hasattr(self.store, "wait_head")
+
+        def wait_rank0():
+            deadline = time.monotonic() + max(0.0, float(timeout))
+            while True:
+                left = deadline - time.monotonic()
+                r = wait_head(self.store, newer, max(0.0, min(left, 60.0)))
+                head = Head.from_bytes(r[0]) if r is not None else None
+                if head is not None and (newer is None or head.version > newer):
+                    return head
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                if not long_poll:  # a plain store: read it again after a pause
+                    time.sleep(min(poll_interval, left))
+
+        return g.run(lambda: wait_rank0() if g.rank == 0 else None, "wait for a new version", src=0)
+
     def is_current(self, head: Head, version: int | None = None) -> bool:
         """Whether the tensors hold what ``sync(version, head=head)`` would bring, known from
         HEAD alone: the very manifest HEAD names (its key and digest), not just its number."""
@@ -175,7 +247,7 @@ class Follower:
             head = self.read_head()
         if head is None:
             raise VersionNotFound("the store has no committed version yet")
-        res = SyncResult(self._version, self._version)
+        res = SyncResult(self._version, self._version, spans=Spans(t0))
         if self._pending is not None:
             res.repaired = True
             self._finish_pending(res)
@@ -204,9 +276,10 @@ class Follower:
                             self._held.key if self._held else "?", target.version,
                             getattr(self.store, "url", self.store))
             log.info("nemo-dcr: version %s -> %d: %s", self._version, target.version, res.path)
+            feed = _Feed(self, steps, res.spans)
             try:
                 for kind, m in steps:
-                    self._step(kind, m, res)
+                    self._step(kind, m, res, feed=feed)
             except _Unavailable as u:
                 if len(res.fallbacks) >= self.max_fallbacks:
                     raise u.error from None
@@ -215,11 +288,14 @@ class Follower:
                 log.info("nemo-dcr: cannot use the %s of version %d (%s); trying another path",
                          u.kind, u.manifest.version, u.error)
                 continue
+            finally:
+                feed.close()
             return self._done(res, t0)
 
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None
-        for p in plans(self.store, target, self._version, digest):
+        known = self._held if self._version is not None else None
+        for p in plans(self.store, target, self._version, digest, known):
             if not any((m.key, kind) in bad for kind, m in p):
                 return p
         return None
@@ -232,18 +308,33 @@ class Follower:
         self._version = self._held = self._digest = None
 
     # ------------------------------------------------------------------ steps
-    def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False) -> None:
+    def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False, feed: "_Feed | None" = None) -> None:
         g = self.group
-        parts = m.parts if kind == "delta" else m.keyframe_parts
-        try:  # every object verified before the first write
-            blobs = g.run(lambda: [self._fetch(p) for p in parts], f"download the {kind} of version {m.version}")
+        parts = _parts(kind, m)
+        own = feed is None
+        if own:  # a step on its own (finishing an interrupted version)
+            feed = _Feed(self, [(kind, m)], res.spans)
+        try:
+            self._apply_step(kind, m, parts, res, resume, feed)
+        finally:
+            if own:
+                feed.close()
+
+    def _take(self, feed: "_Feed", kind: str, m: Manifest, parts) -> list:
+        try:
+            return self.group.run(lambda: [feed.take(p) for p in parts], f"download the {kind} of version {m.version}")
         except (CorruptObjectError, VersionNotFound, GroupError) as e:
             raise _Unavailable(kind, m, e) from e
-        res.bytes += sum(len(b) for b in blobs)
+
+    def _apply_step(self, kind: str, m: Manifest, parts, res: SyncResult, resume: bool, feed: "_Feed") -> None:
+        g = self.group
+        stream = self.stream and not g.active and len(parts) > 1
+        # default: every object of the version verified before its first write
+        blobs = [] if stream else self._take(feed, kind, m, parts)
         if kind == "delta" and not resume and (self._digest is None or self._digest.hex() != m.base_digest):
             raise BaseMismatchError(f"version {m.version} was built on a state whose digest is {m.base_digest}, "
                                     f"the receiver's is {self._digest.hex() if self._digest else 'unknown'}")
-        if self._pending is None or self._pending["version"] != m.version:
+        if self._pending is None or self._pending["version"] != m.version or self._pending["kind"] != kind:
             # one journal per part: its keys are (tensor, chunk start within the sending rank's
             # region), and every rank's part of a sharded tensor has a chunk starting at 0
             self._pending = {"version": m.version, "kind": kind, "manifest": m, "journal": {},
@@ -251,21 +342,40 @@ class Follower:
         pend = self._pending
         on_change = pend["change"] if kind == "delta" else None  # a keyframe's digest is recomputed whole
 
+        def apply_part(p, blob):
+            # in a group each rank holds only some tensors (a replicated one is held, and
+            # counted in the state digest, by exactly one rank): the rest are other ranks' to
+            # apply. A tensor no rank holds still fails the group's digest check.
+            t = time.perf_counter()
+            r = apply(self.tensors, blob, shards=self.shards, verify=False, resume=True,
+                      workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
+                      on_change=on_change, progress=False, held_only=g.active)
+            res.spans.add("apply", p.key, t)
+            res.changed += r.elements_changed
+
         def apply_parts():
             for p, blob in zip(parts, blobs):
-                # in a group each rank holds only some tensors (a replicated one is held, and
-                # counted in the state digest, by exactly one rank): the rest are other ranks' to
-                # apply. A tensor no rank holds still fails the group's digest check.
-                r = apply(self.tensors, blob, shards=self.shards, verify=False, resume=True,
-                          workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
-                          on_change=on_change, progress=False, held_only=g.active)
-                res.changed += r.elements_changed
+                apply_part(p, blob)
             if kind == "keyframe":  # the keyframe names every tensor of the version: drop the rest
                 remove_absent(self.tensors, blobs, shards=self.shards)
 
         self._version = None  # from here until verified, the state is "in between"
-        g.run(apply_parts, f"apply version {m.version}")
-        self._verify(m, kind, full=resume)
+        if stream:
+            # each part applied once it checked out, while the next one downloads; a later part
+            # that cannot be had leaves the version pending (journal) and the path is given up
+            for p in parts:
+                blobs.append(self._take(feed, kind, m, [p])[0])
+                apply_part(p, blobs[-1])
+            if kind == "keyframe":
+                remove_absent(self.tensors, blobs, shards=self.shards)
+        else:
+            g.run(apply_parts, f"apply version {m.version}")
+        res.bytes += sum(len(b) for b in blobs)
+        t = time.perf_counter()
+        try:
+            self._verify(m, kind, full=resume)
+        finally:
+            res.spans.add("digest", f"version {m.version}", t)
         res.steps.append((kind, m.version))
 
     def _verify(self, m: Manifest, kind: str, full: bool = False) -> None:
@@ -296,21 +406,46 @@ class Follower:
             self._forget()
 
     # ------------------------------------------------------------------ helpers
-    def _fetch(self, part) -> bytes:
+    def _fetch(self, part, spans: Spans | None = None) -> bytes:
+        """The object's bytes, streamed and hashed as they arrive, checked against the manifest's
+        size and sha256 (retried; never more than ``part.size`` bytes read into memory)."""
         from nemo_dcr.stores import NotFound, StoreError
+        spans = spans if spans is not None else Spans()
         last = None
         for attempt in range(self.retries + 1):
+            t = time.perf_counter()
             try:
-                data = self.store.get(part.key)
+                size, chunks = _open_stream(self.store, part.key)
+                try:
+                    h, got, n = hashlib.sha256(), [], 0
+                    if size == part.size:
+                        for b in chunks:
+                            n += len(b)
+                            if n > part.size:
+                                break
+                            h.update(b)
+                            got.append(b)
+                    else:
+                        n = size
+                finally:
+                    close = getattr(chunks, "close", None)
+                    if close is not None:
+                        close()
             except NotFound:
                 raise VersionNotFound(f"object {part.key} is missing from the store") from None
             except StoreError as e:
                 last = f"download failed: {e}"
+                spans.add("fetch", part.key, t)
             else:
-                if len(data) == part.size and hashlib.sha256(data).hexdigest() == part.sha256:
-                    return data
-                last = f"{len(data)} bytes with sha256 {hashlib.sha256(data).hexdigest()[:16]}..., " \
-                       f"manifest says {part.size} bytes, {part.sha256[:16]}..."
+                spans.add("fetch", part.key, t)
+                t = time.perf_counter()
+                digest = h.hexdigest() if n == part.size else None
+                spans.add("verify", part.key, t)
+                if digest == part.sha256:
+                    return got[0] if len(got) == 1 else b"".join(got)
+                last = f"{n}{'+' if n > part.size else ''} bytes" + \
+                       (f" with sha256 {digest[:16]}..." if digest else "") + \
+                       f", manifest says {part.size} bytes, {part.sha256[:16]}..."
             if attempt < self.retries:
                 time.sleep(self.backoff * (2 ** attempt))
         raise CorruptObjectError(f"object {part.key} is corrupt or unreadable after {self.retries + 1} attempts: {last}")
@@ -318,6 +453,69 @@ class Follower:
     def _full_digest(self) -> StateDigest:
         d = state_contrib(self.tensors, self.shards)
         return allreduce_digest(d, self.group.group) if self.group.active else d
+
+
+def _open_stream(store, key: str):
+    """``store.get_stream`` where the store has one; a duck-typed store (a wrapper offering
+    ``get`` alone) is read whole."""
+    if getattr(type(store), "get_stream", None) is None:
+        data = store.get(key)
+        return len(data), iter([data])
+    return store.get_stream(key)
+
+
+def _parts(kind: str, m: Manifest) -> list:
+    return m.parts if kind == "delta" else m.keyframe_parts
+
+
+class _Feed:
+    """The objects of a path's steps, downloaded in order on one background thread and handed
+    over in that order, at most ``Follower.prefetch`` finished objects ahead of the consumer
+    (prefetch 0: each object downloaded when it is taken). A download that fails stops the
+    thread; its error is raised by ``take`` of that object."""
+
+    def __init__(self, follower: Follower, steps: list, spans: Spans):
+        self._fetch = lambda p: follower._fetch(p, spans)
+        self._parts = [p for kind, m in steps for p in _parts(kind, m)]
+        self._stop = threading.Event()
+        self._thread = None
+        if follower.prefetch > 0 and self._parts:
+            self._q: "queue.Queue" = queue.Queue(maxsize=follower.prefetch)
+            self._thread = threading.Thread(target=self._run, name="nemo-dcr-fetch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        for p in self._parts:
+            if self._stop.is_set():
+                return
+            try:
+                item = (p, self._fetch(p), None)
+            except Exception as e:  # handed to the consumer, raised there
+                item = (p, None, e)
+            self._q.put(item)  # blocks while ``prefetch`` objects wait; close() drains
+            if item[2] is not None:
+                return
+
+    def take(self, part) -> bytes:
+        if self._thread is None:
+            return self._fetch(part)
+        p, data, err = self._q.get()
+        if p is not part:  # the consumer follows the plan's order: anything else is a bug here
+            raise RuntimeError(f"fetch order broken: expected {part.key}, got {p.key}")
+        if err is not None:
+            raise err
+        return data
+
+    def close(self) -> None:
+        if self._thread is None:
+            return
+        self._stop.set()
+        while self._thread.is_alive():  # unblock a put() waiting for room
+            try:
+                self._q.get(timeout=0.05)
+            except queue.Empty:
+                pass
+        self._thread.join()
 
 
 class _Fallback(str):

@@ -8,12 +8,17 @@ snapshot (so publishing every N steps sends the changes of N steps), uploads one
 gathers the parts' receipts over the trainer's own process group, and rank 0 commits the version
 once every part is durable. A rank that fails or dies before its receipt is gathered leaves no
 visible version.
+
+Pipelined: a rank's delta part uploads on a background thread while its keyframe part is
+encoded; the commit still comes after every upload of every rank returned.
+``PublishResult.spans`` records each stage (encode, upload, commit) with its start and end.
 """
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Mapping
 
 import torch
@@ -24,6 +29,7 @@ from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
+from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
 
@@ -31,6 +37,10 @@ if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
     from nemo_dcr.stores.base import Store
+
+# dense bytes per object of a rank's delta/keyframe: big enough that a part's header and request
+# are noise, small enough that encode, upload, download and apply of neighbouring parts overlap
+DEFAULT_PART_BYTES = 32 << 20
 
 __all__ = ["Publisher", "PublishResult", "PublishError", "CommitConflict", "snapshot"]
 
@@ -43,6 +53,7 @@ class PublishResult:
     changed: int
     elements: int
     seconds: float
+    spans: list = field(default_factory=list)  # Span per stage (this rank's), seconds from the start
 
     @property
     def version(self) -> int:
@@ -61,7 +72,8 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 class Publisher:
     def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device"):
+                 group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
+                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing). ``signer``: a
@@ -70,7 +82,11 @@ class Publisher:
         "auto" or "on" diffs CUDA tensors on the device against a snapshot kept there
         (``keep="device"``) or in pinned host memory (``keep="pinned"``), and only the compact
         change stream comes to the host (``nemo_dcr/device``; same bytes); "off" (default): the
-        host snapshot and the reference encoder. The first publish logs which path runs."""
+        host snapshot and the reference encoder. The first publish logs which path runs.
+        ``part_bytes``: a rank's delta (and keyframe) is split into objects of whole tensors,
+        about this many dense bytes each, so that part j+1 encodes while part j uploads and a
+        receiver applies part j while part j+1 downloads (0: one object per rank).
+        ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded)."""
         from nemo_dcr.stores import open_store
         from nemo_dcr.sync.signing import resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
@@ -78,6 +94,7 @@ class Publisher:
         self.keyframe_every = keyframe_every
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
+        self.part_bytes, self.max_uploads = int(part_bytes), max(1, int(max_uploads))
         self.group = Group(group)
         self._base: dict | None = None        # the last published snapshot (this rank's tensors)
         self._shards: dict | None = None
@@ -116,6 +133,7 @@ class Publisher:
         raised alike on every rank (``PublishError`` naming the ranks and their errors for the
         upload, ``CommitConflict`` for a lost race), and nothing is committed."""
         t0 = time.perf_counter()
+        spans = Spans(t0)
         g = self.group
         head, tag, publish_id = g.run(lambda: self._read_head() if g.rank == 0 else None,
                                       "read the store's HEAD", src=0)
@@ -140,17 +158,19 @@ class Publisher:
                     self._base = self._shards = self._head = self._digest = None
                     self._tensor_digests = {}
             receipt, local["digest"], local["tensor_digests"] = self._upload(
-                local["snap"], local["shards"], head, version, publish_id, kf)
+                local["snap"], local["shards"], head, version, publish_id, kf, spans)
             return receipt
 
         receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
                          note="no version committed")
+        t = time.perf_counter()
         manifest, new_head = g.run(
             lambda: self._commit(receipts, head, tag, version, publish_id, step, meta) if g.rank == 0 else None,
             f"committing version {version}", src=0)
         if dev:  # the snapshot becomes what was published: O(changes) where the device pass ran
             dev.commit(local["snap"]) if self._base is dev.tensors else dev.reset(local["snap"])
             local["snap"] = dev.tensors
+        spans.add("commit", f"version {version}", t)
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
         self._tensor_digests = local["tensor_digests"]
         if self.retain is not None:
@@ -158,7 +178,7 @@ class Publisher:
             g.run(lambda: prune(self.store, new_head, keep=self.retain) if g.rank == 0 else None,
                   f"retention after version {version}", src=0)
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
-                             manifest.elements, time.perf_counter() - t0)
+                             manifest.elements, time.perf_counter() - t0, spans)
 
     def _read_head(self):
         """Rank 0 (which signs): HEAD, its tag and a fresh publish id. A chain signed for another
@@ -168,9 +188,11 @@ class Publisher:
             self.signer.check_continues(head)
         return head, tag, new_publish_id()
 
-    def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest, dict]:
+    def _upload(self, snap, shards, head, version, publish_id, kf, spans: Spans) -> tuple[dict, StateDigest, dict]:
         """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``, the
-        tensor digests of ``snap`` the deltas hold)."""
+        tensor digests of ``snap`` the deltas hold). Each object uploads on a background thread
+        while the next one is encoded; every upload has returned (or raised here) before this
+        does."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
         out = {"parts": [], "keyframe_parts": []}
@@ -181,30 +203,50 @@ class Publisher:
             host = HostView(snap)
         else:
             host = snap
-        if head is not None and self._base is not None:
-            change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
-            base, target = dev.views(snap) if dev else (self._base, snap)
-            blob = diff(base, target, shards=shards, base_shards=self._shards, encoding=self.encoding,
-                        level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
-                        on_change=change, progress=False, base_digests=self._tensor_digests,
-                        chunker=dev.chunker if dev else None)
-            out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
-            digests = target_digests(blob)
-            new_digest = self._digest + change.total
-        else:
-            new_digest = state_contrib(host, shards)
-            digests = {}
-        if kf:
-            blob = diff({}, host, shards=shards, encoding="overwrite", level=self.level,
-                        chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
-            out["keyframe_parts"].append(self._put(f"{d}/key-{rank:05d}.dcr", blob))
-            digests = target_digests(blob)
+        uploads = _Uploads(self, spans)
+        groups = split_parts(self._base or {}, snap, self.part_bytes)
+        digests: dict = {}
+        try:
+            if head is not None and self._base is not None:
+                change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
+                base, target = dev.views(snap) if dev else (self._base, snap)
+                for j, names in enumerate(groups):
+                    t = time.perf_counter()
+                    blob = diff(_only(base, names), _only(target, names), shards=shards,
+                                base_shards=self._shards, encoding=self.encoding, level=self.level,
+                                chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
+                                on_change=change, progress=False, base_digests=self._tensor_digests,
+                                chunker=dev.chunker if dev else None)
+                    spans.add("encode", f"delta part {j}", t)
+                    uploads.start(out["parts"], f"{d}/{_part_name('part', rank, j)}", blob, j)
+                    digests.update(target_digests(blob))  # the next version's base digests, known now
+                new_digest = self._digest + change.total
+            else:
+                new_digest = state_contrib(host, shards)
+            if kf:
+                for j, names in enumerate(split_parts({}, snap, self.part_bytes)):
+                    t = time.perf_counter()
+                    blob = diff({}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
+                                chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
+                                progress=False)
+                    spans.add("encode", f"keyframe part {j}", t)
+                    uploads.start(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", blob, j)
+                    digests.update(target_digests(blob))
+        except BaseException:
+            uploads.join(quiet=True)  # no upload left running past a failed publish
+            raise
+        uploads.join()  # raises the first upload's error, after every upload ended
+        for k in ("parts", "keyframe_parts"):  # uploads finish in any order; the manifest lists parts in order
+            out[k] = [p for _, p in sorted(out[k], key=lambda x: x[0])]
         out["digest"] = new_digest.hex()
         return out, new_digest, digests
 
-    def _put(self, key: str, blob: bytes) -> dict:
+    def _put(self, key: str, blob: bytes, spans: Spans | None = None) -> dict:
         s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
+        t = time.perf_counter()
         self.store.put(key, blob)
+        if spans is not None:
+            spans.add("upload", key, t)
         return Part(rank=self.group.rank, key=key, size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
                     changed=s["changed"], elements=s["elements"], dense_bytes=s["dense_bytes"]).__dict__
 
@@ -260,6 +302,67 @@ class Publisher:
 def target_digests(blob: bytes) -> dict:
     """name -> target tensor digest of every tensor a delta leaves in place."""
     return {e.name: e.target_digest for e in DeltaReader.open(blob).header.tensors if not e.removed}
+
+
+class _Uploads:
+    """This rank's uploads, each on its own thread so the next object encodes meanwhile; at most
+    ``Publisher.max_uploads`` at once (``start`` waits for room: the encoded bytes wait in memory)."""
+
+    def __init__(self, pub: Publisher, spans: Spans):
+        self.pub, self.spans, self.threads, self.errors = pub, spans, [], []
+        self.room = threading.BoundedSemaphore(pub.max_uploads)
+
+    def start(self, into: list, key: str, blob: bytes, order: int = 0) -> None:
+        def run():
+            try:
+                into.append((order, self.pub._put(key, blob, self.spans)))
+            except BaseException as e:  # raised by join() on the publishing thread
+                self.errors.append(e)
+            finally:
+                self.room.release()
+
+        self.room.acquire()
+        if self.errors:  # an upload failed: encode no more
+            self.room.release()
+            raise self.errors[0]
+        t = threading.Thread(target=run, name="nemo-dcr-upload", daemon=True)
+        t.start()
+        self.threads.append(t)
+
+    def join(self, quiet: bool = False) -> None:
+        for t in self.threads:
+            t.join()
+        if self.errors and not quiet:
+            raise self.errors[0]
+
+
+def split_parts(base: Mapping, target: Mapping, part_bytes: int) -> list[list[str]]:
+    """The tensor names of ``base`` and ``target`` (sorted, as a delta lists them) in groups of
+    whole tensors of about ``part_bytes`` dense bytes of the target each (a removed tensor
+    counts nothing; one larger tensor is a group of its own). ``part_bytes`` <= 0: one group."""
+    names = sorted(set(base.keys()) | set(target.keys()))
+    if part_bytes <= 0:
+        return [names]
+    groups, cur, size = [], [], 0
+    for n in names:
+        t = target.get(n) if n in target else None
+        b = t.numel() * t.element_size() if t is not None else 0
+        if cur and size + b > part_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += b
+    return groups + [cur] if cur or not groups else groups
+
+
+def _only(tensors: Mapping, names: list) -> dict:
+    return {n: tensors[n] for n in names if n in tensors}
+
+
+def _part_name(kind: str, rank: int, j: int) -> str:
+    """``part-00003.dcr`` for a rank's first part (the name of a one-part rank), then
+    ``part-00003.1.dcr``, ``part-00003.2.dcr``..."""
+    return f"{kind}-{rank:05d}.dcr" if j == 0 else f"{kind}-{rank:05d}.{j}.dcr"
 
 
 def _same_head(a: Head | None, b: Head) -> bool:

@@ -3,8 +3,9 @@
 Store layout (keys relative to the store's root):
 
     HEAD                                          {"version", "manifest", "keyframe": {...}}
-    versions/<v:012d>/<publish id>/part-<r>.dcr   one delta per publishing rank (base v-1 -> v)
-    versions/<v:012d>/<publish id>/key-<r>.dcr    keyframe parts (full state), on keyframe versions
+    versions/<v:012d>/<publish id>/part-<r>[.<j>].dcr   delta parts per publishing rank (base v-1 -> v)
+    versions/<v:012d>/<publish id>/key-<r>[.<j>].dcr    keyframe parts (full state), on keyframe versions
+    (a rank's objects split by whole tensors, ``Publisher(part_bytes=...)``; j from 1 after the first)
     versions/<v:012d>/<publish id>/manifest.json  the version's manifest
 
 Objects go first, the manifest next, and the version becomes visible only when HEAD moves to it
@@ -53,7 +54,7 @@ def canonical_sha256(d: dict) -> str:
 # never one a crafted object could point outside it or at another version's objects with.
 _PUBLISH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _MANIFEST_KEY = re.compile(r"versions/(\d{12,})/([A-Za-z0-9][A-Za-z0-9_-]{0,127})/manifest\.json")
-_PART_NAME = re.compile(r"(part|key)-\d{5,}\.dcr")
+_PART_NAME = re.compile(r"(part|key)-\d{5,}(\.\d+)?\.dcr")  # rank, then the part index past the first
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
@@ -314,9 +315,12 @@ def read_manifest(store: Store, key: str, sha256: str | None = None) -> Manifest
     return Manifest.from_bytes(data, key, sha256)
 
 
-def _base_of(store: Store, m: Manifest) -> Manifest:
+def _base_of(store: Store, m: Manifest, known: Manifest | None = None) -> Manifest:
     if m.base_manifest is None:
         raise ManifestError(f"{m.key}: version {m.version} has no base manifest")
+    if known is not None and m.base_manifest == known.key and m.base_sha256 is not None \
+            and m.base_sha256 == known.sha256:
+        return known
     return read_manifest(store, m.base_manifest, m.base_sha256)
 
 
@@ -391,7 +395,7 @@ def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, si
 
 
 def plans(store: Store, target: Manifest, current: int | None = None,
-          digest: str | None = None) -> Iterator[list]:
+          digest: str | None = None, known: Manifest | None = None) -> Iterator[list]:
     """Ways to take a receiver holding version ``current`` (state digest ``digest``, when
     known; None: nothing) to ``target``, best first. Each is a list of ("delta" | "keyframe",
     Manifest) steps, oldest first: the deltas from the receiver's own version, then each
@@ -399,7 +403,9 @@ def plans(store: Store, target: Manifest, current: int | None = None,
     counts only if its manifest on this chain has the receiver's digest: a store wiped and
     republished (same numbers, another history) is recognised and the receiver re-keyed from a
     keyframe. Manifests are read lazily: a caller that takes the first plan reads no further
-    back than it needs. A broken link (removed or damaged manifest) ends the walk there."""
+    back than it needs, and ``known`` (the receiver's manifest, already checked) is not read
+    again where the chain names it by key and sha256 (one round trip less per sync). A broken
+    link (removed or damaged manifest) ends the walk there."""
     walked: list = []
     waiting: list = []          # keyframes newer than the receiver's version, offered after its deltas
     searching = current is not None
@@ -426,7 +432,7 @@ def plans(store: Store, target: Manifest, current: int | None = None,
         if not m.parts:
             break  # no delta into this version: nothing older can lead past it
         try:
-            m = _base_of(store, m)
+            m = _base_of(store, m, known)
         except VersionNotFound:
             break  # retention removed what is older
         except ManifestError as e:

@@ -45,10 +45,23 @@ class _Serialized:
             return list(self.app(environ, start_response))
 
 
+# dummy credentials and a config that cannot reach AWS: what a client of the test server needs
+DUMMY_AWS_ENV = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_SESSION_TOKEN": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_REGION": "us-east-1",
+    "AWS_CONFIG_FILE": "/nonexistent/nemo-dcr-test-aws-config",
+    "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/nemo-dcr-test-aws-credentials",
+}
+
+
 @contextmanager
-def moto_server():
-    """A moto S3 server on 127.0.0.1 over HTTP with one bucket; dummy credentials in the
-    environment while it runs. Skips the test when boto3 or moto's server is not installed."""
+def moto_server(host: str = "127.0.0.1"):
+    """A moto S3 server on ``host`` (default 127.0.0.1; bench/netenv.py puts one inside an
+    emulated region) over HTTP with one bucket; dummy credentials in the environment while it
+    runs. Skips the test when boto3 or moto's server is not installed."""
     pytest.importorskip("boto3", reason="S3 store tests need boto3 (pip install boto3)")
     pytest.importorskip("moto.moto_server.werkzeug_app",
                         reason="S3 store tests need pip install 'moto[server]'")
@@ -59,25 +72,17 @@ def moto_server():
     from werkzeug.serving import make_server
 
     mp = pytest.MonkeyPatch()
-    for name, value in {
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_SESSION_TOKEN": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1",
-        "AWS_REGION": "us-east-1",
-        "AWS_CONFIG_FILE": "/nonexistent/nemo-dcr-test-aws-config",
-        "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/nemo-dcr-test-aws-credentials",
-    }.items():
+    for name, value in DUMMY_AWS_ENV.items():
         mp.setenv(name, value)
     for name in ("AWS_PROFILE", "AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "NEMO_DCR_S3_ENDPOINT"):
         mp.delenv(name, raising=False)
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
 
     app = _Serialized(DomainDispatcherApplication(create_backend_app))
-    server = make_server("127.0.0.1", 0, app, threaded=True, request_handler=MotoRequestHandler)
+    server = make_server(host, 0, app, threaded=True, request_handler=MotoRequestHandler)
     thread = threading.Thread(target=server.serve_forever, name="moto-s3", daemon=True)
     thread.start()
-    endpoint = f"http://127.0.0.1:{server.server_port}"
+    endpoint = f"http://{host}:{server.server_port}"
     try:
         boto3.session.Session().client(
             "s3", endpoint_url=endpoint, region_name="us-east-1"

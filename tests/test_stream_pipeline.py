@@ -1,0 +1,341 @@
+"""The streaming pipeline: the follower downloads the next object while the previous one is
+applied (and never writes a version before its objects checked out, unless ``stream=True``),
+the publisher uploads one object while encoding the next, both record per-stage spans, and
+``Follower.wait`` learns of a new version from a relay's long poll.
+
+Overlap is shown without timing: a store or a tensor mapping holds one stage until the other
+stage has begun; without the pipeline that never happens and the bounded wait runs out."""
+import hashlib
+import threading
+from collections.abc import MutableMapping
+
+import pytest
+import torch
+
+from dcr_testing import assert_bits_equal
+from nemo_dcr.delta import diff
+from nemo_dcr.errors import CorruptObjectError
+from nemo_dcr.state.statedigest import state_contrib
+from nemo_dcr.stores import LocalStore
+from nemo_dcr.sync.follower import Follower
+from nemo_dcr.sync.publisher import Publisher
+from nemo_dcr.sync.versions import Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
+
+GATE = 10.0  # seconds a gated stage waits for the stage it should overlap with
+
+
+def states(n=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    s = {"a": torch.randn(64, 128, generator=g).bfloat16(), "b": torch.randn(4096, generator=g).bfloat16(),
+         "c": torch.randn(33, generator=g)}
+    out = [{k: v.clone() for k, v in s.items()}]
+    for _ in range(1, n):
+        s = {k: v.clone() for k, v in s.items()}
+        for v in s.values():
+            flat = v.view(-1)
+            idx = torch.randperm(flat.numel(), generator=g)[: max(1, flat.numel() // 30)]
+            flat[idx] = torch.randn(len(idx), generator=g).to(v.dtype)
+        out.append(s)
+    return out
+
+
+def publish_all(store, seq, **kw):
+    pub = Publisher(store, **kw)
+    return [pub.publish(s) for s in seq]
+
+
+class RecordingStore(LocalStore):
+    """A real LocalStore that notes when each object's download starts."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.started = {}
+
+    def get_stream(self, key, offset=0):
+        self.started.setdefault(key, threading.Event()).set()
+        return super().get_stream(key, offset)
+
+    def event(self, key):
+        return self.started.setdefault(key, threading.Event())
+
+
+class GatedTensors(MutableMapping):
+    """The receiver's tensors; the first access waits (bounded) for ``gate``: the apply of the
+    first object is held until the download of the next one has begun."""
+
+    def __init__(self, gate: threading.Event):
+        self.d, self.gate, self.opened = {}, gate, None
+
+    def _wait(self):
+        if self.opened is None:
+            self.opened = self.gate.wait(GATE)
+
+    def __getitem__(self, k):
+        self._wait()
+        return self.d[k]
+
+    def __setitem__(self, k, v):
+        self._wait()
+        self.d[k] = v
+
+    def __delitem__(self, k):
+        del self.d[k]
+
+    def __iter__(self):
+        self._wait()
+        return iter(self.d)
+
+    def __len__(self):
+        return len(self.d)
+
+
+def test_next_object_downloads_while_the_first_is_applied(tmp_path):
+    store = RecordingStore(tmp_path / "s")
+    seq = states(3)
+    res = publish_all(store, seq)
+    second = res[1].manifest.parts[0].key  # path: keyframe 0 + deltas 1..2
+    tensors = GatedTensors(store.event(second))
+    r = Follower(store, tensors).sync()
+    assert tensors.opened, "the keyframe was applied before the next object's download began"
+    assert r.version == 2 and r.path == "keyframe 0 + deltas 1..2"
+    for k, v in seq[2].items():
+        assert_bits_equal(tensors.d[k], v)
+    stages = {s.stage for s in r.spans}
+    assert {"fetch", "verify", "apply", "digest"} <= stages
+    assert all(0 <= s.start <= s.end <= r.seconds for s in r.spans)
+    fetched = [s.what for s in r.spans if s.stage == "fetch"]
+    assert fetched == [p.key for p in res[0].manifest.keyframe_parts] + \
+        [p.key for x in res[1:] for p in x.manifest.parts]  # each object once, in the path's order
+
+
+def test_without_prefetch_nothing_overlaps(tmp_path):
+    # the control for the test above: prefetch=0 downloads each object when it is applied
+    store = RecordingStore(tmp_path / "s")
+    seq = states(3)
+    res = publish_all(store, seq)
+    tensors = GatedTensors(store.event(res[1].manifest.parts[0].key))
+    tensors.gate.wait = lambda t: tensors.gate.is_set()  # do not sit out the bound: just look
+    r = Follower(store, tensors, prefetch=0).sync()
+    assert tensors.opened is False and r.version == 2
+    for k, v in seq[2].items():
+        assert_bits_equal(tensors.d[k], v)
+
+
+def _corrupt(store, key):
+    path = store._path(key)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0x10
+    open(path, "wb").write(bytes(data))
+
+
+def test_prefetched_corrupt_object_writes_nothing_of_its_version(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    seq = states(3)
+    res = publish_all(store, seq)
+    tensors = {k: v.clone() for k, v in seq[0].items()}
+    f = Follower(store, tensors, version=0, retries=1, backoff=0.0)
+    _corrupt(store, res[2].manifest.parts[0].key)
+    with pytest.raises(CorruptObjectError, match="part-00000"):
+        f.sync()
+    # delta 1 checked out and was applied; delta 2 (prefetched, corrupt) wrote nothing
+    assert f.version == 1
+    for k, v in seq[1].items():
+        assert_bits_equal(tensors[k], v)
+
+
+def _two_part_version(store, base, new):
+    """Version 1 published as two parts (as two trainer ranks would): tensor a in one, b and c
+    in the other."""
+    head, tag = read_head(store)
+    prev = read_manifest(store, head.manifest, head.manifest_sha256)
+    pid = new_publish_id()
+    parts = []
+    for rank, names in enumerate((["a"], ["b", "c"])):
+        blob = diff({k: base[k] for k in names}, {k: new[k] for k in names},
+                    meta={"version": 1, "publish_id": pid, "rank": rank})
+        key = f"{version_dir(1, pid)}/part-{rank:05d}.dcr"
+        store.put(key, blob)
+        parts.append(Part(rank=rank, key=key, size=len(blob), sha256=hashlib.sha256(blob).hexdigest()))
+    m = Manifest(version=1, publish_id=pid, target_digest=state_contrib(new, {}).hex(), base_version=0,
+                 base_manifest=prev.key, base_digest=prev.target_digest, base_sha256=prev.sha256, parts=parts,
+                 world_size=2)
+    commit(store, m, head, tag)
+    return m
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_two_parts_stream_or_check_all_first(tmp_path, stream):
+    store = LocalStore(tmp_path / "s")
+    seq = states(2)
+    publish_all(store, seq[:1])
+    m = _two_part_version(store, seq[0], seq[1])
+    good = store.get(m.parts[1].key)
+    _corrupt(store, m.parts[1].key)
+    tensors = {k: v.clone() for k, v in seq[0].items()}
+    f = Follower(store, tensors, version=0, retries=0, stream=stream)
+    with pytest.raises(CorruptObjectError, match="part-00001"):
+        f.sync()
+    if stream:  # part 0 checked out and was applied before part 1 arrived: the version is pending
+        assert f.version is None
+        assert_bits_equal(tensors["a"], seq[1]["a"])
+    else:  # every part is checked before the first write: nothing changed
+        assert f.version == 0
+        for k, v in seq[0].items():
+            assert_bits_equal(tensors[k], v)
+    store.put(m.parts[1].key, good)  # the object repaired: the next sync finishes the version
+    r = f.sync()
+    assert f.version == 1 and r.version == 1
+    for k, v in seq[1].items():
+        assert_bits_equal(tensors[k], v)
+    f.check()
+
+
+class GatedPutStore(LocalStore):
+    """The upload of the first object whose key contains ``hold`` waits (bounded) until an
+    upload of a key containing ``until`` began: only possible when that object was encoded while
+    the first uploaded. Default: the delta part waits for the keyframe part."""
+
+    def __init__(self, root, hold="/part-", until="/key-"):
+        super().__init__(root)
+        self.hold, self.until = hold, until
+        self.key_started, self.overlapped = threading.Event(), None
+
+    def put(self, key, data):
+        if self.until in key:
+            self.key_started.set()
+        if self.hold in key and self.overlapped is None:
+            self.overlapped = self.key_started.wait(GATE)
+        return super().put(key, data)
+
+
+def test_publisher_uploads_the_delta_while_encoding_the_keyframe(tmp_path):
+    store = GatedPutStore(tmp_path / "s")
+    seq = states(2)
+    pub = Publisher(store)
+    pub.publish(seq[0])
+    r = pub.publish(seq[1], keyframe=True)
+    assert store.overlapped, "the keyframe was not encoded while the delta uploaded"
+    spans = {(s.stage, s.what): s for s in r.spans}
+    assert ("encode", "delta part 0") in spans and ("encode", "keyframe part 0") in spans
+    ups = [s for s in r.spans if s.stage == "upload"]
+    commit_span = [s for s in r.spans if s.stage == "commit"]
+    assert len(ups) == 2 and len(commit_span) == 1
+    assert all(u.end <= commit_span[0].start for u in ups), "the commit came before an upload ended"
+    tensors = {}
+    Follower(store, tensors).sync()
+    for k, v in seq[1].items():
+        assert_bits_equal(tensors[k], v)
+
+
+def test_publisher_upload_failure_commits_nothing(tmp_path):
+    class Failing(LocalStore):
+        def put(self, key, data):
+            if "/part-" in key:
+                raise OSError("injected upload failure")
+            return super().put(key, data)
+
+    store = Failing(tmp_path / "s")
+    seq = states(2)
+    pub = Publisher(store)
+    pub.publish(seq[0])
+    with pytest.raises(Exception, match="injected upload failure"):
+        pub.publish(seq[1], keyframe=True)
+    assert read_head(store)[0].version == 0
+
+
+def test_wait_on_a_plain_store(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    seq = states(2)
+    pub = Publisher(store)
+    pub.publish(seq[0])
+    tensors = {}
+    f = Follower(store, tensors)
+    assert f.wait(timeout=0).version == 0  # nothing held: any version is new
+    f.sync()
+    assert f.wait(timeout=0.05, poll_interval=0.01) is None
+    pub.publish(seq[1])
+    head = f.wait(timeout=5)
+    assert head.version == 1
+    f.sync(head=head)
+    for k, v in seq[1].items():
+        assert_bits_equal(tensors[k], v)
+
+
+def test_wait_long_polls_a_relay(tmp_path):
+    pytest.importorskip("aiohttp")
+    from dcr_testing.relay import RelayProc
+    from nemo_dcr.stores.http import HttpStore
+
+    store = LocalStore(tmp_path / "s")
+    seq = states(2)
+    pub = Publisher(store)
+    pub.publish(seq[0])
+    relay = RelayProc(str(tmp_path / "s"), "--poll-interval", "0.05")
+    try:
+        tensors = {}
+        f = Follower(HttpStore(relay.url), tensors)
+        f.sync()
+        got = {}
+        t = threading.Thread(target=lambda: got.setdefault("head", f.wait(timeout=60)))
+        t.start()
+        pub.publish(seq[1])
+        t.join(90)
+        assert not t.is_alive() and got["head"] is not None and got["head"].version == 1
+        r = f.sync(head=got["head"])
+        assert r.version == 1
+        for k, v in seq[1].items():
+            assert_bits_equal(tensors[k], v)
+    finally:
+        relay.stop()
+
+
+def test_split_parts_groups_whole_tensors_in_order():
+    from nemo_dcr.sync.publisher import split_parts
+    t = {n: torch.zeros(s, dtype=torch.bfloat16) for n, s in (("a", 100), ("b", 300), ("c", 50), ("d", 10))}
+    assert split_parts({}, t, 0) == [["a", "b", "c", "d"]]
+    assert split_parts({}, t, 250) == [["a"], ["b"], ["c", "d"]]  # a tensor over the size is a part alone
+    assert split_parts({}, t, 1 << 20) == [["a", "b", "c", "d"]]
+    assert split_parts({"gone": torch.zeros(999)}, t, 250) == [["a"], ["b"], ["c", "d", "gone"]]  # removed: 0 bytes
+    assert split_parts({}, {}, 250) == [[]]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_split_versions_apply_bit_exactly_part_by_part(tmp_path, stream):
+    """part_bytes small: each version's delta and keyframe are several objects (whole tensors);
+    a tensor removed, one added and one re-typed on the way. A receiver from the keyframe and one
+    following the deltas both end bit-exact, fetching every part once, in order."""
+    store = LocalStore(tmp_path / "s")
+    seq = states(3)
+    seq[2] = {k: v.clone() for k, v in seq[2].items() if k != "b"}
+    seq[2]["c"] = seq[2]["c"].double()
+    seq[2]["z"] = torch.arange(7, dtype=torch.int32)
+    res = publish_all(store, seq, part_bytes=4096, keyframe_every=2)
+    # a: 16 KiB, b: 8 KiB, c: 132 B -> three parts of whole tensors each
+    assert len(res[0].manifest.keyframe_parts) == 3 and len(res[1].manifest.parts) == 3
+    assert [p.key.rsplit("/", 1)[1] for p in res[1].manifest.parts] == \
+        ["part-00000.dcr", "part-00000.1.dcr", "part-00000.2.dcr"]
+    assert len(res[2].manifest.keyframe_parts) >= 2
+    held = {k: v.clone() for k, v in seq[0].items()}
+    r = Follower(store, held, version=0, stream=stream).sync()
+    assert r.version == 2 and set(held) == set(seq[2])
+    for k, v in seq[2].items():
+        assert_bits_equal(held[k], v)
+    fetched = [s.what for s in r.spans if s.stage == "fetch"]
+    assert fetched == [p.key for x in res[1:] for p in x.manifest.parts]
+    fresh = {}
+    r = Follower(store, fresh, stream=stream).sync()
+    assert r.path == "keyframe 2" and set(fresh) == set(seq[2])
+    for k, v in seq[2].items():
+        assert_bits_equal(fresh[k], v)
+
+
+def test_publisher_encodes_the_next_part_while_one_uploads(tmp_path):
+    """The first part's upload is held until the second part has been encoded (its upload
+    started): without encode/upload overlap the gate's bounded wait runs out."""
+    seq = states(2)
+    store = GatedPutStore(tmp_path / "s", hold="/part-00000.dcr", until="/part-00000.1.dcr")
+    pub = Publisher(store, part_bytes=4096)
+    pub.publish(seq[0])
+    r = pub.publish(seq[1])
+    assert store.overlapped, "the second part was not encoded while the first uploaded"
+    assert [s.what for s in r.spans if s.stage == "encode"] == ["delta part 0", "delta part 1", "delta part 2"]
