@@ -109,7 +109,13 @@ def _cmd_chaos(a):
     for mod, what in (("boto3", "the S3 store"), ("moto.moto_server.werkzeug_app", "the S3 server"),
                       ("aiohttp", "the fault proxy and relays")):
         require(mod, "chaos", f"nemo-dcr chaos ({what})")
+    import signal
+
     from nemo_dcr.chaos.campaign import long_run, run_campaign
+
+    def stop(*_):  # so the campaign's finally stops its processes and unmounts its tmpfs
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
     log = None if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
     if a.versions:
         out = long_run(a.versions, seed=a.seed, backend=a.backend, log=log)
