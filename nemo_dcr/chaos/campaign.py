@@ -513,8 +513,10 @@ class _Run:
         if not ok:
             c.log(f"  publish {content} failed: {[r.get('error') for r in reps]}")
         self.t.publishes["ok" if ok else "failed"] += 1
-        if killed is not None or any(r.get("error") == "no answer" for r in reps):
-            # a dead rank breaks the group: start a new one; it rebuilds its base from the store
+        if killed is not None or any(r.get("error", "").startswith(("no answer", "RuntimeError")) for r in reps):
+            # a dead rank breaks the group (as does a collective that timed out: gloo's errors are
+            # RuntimeErrors, the package's own are typed): start a new one; it rebuilds its base
+            # from the store
             c._start_publishers()
             self._open_publishers()
             self.t.publishes["group_restarts"] += 1

@@ -27,7 +27,9 @@ from nemo_dcr.chaos import truth
 PRELOAD = ["torch", "torch.distributed", "boto3", "nemo_dcr.chaos.truth", "nemo_dcr.stores",
            "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.integrations.rollout",
            "nemo_dcr.checkpoint.sync", "safetensors.torch"]
-GLOO_TIMEOUT = datetime.timedelta(seconds=15)
+# a dead peer is noticed at once (closed sockets); the timeout is the backstop, long enough for
+# ranks starved of CPU on a shared machine
+GLOO_TIMEOUT = datetime.timedelta(seconds=60)
 
 
 def open_store(spec):
