@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("moto.moto_server.werkzeug_app", reason="the campaign needs moto[server]")
 pytest.importorskip("aiohttp", reason="the campaign needs aiohttp")
 
-from nemo_dcr.chaos.campaign import FAULTS, run_campaign  # noqa: E402
+from nemo_dcr.chaos.campaign import FAULTS, run_campaign
 
 DISK = {"disk_full_pub", "disk_full_recv", "readonly_pub", "readonly_recv"}
 

@@ -35,8 +35,7 @@ PROXY = {"slow_serve": {"delay": 0.5}, "http_errors": {"error": 0.15}, "throttle
          "transit_damage": {"corrupt": 0.25, "truncate": 0.2}, "reorder_head": {"stale_head": 0.4},
          "dup_delivery": {"replay": 0.3}}
 # RolloutLoaders: on the store directly; through a relay with the store as fallback; through the
-# relay alone. (A ``pull`` receiver is in workers.py, but ``pull_checkpoint`` cannot bootstrap
-# from a store that several ranks published: docs/reliability.md, "Found".)
+# relay alone
 FOLLOWERS = ("loader", "relay", "relay-only")
 BUCKET, PREFIX = "nemo-dcr-chaos", "chaos"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
@@ -361,7 +360,6 @@ class _Run:
         self.contents = truth.Contents(truth.hash_seed(c.seed, index))
         self.epoch, self.next_c = 0, 0
         self.manifests: dict = {}     # manifest key -> (epoch, content) for every committed manifest seen
-        self.by_version: dict = {}    # version -> {(epoch, content)} committed under that number
         self.published_fps: set = set()
         self.fresh_fps: set = set()   # what a receiver holds before its first version (its own zeros)
         self.head = None              # (version, manifest key) of the newest commit
@@ -425,15 +423,8 @@ class _Run:
         kind = FOLLOWERS[i]
         relay = {"kind": "http", "url": self.relay.url}
         store = {"loader": self.direct_spec, "relay": {"kind": "list", "of": [relay, self.direct_spec]},
-                 "relay-only": relay, "pull": relay}[kind]
-        wd = os.path.join(self.c.recv_disk.path, f"follower-{i}")
-        shutil.rmtree(wd, ignore_errors=True)
-        try:
-            os.makedirs(wd, exist_ok=True)
-        except OSError:
-            pass
-        return {"op": "open", "kind": "pull" if kind == "pull" else "loader", "store": store, "workdir": wd,
-                "sabotage": self.c.sabotage}
+                 "relay-only": relay}[kind]
+        return {"op": "open", "store": store, "sabotage": self.c.sabotage}
 
     def _open_follower(self, i):
         w = self.c.followers[i]
@@ -541,7 +532,6 @@ class _Run:
                 break
             e, cc = m.meta["chaos"]
             self.manifests[m.key] = (e, cc)
-            self.by_version.setdefault(m.version, set()).add((e, cc))
             self.published_fps.add(truth.fingerprint(self.contents.raw(e, cc)))
 
     def check_store(self):
@@ -653,21 +643,14 @@ class _Run:
         t.fallbacks += rep.get("fallbacks", 0)
         fp = truth.fingerprint(raw) if raw else None
         if v is not None:
-            if kind == "pull":  # the checkpoint names no manifest: any content committed under v
-                want = [self.contents.raw(*ec) for ec in self.by_version.get(v, ())]
-                if raw not in want:
-                    self._corrupt(i, f"reports version {v} but its checkpoint holds none of the "
-                                     f"{len(want)} contents committed as version {v}")
-                    return False
-            else:
-                if key not in self.manifests:
-                    self._corrupt(i, f"reports version {v} from manifest {key}, which was never committed")
-                    return False
-                exp = self.contents.raw(*self.manifests[key])
-                if raw != exp:
-                    bad = sorted(n for n in exp if raw.get(n) != exp[n])
-                    self._corrupt(i, f"reports version {v} but holds other bits in {bad}")
-                    return False
+            if key not in self.manifests:
+                self._corrupt(i, f"reports version {v} from manifest {key}, which was never committed")
+                return False
+            exp = self.contents.raw(*self.manifests[key])
+            if raw != exp:
+                bad = sorted(n for n in exp if raw.get(n) != exp[n])
+                self._corrupt(i, f"reports version {v} but holds other bits in {bad}")
+                return False
             if self.head and v < self.head[0] and key is not None and key != self.head[1] and err is None:
                 t.went_back += self.c.recv_proxy.faults.get("stale_head", 0) > 0
         else:
@@ -679,11 +662,7 @@ class _Run:
             if err is None and fp is not None and fp not in self.published_fps | self.fresh_fps:
                 self._corrupt(i, "holds bits no published version had and reported no error")
                 return False
-        if self.head is None:
-            return True
-        if kind == "pull":
-            return v == self.head[0] and raw == self.contents.raw(*self.manifests[self.head[1]])
-        return key == self.head[1]
+        return self.head is None or key == self.head[1]
 
     def _corrupt(self, i, what):
         self.t.corruptions += 1

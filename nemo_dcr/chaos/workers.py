@@ -3,12 +3,11 @@
 * ``publisher_main``: one rank of the trainer group (gloo). ``open`` makes a fresh
   ``Publisher`` on a store; ``publish`` publishes content ``(epoch, c)`` (the rank's shard of
   :mod:`nemo_dcr.chaos.truth`'s state) with ``meta={"chaos": [epoch, c]}``.
-* ``follower_main``: one receiver. ``open`` makes a fresh receiver of a kind: ``loader`` (a
-  ``RolloutLoader`` over an HF-style ``torch.nn.Module``), ``relay`` (the same, reading through a
-  relay with the store behind it as fallback) or ``pull`` (``pull_checkpoint`` into a
-  safetensors directory). ``update`` brings it to the newest version and answers with the
-  version it reports, the manifest it holds, the error it raised, and the raw bytes of what the
-  engine would now sample from (the module's tensors, or the checkpoint's file contents).
+* ``follower_main``: one receiver. ``open`` makes a fresh ``RolloutLoader`` over an HF-style
+  ``torch.nn.Module`` on the store the harness names (directly, a relay, or a fallback list).
+  ``update`` brings it to the newest version and answers with the version it reports, the
+  manifest it holds, the error it raised, and the raw bytes of what the engine would now sample
+  from (the module's tensors, read under ``sampling()``).
 
 Processes are forked from a fork server that imported torch once, so killing one and starting
 another costs a fork, not an import.
@@ -25,8 +24,7 @@ import torch
 from nemo_dcr.chaos import truth
 
 PRELOAD = ["torch", "torch.distributed", "boto3", "nemo_dcr.chaos.truth", "nemo_dcr.stores",
-           "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.integrations.rollout",
-           "nemo_dcr.checkpoint.sync", "safetensors.torch"]
+           "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.integrations.rollout"]
 # a dead peer is noticed at once (closed sockets); the timeout is the backstop, long enough for
 # ranks starved of CPU on a shared machine
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
@@ -65,25 +63,34 @@ def publisher_main(rank: int, port: int, conn, env: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=truth.WORLD,
                             timeout=GLOO_TIMEOUT)
     layout = truth.shard_layout(rank)
-    contents, pub = None, None
-    conn.send({"ok": True, "ready": rank})
+    state = {}
+
+    def open_(cmd):
+        state["contents"] = truth.Contents(cmd["seed"])
+        state["pub"] = Publisher(open_store(cmd["store"]), keyframe_every=cmd["keyframe_every"],
+                                 retain=cmd["retain"], chunk_elems=256)
+        return {}
+
+    def publish(cmd):
+        e, c = cmd["content"]
+        st = truth.local_shard(state["contents"].state(e, c), layout)
+        state["contents"].forget_before(e, c)
+        r = state["pub"].publish(st, layout, keyframe=cmd.get("keyframe", False), step=c, meta={"chaos": [e, c]})
+        return {"version": r.version, "key": r.manifest.key}
+
+    _serve(conn, {"open": open_, "publish": publish}, {"ready": rank})
+
+
+def _serve(conn, handlers: dict, hello: dict) -> None:
+    """Answer commands until ``exit``: every reply is ``{"ok": True, ...}`` or ``{"ok": False,
+    "error", "tb"}`` (the error is the worker's to report, the harness judges it)."""
+    conn.send({"ok": True, **hello})
     while True:
         cmd = conn.recv()
-        op = cmd["op"]
-        if op == "exit":
+        if cmd["op"] == "exit":
             os._exit(0)
         try:
-            if op == "open":
-                contents = truth.Contents(cmd["seed"])
-                pub = Publisher(open_store(cmd["store"]), keyframe_every=cmd["keyframe_every"],
-                                retain=cmd["retain"], chunk_elems=256)
-                conn.send({"ok": True})
-            elif op == "publish":
-                e, c = cmd["content"]
-                st = truth.local_shard(contents.state(e, c), layout)
-                contents.forget_before(e, c)
-                r = pub.publish(st, layout, keyframe=cmd.get("keyframe", False), step=c, meta={"chaos": [e, c]})
-                conn.send({"ok": True, "version": r.version, "key": r.manifest.key})
+            conn.send({"ok": True, **handlers[cmd["op"]](cmd)})
         except Exception as ex:
             conn.send({"ok": False, "error": _err(ex), "tb": traceback.format_exc()[-2000:]})
 
@@ -108,12 +115,9 @@ class TinyLM(torch.nn.Module):
 
 
 class _Receiver:
-    def __init__(self, kind: str, store_spec, workdir: str, sabotage: str | None):
-        self.kind, self.spec, self.workdir = kind, store_spec, workdir
-        self.loader = None
-        self.model = None
-        self.sabotage = sabotage
-        self.prev_raw = None
+    def __init__(self, store_spec, sabotage: str | None):
+        self.spec, self.sabotage = store_spec, sabotage
+        self.loader = self.model = self._last = None
 
     def _make_loader(self):
         from nemo_dcr.integrations.rollout import RolloutLoader
@@ -124,8 +128,6 @@ class _Receiver:
     def update(self) -> dict:
         out = {"version": None, "key": None, "error": None, "rekeyed": False, "fallbacks": 0}
         t0 = time.monotonic()
-        if self.kind == "pull":
-            return self._pull(out, t0)
         try:
             if self.loader is None:
                 self._make_loader()
@@ -137,22 +139,11 @@ class _Receiver:
             m = self.loader.follower.manifest
             out["key"] = m.key if m is not None else None
             res = self.loader.last_result
-            if res is not None:
+            if res is not None and res is not self._last:  # a sync ran in this update
                 out["rekeyed"], out["fallbacks"] = bool(res.rekeyed), len(res.fallbacks)
+                self._last = res
             with self.loader.sampling():  # what the engine samples from
                 out["raw"] = truth.raw_bytes({n: t for n, t in self.model.state_dict().items()})
-        out["seconds"] = time.monotonic() - t0
-        return out
-
-    def _pull(self, out, t0) -> dict:
-        from nemo_dcr.checkpoint.sync import pull_checkpoint
-        into = os.path.join(self.workdir, "ckpt")
-        try:
-            r = pull_checkpoint(open_store(self.spec), into)
-            out["version"] = r.sync.version
-        except Exception as e:
-            out["error"] = _err(e)
-        out["raw"] = _read_checkpoint(into)
         out["seconds"] = time.monotonic() - t0
         return out
 
@@ -166,39 +157,15 @@ def _flip_one_bit(model) -> None:
         int_view(model.proj.weight.data).view(-1)[3] ^= 1
 
 
-def _read_checkpoint(path: str):
-    from safetensors.torch import load_file
-    if not os.path.isdir(path):
-        return None
-    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
-    if not files:
-        return None
-    st = {}
-    try:
-        for f in files:
-            st.update(load_file(os.path.join(path, f)))
-    except Exception:
-        return {"<unreadable>": b""}
-    return truth.raw_bytes(st)
-
-
 def follower_main(conn, env: dict) -> None:
     os.environ.update(env)
     torch.set_num_threads(1)
     import logging
     logging.getLogger("nemo_dcr").setLevel(logging.ERROR)
-    rec = None
-    conn.send({"ok": True, "pid": os.getpid()})
-    while True:
-        cmd = conn.recv()
-        op = cmd["op"]
-        if op == "exit":
-            os._exit(0)
-        try:
-            if op == "open":
-                rec = _Receiver(cmd["kind"], cmd["store"], cmd["workdir"], cmd.get("sabotage"))
-                conn.send({"ok": True})
-            elif op == "update":
-                conn.send({"ok": True, **rec.update()})
-        except Exception as ex:
-            conn.send({"ok": False, "error": _err(ex), "tb": traceback.format_exc()[-2000:]})
+    state = {}
+
+    def open_(cmd):
+        state["rec"] = _Receiver(cmd["store"], cmd.get("sabotage"))
+        return {}
+
+    _serve(conn, {"open": open_, "update": lambda cmd: state["rec"].update()}, {"pid": os.getpid()})
