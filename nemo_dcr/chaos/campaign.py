@@ -40,7 +40,8 @@ FOLLOWERS = ("loader", "relay", "relay-only")
 BUCKET, PREFIX = "nemo-dcr-chaos", "chaos"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
-           "AWS_CONFIG_FILE": "/nonexistent/nemo-dcr-chaos", "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/nemo-dcr-chaos"}
+           "AWS_CONFIG_FILE": "/nonexistent/nemo-dcr-chaos",
+           "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/nemo-dcr-chaos"}
 REPLY_S = 90.0  # a worker that answers nothing for this long is hung: a violation
 
 
@@ -126,6 +127,7 @@ class _Relay:
                self.upstream, "--cache-dir", self.cache, "--poll-interval", "0.2"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **self.env})
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "serving" not in line:
             raise RuntimeError(f"relay did not start: {line!r}")
@@ -156,6 +158,7 @@ class _S3Server:
     def start(self):
         self.proc = subprocess.Popen([sys.executable, "-m", "nemo_dcr.chaos.s3server", "--port", str(self.port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "ready" not in line:
             raise RuntimeError(f"S3 server did not start: {line!r}")
@@ -256,7 +259,7 @@ class Campaign:
         self.pubs: list = []
         self.followers: dict = {}
         self._start_publishers()
-        for i, kind in enumerate(FOLLOWERS):
+        for i in range(len(FOLLOWERS)):
             self._start_follower(i)
 
     # -- processes --------------------------------------------------------------------------
@@ -362,7 +365,7 @@ class _Run:
         self.manifests: dict = {}     # manifest key -> (epoch, content) for every committed manifest seen
         self.published_fps: set = set()
         self.fresh_fps: set = set()   # what a receiver holds before its first version (its own zeros)
-        self.head = None              # (version, manifest key) of the newest commit
+        self.head: tuple | None = None  # (version, manifest key) of the newest commit
         self.damaged: set = set()     # store keys the harness itself damaged
         self.proxy_steps = 0
         self.disk_faults: list = []
@@ -376,8 +379,12 @@ class _Run:
         for d in (c.store_disk, c.recv_disk):
             d.readonly(False)
             d.unfill()
-        c.pub_proxy.clear(), c.recv_proxy.clear(), c.pub_proxy.forget(), c.recv_proxy.forget()
-        c.relay_local.ensure(), c.relay_s3.ensure()
+        c.pub_proxy.clear()
+        c.recv_proxy.clear()
+        c.pub_proxy.forget()
+        c.recv_proxy.forget()
+        c.relay_local.ensure()
+        c.relay_s3.ensure()
         if self.backend == "local":
             shutil.rmtree(c.local_root, ignore_errors=True)
             os.makedirs(c.local_root)
@@ -388,7 +395,7 @@ class _Run:
             self._open_follower(i)
 
     def _wipe_s3(self):
-        for attempt in range(3):
+        for _ in range(3):
             try:
                 self.c._wipe(self.own)
                 return
@@ -406,9 +413,11 @@ class _Run:
         for d in (c.store_disk, c.recv_disk):
             d.readonly(False)
             d.unfill()
-        c.pub_proxy.clear(), c.recv_proxy.clear()
+        c.pub_proxy.clear()
+        c.recv_proxy.clear()
         self.t.proxy.update(c.pub_proxy.counts + c.recv_proxy.counts)
-        c.pub_proxy.counts.clear(), c.recv_proxy.counts.clear()
+        c.pub_proxy.counts.clear()
+        c.recv_proxy.counts.clear()
 
     def _open_publishers(self):
         for w in self.c.pubs:
@@ -468,7 +477,8 @@ class _Run:
         self.publish(kill="kill_pub_rank" in faults)
         # damage to the newest version's objects, before receivers fetch them (deferred to the
         # next step while nothing is committed yet)
-        self.pending_damage = [f for f in [*self.pending_damage, *faults] if f.startswith("obj_") and not self.damage(f)]
+        self.pending_damage = [f for f in [*self.pending_damage, *faults]
+                               if f.startswith("obj_") and not self.damage(f)]
         self.update_all(faults)
         # faults that last one step
         for d in self.disk_faults:
@@ -478,8 +488,10 @@ class _Run:
         if self.proxy_steps:
             self.proxy_steps -= 1
             if not self.proxy_steps:
-                c.recv_proxy.clear(), c.pub_proxy.clear()
-        c.relay_local.ensure(), c.relay_s3.ensure()
+                c.recv_proxy.clear()
+                c.pub_proxy.clear()
+        c.relay_local.ensure()
+        c.relay_s3.ensure()
 
     def publish(self, kill=False, keyframe=False) -> bool:
         c = self.c
@@ -521,8 +533,8 @@ class _Run:
         from nemo_dcr.sync.versions import read_head, walk
         try:
             head, _ = read_head(self.own)
-        except Exception as e:
-            self.violation(f"HEAD unreadable: {e}")
+        except Exception as ex:
+            self.violation(f"HEAD unreadable: {ex}")
             return
         if head is None:
             return
@@ -540,6 +552,7 @@ class _Run:
         immutable: only deletion or the harness's own damage can change them)."""
         from nemo_dcr.sync.versions import read_head, walk
         head, _ = read_head(self.own)
+        assert head is not None  # called after a successful publish
         cutoff = 0 if self.retain is None else min(head.keyframe_version, head.version - self.retain)
         listed = set(self.own.list("versions/"))
         for m in walk(self.own, head):
@@ -683,10 +696,12 @@ class _Run:
         for w in self.stopped:
             os.kill(w.proc.pid, signal.SIGCONT)
         self.stopped.clear()
-        c.recv_proxy.clear(), c.pub_proxy.clear()
-        c.relay_local.ensure(), c.relay_s3.ensure()
+        c.recv_proxy.clear()
+        c.pub_proxy.clear()
+        c.relay_local.ensure()
+        c.relay_s3.ensure()
         t0 = time.monotonic()
-        for attempt in range(2):
+        for _ in range(2):
             if self.publish():
                 break
         else:

@@ -35,7 +35,6 @@ class FaultProxy:
         self._lock = threading.Lock()
         self.port = None
         self._ready = threading.Event()
-        self._loop = None
         threading.Thread(target=self._run, name="chaos-proxy", daemon=True).start()
         self._ready.wait(30)
 
@@ -67,7 +66,9 @@ class FaultProxy:
     def _run(self):
         from aiohttp import ClientSession, ClientTimeout, TCPConnector, web
 
-        async def handle(request: "web.Request"):
+        holder: dict = {}  # the client session, made inside the loop
+
+        async def handle(request: web.Request):
             path = request.path
             is_dcr = path.endswith(".dcr")
             is_head_obj = path.endswith("/HEAD")
@@ -83,10 +84,11 @@ class FaultProxy:
             body = await request.read()
             headers = {k: v for k, v in request.headers.items() if k.lower() not in _DROP}
             try:
-                async with session.request(request.method, self.upstream + request.path_qs, headers=headers,
+                async with holder["session"].request(request.method, self.upstream + request.path_qs, headers=headers,
                                            data=body if body else None, allow_redirects=False) as r:
                     data = await r.read()
                     status, rh = r.status, {k: v for k, v in r.headers.items() if k.lower() not in _DROP}
+                    length = r.headers.get("Content-Length")
             except Exception:
                 return web.Response(status=502, text=_S3_ERR.format(code="BadGateway"), content_type="application/xml")
             if request.method == "GET" and status == 200:
@@ -112,20 +114,20 @@ class FaultProxy:
                         resp.content_length = len(data)
                         await resp.prepare(request)
                         await resp.write(data[: len(data) // 2])
-                        request.transport.close()  # the connection breaks mid-body
+                        if request.transport is not None:
+                            request.transport.close()  # the connection breaks mid-body
                         return resp
             if request.method == "HEAD":
                 resp = web.StreamResponse(status=status, headers=rh)
-                if "Content-Length" in r.headers:
-                    resp.content_length = int(r.headers["Content-Length"])
+                if length is not None:
+                    resp.content_length = int(length)
                 await resp.prepare(request)
                 await resp.write_eof()
                 return resp
             return web.Response(status=status, headers=rh, body=data)
 
         async def main():
-            nonlocal session
-            session = ClientSession(timeout=ClientTimeout(total=60), connector=TCPConnector(limit=64),
+            holder["session"] = ClientSession(timeout=ClientTimeout(total=60), connector=TCPConnector(limit=64),
                                     auto_decompress=False)
             app = web.Application(client_max_size=1 << 30)
             app.router.add_route("*", "/{tail:.*}", handle)
@@ -133,10 +135,10 @@ class FaultProxy:
             await runner.setup()
             site = web.TCPSite(runner, "127.0.0.1", 0)
             await site.start()
-            self.port = site._server.sockets[0].getsockname()[1]
+            server = site._server
+            assert server is not None and hasattr(server, "sockets")
+            self.port = server.sockets[0].getsockname()[1]
             self._ready.set()
             await asyncio.Event().wait()
 
-        session = None
-        self._loop = asyncio.new_event_loop()
-        self._loop.run_until_complete(main())
+        asyncio.new_event_loop().run_until_complete(main())

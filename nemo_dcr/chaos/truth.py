@@ -9,7 +9,6 @@ never learns a receiver's bits from the system under test's own digests.
 from __future__ import annotations
 
 import hashlib
-from typing import Dict, Tuple
 
 import torch
 
@@ -29,7 +28,7 @@ def _ints(t: torch.Tensor) -> torch.Tensor:
     return int_view(t).view(-1)
 
 
-def base_state(seed: int, epoch: int) -> Dict[str, torch.Tensor]:
+def base_state(seed: int, epoch: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(hash_seed(seed, epoch, -1))
     st = {}
     for n, (shape, dt) in SHAPES.items():
@@ -50,7 +49,7 @@ def hash_seed(*xs: int) -> int:
     return int.from_bytes(hashlib.sha256(repr(xs).encode()).digest()[:7], "little")
 
 
-def step(st: Dict[str, torch.Tensor], seed: int, epoch: int, c: int) -> None:
+def step(st: dict[str, torch.Tensor], seed: int, epoch: int, c: int) -> None:
     """Content c-1 -> c in place: flip low bits of ~5 % of the elements of every tensor."""
     g = torch.Generator().manual_seed(hash_seed(seed, epoch, c))
     for n in SHAPES:
@@ -64,9 +63,9 @@ class Contents:
 
     def __init__(self, seed: int):
         self.seed = seed
-        self._cache: Dict[Tuple[int, int], Dict[str, torch.Tensor]] = {}
+        self._cache: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
-    def state(self, epoch: int, c: int) -> Dict[str, torch.Tensor]:
+    def state(self, epoch: int, c: int) -> dict[str, torch.Tensor]:
         key = (epoch, c)
         if key not in self._cache:
             prev = [k for k in self._cache if k[0] == epoch and k[1] < c]
@@ -81,7 +80,7 @@ class Contents:
             self._cache[key] = st
         return self._cache[key]
 
-    def raw(self, epoch: int, c: int) -> Dict[str, bytes]:
+    def raw(self, epoch: int, c: int) -> dict[str, bytes]:
         return raw_bytes(self.state(epoch, c))
 
     def forget_before(self, epoch: int, c: int) -> None:
@@ -90,12 +89,12 @@ class Contents:
             del self._cache[k]
 
 
-def raw_bytes(tensors) -> Dict[str, bytes]:
+def raw_bytes(tensors) -> dict[str, bytes]:
     """name -> the tensor's raw bytes (its integer view, contiguous): what is compared."""
     return {n: _ints(t.detach().cpu().contiguous()).numpy().tobytes() for n, t in tensors.items()}
 
 
-def fingerprint(raw: Dict[str, bytes]) -> str:
+def fingerprint(raw: dict[str, bytes]) -> str:
     h = hashlib.sha256()
     for n in sorted(raw):
         h.update(n.encode() + b"\0" + hashlib.sha256(raw[n]).digest())
@@ -120,7 +119,7 @@ def shard_layout(rank: int):
     return lay
 
 
-def local_shard(st: Dict[str, torch.Tensor], layout) -> Dict[str, torch.Tensor]:
+def local_shard(st: dict[str, torch.Tensor], layout) -> dict[str, torch.Tensor]:
     out = {}
     for n, spec in layout.items():
         sl = tuple(slice(o, o + s) for o, s in zip(spec.offsets, spec.shape))

@@ -18,10 +18,14 @@ import datetime
 import os
 import time
 import traceback
+from typing import TYPE_CHECKING
 
 import torch
 
 from nemo_dcr.chaos import truth
+
+if TYPE_CHECKING:
+    from nemo_dcr.integrations.rollout import RolloutLoader
 
 PRELOAD = ["torch", "torch.distributed", "boto3", "nemo_dcr.chaos.truth", "nemo_dcr.stores",
            "nemo_dcr.sync.publisher", "nemo_dcr.sync.follower", "nemo_dcr.integrations.rollout"]
@@ -56,6 +60,7 @@ def _err(e: BaseException) -> str:
 
 def publisher_main(rank: int, port: int, conn, env: dict) -> None:
     import torch.distributed as dist
+
     from nemo_dcr.sync.publisher import Publisher
 
     os.environ.update(env)
@@ -63,7 +68,7 @@ def publisher_main(rank: int, port: int, conn, env: dict) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=truth.WORLD,
                             timeout=GLOO_TIMEOUT)
     layout = truth.shard_layout(rank)
-    state = {}
+    state: dict = {}
 
     def open_(cmd):
         state["contents"] = truth.Contents(cmd["seed"])
@@ -117,24 +122,25 @@ class TinyLM(torch.nn.Module):
 class _Receiver:
     def __init__(self, store_spec, sabotage: str | None):
         self.spec, self.sabotage = store_spec, sabotage
-        self.loader = self.model = self._last = None
+        self.loader: RolloutLoader | None = None
+        self.model: TinyLM | None = None
+        self._last: object = None
 
-    def _make_loader(self):
+    def _make_loader(self) -> RolloutLoader:
         from nemo_dcr.integrations.rollout import RolloutLoader
-        self.model = TinyLM()
-        hook = (lambda v, r: _flip_one_bit(self.model)) if self.sabotage == "flip-after-update" else None
-        self.loader = RolloutLoader(open_store(self.spec), self.model, on_update=hook)
+        model = self.model = TinyLM()
+        hook = (lambda v, r: _flip_one_bit(model)) if self.sabotage == "flip-after-update" else None
+        self.loader = RolloutLoader(open_store(self.spec), model, on_update=hook)
+        return self.loader
 
     def update(self) -> dict:
-        out = {"version": None, "key": None, "error": None, "rekeyed": False, "fallbacks": 0}
+        out: dict = {"version": None, "key": None, "error": None, "rekeyed": False, "fallbacks": 0}
         t0 = time.monotonic()
         try:
-            if self.loader is None:
-                self._make_loader()
-            self.loader.update()
+            (self.loader or self._make_loader()).update()
         except Exception as e:
             out["error"] = _err(e)
-        if self.loader is not None:
+        if self.loader is not None and self.model is not None:
             out["version"] = self.loader.version
             m = self.loader.follower.manifest
             out["key"] = m.key if m is not None else None
@@ -162,7 +168,7 @@ def follower_main(conn, env: dict) -> None:
     torch.set_num_threads(1)
     import logging
     logging.getLogger("nemo_dcr").setLevel(logging.ERROR)
-    state = {}
+    state: dict = {}
 
     def open_(cmd):
         state["rec"] = _Receiver(cmd["store"], cmd.get("sabotage"))

@@ -153,7 +153,8 @@ def _cmd_relay(a):
 # Allowed ranges of the numeric options, checked after parsing so that a bad value is the usual
 # one-line error with exit status 1 (zstd's levels are 1..22; counts are non-negative).
 RANGES = {"level": (1, 22), "chunk_elems": (1, None), "workers": (1, None), "keyframe_every": (0, None),
-          "retain": (0, None), "version": (0, None), "runs": (1, None), "versions": (1, None), "limit": (1, None), "steps": (1, None), "every": (1, None)}
+          "retain": (0, None), "version": (0, None), "runs": (1, None), "versions": (1, None), "limit": (1, None),
+          "steps": (1, None), "every": (1, None)}
 
 
 def check_ranges(args) -> None:
