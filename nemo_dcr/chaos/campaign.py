@@ -43,6 +43,7 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "
            "AWS_CONFIG_FILE": "/nonexistent/nemo-dcr-chaos",
            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/nemo-dcr-chaos"}
 REPLY_S = 90.0  # a worker that answers nothing for this long is hung: a violation
+START_S = 300.0  # starting a worker or a relay on a starved machine (fork server, gloo rendezvous)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Totals:
     publishes: Counter = field(default_factory=Counter)
     proxy: Counter = field(default_factory=Counter)
     seconds: float = 0.0
+    aborted: list = field(default_factory=list)           # runs the harness itself could not finish, and why
 
     def as_json(self) -> dict:
         cs = sorted(self.convergence_s)
@@ -79,7 +81,7 @@ class Totals:
                 "not_converged": self.not_converged,
                 "convergence_rate": (self.converged + self.converged_after_keyframe) / self.runs if self.runs else None,
                 "convergence_s": {"p50": pct(0.5), "p95": pct(0.95), "max": cs[-1] if cs else None},
-                "publishes": dict(self.publishes), "proxy_injected": dict(self.proxy),
+                "publishes": dict(self.publishes), "proxy_injected": dict(self.proxy), "aborted": self.aborted,
                 "seconds": round(self.seconds, 1)}
 
 
@@ -143,7 +145,7 @@ class _Relay:
     def kill(self):
         if self.alive():
             self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(START_S)
 
     def ensure(self):
         if not self.alive():
@@ -168,12 +170,12 @@ class _S3Server:
 
     def restart_empty(self):
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(START_S)
         self.start()
 
     def stop(self):
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.wait(10)
+        self.proc.wait(START_S)
 
 
 def _free_port() -> int:
@@ -270,7 +272,7 @@ class Campaign:
         port = _free_port()
         self.pubs = [_Worker(self.ctx, publisher_main, (r, port, self.env)) for r in range(truth.WORLD)]
         for w in self.pubs:
-            w.recv(60)
+            w.recv(START_S)
 
     def _start_follower(self, i):
         from nemo_dcr.chaos.workers import follower_main
@@ -278,7 +280,7 @@ class Campaign:
         if old is not None:
             old.kill()
         w = _Worker(self.ctx, follower_main, (self.env,))
-        w.recv(60)
+        w.recv(START_S)
         self.followers[i] = w
         return w
 
@@ -346,6 +348,16 @@ class Campaign:
             r.converge()
         except _Violation:
             pass
+        except (TimeoutError, EOFError, OSError, subprocess.TimeoutExpired, RuntimeError) as e:
+            # the harness's own processes did not start or answer in time (not an invariant of
+            # the system under test): the run is not counted, its workers are started afresh
+            t.aborted.append(f"run {index}: {type(e).__name__}: {e}"[:300])
+            self.log(f"  run {index} aborted by the harness: {type(e).__name__}: {e}")
+            r.teardown()
+            self._start_publishers()
+            for i in range(len(FOLLOWERS)):
+                self._start_follower(i)
+            return
         finally:
             r.teardown()
         t.runs += 1
@@ -424,7 +436,7 @@ class _Run:
             w.send({"op": "open", "seed": self.contents.seed, "store": self.pub_spec,
                     "keyframe_every": self.kf_every, "retain": self.retain})
         for w in self.c.pubs:
-            rep = w.recv(60)
+            rep = w.recv(START_S)
             if not rep.get("ok"):
                 raise RuntimeError(f"publisher open failed: {rep}")
 
@@ -438,7 +450,7 @@ class _Run:
     def _open_follower(self, i):
         w = self.c.followers[i]
         w.send(self._follower_spec(i))
-        rep = w.recv(60)
+        rep = w.recv(START_S)
         if not rep.get("ok"):
             raise RuntimeError(f"follower open failed: {rep}")
 
