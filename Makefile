@@ -66,6 +66,7 @@ test-vllm: $(VLLM_STAMP)
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
 	$(BIN)/python bench/shard.py
+	$(BIN)/python bench/kernels.py
 
 clean:
 	rm -rf $(VENV) $(NEMO_VENV) runs   # the cached vLLM venv stays: rm -rf $(VLLM_VENV)

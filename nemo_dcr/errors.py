@@ -80,6 +80,21 @@ class VersionNotFound(DcrError):
     """The store has no such version, or retention has removed what reaching it needs."""
 
 
+class SignatureError(DcrError):
+    """A manifest or HEAD is not signed by a trusted key for this namespace: signed by a key the
+    reader does not trust, wrongly signed (altered after signing), or signed for another namespace
+    (run). Raised before any part of that version is fetched."""
+
+
+class UnsignedError(SignatureError):
+    """A reader configured with trusted keys met an unsigned manifest or HEAD."""
+
+
+class ReplayError(SignatureError):
+    """HEAD names an older version than one this reader already verified, or another manifest for
+    the same version: a rolled-back or replayed store."""
+
+
 class CorruptObjectError(DcrError):
     """An object's bytes do not match the checksum in its manifest, after every retry."""
 

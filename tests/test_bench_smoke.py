@@ -183,3 +183,55 @@ def test_shard_budget_bench_runs_and_checks_bits():
     assert all(v > 0 for v in r["seconds"].values())
     assert "classes" in r["chunk_encodings"] and r["delta_bytes_per_changed"] < 2.0
     assert "| diff |" in shard.format_table(r)
+
+
+def _load_kernels():
+    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "kernels.py"
+    spec = importlib.util.spec_from_file_location("nemo_dcr_bench_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_kernels_bench_quick_json():
+    """bench/kernels.py --quick --json: every row of issue #12's table is there, measured, with its
+    ratio to the same memcpy; every encode and apply was checked bit for bit inside the run."""
+    kernels = _load_kernels()
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = kernels.main(["--quick", "--json", "--changes", "0.01", "0.05"])
+    assert rc == 0, err.getvalue()
+    r = json.loads(out.getvalue())
+    assert r["config"]["quick"] and r["config"]["elements"] == 1 << 22 and r["config"]["workers"] == 2
+    assert r["memcpy_seconds"] > 0
+    rows = {(row["change"], row["side"], row["path"]) for row in r["rows"]}
+    for ch in (0.01, 0.05):
+        for side, path in (("encode", "reference"), ("encode", "fast"), ("encode", "codec"), ("apply", "reference"),
+                           ("apply", "fast"), ("apply", "follower"), ("apply", "unverified")):
+            assert (ch, side, path) in rows
+    for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
+                       ("keyframe", "fast")):
+        assert (None, side, path) in rows
+    for row in r["rows"]:
+        assert row["seconds"] > 0 and math.isclose(row["x_memcpy"], row["seconds"] / r["memcpy_seconds"])
+        assert row["device"] == "cpu" and row["h2d_bytes"] == 0
+        if row["change"] is not None:  # the synthetic step hits the asked change rate
+            assert abs(row["change_rate"] - row["change"]) < 0.1 * row["change"]
+    assert "| keyframe | raw_write |" in kernels.format_table(r)
+
+
+def test_kernels_bench_device_hook_rows_join_the_table():
+    """A device path registered in DEVICE_PATHS runs on the same tensors and lands in the rows."""
+    kernels = _load_kernels()
+    seen = []
+
+    def fake_gpu(base, target, rate, workers, reps):
+        seen.append((base.numel(), target.numel(), rate))
+        return [kernels._row("encode", "fused", 1.0, 2.0, device="cuda", h2d_bytes=5, d2h_bytes=7)]
+
+    kernels.DEVICE_PATHS.append(fake_gpu)
+    base = kernels.make_shard(1 << 16)
+    rows = kernels.encode_apply(base, kernels.make_target(base, 0.01), 0.01, 1, 1, memcpy=1e-3)
+    assert seen == [(1 << 16, 1 << 16, 0.01)]
+    fused = [r for r in rows if r["device"] == "cuda"]
+    assert fused and fused[0]["x_memcpy"] == 0.5 and fused[0]["h2d_bytes"] == 5

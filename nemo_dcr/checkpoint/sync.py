@@ -35,6 +35,11 @@ def _open(store: Store | str, *, create: bool = True) -> Store:
     return open_store(store, create=create) if local else open_store(store)
 
 
+def open_for_reading(store):
+    """The store a URL names, for reading (a mistyped local path is an error)."""
+    return _open(store, create=False)
+
+
 def load_checkpoint(path: str) -> tuple[dict, dict]:
     ck = Checkpoint(path)
     return {k: ck[k] for k in ck}, ck.layout()
@@ -42,16 +47,19 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
 
 def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0, keyframe: bool = False,
                        retain=None,
-                       encoding: str = "auto", level: int = 3):
+                       encoding: str = "auto", level: int = 3, signer="env"):
     from nemo_dcr.sync.publisher import Publisher
     tensors, layout = load_checkpoint(path)
-    pub = Publisher(_open(store), keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level)
+    pub = Publisher(_open(store), keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
+                    signer=signer)
     return pub.publish(tensors, keyframe=keyframe, meta={"layout": layout})
 
 
 def history(store: Store | str, limit: int | None = None) -> list:
-    """Committed manifests, newest first, as far back as the store still has them."""
-    store = _open(store, create=False)
+    """Committed manifests, newest first, as far back as the store still has them (verified when
+    ``store`` is a VerifiedStore, or trusted keys are in the environment)."""
+    from nemo_dcr.sync.signing import verifying
+    store = verifying(_open(store, create=False))
     head, _ = read_head(store)
     out: list = []
     for m in walk(store, head) if head is not None else ():
@@ -85,7 +93,8 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
     checkpoint already holding the version's tensors is checked against that too and rewritten
     when its files differ. Other files in a directory ``out`` are left alone."""
     from nemo_dcr.sync.follower import Follower
-    store = _open(store, create=False)
+    from nemo_dcr.sync.signing import verifying
+    store = verifying(_open(store, create=False))  # find_version reads manifests too: verify them
     tensors, current = {}, None
     if os.path.isdir(out) and not owned_files(out) or not os.path.exists(out):
         ckpt = None  # nothing yet (a model directory may hold config files only)
@@ -144,5 +153,6 @@ def verify_checkpoint(store: Store | str, path: str):
     return find_version(_open(store, create=False), tensors), state_contrib(tensors).hex()
 
 
-__all__ = ["publish_checkpoint", "pull_checkpoint", "history", "verify_checkpoint", "find_version"]
+__all__ = ["publish_checkpoint", "pull_checkpoint", "history", "verify_checkpoint", "find_version",
+           "open_for_reading"]
 del torch

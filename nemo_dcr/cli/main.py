@@ -42,10 +42,54 @@ def _cmd_inspect(a):
         print(format_text(s))
 
 
+def _signer(a):
+    """--signing-key FILE (else $NEMO_DCR_SIGNING_KEY(_FILE)) for --namespace (else $NEMO_DCR_NAMESPACE)."""
+    from nemo_dcr.sync.signing import NAMESPACE_ENV, Signer
+    if not a.signing_key:
+        return Signer.from_env(a.namespace)
+    namespace = a.namespace or os.environ.get(NAMESPACE_ENV)
+    if not namespace:
+        raise DcrError(f"--signing-key needs --namespace (or ${NAMESPACE_ENV}): the run the versions belong to")
+    return Signer.from_file(a.signing_key, namespace)
+
+
+def _verifier(a):
+    """--trusted-key (files or ed25519:... keys) else $NEMO_DCR_TRUSTED_KEYS(_FILE); None: unsigned is fine."""
+    from nemo_dcr.sync.signing import NAMESPACE_ENV, Verifier
+    if not a.trusted_key:
+        return Verifier.from_env(a.namespace)
+    return Verifier.from_sources(a.trusted_key, a.namespace or os.environ.get(NAMESPACE_ENV) or None)
+
+
+def _verified_store(a):
+    from nemo_dcr.checkpoint.sync import open_for_reading
+    from nemo_dcr.sync.signing import verifying
+    return verifying(open_for_reading(a.store), _verifier(a))
+
+
+def _cmd_keygen(a):
+    from nemo_dcr.sync.signing import generate_key, key_id, private_key_pem, public_key_text
+    from nemo_dcr.util.atomic import replacing
+    key = generate_key()
+    pub = public_key_text(key.public_key())
+    for path in (a.output, a.output + ".pub"):
+        if os.path.exists(path):
+            raise DcrError(f"{path} exists: keygen never overwrites a key")
+    with replacing(a.output) as tmp:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(private_key_pem(key))
+    with replacing(a.output + ".pub") as tmp:
+        with open(tmp, "w") as f:
+            f.write(pub + "\n")
+    print(f"wrote {a.output} (private, mode 600) and {a.output}.pub; key id {key_id(key.public_key())}")
+    print(f"public key: {pub}")
+
+
 def _cmd_publish(a):
     from nemo_dcr.checkpoint.sync import publish_checkpoint
     r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
-                           retain=a.retain, encoding=a.encoding, level=a.level)
+                           retain=a.retain, encoding=a.encoding, level=a.level, signer=_signer(a))
     m = r.manifest
     kind = m.kind
     base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
@@ -55,7 +99,7 @@ def _cmd_publish(a):
 
 def _cmd_pull(a):
     from nemo_dcr.checkpoint.sync import pull_checkpoint
-    p = pull_checkpoint(a.store, a.into, version=a.version)
+    p = pull_checkpoint(_verified_store(a), a.into, version=a.version)
     r = p.sync
     if p.rewritten:
         print(f"{a.into} held version {r.version}'s tensors; its files differed from the version's and were "
@@ -71,7 +115,7 @@ def _cmd_pull(a):
 
 def _cmd_log(a):
     from nemo_dcr.checkpoint.sync import history
-    ms = history(a.store, limit=a.limit)
+    ms = history(_verified_store(a), limit=a.limit)
     rows = []
     for m in ms:
         rows.append({"version": m.version, "base": m.base_version, "kind": m.kind, "delta_bytes": m.delta_bytes(),
@@ -94,7 +138,7 @@ def _cmd_log(a):
 
 def _cmd_verify(a):
     from nemo_dcr.checkpoint.sync import verify_checkpoint
-    v, d = verify_checkpoint(a.store, a.checkpoint)
+    v, d = verify_checkpoint(_verified_store(a), a.checkpoint)
     if v is None:
         raise DcrError(f"{a.checkpoint} (digest {d}) matches no version in the store")
     print(f"{a.checkpoint} is version {v} (digest {d})")
@@ -178,6 +222,19 @@ class _Version(argparse.Action):
         parser.exit()
 
 
+def _signing_args(p, sign: bool = False) -> None:
+    if sign:
+        p.add_argument("--signing-key", default=None,
+                       help="sign the version with this Ed25519 key file (default: $NEMO_DCR_SIGNING_KEY(_FILE))")
+    else:
+        p.add_argument("--trusted-key", action="append", default=[],
+                       help="accept only versions signed by this key (a .pub file or ed25519:...); repeat for "
+                            "rotation (default: $NEMO_DCR_TRUSTED_KEYS(_FILE); none: unsigned versions are read)")
+    p.add_argument("--namespace", default=None,
+                   help="the run the signed versions belong to (default: $NEMO_DCR_NAMESPACE"
+                        + ("" if sign else "; unset: pinned to the first one seen") + ")")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="nemo-dcr", description="Bit-exact delta-compressed weight refit.")
     p.add_argument("--version", action=_Version)
@@ -217,24 +274,32 @@ def build_parser() -> argparse.ArgumentParser:
                     help="delete versions no receiver needs, keeping N recent")
     pb.add_argument("--encoding", choices=list(CHOICES), default="auto")
     pb.add_argument("--level", type=int, default=3)
+    _signing_args(pb, sign=True)
     pb.set_defaults(func=_cmd_publish)
 
     pl = sub.add_parser("pull", help="bring a local checkpoint to the newest (or given) version")
     pl.add_argument("--store", required=True)
     pl.add_argument("--into", required=True, help="checkpoint to update (created if missing)")
     pl.add_argument("--version", type=int, default=None)
+    _signing_args(pl)
     pl.set_defaults(func=_cmd_pull)
 
     lg = sub.add_parser("log", help="list the versions in a store")
     lg.add_argument("--store", required=True)
     lg.add_argument("--json", action="store_true")
     lg.add_argument("--limit", type=int, default=None)
+    _signing_args(lg)
     lg.set_defaults(func=_cmd_log)
 
     vf = sub.add_parser("verify", help="say which version a checkpoint is")
     vf.add_argument("--store", required=True)
     vf.add_argument("checkpoint")
+    _signing_args(vf)
     vf.set_defaults(func=_cmd_verify)
+
+    kg = sub.add_parser("keygen", help="make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
+    kg.add_argument("output", help="private key file to write (never overwritten); the public key goes to OUT.pub")
+    kg.set_defaults(func=_cmd_keygen)
 
     r = sub.add_parser("relay", help="serve a store's read side over HTTP with a cache, for a tree of receivers")
     r.add_argument("--listen", required=True, help="HOST:PORT to listen on (PORT 0: any free port)")

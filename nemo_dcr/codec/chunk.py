@@ -70,12 +70,17 @@ def pack(raw: bytes, level: int):
 
 def check_frame(stored, raw_len: int) -> None:
     """A zstd frame may declare its content size, and zstd allocates what it declares whatever
-    ``max_output_size`` says: compare it with the header's before decompressing anything."""
+    ``max_output_size`` says: compare it with the header's before decompressing anything. Every
+    frame a writer makes declares it (``ZstdCompressor.compress``), so one that does not is
+    refused here too: otherwise only decompressing it would tell that it expands past the header's
+    length (a zstd bomb), which is too late for a check made before the first write."""
     try:
         declared = zstandard.frame_content_size(stored)
     except zstandard.ZstdError as e:
         raise DeltaFormatError(f"zstd stream does not decode: {e}") from None
-    if declared not in (-1, raw_len):
+    if declared == -1:
+        raise DeltaFormatError(f"zstd frame does not declare its content size (header says {raw_len} bytes)")
+    if declared != raw_len:
         raise DeltaFormatError(f"zstd frame declares {declared} bytes, header says {raw_len}")
 
 

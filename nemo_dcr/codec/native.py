@@ -5,6 +5,10 @@ The shared library is compiled with the system C compiler into a cache directory
 changed source rebuilds and concurrent first uses do not clash (each builds to a temporary
 name and renames). Nothing here is needed for correctness: without a compiler, or with
 ``NEMO_DCR_NATIVE=0``, the PyTorch reference (byte-for-byte the same output) is used.
+
+``NEMO_DCR_NATIVE_CFLAGS`` adds compiler flags (split on whitespace), e.g. ``-fsanitize=address
+-g -O1`` for the fuzz run of bench/fuzz.py; they are part of the cache name, so such a build never
+replaces the normal one.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from nemo_dcr.util.atomic import replacing
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "dcr_classes.c"  # package data: ships in the wheel
 CFLAGS = ["-O3", "-std=c99", "-shared", "-fPIC"]
+EXTRA_CFLAGS_ENV = "NEMO_DCR_NATIVE_CFLAGS"
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
@@ -35,13 +40,14 @@ def _cache_dir() -> Path:
 def _build(src: Path) -> Path:
     text = src.read_bytes()
     cc = os.environ.get("CC", "cc")
-    tag = hashlib.sha256(text + " ".join([cc] + CFLAGS).encode()).hexdigest()[:16]
+    flags = CFLAGS + os.environ.get(EXTRA_CFLAGS_ENV, "").split()  # later flags win (-O1 over -O3)
+    tag = hashlib.sha256(text + " ".join([cc] + flags).encode()).hexdigest()[:16]
     out = _cache_dir() / f"dcr_classes-{tag}.so"
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     with replacing(str(out)) as tmp:  # concurrent first uses each build their own, then rename
-        r = subprocess.run([cc, *CFLAGS, "-o", tmp, str(src)], capture_output=True, text=True)
+        r = subprocess.run([cc, *flags, "-o", tmp, str(src)], capture_output=True, text=True)
         if r.returncode != 0:
             raise OSError(f"{cc} failed: {r.stderr.strip()[:500]}")
     return out
@@ -57,6 +63,8 @@ def _declare(lib) -> None:
     lib.dcr_free.argtypes = [p]
     lib.dcr_set_simd.restype = None
     lib.dcr_set_simd.argtypes = [ctypes.c_int]
+    lib.dcr_sd_contrib.restype = ctypes.c_int
+    lib.dcr_sd_contrib.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p, p]
 
 
 def lib():

@@ -21,7 +21,7 @@ from nemo_dcr.codec.header import ChunkEntry
 from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
-from nemo_dcr.state.digest import tensor_digest_like, values_digest
+from nemo_dcr.state.digest import RunningDigest, algo_of, tensor_digest_like, values_digest
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
@@ -161,8 +161,11 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
 
 
 def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int | None = None, bar=None,
-             journal: set | None = None, on_change: OnChange | None = None):
+             journal: set | None = None, on_change: OnChange | None = None, verify: bool = False):
     """Apply one planned entry in place. Returns the tensor (a new one for ``create``).
+
+    ``verify``: also check the target digest (``verify_plan``), hashing each range of the region
+    as soon as the chunks before it are written, while the workers write the next ones.
 
     ``journal``: a set of ``(name, chunk start)`` already applied; those chunks are skipped and
     each chunk applied is added (re-delivery safety where pre-images cannot be checked).
@@ -178,11 +181,18 @@ def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int 
         return plan.tensor
     if plan.action == Action.SKIP or (plan.action != Action.CREATE and not entry.chunks):
         report.tensors_skipped += 1
+        if verify:
+            verify_plan(plan, plan.tensor)
         return plan.tensor
     t = _target_of(plan)
     if plan.replaces:
         report_gone(plan.name, plan.tensor, plan.recv, on_change)
-    for status, k in ordered_map(lambda c: _apply_chunk(reader, t, c, journal, on_change), entry.chunks, workers):
+    running = RunningDigest(_verified_view(plan, t.tensor), algo_of(entry.target_digest)) \
+        if verify and _verifies(plan) else None
+    for c, (status, k) in zip(entry.chunks, ordered_map(lambda c: _apply_chunk(reader, t, c, journal, on_change),
+                                                        entry.chunks, workers)):
+        if running is not None:  # every chunk up to c is written, and later ones write past its end
+            running.advance(c.start + c.n)
         if status == "applied":
             report.chunks_applied += 1
             report.elements_changed += k
@@ -196,14 +206,24 @@ def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int 
         report.tensors_changed += 1
     if plan.action == Action.UNVERIFIED or (plan.action == Action.OVERWRITE and not plan.covered):
         report.unverified.append(plan.name)
+    if running is not None:
+        verify_plan(plan, t.tensor, digest=running.hexdigest())
     return t.tensor
 
 
-def verify_plan(plan: Plan, tensor: torch.Tensor) -> None:
-    if plan.action in (Action.IGNORE, Action.REMOVE, Action.UNVERIFIED) or not plan.covered:
+def _verifies(plan: Plan) -> bool:
+    return plan.covered and plan.action not in (Action.IGNORE, Action.REMOVE, Action.UNVERIFIED)
+
+
+def _verified_view(plan: Plan, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor if plan.action == Action.CREATE else tensor[plan.recv.slices_of(plan.region)]
+
+
+def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> None:
+    """Check the entry's target digest on ``tensor`` (``digest``: already computed on it)."""
+    if not _verifies(plan):
         return
-    view = tensor if plan.action == Action.CREATE else tensor[plan.recv.slices_of(plan.region)]
-    d = tensor_digest_like(view, plan.entry.target_digest)
+    d = digest or tensor_digest_like(_verified_view(plan, tensor), plan.entry.target_digest)
     if d != plan.entry.target_digest:
         raise TargetMismatchError(f"{plan.name}: result does not match the target digest "
                                   f"(got {d}, expected {plan.entry.target_digest})")
@@ -238,9 +258,7 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
         with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
             for p in plans:
                 started = started or p.action.writes or p.action == Action.REMOVE
-                out = run_plan(reader, p, report, workers, bar, journal=journal, on_change=on_change)
-                if verify:
-                    verify_plan(p, out)
+                out = run_plan(reader, p, report, workers, bar, journal=journal, on_change=on_change, verify=verify)
                 if p.action == Action.CREATE:
                     tensors[p.name] = out
                 elif p.action == Action.REMOVE:

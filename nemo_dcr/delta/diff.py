@@ -35,7 +35,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
          level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
          out: BinaryIO | None = None, progress: bool | None = None,
-         on_change: OnChange | None = None):
+         on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -45,6 +45,9 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     new_bits)`` sees every changed element, from worker threads (it must be thread-safe):
     ``old_bits`` None for a tensor sent whole, ``new_bits`` None for the elements of a tensor
     that is removed or replaced by one of another dtype or shape (``delta/changes.py``).
+    ``base_digests``: name -> the tensor digest of ``base[name]`` as a previous ``diff`` wrote it
+    (its ``target_digest``), for a base the caller keeps private and unchanged since (the
+    publisher's snapshot): that base is then not hashed again. A name missing is hashed.
     """
     if encoding not in CHOICES:
         raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
@@ -59,12 +62,13 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     if total is None and isinstance(target, dict):
         total = sum(t.numel() * t.element_size() for t in target.values())
     total = total or 0
+    known = dict(base_digests or {})
     entries, base_digests, target_digests = [], {}, {}
     bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
     with bar:
         for name in names:
             entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
-                                   chunk_elems, workers, bar, on_change)
+                                   chunk_elems, workers, bar, on_change, known.get(name))
             entries.append(entry)
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
@@ -88,11 +92,11 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
 
 
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
-                   on_change: OnChange | None = None) -> dict:
+                   on_change: OnChange | None = None, known_base: str | None = None) -> dict:
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)
-        return {"name": name, "kind": "removed", "base_digest": tensor_digest(old)}
+        return {"name": name, "kind": "removed", "base_digest": known_base or tensor_digest(old)}
     new = target[name]
     dtype_name(new.dtype)
     if spec is None:
@@ -111,7 +115,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     n = nf.numel
     ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
     region_map = IndexMap(spec) if on_change is not None else None
-    digests = {}
+    digests = {"base": known_base} if old is not None and known_base else {}
 
     def job(r):
         if r[0] == "digest":  # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
@@ -127,7 +131,8 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
         return c, (e - s) * new.element_size()
 
     chunks = []
-    jobs = [("digest", "target")] + ([("digest", "base")] if old is not None else []) + ranges
+    jobs = [("digest", "target")] + ([("digest", "base")] if old is not None and "base" not in digests else []) \
+        + ranges
     for c, nbytes in ordered_map(job, jobs, workers):
         bar.update(nbytes)
         if c is not None:

@@ -270,6 +270,7 @@ class DcrWorkerExtension:
         read back from the checkpoint the engine was started on). None: the first
         ``dcr_update`` downloads a keyframe. Returns the version held."""
         from nemo_dcr.stores import open_store
+        from nemo_dcr.sync.signing import verifying
 
         from .vllm_engine import EngineWeights
 
@@ -282,7 +283,9 @@ class DcrWorkerExtension:
         tensors, shards = vllm_tensors(model, data_of=engine.data_of)
         self._dcr_store = store
         self._dcr_engine = engine
-        self._dcr_prefetch = _Prefetched(open_store(store) if isinstance(store, str) else store)
+        # verified (trusted keys in the environment) below the prefetcher: the pre-write check
+        # fetches no part of a version whose HEAD or manifest does not verify
+        self._dcr_prefetch = _Prefetched(verifying(open_store(store) if isinstance(store, str) else store))
         try:
             self._dcr_loader = RolloutLoader(self._dcr_prefetch, tensors, shards, group=_tp_group(),
                                              name_map=name_map, check_every=check_every, version=version,

@@ -26,23 +26,47 @@ def _bytes(bits: torch.Tensor):
     return bits.contiguous().view(torch.uint8).numpy().data
 
 
+class RunningDigest:
+    """``tensor_digest`` of ``t`` fed front to back: ``advance(end)`` hashes the flat elements up
+    to ``end`` (those must be final by then), ``hexdigest()`` the rest and returns the digest.
+    ``apply`` hashes each range as soon as the chunks before it are written, on the calling
+    thread while the workers apply the next chunks: the target check then overlaps the writes
+    instead of being a second pass after them (same bytes hashed, same digest)."""
+
+    def __init__(self, t: torch.Tensor, algo: str = "sha256"):
+        if algo == "sha256":
+            self._h, self._prefix = hashlib.sha256(), "sha256:"
+        elif algo == "blake2b":
+            self._h, self._prefix = hashlib.blake2b(digest_size=16), ""
+        else:
+            raise ValueError(f"unknown tensor digest {algo!r}")
+        self._h.update(f"{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
+        self._fa = FlatAccess(t)
+        self._done = 0
+
+    def advance(self, end: int) -> None:
+        end = min(end, self._fa.numel)
+        for s in range(self._done, end, HASH_RANGE):
+            self._h.update(_bytes(self._fa.read(s, min(s + HASH_RANGE, end))))
+        self._done = max(self._done, end)
+
+    def hexdigest(self) -> str:
+        self.advance(self._fa.numel)
+        return self._prefix + self._h.hexdigest()[:32]
+
+
+def algo_of(ref: str) -> str:
+    """The algorithm a stored tensor digest was made with (no prefix: the earlier BLAKE2b)."""
+    return "sha256" if ref.startswith("sha256:") else "blake2b"
+
+
 def tensor_digest(t: torch.Tensor, algo: str = "sha256") -> str:
-    if algo == "sha256":
-        h, prefix = hashlib.sha256(), "sha256:"
-    elif algo == "blake2b":
-        h, prefix = hashlib.blake2b(digest_size=16), ""
-    else:
-        raise ValueError(f"unknown tensor digest {algo!r}")
-    h.update(f"{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-    fa = FlatAccess(t)
-    for s in range(0, fa.numel, HASH_RANGE):
-        h.update(_bytes(fa.read(s, min(s + HASH_RANGE, fa.numel))))
-    return prefix + h.hexdigest()[:32]
+    return RunningDigest(t, algo).hexdigest()
 
 
 def tensor_digest_like(t: torch.Tensor, ref: str) -> str:
     """``tensor_digest`` of ``t`` in the algorithm ``ref`` was made with (to compare with it)."""
-    return tensor_digest(t, "sha256" if ref.startswith("sha256:") else "blake2b")
+    return tensor_digest(t, algo_of(ref))
 
 
 def values_digest(bits: torch.Tensor) -> str:

@@ -92,15 +92,19 @@ class Follower:
                  shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None,
                  group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
-                 max_fallbacks: int = 8):
+                 max_fallbacks: int = 8, verifier="env"):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``shards``: the receiver's ShardSpec per tensor name (a name missing from it is a whole
         tensor). The mapping is used as given and consulted at every step, so a view that
         resolves names lazily (the rollout loader's) stays live. ``max_fallbacks``: paths given
-        up on missing or corrupt objects before a sync fails."""
+        up on missing or corrupt objects before a sync fails. ``verifier``: a
+        :class:`~nemo_dcr.sync.signing.Verifier`; HEAD and every manifest are then read through it
+        and refused unless signed by a trusted key (``"env"``, the default: from
+        ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are)."""
         from nemo_dcr.stores import open_store
-        self.store = open_store(store) if isinstance(store, str) else store
+        from nemo_dcr.sync.signing import verifying
+        self.store = verifying(open_store(store) if isinstance(store, str) else store, verifier)
         self.tensors = tensors
         self.shards = shards if shards is not None else {}
         self.group = Group(group)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Mapping
 import torch
 
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
+from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec
@@ -60,12 +61,16 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 class Publisher:
     def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group: ProcessGroup | None = None):
+                 group: ProcessGroup | None = None, signer="env"):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
-        the newest ``retain`` versions (None: delete nothing)."""
+        the newest ``retain`` versions (None: delete nothing). ``signer``: a
+        :class:`~nemo_dcr.sync.signing.Signer` that signs every manifest and HEAD; ``"env"``
+        (default): from ``$NEMO_DCR_SIGNING_KEY(_FILE)`` if set; None: unsigned."""
         from nemo_dcr.stores import open_store
+        from nemo_dcr.sync.signing import resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
+        self.signer = resolve_signer(signer)
         self.keyframe_every = keyframe_every
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
@@ -74,6 +79,9 @@ class Publisher:
         self._shards: dict | None = None
         self._head: Head | None = None
         self._digest: StateDigest | None = None  # this rank's partial digest of _base
+        # name -> tensor digest of _base[name], as the diff that published it wrote it: _base is
+        # private and unchanged since, so the next diff need not hash it again
+        self._tensor_digests: dict = {}
 
     @property
     def version(self) -> int | None:
@@ -102,7 +110,7 @@ class Publisher:
         upload, ``CommitConflict`` for a lost race), and nothing is committed."""
         t0 = time.perf_counter()
         g = self.group
-        head, tag, publish_id = g.run(lambda: (*read_head(self.store), new_publish_id()) if g.rank == 0 else None,
+        head, tag, publish_id = g.run(lambda: self._read_head() if g.rank == 0 else None,
                                       "read the store's HEAD", src=0)
         version = 0 if head is None else head.version + 1
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
@@ -120,7 +128,9 @@ class Publisher:
                     # a keyframe was asked for and the published state cannot be rebuilt (and
                     # verified) on every rank: publish the keyframe alone, no delta part
                     self._base = self._shards = self._head = self._digest = None
-            receipt, local["digest"] = self._upload(local["snap"], local["shards"], head, version, publish_id, kf)
+                    self._tensor_digests = {}
+            receipt, local["digest"], local["tensor_digests"] = self._upload(
+                local["snap"], local["shards"], head, version, publish_id, kf)
             return receipt
 
         receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
@@ -129,6 +139,7 @@ class Publisher:
             lambda: self._commit(receipts, head, tag, version, publish_id, step, meta) if g.rank == 0 else None,
             f"committing version {version}", src=0)
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
+        self._tensor_digests = local["tensor_digests"]
         if self.retain is not None:
             from nemo_dcr.sync.retention import prune
             g.run(lambda: prune(self.store, new_head, keep=self.retain) if g.rank == 0 else None,
@@ -136,8 +147,17 @@ class Publisher:
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0)
 
-    def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest]:
-        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``)."""
+    def _read_head(self):
+        """Rank 0 (which signs): HEAD, its tag and a fresh publish id. A chain signed for another
+        run is refused here, before the first upload."""
+        head, tag = read_head(self.store)
+        if self.signer is not None:
+            self.signer.check_continues(head)
+        return head, tag, new_publish_id()
+
+    def _upload(self, snap, shards, head, version, publish_id, kf) -> tuple[dict, StateDigest, dict]:
+        """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``, the
+        tensor digests of ``snap`` the deltas hold)."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
         out = {"parts": [], "keyframe_parts": []}
@@ -146,17 +166,20 @@ class Publisher:
             change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
             blob = diff(self._base, snap, shards=shards, base_shards=self._shards, encoding=self.encoding,
                         level=self.level, chunk_elems=self.chunk_elems, workers=self.workers, meta=meta,
-                        on_change=change, progress=False)
+                        on_change=change, progress=False, base_digests=self._tensor_digests)
             out["parts"].append(self._put(f"{d}/part-{rank:05d}.dcr", blob))
+            digests = target_digests(blob)
             new_digest = self._digest + change.total
         else:
             new_digest = state_contrib(snap, shards)
+        digests = {}
         if kf:
             blob = diff({}, snap, shards=shards, encoding="overwrite", level=self.level,
                         chunk_elems=self.chunk_elems, workers=self.workers, meta=meta, progress=False)
             out["keyframe_parts"].append(self._put(f"{d}/key-{rank:05d}.dcr", blob))
+            digests = target_digests(blob)
         out["digest"] = new_digest.hex()
-        return out, new_digest
+        return out, new_digest, digests
 
     def _put(self, key: str, blob: bytes) -> dict:
         s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
@@ -179,7 +202,7 @@ class Publisher:
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
                 world_size=self.group.world_size, step=step, meta=meta or {})
-            return m, commit(self.store, m, head, tag)
+            return m, commit(self.store, m, head, tag, signer=self.signer)
         except CommitConflict:
             raise
         except Exception as e:
@@ -198,6 +221,12 @@ class Publisher:
         f.sync(head.version, head=head)
         self._base, self._shards, self._head = tensors, shards, head
         self._digest = state_contrib(tensors, shards)
+        self._tensor_digests = {}  # rebuilt, not published from here: hashed by the next diff
+
+
+def target_digests(blob: bytes) -> dict:
+    """name -> target tensor digest of every tensor a delta leaves in place."""
+    return {e.name: e.target_digest for e in DeltaReader.open(blob).header.tensors if not e.removed}
 
 
 def _same_head(a: Head | None, b: Head) -> bool:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 import uuid
 from collections.abc import Iterator
@@ -30,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
-           "no_plan"]
+           "no_plan", "canonical_sha256", "is_manifest_key"]
 
 log = logging.getLogger("nemo_dcr.sync")
 
@@ -41,6 +42,34 @@ _READABLE = (1, 2)  # 1: stores written before checksums, read unverified
 
 def _canonical(d: dict) -> bytes:
     return json.dumps(d, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False).encode()
+
+
+def canonical_sha256(d: dict) -> str:
+    """sha256 of ``d``'s canonical JSON (sorted keys, no spaces, ASCII; NaN refused)."""
+    return hashlib.sha256(_canonical(d)).hexdigest()
+
+
+# What a manifest or HEAD may name, checked when it is parsed: a key from the store's own layout,
+# never one a crafted object could point outside it or at another version's objects with.
+_PUBLISH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
+_MANIFEST_KEY = re.compile(r"versions/(\d{12,})/([A-Za-z0-9][A-Za-z0-9_-]{0,127})/manifest\.json")
+_PART_NAME = re.compile(r"(part|key)-\d{5,}\.dcr")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _uint(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+def is_manifest_key(key, version: int | None = None) -> bool:
+    """Whether ``key`` is a manifest's key in the store layout (of ``version``, when given)."""
+    m = _MANIFEST_KEY.fullmatch(key) if isinstance(key, str) else None
+    return m is not None and (version is None or int(m.group(1)) == version)
+
+
+def _check_manifest_key(key, version, what: str) -> None:
+    if not is_manifest_key(key, version):
+        raise ValueError(f"{what} {key!r} is not the key of version {version!r}'s manifest")
 
 
 def _sealed(d: dict, fmt: int, what: str) -> dict:
@@ -55,6 +84,13 @@ def _sealed(d: dict, fmt: int, what: str) -> dict:
         raise ValueError("no checksum")
     if hashlib.sha256(_canonical(d)).hexdigest() != checksum:
         raise ManifestError(f"{what}: checksum mismatch: the object was altered or damaged in the store")
+    return d
+
+
+def _fields(obj, signed: bool) -> dict:
+    d = asdict(obj)
+    if not signed or d["signature"] is None:
+        del d["signature"]
     return d
 
 
@@ -78,6 +114,16 @@ class Part:
     elements: int = 0
     dense_bytes: int = 0
 
+    def check(self, directory: str) -> None:
+        """A parsed part must lie in its version's own directory, with sane numbers."""
+        if not (isinstance(self.key, str) and self.key.startswith(directory + "/")
+                and _PART_NAME.fullmatch(self.key[len(directory) + 1:])):
+            raise ValueError(f"part key {self.key!r} is not an object of {directory}")
+        if not all(_uint(x) for x in (self.rank, self.size, self.changed, self.elements, self.dense_bytes)):
+            raise ValueError(f"part {self.key}: rank and sizes must be non-negative integers")
+        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
+            raise ValueError(f"part {self.key}: sha256 must be 64 lowercase hex digits")
+
 
 @dataclass
 class Manifest:
@@ -96,16 +142,23 @@ class Manifest:
     created: float = field(default_factory=time.time)
     format: int = FORMAT
     base_sha256: str | None = None        # the base manifest's sha256 (format 2): links are checked
+    signature: dict | None = None         # the publisher's signature (nemo_dcr.sync.signing); None: unsigned
 
     @property
     def key(self) -> str:
         return f"{version_dir(self.version, self.publish_id)}/manifest.json"
 
+    def fields(self, signed: bool = True) -> dict:
+        """The stored fields (without the checksum); ``signed=False``: without the signature
+        too, the body a signature covers. An unsigned object has no ``signature`` field, so its
+        bytes and identity are those of a store written before signing existed."""
+        return _fields(self, signed)
+
     @property
     def sha256(self) -> str:
-        """The manifest's identity: sha256 of its canonical body (stored in it as ``checksum``,
-        and recorded by HEAD and by the next version's ``base_sha256``)."""
-        return hashlib.sha256(_canonical(asdict(self))).hexdigest()
+        """The manifest's identity: sha256 of its canonical body, signature included (stored in
+        it as ``checksum``, and recorded by HEAD and by the next version's ``base_sha256``)."""
+        return canonical_sha256(self.fields())
 
     @property
     def is_keyframe(self) -> bool:
@@ -144,10 +197,25 @@ class Manifest:
         return sum(p.size for p in self.keyframe_parts)
 
     def to_bytes(self) -> bytes:
-        d = asdict(self)
+        d = self.fields()
         if self.format != 1:
-            d["checksum"] = hashlib.sha256(_canonical(d)).hexdigest()
+            d["checksum"] = canonical_sha256(d)
         return json.dumps(d, sort_keys=True, indent=1).encode()
+
+    def check_links(self) -> None:
+        """Every key the manifest names is one of the store's own layout: its parts in its own
+        version's directory, its base link a manifest key of ``base_version`` (older than this
+        one). A crafted manifest cannot make a reader touch anything else (ValueError)."""
+        d = version_dir(self.version, self.publish_id)
+        for p in (*self.parts, *self.keyframe_parts):
+            p.check(d)
+        if self.base_version is not None or self.base_manifest is not None:
+            if not isinstance(self.base_version, int) or not _uint(self.base_version) \
+                    or self.base_version >= self.version:
+                raise ValueError(f"base version {self.base_version!r} of version {self.version}")
+            _check_manifest_key(self.base_manifest, self.base_version, "base manifest")
+        if self.signature is not None and not isinstance(self.signature, dict):
+            raise ValueError("signature must be an object")
 
     @classmethod
     def from_bytes(cls, data: bytes, key: str = "<manifest>", sha256: str | None = None) -> Manifest:
@@ -162,13 +230,14 @@ class Manifest:
             d["parts"] = [Part(**p) for p in d["parts"]]
             d["keyframe_parts"] = [Part(**p) for p in d["keyframe_parts"]]
             m = cls(**d)
-            if not isinstance(m.version, int) or m.version < 0 or not isinstance(m.publish_id, str):
+            if not _uint(m.version) or not isinstance(m.publish_id, str) or not _PUBLISH_ID.fullmatch(m.publish_id):
                 raise ValueError("version/publish_id")
             if m.parts and (m.base_version is None or m.base_manifest is None or m.base_digest is None):
                 raise ValueError("delta parts without a base")
             if not m.parts and not m.keyframe_parts:
                 raise ValueError("no parts")
-        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            m.check_links()
+        except (ValueError, TypeError, KeyError, AttributeError, RecursionError) as e:
             raise ManifestError(f"{key}: not a valid nemo-dcr manifest ({e})") from None
         if m.key != key and key != "<manifest>":
             raise ManifestError(f"{key}: manifest names itself {m.key}")
@@ -187,11 +256,16 @@ class Head:
     manifest_sha256: str | None = None    # the manifest's identity (None only in format-1 stores)
     keyframe_sha256: str | None = None
     format: int = FORMAT
+    signature: dict | None = None         # the publisher's signature (nemo_dcr.sync.signing); None: unsigned
+
+    def fields(self, signed: bool = True) -> dict:
+        """As :meth:`Manifest.fields`: no ``signature`` field when unsigned (or ``signed=False``)."""
+        return _fields(self, signed)
 
     def to_bytes(self) -> bytes:
-        d = asdict(self)
+        d = self.fields()
         if self.format != 1:
-            d["checksum"] = hashlib.sha256(_canonical(d)).hexdigest()
+            d["checksum"] = canonical_sha256(d)
         return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
@@ -209,9 +283,13 @@ class Head:
                 raise ValueError("a format-1 HEAD names manifest digests")
             if fmt != 1 and not (isinstance(h.manifest_sha256, str) and isinstance(h.keyframe_sha256, str)):
                 raise ValueError("no manifest digests")
-            if not isinstance(h.version, int) or not isinstance(h.manifest, str):
-                raise ValueError("version/manifest")
-        except (ValueError, TypeError) as e:
+            if not _uint(h.version) or not _uint(h.keyframe_version) or h.keyframe_version > h.version:
+                raise ValueError("version/keyframe_version")
+            _check_manifest_key(h.manifest, h.version, "manifest")
+            _check_manifest_key(h.keyframe_manifest, h.keyframe_version, "keyframe manifest")
+            if h.signature is not None and not isinstance(h.signature, dict):
+                raise ValueError("signature must be an object")
+        except (ValueError, TypeError, RecursionError) as e:
             raise ManifestError(f"HEAD is not a valid nemo-dcr head pointer ({e})") from None
         return h
 
@@ -278,9 +356,13 @@ def manifest_at(store: Store, version: int, head: Head | None = None) -> Manifes
     raise VersionNotFound(f"version {version} is no longer in the store")
 
 
-def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag) -> Head:
-    """Write the manifest, then move HEAD from ``expected_head`` to it atomically."""
+def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, signer=None) -> Head:
+    """Write the manifest, then move HEAD from ``expected_head`` to it atomically. With a
+    ``signer`` (nemo_dcr.sync.signing.Signer) the manifest (in place) and HEAD are signed."""
     from nemo_dcr.stores import PreconditionFailed
+    if signer is not None:
+        signer.check_continues(expected_head)
+        signer.sign(manifest)
     try:
         store.put_if_absent(manifest.key, manifest.to_bytes())
     except PreconditionFailed:
@@ -295,6 +377,8 @@ def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag) ->
         if ks is None:  # the keyframe was committed to a format-1 store: record its identity now
             ks = read_manifest(store, kk).sha256
     head = Head(manifest.version, manifest.key, kv, kk, manifest.sha256, ks)
+    if signer is not None:
+        signer.sign(head)
     try:
         if expected_head is None:
             store.put_if_absent(HEAD_KEY, head.to_bytes())

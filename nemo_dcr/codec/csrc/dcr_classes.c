@@ -551,3 +551,111 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
     if (scalar) for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
     return out == k ? 0 : E_RANK;
 }
+
+/* ------------------------------------------------------------------ state digest
+ * The per-element arithmetic of the sharding-independent state digest; its definition, and the
+ * PyTorch reference this must equal bit for bit, are in nemo_dcr/state/statedigest.py (spec:
+ * docs/format.md, "State digest"). Per lane l:
+ *   u = mix(mix(lo32(i) ^ s1) ^ s2 ^ hi32(i)),  r_l = clamp(mix(u ^ t_l) >> 1, 1, P - 1),
+ *   contrib_l = r_l * (C_l + sum_j x_j K_l^j)  (mod P),
+ * summed over elements. Everything is exact unsigned arithmetic: mix is mod 2^32 (what the
+ * reference's "multiply then mask" computes), and sums of r * limb (< 2^47) are reduced mod P
+ * every SD_BLOCK terms (< 2^60). hi32(i) is xored always: it is 0 whenever the reference omits it. */
+#define SD_P 2147483647ULL
+#define SD_BLOCK 4096
+
+static inline uint32_t sd_mix(uint32_t h) {
+    h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x31848BABu; h ^= h >> 16; return h;
+}
+static inline uint32_t sd_weight(uint32_t u, uint32_t t) {
+    uint32_t r = sd_mix(u ^ t) >> 1;
+    r = r == 0 ? 1u : r;
+    return r == (uint32_t)SD_P ? (uint32_t)SD_P - 1 : r;
+}
+static inline uint64_t sd_mod(uint64_t x) { return x % SD_P; }
+
+/* The element loop, written so that compilers vectorise it: 32-bit index mixing, 32x32->64-bit
+ * products, one accumulator per lane and limb. IDX is the canonical index of element i. */
+#define SD_LANE(l, NLIMB, LIMB)                                                               \
+    { uint64_t r = sd_weight(u, t##l); s##l##0 += r;                                          \
+      if (NLIMB > 0) s##l##1 += r * (uint64_t)(LIMB(0));                                      \
+      if (NLIMB > 1) s##l##2 += r * (uint64_t)(LIMB(1));                                      \
+      if (NLIMB > 2) s##l##3 += r * (uint64_t)(LIMB(2));                                      \
+      if (NLIMB > 3) s##l##4 += r * (uint64_t)(LIMB(3)); }
+#define SD_LOOP(NLIMB, LIMB, IDX)                                                             \
+    for (int64_t b0 = 0; b0 < n; b0 += SD_BLOCK) {                                            \
+        int64_t b1 = b0 + SD_BLOCK < n ? b0 + SD_BLOCK : n;                                   \
+        uint64_t s00 = 0, s01 = 0, s02 = 0, s03 = 0, s04 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0, s14 = 0; \
+        uint64_t s20 = 0, s21 = 0, s22 = 0, s23 = 0, s24 = 0, s30 = 0, s31 = 0, s32 = 0, s33 = 0, s34 = 0; \
+        for (int64_t i = b0; i < b1; i++) {                                                   \
+            uint64_t g = (IDX);                                                               \
+            uint32_t u = sd_mix(sd_mix((uint32_t)g ^ s1) ^ s2 ^ (uint32_t)(g >> 32));         \
+            SD_LANE(0, NLIMB, LIMB) SD_LANE(1, NLIMB, LIMB) SD_LANE(2, NLIMB, LIMB) SD_LANE(3, NLIMB, LIMB) \
+        }                                                                                     \
+        uint64_t s[4][5] = {{s00, s01, s02, s03, s04}, {s10, s11, s12, s13, s14},             \
+                            {s20, s21, s22, s23, s24}, {s30, s31, s32, s33, s34}};            \
+        for (int l = 0; l < 4; l++)                                                           \
+            for (int j = 0; j < 5; j++) acc[l][j] = sd_mod(acc[l][j] + sd_mod(s[l][j]));      \
+    }
+#define SD_FN(NAME, ATTR, T, NLIMB, LIMB)                                                     \
+    ATTR static void NAME(const T *x, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1, \
+                          uint32_t s2, const uint32_t *t, uint64_t acc[4][5]) {               \
+        uint32_t t0 = t[0], t1 = t[1], t2 = t[2], t3 = t[3];                                  \
+        if (gidx) { SD_LOOP(NLIMB, LIMB, (uint64_t)gidx[i]) }                                 \
+        else { SD_LOOP(NLIMB, LIMB, (uint64_t)(start + i)) }                                  \
+    }
+#define L_W1(j) x[i]
+#define L_W2(j) x[i]
+#define L_W4(j) (((uint64_t)x[i] >> (16 * (j))) & 0xFFFFu)
+#define L_W8(j) ((x[i] >> (16 * (j))) & 0xFFFFu)
+typedef void (*sd_fn)(const void *, const int64_t *, int64_t, int64_t, uint32_t, uint32_t, const uint32_t *,
+                      uint64_t acc[4][5]);
+/* one plain build per width, and on x86-64 an AVX2 and an AVX-512 one (512-bit vectors: the
+ * compiler's default for AVX-512 code is 256), chosen at run time like the classes scans */
+#define SD_ALL(SUFFIX, ATTR)                                   \
+    SD_FN(sd_w1##SUFFIX, ATTR, uint8_t, 1, L_W1)               \
+    SD_FN(sd_w2##SUFFIX, ATTR, uint16_t, 1, L_W2)              \
+    SD_FN(sd_w4##SUFFIX, ATTR, uint32_t, 2, L_W4)              \
+    SD_FN(sd_w8##SUFFIX, ATTR, uint64_t, 4, L_W8)              \
+    static const sd_fn sd_table##SUFFIX[4] = {(sd_fn)sd_w1##SUFFIX, (sd_fn)sd_w2##SUFFIX, (sd_fn)sd_w4##SUFFIX, \
+                                              (sd_fn)sd_w8##SUFFIX};
+SD_ALL(_plain, )
+#ifdef DCR_X86
+SD_ALL(_avx2, __attribute__((target("avx2"))))
+SD_ALL(_avx512, __attribute__((target("avx512f,avx512bw,prefer-vector-width=512"))))
+static const sd_fn *sd_table(void) {
+    static const sd_fn *simd = NULL;
+    if (!simd_enabled) return sd_table_plain;  /* dcr_set_simd(0): the tests check both */
+    if (!simd) {
+        __builtin_cpu_init();
+        simd = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? sd_table_avx512
+             : __builtin_cpu_supports("avx2") ? sd_table_avx2 : sd_table_plain;
+    }
+    return simd;
+}
+#else
+static const sd_fn *sd_table(void) { return sd_table_plain; }
+#endif
+
+/* bits: n elements of w bytes (1, 2, 4, 8), contiguous. Canonical indices: gidx[i] when gidx is
+ * not NULL, else start + i. keys: s1, s2, t[4], kpow[4][4] (K_l^j mod P), c[4] (C_l).
+ * out[l]: the lane's sum of contributions, in [0, P). Returns 0, or E_ARGS. */
+int dcr_sd_contrib(const void *bits, int w, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
+                   uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
+    uint64_t acc[4][5] = {{0}};
+    int m;
+    if (n < 0 || start < 0) return E_ARGS;
+    switch (w) {
+        case 1: sd_table()[0](bits, gidx, start, n, s1, s2, t, acc); m = 1; break;
+        case 2: sd_table()[1](bits, gidx, start, n, s1, s2, t, acc); m = 1; break;
+        case 4: sd_table()[2](bits, gidx, start, n, s1, s2, t, acc); m = 2; break;
+        case 8: sd_table()[3](bits, gidx, start, n, s1, s2, t, acc); m = 4; break;
+        default: return E_ARGS;
+    }
+    for (int l = 0; l < 4; l++) {
+        uint64_t v = sd_mod(sd_mod(c[l]) * acc[l][0]);  /* both < 2^31: product < 2^62 */
+        for (int j = 0; j < m; j++) v = sd_mod(v + sd_mod(kpow[4 * l + j]) * acc[l][j + 1]);
+        out[l] = v;
+    }
+    return 0;
+}

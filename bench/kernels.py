@@ -1,0 +1,295 @@
+"""Issue #12's device-path benchmark: the whole encode and apply of one large shard, and the
+keyframe publish, as multiples of one memcpy of the shard, measured side by side in this process.
+
+    python bench/kernels.py                 # table on stdout
+    python bench/kernels.py --json          # the same as JSON
+    python bench/kernels.py --quick         # a 4M-element shard, one repetition (< 1 min)
+
+The shard is synthetic and deterministic: ``--elems`` BF16 weights ~ N(0, 0.02), and targets in
+which ``--changes`` of the elements (default 1 % and 5 %) changed: one optimizer-like step
+``w + lr * z`` rounded to BF16 (see ``make_target``), so that, as in training, mostly the small
+weights change.
+Timed (median of ``--reps``), per change rate, each result checked bit for bit:
+
+* ``memcpy`` -- ``dst.copy_(shard)`` on one torch thread: the unit every ratio is in;
+* encode side (``diff+encode+snapshot-update``: what a publish costs before its upload):
+  * ``reference`` -- the snapshot copied, then ``diff`` hashing base and target and summing the
+    state digest's change (the publisher before issue #12: both whole-tensor digests every version);
+  * ``fast`` -- the snapshot copied, then ``diff`` with the base's known digest (the publisher
+    now: its private snapshot was hashed when it was published);
+  * ``codec`` -- the chunk encode alone (no digests, no container): the floor of the codec;
+* apply side (``decode+apply``):
+  * ``reference`` -- plan (base digest), chunks, then the target digest as a second pass (apply
+    before issue #12);
+  * ``fast`` -- ``apply``: the target digest hashed while the chunks are written;
+  * ``follower`` -- what ``Follower.sync`` runs: ``apply(verify=False)`` (per-chunk pre-image
+    checks only) with the state digest moved by the changes (``ChangeDigest``) and compared with
+    the target's: the O(changes) verification, no whole-tensor pass;
+  * ``unverified`` -- ``apply(verify=False)``: the chunks alone;
+* state digest of the shard: the torch reference (timed on at most 8M elements, scaled) and the
+  C kernel on ``--workers`` threads;
+* keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``), with the state
+  digest in C and in torch, against writing (and fsyncing) the raw bytes of the shard there.
+
+GPU figures: ``DEVICE_PATHS`` is the hook. Each entry is ``fn(base, target, rate, workers, reps)
+-> list of rows`` (the row fields of ``_row``: side, path, seconds, plus h2d/d2h bytes), run
+after the CPU paths on the same tensors; tests/gpu registers its fused kernels there when CUDA
+is present, and the rows land in the same table with their ratio to the same memcpy.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import torch
+
+from nemo_dcr import apply, diff
+from nemo_dcr.codec import native
+from nemo_dcr.codec.chunk import encode_chunk
+from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.delta import DEFAULT_CHUNK, plan_entry, run_plan, verify_plan
+from nemo_dcr.delta.apply import ApplyReport
+from nemo_dcr.state import statedigest
+from nemo_dcr.state.statedigest import ChangeDigest
+from nemo_dcr.stores.local import LocalStore
+from nemo_dcr.sync.publisher import Publisher
+from nemo_dcr.util.parallel import ordered_map
+
+#: hook for device paths (see the module docstring): fn(base, target, rate, workers, reps) -> rows
+DEVICE_PATHS: list[Callable] = []
+_REF_DIGEST_MAX = 1 << 23  # the torch state digest is timed on at most this many elements
+
+
+def _median(fn, reps, setup=None) -> float:
+    """bench/codec.py's timer (loaded by path: bench/ is not a package), one timer for every bench."""
+    name = "nemo_dcr_bench_codec"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                                          "codec.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]._median_time(fn, reps, setup)
+
+
+def make_shard(elems: int, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(elems, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def _step(base: torch.Tensor, z: torch.Tensor, lr: float) -> torch.Tensor:
+    return (base.float() + lr * z).to(torch.bfloat16)
+
+
+def make_target(base: torch.Tensor, rate: float, seed: int = 1) -> torch.Tensor:
+    """``base`` after one optimizer-like step ``w + lr * z`` (``z`` ~ N(0, 1), a normalised
+    update), rounded to BF16, with ``lr`` chosen so that ``rate`` of the elements change. As in
+    training, what changes are mostly the small weights (their unit in the last place is small):
+    the changes are correlated with the exponent, as the ``classes`` coding expects."""
+    g = torch.Generator().manual_seed(seed)
+    z = torch.randn(base.numel(), generator=g)
+    sample, zs = base[:1 << 20], z[:1 << 20]
+    lo, hi = 1e-9, 1.0
+    for _ in range(40):  # bisection on a sample: the change rate grows with lr
+        mid = (lo * hi) ** 0.5
+        changed = float((_step(sample, zs, mid).view(torch.int16) != sample.view(torch.int16)).float().mean())
+        lo, hi = (mid, hi) if changed < rate else (lo, mid)
+    return _step(base, z, hi)
+
+
+def _row(side, path, seconds, memcpy, device="cpu", h2d_bytes=0, d2h_bytes=0, **extra) -> dict:
+    return {"side": side, "path": path, "device": device, "seconds": seconds, "x_memcpy": seconds / memcpy,
+            "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, **extra}
+
+
+def _apply_reference(recv: dict, blob: bytes, workers: int) -> None:
+    """``apply`` as it was before issue #12: the target digest a second pass after the writes."""
+    reader = DeltaReader.open(blob)
+    reader.check_payloads()
+    report = ApplyReport()
+    for e in reader.header.tensors:
+        p = plan_entry(e, recv.get(e.name), None)
+        verify_plan(p, run_plan(reader, p, report, workers))
+
+
+def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers: int, reps: int,
+                 memcpy: float) -> list:
+    n = base.numel()
+    ob, nb = base.view(torch.int16), target.view(torch.int16)
+    b, t = {"shard": base}, {"shard": target}
+    first = diff({}, b, encoding="overwrite", level=1, workers=workers)  # what published ``base``
+    known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
+    snap = torch.empty_like(target)
+
+    # both as the publisher calls diff: the state digest's change summed from the changed elements
+    def enc_ref():
+        snap.copy_(target)
+        return diff(b, {"shard": snap}, workers=workers, on_change=ChangeDigest())
+
+    def enc_fast():
+        snap.copy_(target)
+        return diff(b, {"shard": snap}, workers=workers, base_digests=known, on_change=ChangeDigest())
+
+    ranges = [(s, min(s + DEFAULT_CHUNK, n)) for s in range(0, n, DEFAULT_CHUNK)]
+
+    def enc_codec():
+        for _ in ordered_map(lambda r: encode_chunk(ob[r[0]:r[1]], nb[r[0]:r[1]], r[0], "auto",
+                                                    dtype=torch.bfloat16), ranges, workers):
+            pass
+
+    blob = enc_fast()
+    if DeltaReader.open(blob).header.tensors != DeltaReader.open(enc_ref()).header.tensors:
+        raise AssertionError("the fast encode does not write the reference's header")
+    rows = [_row("encode", "reference", _median(enc_ref, reps), memcpy),
+            _row("encode", "fast", _median(enc_fast, reps), memcpy),
+            _row("encode", "codec", _median(enc_codec, reps), memcpy)]
+
+    recv = {"shard": base.clone()}
+    fresh = lambda: recv["shard"].copy_(base)  # noqa: E731  each apply on a fresh base, untimed
+    d_base, d_target = (statedigest.state_contrib(s, workers=workers) for s in (b, t))
+
+    def follower(_):
+        """The follower's check: per-chunk pre-images, then the state digest moved by the changes."""
+        change = ChangeDigest()
+        apply(recv, blob, workers=workers, verify=False, on_change=change)
+        if d_base + change.total != d_target:
+            raise AssertionError("the incremental state digest does not reach the target's")
+
+    paths = {"reference": lambda _: _apply_reference(recv, blob, workers),
+             "fast": lambda _: apply(recv, blob, workers=workers),
+             "follower": follower,
+             "unverified": lambda _: apply(recv, blob, workers=workers, verify=False)}
+    for name, fn in paths.items():
+        s = _median(fn, reps, setup=fresh)
+        if not torch.equal(recv["shard"].view(torch.int16), nb):
+            raise AssertionError(f"apply ({name}) is not bit-exact")
+        rows.append(_row("apply", name, s, memcpy))
+    for fn in DEVICE_PATHS:
+        rows.extend(fn(base, target, rate, workers, reps))
+    changed = int((ob != nb).sum())
+    for r in rows:
+        r.update(change_rate=changed / n, delta_bytes_per_changed=len(blob) / changed)
+    return rows
+
+
+def digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float) -> list:
+    n = base.numel()
+    part = base[:min(n, _REF_DIGEST_MAX)]
+    lib = native.lib
+    try:
+        native.lib = lambda: None  # the torch reference (the digest before the C kernel)
+        t_ref = _median(lambda: statedigest.tensor_contrib("shard", part), max(1, reps // 2)) * n / part.numel()
+    finally:
+        native.lib = lib
+    rows = [_row("state_digest", "reference", t_ref, memcpy, scaled_from=part.numel())]
+    if native.lib() is not None:
+        rows.append(_row("state_digest", "fast", _median(
+            lambda: statedigest.tensor_contrib("shard", base, workers=workers), reps), memcpy))
+    return rows
+
+
+def _raw_write(path: str, data) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.unlink(path)
+
+
+def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float, tmp: str) -> list:
+    state = {"shard": base}
+    raw = base.view(torch.uint8).numpy().data
+    k = [0]
+
+    def publish():
+        k[0] += 1
+        Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers).publish(state, keyframe=True)
+
+    t_raw = _median(lambda: _raw_write(os.path.join(tmp, "raw.bin"), raw), reps)
+    rows = [_row("keyframe", "raw_write", t_raw, memcpy)]
+    lib = native.lib
+    try:
+        native.lib = lambda: None
+        rows.append(_row("keyframe", "reference", _median(publish, max(1, reps // 2)), memcpy))
+    finally:
+        native.lib = lib
+    rows.append(_row("keyframe", "fast", _median(publish, reps), memcpy))
+    for r in rows:
+        r["x_raw_write"] = r["seconds"] / t_raw
+    return rows
+
+
+def _load() -> str:
+    try:
+        return " ".join(f"{v:.2f}" for v in os.getloadavg())
+    except OSError:
+        return "?"
+
+
+def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick: bool = False) -> dict:
+    t0 = time.perf_counter()
+    base = make_shard(elems)
+    dst = torch.empty_like(base)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    memcpy = _median(lambda: dst.copy_(base), max(5, reps * 3))
+    torch.set_num_threads(threads)
+    out = {"config": {"elements": elems, "bytes": 2 * elems, "dtype": "bfloat16", "changes": list(changes),
+                      "reps": reps, "workers": workers, "quick": quick, "chunk_elems": DEFAULT_CHUNK},
+           "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                       "torch": torch.__version__, "backend": native.backend(), "load_before": _load()},
+           "memcpy_seconds": memcpy, "rows": []}
+    for rate in changes:
+        target = make_target(base, rate)
+        for r in encode_apply(base, target, rate, workers, reps, memcpy):
+            out["rows"].append({"change": rate, **r})
+        del target
+    for r in digest_rows(base, workers, reps, memcpy):
+        out["rows"].append({"change": None, **r})
+    with tempfile.TemporaryDirectory(prefix="dcr-bench-kernels-") as tmp:
+        for r in keyframe_rows(base, workers, reps, memcpy, tmp):
+            out["rows"].append({"change": None, **r})
+    out["machine"]["load_after"] = _load()
+    out["seconds_total"] = time.perf_counter() - t0
+    return out
+
+
+def format_table(r: dict) -> str:
+    c = r["config"]
+    lines = [f"shard: {c['elements'] / 1e6:.1f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB), {c['workers']} workers, "
+             f"memcpy {1e3 * r['memcpy_seconds']:.1f} ms "
+             f"({c['bytes'] / r['memcpy_seconds'] / 1e9:.2f} GB/s, 1 thread); "
+             f"load {r['machine']['load_before']} -> {r['machine']['load_after']}",
+             "", "| change | side | path | device | ms | x memcpy |", "|---|---|---|---|---:|---:|"]
+    for row in r["rows"]:
+        ch = "" if row["change"] is None else f"{100 * row['change']:g} %"
+        extra = f" ({row['x_raw_write']:.2f}x raw write)" if "x_raw_write" in row else ""
+        lines.append(f"| {ch} | {row['side']} | {row['path']} | {row['device']} | {1e3 * row['seconds']:.1f} | "
+                     f"{row['x_memcpy']:.2f}x{extra} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elems", type=int, default=1 << 26, help="shard size in BF16 elements (default 64M)")
+    ap.add_argument("--changes", type=float, nargs="+", default=[0.01, 0.05])
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--quick", action="store_true", help="4M elements, 1 repetition")
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    elems, reps = (1 << 22, 1) if a.quick else (a.elems, a.reps)
+    r = run(elems, tuple(a.changes), reps, a.workers, a.quick)
+    print(json.dumps(r, indent=1) if a.json else format_table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

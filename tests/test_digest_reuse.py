@@ -1,0 +1,98 @@
+"""The two ways whole-tensor digests got cheaper without changing what they are: ``diff`` reuses
+a private base's known digest (``base_digests``: the publisher's snapshot), and ``apply`` hashes
+the target while it writes (``RunningDigest``). Both must give exactly the digests and bytes of
+hashing from scratch, and every check must still fire (a wrong target digest through the
+pipelined check: tests/test_errors.py::test_wrong_target_digest_is_target_mismatch)."""
+from __future__ import annotations
+
+import pytest
+import torch
+from dcr_testing import assert_state, zeros_like
+
+from nemo_dcr import BaseMismatchError, DeltaReader, Follower, Publisher, apply, diff
+from nemo_dcr.state.digest import RunningDigest, tensor_digest
+from nemo_dcr.stores.local import LocalStore
+
+
+def _states(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    base = {"w": torch.randn(300, 70, generator=g).to(torch.bfloat16), "b": torch.randn(257, generator=g),
+            "ids": torch.randint(0, 1 << 40, (33, 3), generator=g)}
+    target = {k: v.clone() for k, v in base.items()}
+    target["w"].view(-1)[::97] = torch.randn(target["w"].numel() // 97 + 1, generator=g).to(torch.bfloat16)
+    target["b"][5] = -0.0
+    return base, target
+
+
+
+
+@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+def test_running_digest_equals_tensor_digest(algo):
+    t = torch.arange(5 * 7 * 11, dtype=torch.int32).reshape(5, 7, 11)
+    for v in (t, t.transpose(0, 2), t[:, ::2], t[:0]):
+        r = RunningDigest(v, algo)
+        for end in (0, 3, 3, 40, v.numel() + 10):  # repeated, past the end: harmless
+            r.advance(end)
+        assert r.hexdigest() == tensor_digest(v, algo)
+
+
+def test_diff_with_known_base_digests_gives_the_same_delta():
+    base, target = _states()
+    plain = diff(base, target, chunk_elems=4096)
+    first = diff({}, base, chunk_elems=4096)  # what a publisher wrote when it published ``base``
+    known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
+    reused = diff(base, target, chunk_elems=4096, base_digests=known)
+    a, b = DeltaReader.open(plain).header.tensors, DeltaReader.open(reused).header.tensors
+    assert a == b  # entries, digests and chunk tables: every field
+    recv = {k: v.clone() for k, v in base.items()}
+    apply(recv, reused)
+    assert_state(recv, target)
+
+
+def test_known_base_digest_is_what_the_delta_claims():
+    """A wrong known digest is written as is (the caller vouches for its private base), and every
+    receiver holding the real base refuses the delta before writing: nothing is hidden."""
+    base, target = _states()
+    blob = diff(base, target, chunk_elems=4096, base_digests={"w": "sha256:" + "0" * 32})
+    entry = {e.name: e for e in DeltaReader.open(blob).header.tensors}["w"]
+    assert entry.base_digest == "sha256:" + "0" * 32
+    recv = {k: v.clone() for k, v in base.items()}
+    with pytest.raises(BaseMismatchError):
+        apply(recv, blob)
+    assert_state(recv, base)
+
+
+def test_publisher_reuses_its_snapshot_digests(tmp_path):
+    """Three versions through a publisher (the second and third diff against a snapshot whose
+    digests the previous diff wrote) and a follower that checks every base and target digest."""
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store, chunk_elems=4096)
+    states = [_states(0)[0], _states(0)[1]]
+    third = {k: v.clone() for k, v in states[1].items()}
+    third["ids"][0, 0] += 1
+    states.append(third)
+    recv = zeros_like(states[0])
+    fol = Follower(store, recv)
+    for s in states:
+        pub.publish(s)
+        fol.sync()
+        assert_state(recv, s)
+
+
+def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
+    """After the first version the publisher's diff hashes only the target, not its snapshot."""
+    import sys
+
+    diff_mod = sys.modules["nemo_dcr.delta.diff"]  # (the package's ``diff`` attribute is the function)
+    hashed = []
+    real = diff_mod.tensor_digest
+    monkeypatch.setattr(diff_mod, "tensor_digest", lambda t, *a: hashed.append(t.data_ptr()) or real(t, *a))
+    base, target = _states()
+    pub = Publisher(LocalStore(tmp_path / "store"), chunk_elems=4096)
+    pub.publish(base)  # the first version: a keyframe, each tensor hashed once
+    assert len(hashed) == len(base)
+    hashed.clear()
+    pub.publish(target)
+    assert len(hashed) == len(target)  # target digests only; the snapshot's were known
+    snap, _ = pub.published
+    assert not set(hashed) - {t.data_ptr() for t in snap.values()}  # and they are of the new snapshot

@@ -1,0 +1,191 @@
+"""The state digest's C kernel (codec/csrc, ``dcr_sd_contrib``) against the torch reference
+(``statedigest._kernel``), bit for bit: every dtype, special values, every index path (whole
+tensor, a run of the canonical tensor, a general shard, explicit indices past 2**32), both the
+SIMD and the scalar builds, and the weight clamp's two edge cases constructed on purpose."""
+from __future__ import annotations
+
+import pytest
+import torch
+from dcr_testing.shards import cut
+
+from nemo_dcr import ShardSpec
+from nemo_dcr.codec import native
+from nemo_dcr.state import statedigest as sd
+from nemo_dcr.state.dtypes import DTYPES, dtype_name, int_view
+from nemo_dcr.state.statedigest import P, StateDigest, changes_contrib, state_contrib, tensor_contrib
+
+pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.build_error}")
+
+M32 = 0xFFFFFFFF
+
+
+@pytest.fixture(params=[1, 0], ids=["simd", "scalar"])
+def simd(request):
+    native.lib().dcr_set_simd(request.param)
+    yield request.param
+    native.lib().dcr_set_simd(1)
+
+
+@pytest.fixture
+def reference(monkeypatch):
+    """A function running its argument with the C kernels switched off (the torch reference)."""
+    def run(fn, *a, **k):
+        with monkeypatch.context() as m:
+            m.setattr(native, "lib", lambda: None)
+            return fn(*a, **k)
+    return run
+
+
+def special_tensor(dtype, n, seed):
+    """Random raw bits with every special pattern of the dtype's width planted in."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (n,), generator=g).bool()
+    w = torch.empty((), dtype=dtype).element_size()
+    view = int_view(torch.empty(0, dtype=dtype)).dtype
+    raw = torch.randint(0, 256, (n * w,), dtype=torch.uint8, generator=g).view(view)
+    bits = 8 * w
+    specials = [0, 1, (1 << bits) - 1, 1 << (bits - 1), (1 << (bits - 1)) - 1, (1 << (bits - 1)) + 1]
+    if dtype.is_floating_point and w >= 2:
+        fi = torch.finfo(dtype)
+        vals = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, fi.tiny / 2, -fi.tiny / 4, fi.max,
+                             fi.min], dtype=torch.float32).to(dtype)
+        specials += [int(v) & ((1 << bits) - 1) for v in int_view(vals).tolist()]
+    for k, v in enumerate(specials if n else []):
+        v = v - (1 << bits) if (v >= 1 << (bits - 1) and raw.dtype != torch.uint8) else v
+        raw[(k * 7919) % n] = v
+    return raw.view(dtype)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_whole_tensor_equals_reference_every_dtype(dtype, simd, reference):
+    # lengths not a multiple of any vector width or the C block size
+    for n, seed in ((0, 1), (1, 2), (17, 3), (4096 * 3 + 5, 4)):
+        t = special_tensor(dtype, n, seed).reshape(-1)
+        assert tensor_contrib("w", t) == reference(tensor_contrib, "w", t), (dtype, n)
+    # non-contiguous views: a step slice and a transpose (read through the flat accessor)
+    m = special_tensor(dtype, 29 * 31, seed=6).reshape(29, 31)
+    for v in (m[:, ::3], m.t(), m[1:, 2:].t()[::2]):
+        assert not v.is_contiguous()
+        assert tensor_contrib("w", v) == reference(tensor_contrib, "w", v), (dtype, v.shape)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.bool], ids=str)
+def test_shards_and_strides_equal_reference(dtype, simd, reference):
+    full = special_tensor(dtype, 48 * 40, seed=5).reshape(48, 40)
+    specs = [ShardSpec.of((48, 40), (8, 0), (16, 40)),   # a run of the canonical tensor: counted index
+             ShardSpec.of((48, 40), (0, 10), (48, 20)),  # a column block: explicit indices
+             ShardSpec.of((48, 40), (47, 39), (1, 1))]
+    for spec in specs:
+        shard = cut(full, spec).clone()
+        assert tensor_contrib("w", shard, spec) == reference(tensor_contrib, "w", shard, spec)
+    nc = full.t()  # non-contiguous: read through computed indices
+    assert tensor_contrib("w", nc) == reference(tensor_contrib, "w", nc)
+    # the sum over a cover equals the whole, on the native path alone
+    parts = [ShardSpec.of((48, 40), (0, 0), (48, 10)), ShardSpec.of((48, 40), (0, 10), (48, 30))]
+    assert sum((tensor_contrib("w", cut(full, s).clone(), s) for s in parts), StateDigest.zero()) \
+        == tensor_contrib("w", full)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.float8_e4m3fn], ids=str)
+def test_changes_past_2_pow_32_equal_reference(dtype, simd, reference):
+    shape = (1 << 21, 1 << 12)  # 2**33 elements, never materialised
+    g = torch.Generator().manual_seed(9)
+    idx = torch.randperm(1 << 20, generator=g)[:5000].to(torch.int64) * 8191 + 3
+    assert int(idx.max()) > 1 << 32
+    bits = special_tensor(dtype, 5000, seed=9)
+    assert changes_contrib("big", dtype, shape, idx, bits) == reference(changes_contrib, "big", dtype, shape, idx, bits)
+    # a shard past 2**32 that is one run: the kernel counts indices from its offset
+    spec = ShardSpec.of(shape, ((1 << 20) + 5, 0), (2, 1 << 12))
+    t = special_tensor(dtype, spec.numel, seed=10).reshape(spec.shape)
+    assert tensor_contrib("big", t, spec) == reference(tensor_contrib, "big", t, spec)
+
+
+# ----------------------------------------------------------------------------- the clamp's edges
+
+def _inv_xorshift(h, s):
+    r = h
+    for _ in range(32 // s + 1):
+        r = h ^ (r >> s)
+    return r & M32
+
+
+def _inv_mix(h):
+    h = _inv_xorshift(h, 16)
+    h = (h * pow(sd._F2, -1, 1 << 32)) & M32
+    h = _inv_xorshift(h, 15)
+    h = (h * pow(sd._F1, -1, 1 << 32)) & M32
+    return _inv_xorshift(h, 16)
+
+
+def _mix(h):
+    h ^= h >> 16
+    h = (h * sd._F1) & M32
+    h ^= h >> 15
+    h = (h * sd._F2) & M32
+    return h ^ (h >> 16)
+
+
+def test_weight_clamp_edges_equal_reference(simd, reference):
+    """Indices whose lane weight ``mix(u ^ t) >> 1`` is 0 (clamped up to 1) or P (clamped down
+    to P - 1), built by inverting the keyed index permutation: the C kernel must clamp the same."""
+    shape = (1 << 34,)
+    keys = sd._keys("edge", "bfloat16", shape)
+    idx = []
+    for lane in range(sd.LANES):
+        for h in (0, 1, M32 - 1, M32):  # >> 1 gives 0, 0, P, P
+            u = _inv_mix(h) ^ keys.t[lane]
+            for hi in (0, 3):
+                lo = _inv_mix(_inv_mix(u) ^ keys.s2 ^ hi) ^ keys.s1
+                i = (hi << 32) | lo
+                assert _mix(_mix(lo ^ keys.s1) ^ keys.s2 ^ hi) == u  # the inversion is right
+                idx.append(i)
+    idx = torch.tensor(sorted(set(idx)), dtype=torch.int64)
+    for seed in range(3):
+        bits = special_tensor(torch.bfloat16, idx.numel(), seed)
+        got = changes_contrib("edge", torch.bfloat16, shape, idx, bits)
+        assert got == reference(changes_contrib, "edge", torch.bfloat16, shape, idx, bits)
+        # and the weights are what the definition says (1 and P - 1, never 0 or P)
+        r = [min(max(_mix(_mix(_mix((i & M32) ^ keys.s1) ^ keys.s2 ^ (i >> 32)) ^ keys.t[0]) >> 1, 1), P - 1)
+             for i in idx.tolist()]
+        assert set(r) & {1, P - 1}
+
+
+def test_state_contrib_spreads_over_workers(reference):
+    """Ranges on several threads add up to the same digest as one."""
+    t = special_tensor(torch.bfloat16, (1 << 23) + 1234, seed=11)
+    one = tensor_contrib("w", t, workers=1)
+    assert tensor_contrib("w", t, workers=2) == one == tensor_contrib("w", t, workers=4)
+    assert one == reference(tensor_contrib, "w", t)
+
+
+# ----------------------------------------------------------------------------- pinned values
+
+def _payload_state():
+    """NaN payloads (quiet and signalling, both signs), -0.0, subnormals and odd sizes, per dtype."""
+    out = {}
+    for k, dtype in enumerate(DTYPES.values()):
+        t = special_tensor(dtype, 37 + k, seed=100 + k)
+        if dtype.is_floating_point and t.element_size() >= 2:
+            w = t.element_size()
+            iv = int_view(t).reshape(-1)
+            top = 8 * w - 1
+            exp_all = {2: 0x7F80 if dtype == torch.bfloat16 else 0x7C00, 4: 0x7F800000, 8: 0x7FF0000000000000}[w]
+            for j, p in enumerate((1, 3, 1 << (top - 9), 0x55)):  # NaN payloads, some signalling
+                v = exp_all | p
+                iv[j] = v if j % 2 == 0 else v - (1 << (top + 1)) + (1 << top)  # odd j: sign bit set
+            iv[5] = -(1 << top)  # -0.0
+        out[f"t.{dtype_name(dtype)}"] = t
+    return out
+
+
+# Digests of _payload_state() computed with the torch reference before the C kernel existed
+# (commit 750676a): the values manifests already hold, which the C path must keep giving.
+PINNED_HEX = "257174cf02cf597441d29f534452f348"
+
+
+def test_pinned_digests_reference_and_native(simd, reference):
+    state = _payload_state()
+    got = state_contrib(state).hex()
+    assert got == reference(state_contrib, state).hex()
+    assert got == PINNED_HEX
