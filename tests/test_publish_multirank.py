@@ -172,3 +172,25 @@ def test_rank_failing_to_download_while_a_restarted_group_restores_fails_all_pro
     recv = zeros()
     assert Follower(store, recv).sync().steps == [("keyframe", 0), ("delta", 1), ("delta", 2)]
     assert_global(recv, 2)
+
+
+def test_pull_bootstraps_a_checkpoint_from_a_store_a_group_published_as_shards(backend, tmp_path):
+    # found by the chaos campaign: a store that several ranks published holds every tensor as
+    # shards (one part per rank); `nemo-dcr pull` into a new directory had nothing to write the
+    # shards into ("the receiver has no matching tensor to write this shard into")
+    from safetensors.torch import load_file
+
+    from nemo_dcr.checkpoint.sync import pull_checkpoint
+    store, spec = backend
+    res, codes = run_group(6, spec, "joint", tmp_path)
+    assert_ok(res, range(6))
+    out = tmp_path / "pulled"
+    r = pull_checkpoint(store, str(out))
+    assert r.sync.version == 2 and r.sync.steps == [("keyframe", 0), ("delta", 1), ("delta", 2)]
+    files = [out] if out.is_file() else sorted(out.glob("*.safetensors"))
+    assert files
+    pulled = {}
+    for f in files:
+        pulled.update(load_file(str(f)))
+    assert_global(pulled, 2)
+    assert not pull_checkpoint(store, str(out)).sync.updated  # and it is then recognised as version 2

@@ -107,6 +107,8 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
         current = find_version(store, tensors)
         if current is None:
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
+    if current is None:
+        tensors = _whole_tensors_for_shards(store)
     f = Follower(store, tensors, version=current, verify_initial=False)
     res = f.sync(version)
     m = f.manifest  # the very manifest whose state was verified
@@ -122,6 +124,28 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
         return PullResult(res)
     write_checkpoint(out, layout, lambda name: tensors[name])
     return PullResult(res, rewritten=not res.updated)
+
+
+def _whole_tensors_for_shards(store) -> dict:
+    """A checkpoint pulled from nothing starts from the newest keyframe. Where that keyframe's
+    parts carry a tensor as shards (a trainer group published it, one part per rank), the
+    receiver needs the whole tensor to write each shard into: zeros of its global shape and dtype,
+    every element then overwritten by some part (the version's digest checks that none was
+    missed). Whole tensors in a part are created by the apply itself. Costs a second read of the
+    keyframe's parts, on a bootstrap only."""
+    import torch
+
+    from nemo_dcr.codec.format import DeltaReader
+    from nemo_dcr.sync.versions import read_manifest
+    head, _ = read_head(store)
+    if head is None or head.keyframe_manifest is None:
+        return {}
+    out = {}
+    for p in read_manifest(store, head.keyframe_manifest, head.keyframe_sha256).keyframe_parts:
+        for e in DeltaReader.open(store.get(p.key)).header.tensors:
+            if e.region is not None and not e.region.is_full and e.name not in out:
+                out[e.name] = torch.zeros(e.region.global_shape, dtype=e.torch_dtype)
+    return out
 
 
 def verify_checkpoint(store: Store | str, path: str):

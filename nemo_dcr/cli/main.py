@@ -149,6 +149,35 @@ def _cmd_demo(a):
     run_demo(a.workdir, store=a.store, steps=a.steps, every=a.every, keyframe_every=a.keyframe_every)
 
 
+def _cmd_chaos(a):
+    from nemo_dcr.util.extras import require
+    for mod, what in (("boto3", "the S3 store"), ("moto.moto_server.werkzeug_app", "the S3 server"),
+                      ("aiohttp", "the fault proxy and relays")):
+        require(mod, "chaos", f"nemo-dcr chaos ({what})")
+    import signal
+
+    from nemo_dcr.chaos.campaign import long_run, run_campaign
+
+    def stop(*_):  # so the campaign's finally stops its processes and unmounts its tmpfs
+        raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, stop)
+    log = None if a.json else (lambda s: print(s, file=sys.stderr, flush=True))
+    if a.versions:
+        out = long_run(a.versions, seed=a.seed, backend=a.backend, log=log)
+        bad = out["violations"]
+    else:
+        out = run_campaign(a.runs, seed=a.seed, fast=a.fast, sabotage=a.sabotage, log=log, progress=a.progress)
+        bad = out["violations"] or out["not_converged"]
+    if a.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(json.dumps({k: v for k, v in out.items() if k not in ("violations", "samples")}, indent=2))
+        for v in out["violations"]:
+            print(f"violation: {v}")
+    if bad:
+        raise DcrError(f"chaos: {len(out['violations'])} invariant violation(s)")
+
+
 def _cmd_relay(a):
     import asyncio
 
@@ -168,7 +197,8 @@ def _cmd_relay(a):
 # Allowed ranges of the numeric options, checked after parsing so that a bad value is the usual
 # one-line error with exit status 1 (zstd's levels are 1..22; counts are non-negative).
 RANGES = {"level": (1, 22), "chunk_elems": (1, None), "workers": (1, None), "keyframe_every": (0, None),
-          "retain": (0, None), "version": (0, None), "limit": (1, None), "steps": (1, None), "every": (1, None)}
+          "retain": (0, None), "version": (0, None), "runs": (1, None), "versions": (1, None), "limit": (1, None),
+          "steps": (1, None), "every": (1, None)}
 
 
 def check_ranges(args) -> None:
@@ -283,6 +313,22 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between HEAD reads of a store that cannot long-poll, while children wait")
     r.set_defaults(func=_cmd_relay)
+
+    ch = sub.add_parser("chaos", help="fault campaign: randomized end-to-end runs with injected faults, "
+                                      "receivers checked bit for bit (docs/reliability.md)")
+    ch.add_argument("--runs", type=int, default=20)
+    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--fast", action="store_true",
+                    help="short runs, the fault kinds in turn (run i's first fault is kind i), at most two faults each")
+    ch.add_argument("--json", action="store_true", help="the whole summary as JSON on stdout")
+    ch.add_argument("--progress", default=None, help="rewrite this file with the summary so far after every run")
+    ch.add_argument("--versions", type=int, default=None,
+                    help="instead of runs: one run of N versions without faults, sampling memory, files and disk")
+    ch.add_argument("--backend", choices=["local", "s3"], default="local", help="store for --versions")
+    ch.add_argument("--sabotage", choices=["flip-after-update"], default=None,
+                    help="self-test: flip a bit in the receivers' weights after each verified update "
+                         "(the campaign must report silent corruptions)")
+    ch.set_defaults(func=_cmd_chaos)
 
     m = sub.add_parser("demo", help="a Lightning trainer publishes, a rollout process follows and samples")
     m.add_argument("--workdir", default="runs/demo")
