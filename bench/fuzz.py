@@ -95,6 +95,7 @@ class DeltaFixtures:
 def craft(raw_header, area: bytes) -> bytes:
     """A delta with this payload area and header, every checksum valid (zstd level 1: fast)."""
     import zstandard
+
     from nemo_dcr.codec.format import END_MAGIC, FOOTER, FORMAT_VERSION, MAGIC, PREAMBLE
     raw = json.dumps(raw_header, separators=(",", ":"), sort_keys=True, allow_nan=True).encode()
     stored = zstandard.ZstdCompressor(level=1).compress(raw)
@@ -230,6 +231,7 @@ class VersionFixtures:
 
     def __init__(self):
         import torch
+
         from nemo_dcr.stores import LocalStore
         from nemo_dcr.sync.publisher import Publisher
         from nemo_dcr.sync.signing import Signer, Verifier, generate_key

@@ -40,7 +40,6 @@ from nemo_dcr.stores import HttpStore  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
 
 
-
 def measure(region, endpoint, args) -> dict:
     """Per size: one keyframe (timed against a raw put of the same bytes), then one version per
     change rate on top of the previous (the keyframe's O(model) digest is paid once per size);

@@ -13,8 +13,8 @@ pl = pytest.importorskip("lightning.pytorch")
 
 from dcr_testing import assert_bits_equal, assert_state, zeros_like  # noqa: E402
 from nemo_dcr.integrations import DeltaPublishCallback, DeltaPublishError, module_snapshot  # noqa: E402
-from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
+from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.sync.versions import read_head, read_manifest  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcr_testing import assert_bits_equal
 from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, diff
 from nemo_dcr.codec import classes, native
 from nemo_dcr.codec.ordered import unsigned
 from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.state.index_map import ShardSpec
-
-from dcr_testing import assert_bits_equal
 
 DTYPES = list(classes.MANTISSA)
 needs_native = pytest.mark.skipif(native.lib() is None, reason=f"C kernels unavailable: {native.build_error}")

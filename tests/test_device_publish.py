@@ -12,9 +12,8 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from dcr_testing import assert_bits_equal, assert_state  # noqa: E402
+from dcr_testing import assert_state  # noqa: E402
 from dcr_testing.device_cases import make_pair  # noqa: E402
-
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.delta import diff  # noqa: E402
 from nemo_dcr.device import kernels  # noqa: E402

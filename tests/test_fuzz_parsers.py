@@ -164,7 +164,7 @@ def exchange(port: int, request: bytes, whole: bool = False) -> bytes:
                 if not b:
                     return out
                 out += b
-        except socket.timeout:
+        except TimeoutError:
             if out:
                 return out
             s.shutdown(socket.SHUT_WR)

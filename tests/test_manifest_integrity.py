@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from dcr_testing import assert_state, zeros_like
-from nemo_dcr.checkpoint.sync import pull_checkpoint, publish_checkpoint
+from nemo_dcr.checkpoint.sync import publish_checkpoint, pull_checkpoint
 from nemo_dcr.errors import DcrError, ManifestError
 from nemo_dcr.stores import LocalStore
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
-from nemo_dcr.sync.versions import HEAD_KEY, Head, Manifest, read_head, walk
+from nemo_dcr.sync.versions import HEAD_KEY, Manifest, read_head, walk
 
 
 def state(seed=0):

@@ -24,14 +24,14 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install '.[megatron]')")
 
+from dcr_testing import assert_bits_equal  # noqa: E402
 from dcr_testing import mp_megatron as W  # noqa: E402
 from dcr_testing.procs import launch  # noqa: E402
-from dcr_testing import assert_bits_equal  # noqa: E402
+from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.integrations import hf_mapping as H  # noqa: E402
 from nemo_dcr.integrations.megatron import check_cover, is_megatron_module, megatron_snapshot  # noqa: E402
-from nemo_dcr.errors import DcrError  # noqa: E402
-from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.state.index_map import ShardSpec  # noqa: E402
+from nemo_dcr.sync.follower import Follower  # noqa: E402
 
 DEADLINE = 90.0
 LAYOUT = H.GPTLayout(num_attention_heads=8, num_query_groups=4, head_dim=8, vocab_size=W.VOCAB)

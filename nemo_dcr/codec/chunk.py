@@ -25,14 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 import zstandard
 
-from nemo_dcr.codec import classes
-from nemo_dcr.codec import ordered
-from nemo_dcr.codec import planes
-from nemo_dcr.codec import positions
+from nemo_dcr.codec import classes, ordered, planes, positions
+
 # the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
 from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
-from nemo_dcr.state.digest import values_digest
 from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.state.digest import values_digest
 
 if TYPE_CHECKING:
     from nemo_dcr.codec.header import ChunkEntry
@@ -118,7 +116,7 @@ class EncodedChunk:
     changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
     cls: list | None = None  # the classes table (classes coding only)
 
-    def entry(self, offset: int) -> "ChunkEntry":
+    def entry(self, offset: int) -> ChunkEntry:
         """The typed entry a reader would parse from ``header(offset)``."""
         from nemo_dcr.codec.header import ChunkEntry
         h = self.header(offset)
@@ -230,7 +228,7 @@ def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx) -> E
     )
 
 
-def decode_chunk(h: "ChunkEntry", payload, w: int, base: torch.Tensor | None = None,
+def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None):
     """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
 

@@ -9,8 +9,8 @@ receiver's local indices), check (the pre-image of what is held) and write.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, MutableMapping
 
 import torch
 

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import io
 import time
-from typing import BinaryIO, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import BinaryIO
 
 import torch
 

@@ -39,14 +39,22 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, MutableMapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from nemo_dcr.delta import apply, remove_absent
-from nemo_dcr.errors import (BaseMismatchError, CorruptObjectError, DcrError, GroupError, PartialApplyError,
-                             TargetMismatchError, VersionNotFound)
+from nemo_dcr.errors import (
+    BaseMismatchError,
+    CorruptObjectError,
+    DcrError,
+    GroupError,
+    PartialApplyError,
+    TargetMismatchError,
+    VersionNotFound,
+)
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.group import Group
@@ -308,7 +316,7 @@ class Follower:
         self._version = self._held = self._digest = None
 
     # ------------------------------------------------------------------ steps
-    def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False, feed: "_Feed | None" = None) -> None:
+    def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False, feed: _Feed | None = None) -> None:
         g = self.group
         parts = _parts(kind, m)
         own = feed is None
@@ -320,13 +328,13 @@ class Follower:
             if own:
                 feed.close()
 
-    def _take(self, feed: "_Feed", kind: str, m: Manifest, parts) -> list:
+    def _take(self, feed: _Feed, kind: str, m: Manifest, parts) -> list:
         try:
             return self.group.run(lambda: [feed.take(p) for p in parts], f"download the {kind} of version {m.version}")
         except (CorruptObjectError, VersionNotFound, GroupError) as e:
             raise _Unavailable(kind, m, e) from e
 
-    def _apply_step(self, kind: str, m: Manifest, parts, res: SyncResult, resume: bool, feed: "_Feed") -> None:
+    def _apply_step(self, kind: str, m: Manifest, parts, res: SyncResult, resume: bool, feed: _Feed) -> None:
         g = self.group
         stream = self.stream and not g.active and len(parts) > 1
         # default: every object of the version verified before its first write
@@ -480,7 +488,7 @@ class _Feed:
         self._stop = threading.Event()
         self._thread = None
         if follower.prefetch > 0 and self._parts:
-            self._q: "queue.Queue" = queue.Queue(maxsize=follower.prefetch)
+            self._q: queue.Queue = queue.Queue(maxsize=follower.prefetch)
             self._thread = threading.Thread(target=self._run, name="nemo-dcr-fetch", daemon=True)
             self._thread.start()
 

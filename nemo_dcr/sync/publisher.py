@@ -18,13 +18,14 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
-from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec

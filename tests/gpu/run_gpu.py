@@ -83,8 +83,6 @@ except ImportError:
     skip('triton is not installed (pip install "nemo-dcr[gpu]")')
 
 from dcr_testing.device_cases import FLOATS, INTS, make_pair  # noqa: E402
-
-from nemo_dcr.codec import classes  # noqa: E402
 from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.delta import diff  # noqa: E402
@@ -93,7 +91,7 @@ from nemo_dcr.device.diff import bits, diff_  # noqa: E402
 from nemo_dcr.device.encode import encode_changes_chunks  # noqa: E402
 from nemo_dcr.device.receive import apply_delta_  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
-from nemo_dcr.state.statedigest import StateDigest, state_contrib, tensor_contrib  # noqa: E402
+from nemo_dcr.state.statedigest import StateDigest, tensor_contrib  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
 from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
