@@ -13,7 +13,8 @@ the normal build), preloads the ASan runtime and sets ``PYTHONMALLOC=malloc`` (s
 ``bytes`` the kernel reads, small ones too, have redzones), so an out-of-bounds read or write in
 the kernel aborts the run with ASan's report. (gcc's ASan runtime then supplies the coverage
 hooks atheris would use: the native runs are not coverage-guided; they start from the corpus the
-reference run of the same target grew, which is why ``--backend both`` runs the reference first.) Invariant checked on every input: the target returns, or raises
+reference run of the same target grew, which is why ``--backend both`` runs the reference first.)
+Invariant checked on every input: the target returns, or raises
 a ``DcrError`` (a typed error); any other exception, a crash, a hang (``--timeout`` seconds per
 input) or memory past ``--rss-limit-mb`` is a finding, and libFuzzer writes the input that caused
 it under ``--artifacts``. A JSON summary per target (inputs, coverage counters, findings) is

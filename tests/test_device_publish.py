@@ -89,8 +89,8 @@ def test_publisher_on_the_device_publishes_the_reference_versions(tmp_path, capl
             a, b = ref.publish(live), dev.publish(live)
             assert a.manifest.target_digest == b.manifest.target_digest
             assert a.changed == b.changed
-            for pa, pb in zip(a.manifest.parts + a.manifest.keyframe_parts, b.manifest.parts + b.manifest.keyframe_parts,
-                              strict=True):
+            for pa, pb in zip(a.manifest.parts + a.manifest.keyframe_parts,
+                              b.manifest.parts + b.manifest.keyframe_parts, strict=True):
                 _same_delta(ref.store.get(pa.key), dev.store.get(pb.key))
     assert "device path (Triton kernels, interpreted)" in caplog.text
     assert_state(dev.published[0], {k: v.contiguous() for k, v in v2.items()})

@@ -78,7 +78,7 @@ def test_an_edited_metadata_byte_is_a_manifest_error(published, tmp_path):
 def test_one_edited_byte_in_head_is_caught(published, tmp_path):
     store, src = published
     good = store.get(HEAD_KEY)
-    for pos, bad in flips(good, every=2):
+    for _pos, bad in flips(good, every=2):
         store.put(HEAD_KEY, bad)
         with pytest.raises(ManifestError):
             read_head(store)

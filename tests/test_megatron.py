@@ -371,7 +371,7 @@ def test_stacked_blocks_tile_into_one_rectangle_or_fail_clearly():
     blocks become one rectangle at layer offset 2; gate and up rows of a TP-sharded fc1 cannot."""
     from nemo_dcr.integrations.megatron import _Piece, _tile
     full = torch.randn(4, 6, 3).to(torch.bfloat16)
-    blocks = [_Piece("w", ShardSpec.of((4, 6, 3), (l, 0, 0), (1, 6, 3)), full[l:l + 1], True) for l in (3, 2)]
+    blocks = [_Piece("w", ShardSpec.of((4, 6, 3), (r, 0, 0), (1, 6, 3)), full[r:r + 1], True) for r in (3, 2)]
     p = _tile("w", blocks)
     assert (p.spec.offsets, p.spec.shape, p.alias) == ((2, 0, 0), (2, 6, 3), False)
     assert_bits_equal(p.tensor, full[2:4], "w")

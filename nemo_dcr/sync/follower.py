@@ -317,7 +317,6 @@ class Follower:
 
     # ------------------------------------------------------------------ steps
     def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False, feed: _Feed | None = None) -> None:
-        g = self.group
         parts = _parts(kind, m)
         own = feed is None
         if own:  # a step on its own (finishing an interrupted version)
@@ -456,7 +455,8 @@ class Follower:
                        f", manifest says {part.size} bytes, {part.sha256[:16]}..."
             if attempt < self.retries:
                 time.sleep(self.backoff * (2 ** attempt))
-        raise CorruptObjectError(f"object {part.key} is corrupt or unreadable after {self.retries + 1} attempts: {last}")
+        raise CorruptObjectError(f"object {part.key} is corrupt or unreadable after {self.retries + 1} attempts: "
+                                 f"{last}")
 
     def _full_digest(self) -> StateDigest:
         d = state_contrib(self.tensors, self.shards)

@@ -71,8 +71,9 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 
 
 class Publisher:
-    def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
-                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
+    def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto",
+                 level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
+                 retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
                  part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).

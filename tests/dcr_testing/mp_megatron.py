@@ -302,7 +302,10 @@ def _dp2(rank, world, a, res, out):
     res["synced_chunks"] = force_param_sync(wrapped)
     res["equal_after_sync"] = same_across_dp()
     after, shards = megatron_snapshot(wrapped)
-    changed = lambda x, y: sum(int((int_view(x[n]) != int_view(y[n])).sum()) for n in x)
+
+    def changed(x, y):
+        return sum(int((int_view(x[n]) != int_view(y[n])).sum()) for n in x)
+
     total = sum(t.numel() for t in after.values())
     res["changed_stale"], res["changed_after"], res["total"] = changed(before, stale), changed(before, after), total
     res["published_tensors"] = len(after)
