@@ -148,6 +148,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     encoding, use_classes = plan_encoding(encoding, old is not None, dtype)
     cls_try, cidx = None, None
     if use_classes:
+        assert old is not None and dtype is not None  # plan_encoding tries classes only with both
         k, rows, pbytes, vbytes, cidx = classes.encode(old, new, classes.MANTISSA[dtype], with_idx=True)
         if k == 0:
             return None
@@ -201,6 +202,7 @@ def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Ten
     if xorv is not None and (mixed or encoding == XOR or (encoding == ADD and not add_ok)):
         tried[XOR] = pack(planes.split(xorv), level)
     if add_ok and (mixed or encoding == ADD):
+        assert prev is not None  # add_ok: there is a base (xorv is not None)
         tried[ADD] = pack(planes.split(ordered.encode(prev, newv, is_float)), level)
     sizes = {e: len(v[0]) + len(pos_bytes) for e, v in tried.items()}
     if cls_try is not None:

@@ -372,7 +372,7 @@ def allreduce_digest(d: StateDigest, group: ProcessGroup | None = None) -> State
     total). Lanes are < 2**31, so an int64 sum is exact for up to 2**32 ranks."""
     import torch.distributed as dist
 
-    device = "cpu"
+    device: str | torch.device = "cpu"
     if "nccl" in str(dist.get_backend(group)).lower():
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(d.lanes, dtype=torch.int64, device=device)

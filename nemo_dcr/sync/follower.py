@@ -41,7 +41,7 @@ import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -82,7 +82,8 @@ class SyncResult:
     path: str = ""                              # the path taken, e.g. "keyframe 4 + deltas 5..6"
     fallbacks: list = field(default_factory=list)  # paths given up on the way, with the reason
     rekeyed: bool = False                       # the store's history was not the one followed
-    spans: list = field(default_factory=list)   # Span per stage, seconds from the start of the sync
+    # Span per stage, seconds from the start of the sync (sync() passes its own; lambda: Spans is defined below)
+    spans: Spans = field(default_factory=lambda: Spans())
 
     @property
     def updated(self) -> bool:
@@ -265,6 +266,7 @@ class Follower:
         target = g.run(lambda: read_manifest(self.store, head.manifest, head.manifest_sha256) if tv == head.version
                        else manifest_at(self.store, tv, head), f"read the manifest of version {tv}")
         if self._version is not None and target.version == self._version:
+            assert self._digest is not None  # set together with _version (_verify)
             if target.target_digest == self._digest.hex():
                 self._held = target  # the same state under another manifest (a republished store)
                 return self._done(res, t0)
@@ -319,7 +321,7 @@ class Follower:
     def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False, feed: _Feed | None = None) -> None:
         parts = _parts(kind, m)
         own = feed is None
-        if own:  # a step on its own (finishing an interrupted version)
+        if feed is None:  # a step on its own (finishing an interrupted version)
             feed = _Feed(self, [(kind, m)], res.spans)
         try:
             self._apply_step(kind, m, parts, res, resume, feed)
@@ -390,6 +392,7 @@ class Follower:
         a version finished after an interruption (anything may have happened in between)."""
         pend = self._pending
         if kind == "delta" and not full:
+            assert pend is not None and m.base_digest is not None  # _apply_step set it; a delta has a base
             change = pend["change"].total
             if self.group.active:
                 change = allreduce_digest(change, self.group.group)
@@ -405,6 +408,7 @@ class Follower:
 
     def _finish_pending(self, res: SyncResult) -> None:
         pend = self._pending
+        assert pend is not None  # sync() calls this only for a pending version
         try:
             self._step(pend["kind"], pend["manifest"], res, resume=True)
         except (BaseMismatchError, TargetMismatchError, PartialApplyError, _Unavailable):
@@ -496,6 +500,7 @@ class _Feed:
         for p in self._parts:
             if self._stop.is_set():
                 return
+            item: tuple[Any, bytes | None, Exception | None]
             try:
                 item = (p, self._fetch(p), None)
             except Exception as e:  # handed to the consumer, raised there
@@ -528,6 +533,8 @@ class _Feed:
 
 class _Fallback(str):
     """A path given up: ``"<kind> <version>: <why>"`` (``.error`` keeps the exception)."""
+
+    error: Exception
 
     def __new__(cls, what: str, error: Exception):
         s = super().__new__(cls, f"{what}: {type(error).__name__}: {error}")
