@@ -172,25 +172,29 @@ _DENSE = [
     (_L + r"mlp\.linear_fc1\.weight_v", "same", _HL + "mlp.up_proj.weight"),
     (_L + r"mlp\.linear_fc2\.weight", "same", _HL + "mlp.down_proj.weight"),
 ]
+
+
+def _routed(router: str, expert: str, parts: Tuple[str, str], down: str) -> list:
+    """The router and the experts of an MoE layer, in one family's HF names (``expert`` has
+    ``{E}`` and ``{part}``: the gate/up parts, or ``down``)."""
+    gate, up = parts
+    return [
+        (_L + r"mlp\.router\.weight", "same", _HL + router),
+        (_L + _expert(1), "glu", _HL + expert, parts),
+        (_L + _expert(1, "_w"), "same", _HL + expert.replace("{part}", gate)),
+        (_L + _expert(1, "_v"), "same", _HL + expert.replace("{part}", up)),
+        (_L + _expert(2), "same", _HL + expert.replace("{part}", down)),
+    ]
+
+
 #: MoE layers, per Hugging Face family (``GPTLayout.moe``): the router, every expert's gated MLP
 #: (Megatron's per-expert keys ``mlp.experts.experts.E.linear_fc1.weight_w`` as the snapshot gives
 #: them with the global expert index, SequentialMLP's ``mlp.experts.local_experts.E.`` and
 #: TEGroupedMLP's ``mlp.experts.linear_fc1.weightE`` as a module's ``state_dict`` has them, where
 #: E is the local index: the global one without expert parallelism), and Qwen's shared expert.
 _MOE = {
-    "mixtral": [
-        (_L + r"mlp\.router\.weight", "same", _HL + "block_sparse_moe.gate.weight"),
-        (_L + _expert(1), "glu", _HL + "block_sparse_moe.experts.{E}.{part}.weight", ("w1", "w3")),
-        (_L + _expert(1, "_w"), "same", _HL + "block_sparse_moe.experts.{E}.w1.weight"),
-        (_L + _expert(1, "_v"), "same", _HL + "block_sparse_moe.experts.{E}.w3.weight"),
-        (_L + _expert(2), "same", _HL + "block_sparse_moe.experts.{E}.w2.weight"),
-    ],
-    "qwen": [
-        (_L + r"mlp\.router\.weight", "same", _HL + "mlp.gate.weight"),
-        (_L + _expert(1), "glu", _HL + "mlp.experts.{E}.{part}_proj.weight", ("gate", "up")),
-        (_L + _expert(1, "_w"), "same", _HL + "mlp.experts.{E}.gate_proj.weight"),
-        (_L + _expert(1, "_v"), "same", _HL + "mlp.experts.{E}.up_proj.weight"),
-        (_L + _expert(2), "same", _HL + "mlp.experts.{E}.down_proj.weight"),
+    "mixtral": _routed("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{E}.{part}.weight", ("w1", "w3"), "w2"),
+    "qwen": _routed("mlp.gate.weight", "mlp.experts.{E}.{part}_proj.weight", ("gate", "up"), "down") + [
         (_L + r"mlp\.shared_experts\.linear_fc1\.weight", "glu", _HL + "mlp.shared_expert.{part}_proj.weight",
          ("gate", "up")),
         (_L + r"mlp\.shared_experts\.linear_fc1\.weight_w", "same", _HL + "mlp.shared_expert.gate_proj.weight"),
