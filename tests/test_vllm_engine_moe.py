@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 
 import torch
 
@@ -25,28 +24,8 @@ from nemo_dcr.integrations.vllm_worker import refit  # noqa: E402
 from nemo_dcr.state.digest import tensor_digest  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
 
-EXPERTS = 4
 # (layer, expert) pairs trained by each update; the others keep their bits
 TRAINED = {1: [(0, 1), (1, 3)], 2: [(0, 1), (0, 2), (1, 0)]}
-
-
-def tiny_mixtral(path: str, seed: int = 0) -> dict:
-    """A tiny random-init Mixtral saved with ``save_pretrained`` (bf16); returns its checkpoint
-    tensors (the HF names vLLM loads)."""
-    from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM, MixtralConfig
-
-    cfg = MixtralConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                        num_local_experts=EXPERTS, num_experts_per_tok=2, bos_token_id=1, eos_token_id=2,
-                        tie_word_embeddings=False, torch_dtype="bfloat16")
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
-    with torch.no_grad():  # spread the small random init so that generations differ by version
-        for p in model.parameters():
-            p.mul_(4.0)
-    vm.save(model, path)
-    return load_file(os.path.join(path, "model.safetensors"))
 
 
 def train_experts(state: dict, step: int) -> dict:
@@ -65,28 +44,18 @@ def train_experts(state: dict, step: int) -> dict:
     return out
 
 
-def save_state(src: str, dst: str, state: dict) -> str:
-    from safetensors.torch import save_file
-    os.makedirs(dst, exist_ok=True)
-    for f in os.listdir(src):
-        if f != "model.safetensors":
-            shutil.copy(os.path.join(src, f), dst)
-    save_file(state, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
-
-
 def test_mixtral_refit_experts(tmp_path):
-    v0 = str(tmp_path / "v0")
-    state = tiny_mixtral(v0)
+    v0 = vm.save(vm.tiny_model("mixtral"), str(tmp_path / "v0"))
+    state = vm.saved_state(v0)
     assert "model.layers.0.block_sparse_moe.experts.3.w3.weight" in state
-    assert json.load(open(os.path.join(v0, "config.json")))["num_local_experts"] == EXPERTS
+    assert json.load(open(os.path.join(v0, "config.json")))["num_local_experts"] == vm.EXPERTS
     store = str(tmp_path / "store")
     pub = Publisher(store)
     states, path = [], v0
     for v in range(3):
         if v:
             state = train_experts(state, v)
-            path = save_state(v0, str(tmp_path / f"v{v}"), state)
+            path = vm.save_state(v0, str(tmp_path / f"v{v}"), state)
         states.append({k: tensor_digest(t) for k, t in state.items()})
         assert pub.publish(state, step=v).version == v
     changed = {k for k in states[2] if states[2][k] != states[0][k]}
