@@ -35,7 +35,7 @@ repacking, so this is about what the loaded model held before it).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
