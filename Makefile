@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-nemo test-vllm venv-vllm bench venv clean
+.PHONY: demo lint test test-nemo test-vllm venv-vllm bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,12 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/nemo-dcr demo --workdir runs/demo
 
-test: $(STAMP)
+# ruff (style, import order, bugbear) and mypy, configured in pyproject.toml; `make test` runs it first.
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+test: lint
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-vllm
 

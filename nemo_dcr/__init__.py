@@ -18,8 +18,7 @@ from nemo_dcr import _moved
 
 _moved.install()
 
-from nemo_dcr.errors import (BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError,  # noqa: E402
-                             TargetMismatchError)
+from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError  # noqa: E402
 
 # The rest is resolved at first use: ``import nemo_dcr`` stays cheap (no torch) for processes that
 # need only part of it, such as a relay or ``nemo-dcr --help``.

@@ -49,7 +49,10 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self, is_package=False)
 
     def create_module(self, spec):
-        module = importlib.import_module(new_name(spec.name))
+        target = new_name(spec.name)
+        if target is None:  # find_spec made a spec only for a name that has moved
+            raise ImportError(f"{spec.name} is not a moved module")
+        module = importlib.import_module(target)
         sys.modules[spec.name] = module
         return module
 

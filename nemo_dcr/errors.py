@@ -43,6 +43,10 @@ class CheckpointError(DcrError):
 class StoreError(DcrError):
     """A storage operation failed (bad key, I/O error, remote error after retries, ...)."""
 
+    #: set by the S3 store when its client retried the request: a conditional write that failed
+    #: after a retry may have been the first attempt's own write, so its outcome is ambiguous.
+    retried: bool = False
+
 
 class NotFound(StoreError):
     """The object does not exist. ``.key`` is the key that was asked for."""

@@ -114,3 +114,36 @@ def test_version_and_inspect_name_the_codec_backend(tmp_path, capsys):
         nemo_dcr.diff(a, b, out=f)
     assert main(["inspect", "--json", str(tmp_path / "d.dcr")]) == 0
     assert json.loads(capsys.readouterr().out)["backend"] == backend() == "native"
+
+
+def test_help_and_relay_run_without_torch(tmp_path):
+    """A relay host needs no torch: ``import nemo_dcr.cli.main`` and ``--help`` leave it unimported,
+    and a relay process started with torch unimportable serves a store's objects."""
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        import sys
+        import nemo_dcr.cli.main
+        assert "torch" not in sys.modules, "import nemo_dcr.cli.main imported torch"
+        for argv in (["--help"], ["relay", "--help"]):
+            try:
+                sys.modules["nemo_dcr.cli.main"].main(argv)
+            except SystemExit as e:
+                assert e.code == 0, (argv, e.code)
+            assert "torch" not in sys.modules, f"nemo-dcr {' '.join(argv)} imported torch"
+        print("ok")
+    """)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT}, cwd=str(tmp_path))
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
+
+    from dcr_testing.relay import RelayProc
+    from nemo_dcr.stores import HttpStore, open_store
+
+    store = open_store(str(tmp_path / "store"))
+    store.put("run/blob.bin", os.urandom(1000) * 3)
+    (tmp_path / "blocker").mkdir()
+    (tmp_path / "blocker" / "sitecustomize.py").write_text(BLOCKER)
+    env = {"BLOCK_MODULES": "torch", "PYTHONPATH": os.pathsep.join([str(tmp_path / "blocker"), ROOT])}
+    relay = RelayProc(store.url, env=env)
+    try:
+        assert HttpStore(relay.url).get("run/blob.bin") == store.get("run/blob.bin")
+    finally:
+        relay.stop()
+    assert "ModuleNotFoundError" not in relay.output(), relay.output()

@@ -12,19 +12,26 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, ApplyReport, diff, plan_entry, run_plan, verify_plan
-from nemo_dcr.state.digest import tensor_digest_like
-from nemo_dcr.errors import BaseMismatchError, DcrError
+from nemo_dcr.checkpoint.safetensors_io import (
+    Checkpoint,
+    check_layout,
+    input_kind,
+    layout_for,
+    refuse_overlap,
+    write_checkpoint,
+)
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import TensorKind
-from nemo_dcr.util.progress import NullProgress, Progress
-from nemo_dcr.checkpoint.safetensors_io import (Checkpoint, check_layout, input_kind, layout_for, refuse_overlap,
-                                                write_checkpoint)
+from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, ApplyReport, diff, plan_entry, run_plan, verify_plan
+from nemo_dcr.errors import BaseMismatchError, DcrError
+from nemo_dcr.state.digest import tensor_digest_like
 from nemo_dcr.util.atomic import output_file
+from nemo_dcr.util.progress import NullProgress, Progress
 
 
 def diff_checkpoints(base: str, target: str, out: str, *, encoding: str = "auto", level: int = DEFAULT_LEVEL,
-                     chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, progress: bool | None = None) -> dict:
+                     chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
+                     progress: bool | None = None) -> dict:
     """Write the delta BASE -> TARGET to ``out`` atomically. Returns the delta header."""
     b, t = Checkpoint(base), Checkpoint(target)
     out = os.path.realpath(out)  # a symlink named as the output is written through

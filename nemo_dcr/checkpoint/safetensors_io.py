@@ -52,12 +52,13 @@ def parse_header(text: bytes | str, where: str, data_len: int | None = None) -> 
             if not isinstance(info, dict) or not all(isinstance(v, str) for v in info.values()):
                 raise CheckpointError(f"{where}: __metadata__ must map strings to strings")
             continue
-        ok = isinstance(info, dict) and info.get("dtype") in ST_DTYPES
-        shape, offs = (info.get("shape"), info.get("data_offsets")) if ok else (None, None)
-        ok = ok and isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
-        ok = ok and isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)
-        if not ok:
-            raise CheckpointError(f"{where}: tensor {name!r} has an unsupported or malformed entry")
+        bad = f"{where}: tensor {name!r} has an unsupported or malformed entry"
+        if not (isinstance(info, dict) and info.get("dtype") in ST_DTYPES):
+            raise CheckpointError(bad)
+        shape, offs = info.get("shape"), info.get("data_offsets")
+        if not (isinstance(shape, list) and all(_is_int(d) and d >= 0 for d in shape)
+                and isinstance(offs, list) and len(offs) == 2 and all(_is_int(o) for o in offs)):
+            raise CheckpointError(bad)
         b, e = offs
         nbytes = math.prod(shape) * torch.empty((), dtype=ST_DTYPES[info["dtype"]]).element_size()
         if not 0 <= b <= e or e - b != nbytes or (data_len is not None and e > data_len):
@@ -147,7 +148,7 @@ class Checkpoint(Mapping):
                 with open(index, "rb") as f:
                     raw = f.read()
                 wmap = parse_index(raw, index)
-                self.index_text = raw.decode("utf-8")
+                self.index_text: str | None = raw.decode("utf-8")
                 files = sorted(set(wmap.values()))
             else:
                 self.index_text = None
@@ -163,8 +164,8 @@ class Checkpoint(Mapping):
         else:
             self.kind, self.index_text = "file", None
             self.files = {os.path.basename(self.path): self.path}
-        self.headers = {}
-        self.where = {}
+        self.headers: dict[str, tuple[bytes, dict]] = {}
+        self.where: dict[str, str] = {}
         for fname, fpath in self.files.items():
             raw, parsed = read_header(fpath)
             self.headers[fname] = (raw, parsed)
@@ -381,7 +382,7 @@ def write_checkpoint(out: str, layout: dict, produce, *, protect=()) -> int:
     return len(files)
 
 
-def has_layout(ckpt: "Checkpoint", layout: dict) -> bool:
+def has_layout(ckpt: Checkpoint, layout: dict) -> bool:
     """Whether the files of ``ckpt`` are byte for byte what :func:`write_checkpoint` would write
     for ``layout``, given that the tensors' bits are known to match (file names, verbatim
     headers with their metadata and data order, index text, sizes, zero padding)."""

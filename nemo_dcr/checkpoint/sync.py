@@ -3,17 +3,29 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from nemo_dcr.checkpoint.safetensors_io import (
+    Checkpoint,
+    CheckpointError,
+    check_layout,
+    has_layout,
+    layout_for,
+    owned_files,
+    write_checkpoint,
+)
 from nemo_dcr.errors import DcrError
-from nemo_dcr.checkpoint.safetensors_io import (Checkpoint, CheckpointError, check_layout, has_layout, layout_for,
-                                                owned_files, write_checkpoint)
 from nemo_dcr.state.statedigest import state_contrib
 from nemo_dcr.sync.versions import read_head, walk
 
+if TYPE_CHECKING:
+    from nemo_dcr.stores.base import Store
+    from nemo_dcr.sync.follower import SyncResult
 
-def _open(store, *, create: bool = True):
+
+def _open(store: Store | str, *, create: bool = True) -> Store:
     """The store a URL names. Reads pass ``create=False``: a mistyped local path is an error,
     not a new empty store."""
     from nemo_dcr.stores import open_store
@@ -28,7 +40,8 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
     return {k: ck[k] for k in ck}, ck.layout()
 
 
-def publish_checkpoint(store, path: str, *, keyframe_every: int = 0, keyframe: bool = False, retain=None,
+def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0, keyframe: bool = False,
+                       retain=None,
                        encoding: str = "auto", level: int = 3):
     from nemo_dcr.sync.publisher import Publisher
     tensors, layout = load_checkpoint(path)
@@ -36,11 +49,11 @@ def publish_checkpoint(store, path: str, *, keyframe_every: int = 0, keyframe: b
     return pub.publish(tensors, keyframe=keyframe, meta={"layout": layout})
 
 
-def history(store, limit: int | None = None) -> list:
+def history(store: Store | str, limit: int | None = None) -> list:
     """Committed manifests, newest first, as far back as the store still has them."""
     store = _open(store, create=False)
     head, _ = read_head(store)
-    out = []
+    out: list = []
     for m in walk(store, head) if head is not None else ():
         if limit is not None and len(out) >= limit:
             break
@@ -48,7 +61,7 @@ def history(store, limit: int | None = None) -> list:
     return out
 
 
-def find_version(store, tensors: dict) -> int | None:
+def find_version(store: Store | str, tensors: dict) -> int | None:
     """The committed version whose digest ``tensors`` have, if any is still in the store."""
     d = state_contrib(tensors).hex()
     for m in history(store):
@@ -59,11 +72,11 @@ def find_version(store, tensors: dict) -> int | None:
 
 @dataclass
 class PullResult:
-    sync: object  # the Follower's SyncResult
+    sync: SyncResult
     rewritten: bool = False  # the tensors were at the version but the files' bytes were not
 
 
-def pull_checkpoint(store, out: str, version: int | None = None) -> PullResult:
+def pull_checkpoint(store: Store | str, out: str, version: int | None = None) -> PullResult:
     """Bring the checkpoint at ``out`` (created if missing) to ``version`` (default newest).
 
     Promise: afterwards the checkpoint's files at ``out`` are byte for byte the files of that
@@ -88,19 +101,21 @@ def pull_checkpoint(store, out: str, version: int | None = None) -> PullResult:
     f = Follower(store, tensors, version=current, verify_initial=False)
     res = f.sync(version)
     m = f.manifest  # the very manifest whose state was verified
+    if m is None:  # sync returned, so the follower holds a verified version
+        raise DcrError(f"{out}: the sync ended without a version")
     layout = (m.meta or {}).get("layout") or layout_for(tensors)
     where = f"version {res.version}'s file layout"
     held = {t for f in check_layout(layout, None, where)["files"] for t in f["parsed"] if t != "__metadata__"}
     for n in [n for n, t in tensors.items() if n not in held and t.numel() == 0]:
         del tensors[n]  # adds nothing to the state digest: the version's files decide whether it is there
     layout = check_layout(layout, tensors, where)
-    if not res.updated and current is not None and has_layout(ckpt, layout):
+    if not res.updated and current is not None and ckpt is not None and has_layout(ckpt, layout):
         return PullResult(res)
     write_checkpoint(out, layout, lambda name: tensors[name])
     return PullResult(res, rewritten=not res.updated)
 
 
-def verify_checkpoint(store, path: str):
+def verify_checkpoint(store: Store | str, path: str):
     tensors, _ = load_checkpoint(path)
     return find_version(_open(store, create=False), tensors), state_contrib(tensors).hex()
 

@@ -23,9 +23,11 @@ import shutil
 import subprocess
 import sys
 import time
+from typing import cast
 
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
 from nemo_dcr.util.extras import require
 
@@ -62,6 +64,8 @@ def pretrain(model: nn.Module, steps: int, lr: float = 2e-3, seed: int = 0) -> f
 class TinyLM(nn.Module):
     """A small pre-norm transformer language model."""
 
+    mask: torch.Tensor  # a registered buffer (nn.Module.__getattr__ is typed Tensor | Module)
+
     def __init__(self, vocab=128, d=192, layers=4, heads=4, ctx=CTX):
         super().__init__()
         self.emb = nn.Embedding(vocab, d)
@@ -90,9 +94,12 @@ class TinyLM(nn.Module):
 
 
 def _lightning_module(lr: float, model: nn.Module):
-    pl = require("lightning.pytorch", "lightning", "the demo")
+    require("lightning.pytorch", "lightning", "the demo")
+    from lightning.pytorch import LightningModule
 
-    class CharLM(pl.LightningModule):
+    class CharLM(LightningModule):
+        text: torch.Tensor  # a registered buffer, as TinyLM.mask
+
         def __init__(self):
             super().__init__()
             self.model = model
@@ -112,7 +119,8 @@ def _lightning_module(lr: float, model: nn.Module):
             return torch.optim.AdamW(self.model.parameters(), lr=lr, weight_decay=0.01)
 
         def train_dataloader(self):
-            return torch.utils.data.DataLoader(range(10**6), batch_size=1)
+            # a range is a map-style dataset (len and getitem); torch's annotation names the Dataset class
+            return torch.utils.data.DataLoader(cast(Dataset, range(10**6)), batch_size=1)
 
     return CharLM()
 
@@ -158,8 +166,8 @@ def run_demo(workdir: str = "runs/demo", store: str | None = None, steps: int = 
     pl = require("lightning.pytorch", "lightning", "the demo")
     from lightning.pytorch.loggers import CSVLogger
 
-    from nemo_dcr.integrations import DeltaPublishCallback
     from nemo_dcr.checkpoint.sync import history
+    from nemo_dcr.integrations import DeltaPublishCallback
 
     if os.path.exists(workdir):
         shutil.rmtree(workdir)
@@ -209,7 +217,8 @@ def run_demo(workdir: str = "runs/demo", store: str | None = None, steps: int = 
     plot = _plot(rows, os.path.join(workdir, "demo.png"))
     ok = all(r["verified"] for r in rows)
     out(f"{len(rows)} versions; rollout verified {'every one bit-exactly' if ok else 'NOT all'}; "
-        f"summary {workdir}/summary.json" + (f", plot {plot}" if plot else ' (pip install "nemo-dcr[plot]" for a plot)'))
+        f"summary {workdir}/summary.json"
+        + (f", plot {plot}" if plot else ' (pip install "nemo-dcr[plot]" for a plot)'))
     if not ok:
         raise SystemExit("demo: some versions were not verified")
     return rows
@@ -217,7 +226,7 @@ def run_demo(workdir: str = "runs/demo", store: str | None = None, steps: int = 
 
 def _metrics(path: str) -> dict:
     """step -> dcr metrics logged by the callback."""
-    by_step = {}
+    by_step: dict[int, dict] = {}
     if not os.path.exists(path):
         return by_step
     with open(path) as f:

@@ -7,7 +7,7 @@ import os
 import sys
 
 from nemo_dcr import __version__
-from nemo_dcr.codec.chunk import CHOICES
+from nemo_dcr.codec.names import CHOICES  # torch-free: --help and relay do not import torch
 from nemo_dcr.errors import DcrError
 
 
@@ -64,7 +64,8 @@ def _cmd_pull(a):
         print(f"{a.into} is already at version {r.version} (tensors and file bytes checked)")
     else:
         steps = ", ".join(f"{k} {v}" for k, v in r.steps)
-        print(f"{a.into} is now at version {r.version} (from {r.from_version if r.from_version is not None else 'nothing'}; "
+        came_from = r.from_version if r.from_version is not None else "nothing"
+        print(f"{a.into} is now at version {r.version} (from {came_from}; "
               f"{steps}; {r.bytes:,} B fetched; digest verified)")
 
 

@@ -29,17 +29,14 @@ from nemo_dcr.codec import classes
 from nemo_dcr.codec import ordered
 from nemo_dcr.codec import planes
 from nemo_dcr.codec import positions
+# the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
+from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
 from nemo_dcr.state.digest import values_digest
 from nemo_dcr.errors import DeltaFormatError
 
 if TYPE_CHECKING:
     from nemo_dcr.codec.header import ChunkEntry
 
-OVERWRITE, XOR, ADD, CLASSES = "overwrite", "xor", "add", "classes"
-ENCODINGS = (OVERWRITE, XOR, ADD, CLASSES)
-AUTO = "auto"  # mixed: per chunk, the smallest of them (see encode_chunk)
-PORTABLE = "portable"  # mixed without codings that need the whole base chunk (receivers sharded differently)
-CHOICES = (AUTO, PORTABLE, OVERWRITE, XOR, ADD, CLASSES)
 _PREFER = {CLASSES: 0, XOR: 1, ADD: 2, OVERWRITE: 3}  # ties
 CLASSES_ENOUGH = 1.0  # auto: a classes chunk at or under this many bytes per change is taken without trying the rest
 _ROW_BYTES = 8  # auto: what one classes table row costs in the (zstd-compressed) header, roughly

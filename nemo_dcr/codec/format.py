@@ -16,7 +16,7 @@ import mmap
 import os
 import struct
 import zlib
-from typing import BinaryIO
+from typing import BinaryIO, NoReturn
 
 import zstandard
 
@@ -82,7 +82,7 @@ class DeltaReader:
         self.payload_end = self.size - FOOTER.size - self._stored_len
 
     @classmethod
-    def open(cls, src) -> "DeltaReader":
+    def open(cls, src) -> DeltaReader:
         """``src``: bytes-like, a path, or a DeltaReader."""
         if isinstance(src, DeltaReader):
             return src
@@ -99,7 +99,7 @@ class DeltaReader:
             raise DeltaFormatError(f"{path}: cannot read delta: {e.strerror}") from None
         return cls(m, name=path)
 
-    def _fail(self, why: str):
+    def _fail(self, why: str) -> NoReturn:
         raise DeltaFormatError(f"{self.name}: {why}")
 
     def _read_header(self) -> DeltaHeader:

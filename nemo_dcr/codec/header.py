@@ -76,7 +76,7 @@ class ChunkEntry:
 
     @classmethod
     def parse(cls, c, where: str, *, w: int, dtype: torch.dtype, kind: TensorKind, numel: int,
-              chunk_elems: int, payload_end: int) -> "ChunkEntry":
+              chunk_elems: int, payload_end: int) -> ChunkEntry:
         from nemo_dcr.codec.format import PREAMBLE  # (format imports this module)
 
         _need(isinstance(c, dict), f"{where}: chunk entry is not an object")
@@ -136,6 +136,8 @@ class TensorEntry:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype is None:
+            raise ValueError(f"{self.name}: a removed tensor has no dtype")
         return DTYPES[self.dtype]
 
     @property
@@ -144,7 +146,7 @@ class TensorEntry:
         return self.region.numel if self.region is not None else 0
 
     @classmethod
-    def parse(cls, t, *, chunk_elems: int, payload_end: int) -> "TensorEntry":
+    def parse(cls, t, *, chunk_elems: int, payload_end: int) -> TensorEntry:
         _need(isinstance(t, dict) and isinstance(t.get("name"), str), "tensor entry")
         name = t["name"]
         _need(t.get("kind") in [k.value for k in TensorKind], f"{name}: kind")
@@ -180,7 +182,8 @@ class TensorEntry:
             end = ch.end
             chunks.append(ch)
         if kind == TensorKind.FULL:
-            _need(end == region.numel and all(c.enc == _c.OVERWRITE for c in chunks), f"{name}: full tensor not covered")
+            _need(end == region.numel and all(c.enc == _c.OVERWRITE for c in chunks),
+                  f"{name}: full tensor not covered")
         return cls(name=name, kind=kind, dtype=t["dtype"], shape=tuple(shape), region=region, base_digest=bd,
                    target_digest=t["target_digest"], chunks=tuple(chunks))
 

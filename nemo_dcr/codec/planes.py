@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.state.dtypes import INT_VIEW
 
 
 def split(values: torch.Tensor) -> bytes:

@@ -44,7 +44,8 @@ def varint_encode(v: torch.Tensor) -> bytes:
 
 
 def varint_decode(buf: bytes, count: int) -> torch.Tensor:
-    b = torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(torch.int64) if buf else torch.empty(0, dtype=torch.int64)
+    b = (torch.frombuffer(bytearray(buf), dtype=torch.uint8).to(torch.int64) if buf
+         else torch.empty(0, dtype=torch.int64))
     ends = (b & 0x80) == 0
     if int(ends.sum()) != count or (b.numel() and not bool(ends[-1])):
         raise DeltaFormatError(f"position stream holds {int(ends.sum())} varints, header says {count}")

@@ -18,7 +18,7 @@ from nemo_dcr.codec import ordered
 from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry
-from nemo_dcr.delta.changes import report_gone
+from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
 from nemo_dcr.state.digest import tensor_digest_like, values_digest
@@ -139,7 +139,8 @@ def _write(t: _Target, c: ChunkEntry, local: torch.Tensor, cur: torch.Tensor | N
     return new
 
 
-def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | None, on_change):
+def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | None,
+                 on_change: OnChange | None):
     key = (t.plan.name, c.start)
     in_journal = journal is not None and key in journal
     check = t.plan.checks_chunks
@@ -160,7 +161,7 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
 
 
 def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int | None = None, bar=None,
-             journal: set | None = None, on_change=None):
+             journal: set | None = None, on_change: OnChange | None = None):
     """Apply one planned entry in place. Returns the tensor (a new one for ``create``).
 
     ``journal``: a set of ``(name, chunk start)`` already applied; those chunks are skipped and
@@ -210,7 +211,7 @@ def verify_plan(plan: Plan, tensor: torch.Tensor) -> None:
 
 def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
           verify: bool = True, resume: bool = False, workers: int | None = None,
-          progress: bool | None = None, journal: set | None = None, on_change=None,
+          progress: bool | None = None, journal: set | None = None, on_change: OnChange | None = None,
           held_only: bool = False) -> ApplyReport:
     """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
 
@@ -255,7 +256,8 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
 
 
 def remove_absent(tensors: MutableMapping[str, torch.Tensor], deltas: Iterable, *,
-                  shards: Mapping[str, ShardSpec] | None = None, on_change=None) -> list:
+                  shards: Mapping[str, ShardSpec] | None = None,
+                  on_change: OnChange | None = None) -> list:
     """After applying every part of a keyframe (a delta against nothing, which names every tensor
     of the target): drop the tensors ``tensors`` holds that no part names, so the receiver ends
     with exactly the target's tensor set. Returns the names removed."""

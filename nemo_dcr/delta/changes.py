@@ -8,11 +8,17 @@ An incremental state digest (``statedigest.ChangeDigest``) subtracts the old and
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import CHUNK
+
+#: ``on_change(name, dtype, global_shape, global_idx, old_bits, new_bits)``; see the module doc.
+#: (A runtime alias, not an annotation: ``X | None`` here is evaluated at import time, which Python 3.10 allows.)
+OnChange = Callable[[str, torch.dtype, tuple, torch.Tensor, torch.Tensor | None, torch.Tensor | None], None]
 
 
 def spec_of(tensor: torch.Tensor, spec: ShardSpec | None) -> ShardSpec:
@@ -22,7 +28,8 @@ def spec_of(tensor: torch.Tensor, spec: ShardSpec | None) -> ShardSpec:
     return spec
 
 
-def report_gone(name: str, tensor: torch.Tensor, spec: ShardSpec | None, on_change) -> None:
+def report_gone(name: str, tensor: torch.Tensor, spec: ShardSpec | None,
+                on_change: OnChange | None) -> None:
     """Tell ``on_change`` that every element of ``tensor`` (placed by ``spec``) leaves the state,
     one bounded range at a time."""
     if on_change is None:

@@ -18,7 +18,7 @@ from nemo_dcr import __version__
 from nemo_dcr.codec.chunk import AUTO, CHOICES, encode_chunk
 from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
-from nemo_dcr.delta.changes import report_gone, spec_of
+from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.digest import state_digest, tensor_digest
 from nemo_dcr.state.dtypes import dtype_name
@@ -34,7 +34,8 @@ DEFAULT_LEVEL = 3
 def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
          level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
-         out: BinaryIO | None = None, progress: bool | None = None, on_change=None):
+         out: BinaryIO | None = None, progress: bool | None = None,
+         on_change: OnChange | None = None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -87,7 +88,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
 
 
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
-                   on_change=None) -> dict:
+                   on_change: OnChange | None = None) -> dict:
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)

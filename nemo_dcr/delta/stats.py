@@ -3,8 +3,8 @@ from __future__ import annotations
 
 from collections import Counter
 
-from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.state.dtypes import itemsize
 
 
 def inspect(delta, *, check: bool = True) -> dict:
@@ -15,10 +15,10 @@ def inspect(delta, *, check: bool = True) -> dict:
         r.check_payloads()
     h = r.header
     elements = changed = dense = 0
-    by_stream = Counter()
-    by_encoding = Counter()
-    by_position = Counter()
-    chunks_by_encoding = Counter()
+    by_stream: Counter[str] = Counter()
+    by_encoding: Counter[str] = Counter()
+    by_position: Counter[str] = Counter()
+    chunks_by_encoding: Counter[str] = Counter()
     tensors = []
     for t in h.tensors:
         if t.removed:

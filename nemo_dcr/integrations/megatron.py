@@ -65,13 +65,17 @@ from __future__ import annotations
 
 import math
 import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 DEFAULT_METADATA = {"singleton_local_shards": True}
 _MAX_DEPTH = 8
@@ -106,7 +110,7 @@ def _children(obj):
             yield inner
 
 
-def model_chunks(model) -> List[Any]:
+def model_chunks(model) -> list[Any]:
     """The Megatron model chunks in ``model``, outermost wrapper kept (for
     :func:`force_param_sync`), in order:
 
@@ -143,7 +147,7 @@ def is_megatron_module(module) -> bool:
     return bool(model_chunks(module))
 
 
-def _wrapper_chain(chunk) -> List[Any]:
+def _wrapper_chain(chunk) -> list[Any]:
     """``chunk`` and every module it wraps, outermost first, down to the model itself."""
     mc = _mcore()
     megatron_module, wrappers = mc
@@ -216,13 +220,13 @@ class _Piece:
 @dataclass
 class _Layout:
     key: tuple
-    shards: Dict[str, ShardSpec]
-    views: Optional[Dict[str, torch.Tensor]]  # name -> live view, when every entry is one
+    shards: dict[str, ShardSpec]
+    views: dict[str, torch.Tensor] | None  # name -> live view, when every entry is one
     sig: tuple
 
 
 # first model chunk -> {(chunk ids, metadata): _Layout}; dropped with the model
-_CACHE: "weakref.WeakKeyDictionary[Any, Dict[tuple, _Layout]]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[Any, dict[tuple, _Layout]] = weakref.WeakKeyDictionary()
 
 
 def _metadata_key(md: Mapping) -> tuple:
@@ -247,7 +251,7 @@ def _live_storages(models) -> set:
     return out
 
 
-def _pieces(models, metadata: Mapping, main_only: bool = True) -> List[_Piece]:
+def _pieces(models, metadata: Mapping, main_only: bool = True) -> list[_Piece]:
     from nemo_dcr.util.extras import require
     require("megatron.core", "megatron", "Megatron-core snapshots")
     from megatron.core.dist_checkpointing.dict_utils import nested_values
@@ -290,7 +294,7 @@ def _tile(name: str, pieces: Sequence[_Piece]) -> _Piece:
                        f"({sorted({p.spec.global_shape for p in pieces})})")
     lo = [min(p.spec.offsets[d] for p in pieces) for d in range(len(g))]
     hi = [max(p.spec.offsets[d] + p.spec.shape[d] for p in pieces) for d in range(len(g))]
-    box = ShardSpec.of(g, lo, [h - l for l, h in zip(lo, hi)])
+    box = ShardSpec.of(g, lo, [h - lw for lw, h in zip(lo, hi)])
     ok = sum(p.spec.numel for p in pieces) == box.numel and all(
         _disjoint(a.spec, b.spec) for i, a in enumerate(pieces) for b in pieces[i + 1:])
     if not ok:
@@ -306,8 +310,8 @@ def _tile(name: str, pieces: Sequence[_Piece]) -> _Piece:
     return _Piece(name, box, out, False)
 
 
-def _build(models, metadata) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec], bool]:
-    by_name: Dict[str, List[_Piece]] = {}
+def _build(models, metadata) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec], bool]:
+    by_name: dict[str, list[_Piece]] = {}
     for p in _pieces(models, metadata):
         by_name.setdefault(p.name, []).append(p)
     tensors, shards, all_alias = {}, {}, True
@@ -319,8 +323,8 @@ def _build(models, metadata) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSp
     return tensors, shards, all_alias
 
 
-def megatron_snapshot(model, *, metadata: Optional[Mapping] = None, copy: bool = True,
-                      device="cpu") -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]:
+def megatron_snapshot(model, *, metadata: Mapping | None = None, copy: bool = True,
+                      device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     """This rank's part of the model in canonical coordinates: ``(tensors, shards)`` with
     ``shards[name]`` a :class:`ShardSpec` (global shape, offsets, local shape) of
     ``tensors[name]``; see the module docstring for names, replicas and layouts.
@@ -364,7 +368,7 @@ def megatron_snapshot(model, *, metadata: Optional[Mapping] = None, copy: bool =
     return tensors, shards
 
 
-def _aliases(tensors: Mapping[str, torch.Tensor], models) -> Dict[str, bool]:
+def _aliases(tensors: Mapping[str, torch.Tensor], models) -> dict[str, bool]:
     live = _live_storages(models)
     return {n: t.numel() == 0 or (t.device.type != "meta" and (t.device, t.untyped_storage().data_ptr()) in live)
             for n, t in tensors.items()}
@@ -372,7 +376,7 @@ def _aliases(tensors: Mapping[str, torch.Tensor], models) -> Dict[str, bool]:
 
 # ----------------------------------------------------------------------------- receivers
 
-def sync_replicas(model, group=None, *, metadata: Optional[Mapping] = None) -> int:
+def sync_replicas(model, group: ProcessGroup | None = None, *, metadata: Mapping | None = None) -> int:
     """Receiver side, after ``Follower.sync``: copy every block from the rank that holds its
     main replica to the ranks that hold other replicas of it.
 
@@ -395,9 +399,9 @@ def sync_replicas(model, group=None, *, metadata: Optional[Mapping] = None) -> i
             raise DcrError(f"{p.name}: not a view of a live parameter; cannot refresh it in place")
         mine[(p.name, p.spec.offsets, p.spec.shape)] = p
     world = dist.get_world_size(group)
-    everyone = [None] * world
+    everyone: list[Any] = [None] * world  # filled in by all_gather_object
     dist.all_gather_object(everyone, sorted((k, p.main) for k, p in mine.items()), group=group)
-    holders: Dict[tuple, Dict[str, list]] = {}
+    holders: dict[tuple, dict[str, list]] = {}
     for r, blocks in enumerate(everyone):
         g = dist.get_global_rank(group, r) if group is not None else r
         for k, main in blocks:
@@ -427,11 +431,11 @@ def sync_replicas(model, group=None, *, metadata: Optional[Mapping] = None) -> i
 
 # ----------------------------------------------------------------------------- checks
 
-def check_cover(shards_per_rank: Sequence[Mapping[str, ShardSpec]]) -> Dict[str, tuple]:
+def check_cover(shards_per_rank: Sequence[Mapping[str, ShardSpec]]) -> dict[str, tuple]:
     """Check that the ranks' shards (e.g. every rank's ``megatron_snapshot`` specs, gathered)
     cover each canonical tensor exactly once: same global shape everywhere, no overlaps, no
     gaps. Returns ``{name: global_shape}``; raises ``DcrError`` listing what is wrong."""
-    by_name: Dict[str, List[Tuple[int, ShardSpec]]] = {}
+    by_name: dict[str, list[tuple[int, ShardSpec]]] = {}
     for r, shards in enumerate(shards_per_rank):
         for n, s in shards.items():
             by_name.setdefault(n, []).append((r, s))
@@ -455,5 +459,5 @@ def check_cover(shards_per_rank: Sequence[Mapping[str, ShardSpec]]) -> Dict[str,
     return shapes
 
 
-__all__ = ["is_megatron_module", "model_chunks", "megatron_snapshot", "force_param_sync", "sync_replicas", "check_cover",
-           "DEFAULT_METADATA"]
+__all__ = ["is_megatron_module", "model_chunks", "megatron_snapshot", "force_param_sync", "sync_replicas",
+           "check_cover", "DEFAULT_METADATA"]

@@ -21,8 +21,9 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,11 +33,16 @@ require("lightning.pytorch", "lightning", "DeltaPublishCallback")
 from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
-from nemo_dcr.codec.chunk import CHOICES
-from nemo_dcr.delta import DEFAULT_CHUNK
-from nemo_dcr.errors import DcrError, DeltaPublishError
+from nemo_dcr.codec.names import CHOICES  # noqa: E402
+from nemo_dcr.delta import DEFAULT_CHUNK  # noqa: E402
+from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
 
-from .snapshot import is_megatron, parse_dtype, take_snapshot
+from .snapshot import is_megatron, parse_dtype, take_snapshot  # noqa: E402
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from nemo_dcr.sync.publisher import Publisher
 
 log = logging.getLogger("nemo_dcr.callbacks")
 
@@ -46,8 +52,8 @@ SKIP_MODES = ("skip", "empty")
 @dataclass
 class _Job:
     step: int
-    tensors: dict
-    shards: dict
+    tensors: dict | None  # None: an empty version (the last published state again)
+    shards: dict | None
     keyframe: bool = False
     meta: dict = field(default_factory=dict)
     snapshot_s: float = 0.0
@@ -90,10 +96,10 @@ class DeltaPublishCallback(Callback):
     """
 
     def __init__(self, store: str, every_n_steps: int = 1, keyframe_every: int = 0, encoding: str = "auto",
-                 level: int = 3, retain: Optional[int] = None, on_skipped_step: str = "skip",
-                 background: bool = True, max_pending: int = 2, snapshot_fn: Optional[Callable] = None,
-                 dtype: Optional[str] = None, submodule: Optional[str] = None, publish_initial: bool = False,
-                 chunk_elems: int = DEFAULT_CHUNK, workers: Optional[int] = None, slow_publish_s: float = 5.0):
+                 level: int = 3, retain: int | None = None, on_skipped_step: str = "skip",
+                 background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
+                 dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
+                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, not {every_n_steps}")
         if on_skipped_step not in SKIP_MODES:
@@ -121,20 +127,20 @@ class DeltaPublishCallback(Callback):
         self.workers = workers
         self.slow_publish_s = float(slow_publish_s)
 
-        self.publisher = None          # nemo_dcr.publisher.Publisher, on ranks that publish
-        self._group = None             # the dedicated gloo group (distributed runs)
+        self.publisher: Publisher | None = None  # on ranks that publish
+        self._group: ProcessGroup | None = None  # the dedicated gloo group (distributed runs)
         self._publishes = True         # False on ranks that hold nothing to publish
         self._joint = False
-        self._queue: Optional[queue.Queue] = None
-        self._thread: Optional[threading.Thread] = None
+        self._queue: queue.Queue | None = None
+        self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
         self._results: list = []       # (step, metrics) of finished publishes, logged from the main thread
-        self._error: Optional[BaseException] = None
+        self._error: BaseException | None = None
         self._error_raised = False
-        self._last_seen_step: Optional[int] = None
+        self._last_seen_step: int | None = None
         self._skip_marked = False
-        self._published = {"version": None, "step": None, "manifest": None}
-        self._resume: Optional[dict] = None
+        self._published: dict[str, Any] = {"version": None, "step": None, "manifest": None}
+        self._resume: dict | None = None
         self._check_resume = False
         self._setup_done = False
         self._queued = 0               # publishes asked for in this run
@@ -270,13 +276,15 @@ class DeltaPublishCallback(Callback):
         return pl_module.get_submodule(self.submodule) if self.submodule else pl_module
 
     def _publish(self, trainer, pl_module, step: int, *, empty: bool = False, initial: bool = False,
-                 skipped_step: Optional[int] = None) -> None:
+                 skipped_step: int | None = None) -> None:
         if not self._setup_done:
             self.setup(trainer, pl_module, "fit")
         if not self._publishes:
             return
-        meta = {"global_step": int(step), "epoch": int(trainer.current_epoch)}
+        meta: dict[str, Any] = {"global_step": int(step), "epoch": int(trainer.current_epoch)}
         if empty:  # the step was skipped, so the weights are those of the last version: an empty delta
+            if skipped_step is None:
+                raise TypeError("an empty version is published for a skipped step: give skipped_step")
             meta["skipped_step"] = int(skipped_step)
         if initial:
             meta["initial"] = True
@@ -312,6 +320,8 @@ class DeltaPublishCallback(Callback):
 
     def _worker(self) -> None:
         q = self._queue
+        if q is None:  # setup makes the queue before it starts this thread
+            raise RuntimeError("the publish worker started without a queue")
         while True:
             job = q.get()
             try:
@@ -361,6 +371,8 @@ class DeltaPublishCallback(Callback):
         from nemo_dcr.errors import PublishError
 
         pub = self.publisher
+        if pub is None:  # _publish returns early on ranks without a publisher: no job is made there
+            raise DcrError("a publish job on a rank that does not publish")
         keyframe = job.keyframe
         if job.tensors is None:  # an empty version: the last published state again
             if pub.published is None:
@@ -383,8 +395,11 @@ class DeltaPublishCallback(Callback):
         from nemo_dcr.sync.group import Group
         from nemo_dcr.sync.versions import read_head
 
+        pub = self.publisher
+        if pub is None:  # called from _publish_version, which checked it
+            raise DcrError("no publisher on this rank")
         g = Group(self._group)  # rank 0 reads; a failure there is raised on every rank
-        return bool(g.run(lambda: read_head(self.publisher.store)[0] is not None if g.rank == 0 else None,
+        return bool(g.run(lambda: read_head(pub.store)[0] is not None if g.rank == 0 else None,
                           f"read HEAD of {self._store_name}", src=0))
 
     def _resume_needs_keyframe(self) -> bool:
@@ -403,6 +418,8 @@ class DeltaPublishCallback(Callback):
         v, key = r.get("version"), r.get("manifest")
         if v is None:
             return False
+        if self.publisher is None:  # called from _publish_version, which checked it
+            raise DcrError("no publisher on this rank")
         store = self.publisher.store
         try:
             head, _ = read_head(store)
@@ -420,11 +437,12 @@ class DeltaPublishCallback(Callback):
                                f"({key}); the next version is a keyframe")
                 return True
             if head.version > v:
-                rank_zero_warn(f"nemo-dcr: {self._store_name} has versions {v + 1}..{head.version} published after this "
-                               f"checkpoint; the next version follows {head.version} (its delta undoes them)")
+                rank_zero_warn(f"nemo-dcr: {self._store_name} has versions {v + 1}..{head.version} published "
+                               f"after this checkpoint; the next version follows {head.version} "
+                               "(its delta undoes them)")
         except Exception as e:  # noqa: BLE001 - cannot verify: be safe
-            rank_zero_warn(f"nemo-dcr: cannot verify the version chain in {self._store_name} ({type(e).__name__}: {e}); "
-                           "the next version is a keyframe")
+            rank_zero_warn(f"nemo-dcr: cannot verify the version chain in {self._store_name} "
+                           f"({type(e).__name__}: {e}); the next version is a keyframe")
             return True
         return False
 
@@ -450,7 +468,7 @@ class DeltaPublishCallback(Callback):
                 except Exception:  # noqa: BLE001
                     pass
 
-    def _shutdown(self, wait: bool, timeout: Optional[float] = None) -> None:
+    def _shutdown(self, wait: bool, timeout: float | None = None) -> None:
         t, q = self._thread, self._queue
         if t is None or q is None:
             return

@@ -26,8 +26,8 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
-from collections.abc import Mapping, MutableMapping
-from typing import Callable, Dict, Optional, Union
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -36,9 +36,15 @@ from nemo_dcr.state.index_map import ShardSpec
 
 from .snapshot import module_tensors
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from nemo_dcr.stores.base import Store
+    from nemo_dcr.sync.follower import SyncResult
+
 log = logging.getLogger("nemo_dcr.callbacks")
 
-NameMap = Union[Mapping, Callable[[str], Optional[str]], None]
+NameMap = Mapping | Callable[[str], str | None] | None
 
 
 class _RWLock:
@@ -105,14 +111,15 @@ class _Published(MutableMapping):
     applied, before that the inverse of ``name_map`` over the receiver's names. Adding or removing
     a tensor is refused: the loader writes only into the model's own tensors."""
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], name_map: NameMap):
+    def __init__(self, tensors: dict[str, torch.Tensor], name_map: NameMap):
         self.recv = tensors
         self.name_map = name_map
-        self.seen: Dict[str, str] = {}
+        self.seen: dict[str, str] = {}
         self.hidden: set = set()  # replicas another rank of the group holds for the follower
 
-    def resolve(self, name: str) -> Optional[str]:
+    def resolve(self, name: str) -> str | None:
         m = self.name_map
+        r: str | None
         if m is None:
             r = name
         elif callable(m) and not isinstance(m, Mapping):
@@ -209,10 +216,11 @@ class RolloutLoader:
             not on the CPU.
     """
 
-    def __init__(self, store, model_or_tensors, shards: Optional[Mapping[str, ShardSpec]] = None, group=None,
-                 name_map: NameMap = None, check_every: int = 0, *, version: Optional[int] = None,
-                 verify_initial: bool = True, on_update: Optional[Callable] = None, workers: Optional[int] = None,
-                 staging: Union[str, bool] = "auto"):
+    def __init__(self, store: Store | str, model_or_tensors, shards: Mapping[str, ShardSpec] | None = None,
+                 group: ProcessGroup | None = None,
+                 name_map: NameMap = None, check_every: int = 0, *, version: int | None = None,
+                 verify_initial: bool = True, on_update: Callable[[int | None, SyncResult], None] | None = None,
+                 workers: int | None = None, staging: str | bool = "auto"):
         from nemo_dcr.sync.follower import Follower
         from nemo_dcr.sync.group import Group
 
@@ -231,7 +239,7 @@ class RolloutLoader:
         self.group = Group(group)
         self._lock = _RWLock()
         self._updates = 0
-        self.last_result = None
+        self.last_result: SyncResult | None = None
         self._inference = any(t.is_inference() for t in live.values())
         if staging == "auto":
             staging = any(t.device.type != "cpu" for t in live.values())
@@ -259,11 +267,11 @@ class RolloutLoader:
 
     # ------------------------------------------------------------------ public
     @property
-    def version(self) -> Optional[int]:
+    def version(self) -> int | None:
         """The verified version the weights hold (None: none yet, or mid-update after a failure)."""
         return self.follower.version
 
-    def latest(self) -> Optional[int]:
+    def latest(self) -> int | None:
         """The newest committed version in the store (None: nothing published yet)."""
         return self.follower.latest()
 
@@ -271,7 +279,7 @@ class RolloutLoader:
         """Context manager: hold it while the engine reads the weights; updates wait for it."""
         return self._lock.read()
 
-    def update(self, version: Optional[int] = None) -> Optional[int]:
+    def update(self, version: int | None = None) -> int | None:
         """If a newer committed version (or ``version``) exists, bring the weights to it in place
         and verify them; return the version the weights hold (unchanged if nothing is newer, None
         if the store is still empty). Waits for ``sampling()`` blocks to finish. Raises on an
@@ -357,6 +365,7 @@ class RolloutLoader:
         if not self._replicas:
             return
         import torch.distributed as dist
+
         from nemo_dcr.state.dtypes import int_view
 
         me = self.group.rank

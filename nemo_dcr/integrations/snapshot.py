@@ -13,7 +13,8 @@ left out.
 from __future__ import annotations
 
 import sys
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 
@@ -23,10 +24,10 @@ from nemo_dcr.state.index_map import ShardSpec
 #: ``fn(module) -> (tensors, shards)``: ``tensors`` a dict of name -> *private* CPU tensor (the
 #: trainer goes on changing its own right after the call), ``shards`` name -> ShardSpec for the
 #: tensors that are a shard of a larger canonical tensor ({} when every tensor is whole).
-SnapshotFn = Callable[[Any], Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]]
+SnapshotFn = Callable[[Any], tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]]
 
 
-def parse_dtype(dtype) -> Optional[torch.dtype]:
+def parse_dtype(dtype) -> torch.dtype | None:
     """None, a torch.dtype, or its name ("bfloat16", "torch.bfloat16", "bf16", "fp16", "fp32")."""
     if dtype is None or isinstance(dtype, torch.dtype):
         return dtype
@@ -45,11 +46,11 @@ def _alias_key(t: torch.Tensor):
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
-def module_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
+def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's live tensors (no copy) by ``state_dict`` name: parameters and persistent
     buffers, each storage region once (tied weights under their first name). The values are
     ``.data`` of the parameters: writing into them in place changes the live model."""
-    out: Dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
     seen = set()
     for name, t in module.state_dict(keep_vars=True).items():
         if not isinstance(t, torch.Tensor) or name.endswith("._extra_state") or name == "_extra_state":
@@ -64,7 +65,7 @@ def module_tensors(module: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return out
 
 
-def copy_tensors(tensors: Mapping[str, torch.Tensor], dtype=None) -> Dict[str, torch.Tensor]:
+def copy_tensors(tensors: Mapping[str, torch.Tensor], dtype=None) -> dict[str, torch.Tensor]:
     """A private CPU copy; floating-point tensors cast to ``dtype`` when one is given."""
     dt = parse_dtype(dtype)
     out = {}
@@ -77,7 +78,7 @@ def copy_tensors(tensors: Mapping[str, torch.Tensor], dtype=None) -> Dict[str, t
     return out
 
 
-def module_snapshot(module: torch.nn.Module, dtype=None) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]:
+def module_snapshot(module: torch.nn.Module, dtype=None) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     """A private CPU copy (``.detach().to("cpu", copy=True)``) of the module's parameters and
     persistent buffers, by ``state_dict`` name; every tensor whole (``shards == {}``).
     ``dtype`` (e.g. ``"bfloat16"``): publish floating-point tensors in that dtype, as the
@@ -108,7 +109,7 @@ def is_megatron(module) -> bool:
         return False
 
 
-def take_snapshot(module, snapshot_fn: Optional[SnapshotFn] = None, dtype=None):
+def take_snapshot(module, snapshot_fn: SnapshotFn | None = None, dtype=None):
     """-> (tensors, shards, sharded): ``snapshot_fn(module)`` when given, else the Megatron
     snapshot for a Megatron model (integrations/megatron.py), else :func:`module_snapshot`.
     ``sharded`` is False only for the plain-module snapshot, whose tensors every data-parallel

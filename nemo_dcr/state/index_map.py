@@ -12,8 +12,8 @@ maps are one multiply-add per element.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 
@@ -29,12 +29,12 @@ class ShardSpec:
     shape: tuple
 
     @classmethod
-    def full(cls, shape: Sequence[int]) -> "ShardSpec":
+    def full(cls, shape: Sequence[int]) -> ShardSpec:
         shape = tuple(int(s) for s in shape)
         return cls(shape, (0,) * len(shape), shape)
 
     @classmethod
-    def of(cls, global_shape, offsets=None, shape=None) -> "ShardSpec":
+    def of(cls, global_shape, offsets=None, shape=None) -> ShardSpec:
         g = tuple(int(s) for s in global_shape)
         o = tuple(int(s) for s in offsets) if offsets is not None else (0,) * len(g)
         s = tuple(int(x) for x in shape) if shape is not None else g
@@ -58,13 +58,13 @@ class ShardSpec:
     def is_full(self) -> bool:
         return self.shape == self.global_shape
 
-    def contains(self, other: "ShardSpec") -> bool:
+    def contains(self, other: ShardSpec) -> bool:
         return self.global_shape == other.global_shape and all(
             so <= oo and oo + os_ <= so + ss
             for so, ss, oo, os_ in zip(self.offsets, self.shape, other.offsets, other.shape)
         )
 
-    def slices_of(self, inner: "ShardSpec") -> tuple:
+    def slices_of(self, inner: ShardSpec) -> tuple:
         """Slices that cut ``inner`` out of a local tensor laid out as ``self``."""
         if not self.contains(inner):
             raise DcrError(f"{inner} is not inside {self}")
@@ -76,7 +76,9 @@ class ShardSpec:
 
 def _collapse(g, o, s):
     """Merge each dim with the one inside it when the inner one is fully covered."""
-    gg, oo, ss = [], [], []
+    gg: list[int] = []
+    oo: list[int] = []
+    ss: list[int] = []
     for gi, oi, si in zip(reversed(g), reversed(o), reversed(s)):
         if gg and ss[-1] == gg[-1]:
             # the dim inside is full: fold this dim into it

@@ -35,7 +35,7 @@ import json
 import math
 import threading
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
 
 import torch
 
@@ -43,6 +43,9 @@ from nemo_dcr.state.dtypes import INT_VIEW, dtype_from_name, dtype_name, itemsiz
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 P = (1 << 31) - 1  # Mersenne prime modulus of every lane
 LANES = 4
@@ -300,7 +303,7 @@ class ChangeDigest:
             self.total = self.total + c
 
 
-def allreduce_digest(d: StateDigest, group=None) -> StateDigest:
+def allreduce_digest(d: StateDigest, group: ProcessGroup | None = None) -> StateDigest:
     """Sum the ranks' partial digests with ``torch.distributed.all_reduce`` (every rank gets the
     total). Lanes are < 2**31, so an int64 sum is exact for up to 2**32 ranks."""
     import torch.distributed as dist

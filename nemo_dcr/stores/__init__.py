@@ -28,7 +28,7 @@ __all__ = [
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.\-]*)://")
 
 
-def open_store(url: "str | os.PathLike | list", **kwargs) -> Store:
+def open_store(url: str | os.PathLike | list, **kwargs) -> Store:
     """Open the store that ``url`` names.
 
     * ``file:///abs/path`` or a plain path (relative or absolute): :class:`LocalStore`.

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import os
-from typing import Iterator, Tuple
+from collections.abc import Iterator
 
 from nemo_dcr.errors import NotFound, PreconditionFailed, StoreError  # re-exported: defined with every other error
 
@@ -81,7 +81,7 @@ class Store(abc.ABC):
         file next to ``path`` and renamed into place, so on any failure ``path`` is untouched
         and no partial file is left behind."""
 
-    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         """``(size, chunks)``: the whole object's size in bytes and an iterator over its bytes
         from ``offset`` on, read as they arrive (a relay passes them on before the object is
         complete; a reader that lost its source resumes at an offset from another one).
@@ -93,7 +93,7 @@ class Store(abc.ABC):
         return len(data), iter([data[offset:]] if offset < len(data) else [])
 
     @abc.abstractmethod
-    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+    def get_with_tag(self, key: str) -> tuple[bytes, str]:
         """``(bytes, tag)``, a consistent pair: the tag is that of exactly these bytes."""
 
     def exists(self, key: str) -> bool:

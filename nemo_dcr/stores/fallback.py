@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Iterator, Optional, Sequence, Tuple
+from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 from .base import NotFound, Store, StoreError
 from .http import ReadOnlyStore, StoreUnavailable, wait_head
@@ -55,7 +56,7 @@ class FallbackStore(ReadOnlyStore):
         """The URL of the source reads go to now."""
         return self.sources[self._order(set())[0]].url
 
-    def _try(self, what: str, fn, exclude: Optional[set] = None):
+    def _try(self, what: str, fn, exclude: set | None = None):
         """``(index, fn(source))`` from the first source that answers."""
         exclude = set() if exclude is None else exclude
         errors = []
@@ -76,7 +77,7 @@ class FallbackStore(ReadOnlyStore):
 
     # -- reads -----------------------------------------------------------------------------
 
-    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         tried: set = set()
         i, (size, first) = self._try(key, lambda s: s.get_stream(key, offset), tried)
 
@@ -109,7 +110,7 @@ class FallbackStore(ReadOnlyStore):
 
         return size, chunks()
 
-    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+    def get_with_tag(self, key: str) -> tuple[bytes, str]:
         return self._try(key, lambda s: s.get_with_tag(key))[1]
 
     def size(self, key: str) -> int:
@@ -118,9 +119,9 @@ class FallbackStore(ReadOnlyStore):
     def list(self, prefix: str = "") -> list[str]:
         return self._try(f"list({prefix!r})", lambda s: s.list(prefix))[1]
 
-    def wait_head(self, newer_than: Optional[int], wait: float) -> Optional[Tuple[bytes, str]]:
+    def wait_head(self, newer_than: int | None, wait: float) -> tuple[bytes, str] | None:
         return self._try("HEAD", lambda s: wait_head(s, newer_than, wait))[1]
 
-    def _read_only(self, op: str, key: str):
+    def _read_only(self, op: str, key: str) -> NoReturn:
         raise StoreError(f"{op}({key!r}): {self!r} reads through relays and is read-only; "
                          "publish to the store itself")

@@ -29,7 +29,8 @@ import json
 import os
 import threading
 import uuid
-from typing import Iterator, Optional, Tuple
+from collections.abc import Iterator
+from typing import NoReturn
 from urllib.parse import quote, urlencode, urlsplit
 
 from .base import NotFound, Store, StoreError, check_key, check_prefix
@@ -62,7 +63,7 @@ def read_token_file(path: str) -> str:
     return token
 
 
-def _token_from_env() -> Optional[str]:
+def _token_from_env() -> str | None:
     if os.environ.get(TOKEN_ENV):
         return os.environ[TOKEN_ENV].strip()
     if os.environ.get(TOKEN_FILE_ENV):
@@ -100,7 +101,7 @@ def write_stream_to_file(size: int, chunks: Iterator[bytes], path: str | os.Path
             pass
 
 
-def wait_head(store: Store, newer_than: Optional[int], wait: float) -> Optional[Tuple[bytes, str]]:
+def wait_head(store: Store, newer_than: int | None, wait: float) -> tuple[bytes, str] | None:
     """The head pointer ``(bytes, tag)``, or None when there is none. A store that can long-poll
     (a relay) answers as soon as a version newer than ``newer_than`` is committed, or after
     ``wait`` seconds; any other store answers at once (the caller polls)."""
@@ -127,7 +128,7 @@ class ReadOnlyStore(Store):
     def get_to_file(self, key: str, path: str | os.PathLike) -> None:
         write_stream_to_file(*self.get_stream(key), path)
 
-    def _read_only(self, op: str, key: str):
+    def _read_only(self, op: str, key: str) -> NoReturn:
         raise StoreError(f"{op}({key!r}): {self.url} is read-only")
 
     def put(self, key: str, data: bytes) -> None:
@@ -150,7 +151,7 @@ class HttpStore(ReadOnlyStore):
     """A relay's read side over HTTP(S). ``timeout``: seconds without a byte before a request
     counts as failed (a long poll waits that much longer than it asked the relay to)."""
 
-    def __init__(self, url: str, *, token: Optional[str] = None, timeout: float = 30.0,
+    def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
                  connect_timeout: float = 5.0):
         parts = urlsplit(url)
         if parts.scheme.lower() not in ("http", "https") or not parts.hostname:
@@ -184,7 +185,7 @@ class HttpStore(ReadOnlyStore):
         cls = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         return cls(self._host, self._port, timeout=self.connect_timeout)
 
-    def _take(self) -> Tuple[http.client.HTTPConnection, bool]:
+    def _take(self) -> tuple[http.client.HTTPConnection, bool]:
         with self._lock:
             if self._pool:
                 return self._pool.pop(), True
@@ -197,15 +198,15 @@ class HttpStore(ReadOnlyStore):
                 return
         conn.close()
 
-    def _headers(self, extra: Optional[dict] = None) -> dict:
+    def _headers(self, extra: dict | None = None) -> dict:
         h = {"User-Agent": "nemo-dcr"}
         if self._token:
             h["Authorization"] = f"Bearer {self._token}"
         h.update(extra or {})
         return h
 
-    def _open(self, method: str, path: str, what: str, headers: Optional[dict] = None,
-              timeout: Optional[float] = None):
+    def _open(self, method: str, path: str, what: str, headers: dict | None = None,
+              timeout: float | None = None):
         """Send a request, return ``(conn, response)`` with a 2xx (or 416) status; map
         everything else to a StoreError. A kept-alive connection the server closed meanwhile is
         retried once on a fresh one."""
@@ -248,7 +249,7 @@ class HttpStore(ReadOnlyStore):
     def _path(self, key: str) -> str:
         return f"{self._base}/{quote(check_key(key), safe='/')}"
 
-    def _small(self, method: str, path: str, what: str, timeout: Optional[float] = None):
+    def _small(self, method: str, path: str, what: str, timeout: float | None = None):
         conn, resp = self._open(method, path, what, timeout=timeout)
         try:
             body = resp.read()  # also for HEAD: marks the response done so the connection can be reused
@@ -266,7 +267,7 @@ class HttpStore(ReadOnlyStore):
 
     # -- reads -----------------------------------------------------------------------------
 
-    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         offset = max(0, int(offset))
         conn, resp = self._open("GET", self._path(key), key,
                                 {"Range": f"bytes={offset}-"} if offset else None)
@@ -309,7 +310,7 @@ class HttpStore(ReadOnlyStore):
 
         return total, chunks()
 
-    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+    def get_with_tag(self, key: str) -> tuple[bytes, str]:
         resp, body = self._small("GET", self._path(key), key)
         return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
 
@@ -330,7 +331,7 @@ class HttpStore(ReadOnlyStore):
         except (ValueError, KeyError, TypeError, StoreError):
             raise StoreUnavailable(f"list({prefix!r}): {self.url} sent a malformed listing") from None
 
-    def wait_head(self, newer_than: Optional[int], wait: float) -> Optional[Tuple[bytes, str]]:
+    def wait_head(self, newer_than: int | None, wait: float) -> tuple[bytes, str] | None:
         """Long poll: the head pointer as soon as it names a version newer than ``newer_than``
         (None: any), or after ``wait`` seconds as it is then; None when the store has none."""
         q = {"wait": f"{max(0.0, float(wait)):g}"}
@@ -348,6 +349,6 @@ class HttpStore(ReadOnlyStore):
         _, body = self._small("GET", f"{self._base}/{STATS_PATH}", "stats")
         return json.loads(body)
 
-    def _read_only(self, op: str, key: str):
+    def _read_only(self, op: str, key: str) -> NoReturn:
         raise StoreError(f"{op}({key!r}): {self.url} is a relay, which serves a store's read side "
                          "only; publish to the store itself (a directory or s3://)")

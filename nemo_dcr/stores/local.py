@@ -28,9 +28,9 @@ import errno
 import fcntl
 import hashlib
 import os
-import stat
 import shutil
-from typing import Iterator, Tuple
+import stat
+from collections.abc import Iterator
 
 from nemo_dcr.util.atomic import fsync_dir, install, remove_quiet, write_temp
 
@@ -145,7 +145,7 @@ class LocalStore(Store):
         except OSError as e:
             raise self._io_error("get", key, e) from e
 
-    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+    def get_with_tag(self, key: str) -> tuple[bytes, str]:
         # The file is only ever replaced whole, so what we read is one version and the tag
         # computed from it is that version's tag.
         data = self.get(key)
@@ -168,7 +168,7 @@ class LocalStore(Store):
         except OSError as e:
             raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
 
-    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         f = self._open_object("get_stream", key)
         size = os.fstat(f.fileno()).st_size  # the file is only ever replaced whole, never grown
 

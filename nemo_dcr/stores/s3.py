@@ -35,8 +35,8 @@ import io
 import os
 import random
 import time
-import uuid
-from typing import Callable, Iterator, Optional, Tuple, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from nemo_dcr.util.atomic import replacing
 from nemo_dcr.util.extras import require
@@ -68,7 +68,7 @@ def _import_boto():
 
 
 class _Retryable(Exception):
-    def __init__(self, cause: BaseException, final: Optional[StoreError] = None):
+    def __init__(self, cause: BaseException, final: StoreError | None = None):
         self.cause = cause
         self.final = final  # what to raise instead of a generic error when retries run out
 
@@ -85,13 +85,13 @@ class S3Store(Store):
         self,
         bucket: str,
         prefix: str = "",
-        endpoint_url: Optional[str] = None,
+        endpoint_url: str | None = None,
         client=None,
         max_concurrency: int = 8,
         multipart_threshold: int = 8 * MiB,
         *,
-        multipart_chunksize: Optional[int] = None,
-        region_name: Optional[str] = None,
+        multipart_chunksize: int | None = None,
+        region_name: str | None = None,
         max_attempts: int = 5,
         retries: int = 3,
         backoff_base: float = 0.5,
@@ -167,8 +167,16 @@ class S3Store(Store):
         """Turn a boto exception into a StoreError to raise, or a _Retryable."""
         from boto3.exceptions import RetriesExceededError, S3UploadFailedError
         from botocore.exceptions import (
-            BotoCoreError, ChecksumError, ClientError, ConnectionError as BotoConnectionError,
-            HTTPClientError, IncompleteReadError, NoCredentialsError, PartialCredentialsError,
+            BotoCoreError,
+            ChecksumError,
+            ClientError,
+            HTTPClientError,
+            IncompleteReadError,
+            NoCredentialsError,
+            PartialCredentialsError,
+        )
+        from botocore.exceptions import (
+            ConnectionError as BotoConnectionError,
         )
 
         where = self._where(key)
@@ -239,7 +247,7 @@ class S3Store(Store):
 
     # -- reads -----------------------------------------------------------------------------
 
-    def _get_object(self, key: str) -> Tuple[bytes, str]:
+    def _get_object(self, key: str) -> tuple[bytes, str]:
         def go():
             r = self.client.get_object(Bucket=self.bucket, Key=self._full(key))
             with r["Body"] as body:
@@ -250,7 +258,7 @@ class S3Store(Store):
     def get(self, key: str) -> bytes:
         return self._get_object(key)[0]
 
-    def get_with_tag(self, key: str) -> Tuple[bytes, str]:
+    def get_with_tag(self, key: str) -> tuple[bytes, str]:
         return self._get_object(key)
 
     def get_to_file(self, key: str, path: str | os.PathLike) -> None:
@@ -284,7 +292,7 @@ class S3Store(Store):
         except OSError as e:
             raise StoreError(f"get_to_file({key!r}) -> {dest} failed: {e}") from e
 
-    def get_stream(self, key: str, offset: int = 0) -> Tuple[int, Iterator[bytes]]:
+    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         full = self._full(key)
         offset = max(0, int(offset))
         if offset:
@@ -299,8 +307,7 @@ class S3Store(Store):
         def chunks() -> Iterator[bytes]:
             body = r["Body"]
             try:
-                for b in body.iter_chunks(MiB):
-                    yield b
+                yield from body.iter_chunks(MiB)
             except Exception as e:  # a dropped connection mid-body: the reader may resume
                 c = self._classify("get_stream", key, e)
                 raise (c if isinstance(c, StoreError) else StoreError(

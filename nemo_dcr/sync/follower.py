@@ -30,7 +30,7 @@ import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Mapping, MutableMapping
+from typing import TYPE_CHECKING, Mapping, MutableMapping
 
 import torch
 
@@ -41,6 +41,11 @@ from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, manifest_at, no_plan, plans, read_head, read_manifest
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from nemo_dcr.stores.base import Store
 
 __all__ = ["Follower", "SyncResult", "CorruptObjectError"]
 
@@ -83,8 +88,9 @@ def describe(steps: list) -> str:
 
 
 class Follower:
-    def __init__(self, store, tensors: MutableMapping[str, torch.Tensor],
-                 shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None, group=None,
+    def __init__(self, store: Store | str, tensors: MutableMapping[str, torch.Tensor],
+                 shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None,
+                 group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
                  max_fallbacks: int = 8):
         """``version``: the version ``tensors`` already hold (checked against its digest unless

@@ -11,17 +11,21 @@ timeout, or collectives paired wrongly), and every rank takes the same recovery 
 from __future__ import annotations
 
 import importlib
-from typing import Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import TYPE_CHECKING, TypeVar
 
 import torch.distributed as dist
 
 from nemo_dcr.errors import DcrError, GroupError, RankFailure
 
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
 T = TypeVar("T")
 
 
 class Group:
-    def __init__(self, group=None):
+    def __init__(self, group: ProcessGroup | None = None):
         self.group = group
         self.active = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank(group) if self.active else 0
@@ -36,7 +40,7 @@ class Group:
         dist.all_gather_object(out, obj, group=self.group)
         return out
 
-    def run(self, fn: Callable[[], T], what: str, *, error: Optional[type] = None, src: Optional[int] = None,
+    def run(self, fn: Callable[[], T], what: str, *, error: type | None = None, src: int | None = None,
             gather: bool = False, note: str = ""):
         """``fn()`` on every rank; if it raises on any rank, raise on every rank.
 
@@ -110,7 +114,7 @@ def _resolve(f: RankFailure):
     return obj if isinstance(obj, type) and issubclass(obj, BaseException) else None
 
 
-def _group_error(what: str, failures: dict, error: Optional[type], note: str) -> DcrError:
+def _group_error(what: str, failures: dict, error: type | None, note: str) -> DcrError:
     """The same error on every rank: built from the gathered failures alone."""
     cls = error
     if cls is None:
@@ -123,7 +127,7 @@ def _group_error(what: str, failures: dict, error: Optional[type], note: str) ->
     return _instance(cls, msg, failures)
 
 
-def _instance(cls: type, msg: str, failures: dict) -> DcrError:
+def _instance(cls: type[DcrError], msg: str, failures: dict) -> DcrError:
     try:
         err = cls(msg)
         ok = str(err) == msg
@@ -132,5 +136,6 @@ def _instance(cls: type, msg: str, failures: dict) -> DcrError:
     if not ok:  # e.g. NotFound(key): keep the class, set the message
         err = cls.__new__(cls)
         err.args = (msg,)
-    err.rank_failures = dict(failures)
+    # any DcrError class carries it here, not only GroupError (which declares it)
+    err.rank_failures = dict(failures)  # type: ignore[attr-defined]
     return err

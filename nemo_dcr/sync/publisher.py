@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import time
 from dataclasses import dataclass
-from typing import Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
 
@@ -25,6 +25,11 @@ from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
+
+    from nemo_dcr.stores.base import Store
 
 __all__ = ["Publisher", "PublishResult", "PublishError", "CommitConflict", "snapshot"]
 
@@ -53,9 +58,9 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 
 
 class Publisher:
-    def __init__(self, store, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
+    def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
-                 group=None):
+                 group: ProcessGroup | None = None):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing)."""

@@ -7,7 +7,12 @@ lost race or of a rank that died mid-upload).
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from nemo_dcr.sync.versions import Head, walk
+
+if TYPE_CHECKING:
+    from nemo_dcr.stores.base import Store
 
 
 def _version_of(key: str):
@@ -17,7 +22,7 @@ def _version_of(key: str):
     return None, None
 
 
-def prune(store, head: Head, keep: int = 0) -> list:
+def prune(store: Store, head: Head, keep: int = 0) -> list:
     """Returns the deleted keys."""
     cutoff = min(head.keyframe_version, head.version - max(keep, 0))
     committed = {}  # committed publish id of every version still reachable from HEAD

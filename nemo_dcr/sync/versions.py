@@ -19,10 +19,14 @@ import json
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from typing import TYPE_CHECKING
 
 from nemo_dcr.errors import CommitConflict, ManifestError, VersionNotFound
+
+if TYPE_CHECKING:
+    from nemo_dcr.stores.base import Store
 
 __all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
@@ -146,7 +150,7 @@ class Manifest:
         return json.dumps(d, sort_keys=True, indent=1).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes, key: str = "<manifest>", sha256: str | None = None) -> "Manifest":
+    def from_bytes(cls, data: bytes, key: str = "<manifest>", sha256: str | None = None) -> Manifest:
         """Parse and check a manifest; ``sha256``: the identity its referrer recorded for it."""
         try:
             d = json.loads(data)
@@ -191,7 +195,7 @@ class Head:
         return json.dumps(d, sort_keys=True).encode()
 
     @classmethod
-    def from_bytes(cls, data: bytes) -> "Head":
+    def from_bytes(cls, data: bytes) -> Head:
         try:
             d = json.loads(data)
             if not isinstance(d, dict):
@@ -212,7 +216,7 @@ class Head:
         return h
 
 
-def read_head(store):
+def read_head(store: Store) -> tuple[Head | None, str | None]:
     """-> (Head or None, tag or None)."""
     from nemo_dcr.stores import NotFound
     try:
@@ -222,7 +226,7 @@ def read_head(store):
     return Head.from_bytes(data), tag
 
 
-def read_manifest(store, key: str, sha256: str | None = None) -> Manifest:
+def read_manifest(store: Store, key: str, sha256: str | None = None) -> Manifest:
     """The manifest at ``key``, checked (and, with ``sha256``, checked to be the one recorded)."""
     from nemo_dcr.stores import NotFound
     try:
@@ -232,11 +236,13 @@ def read_manifest(store, key: str, sha256: str | None = None) -> Manifest:
     return Manifest.from_bytes(data, key, sha256)
 
 
-def _base_of(store, m: Manifest) -> Manifest:
+def _base_of(store: Store, m: Manifest) -> Manifest:
+    if m.base_manifest is None:
+        raise ManifestError(f"{m.key}: version {m.version} has no base manifest")
     return read_manifest(store, m.base_manifest, m.base_sha256)
 
 
-def walk(store, start: "Head | Manifest", *, missing_ok: bool = True) -> Iterator[Manifest]:
+def walk(store: Store, start: Head | Manifest, *, missing_ok: bool = True) -> Iterator[Manifest]:
     """The manifests of the chain from ``start`` (HEAD or a manifest) back through base links,
     newest first, each checked against the digest its referrer recorded. Stops at a version
     without a base, or (``missing_ok``) at one retention removed; a damaged manifest raises."""
@@ -258,7 +264,7 @@ def walk(store, start: "Head | Manifest", *, missing_ok: bool = True) -> Iterato
             raise
 
 
-def manifest_at(store, version: int, head: "Head | None" = None) -> Manifest:
+def manifest_at(store: Store, version: int, head: Head | None = None) -> Manifest:
     """The manifest of ``version`` on HEAD's chain."""
     if head is None:
         head, _ = read_head(store)
@@ -272,16 +278,19 @@ def manifest_at(store, version: int, head: "Head | None" = None) -> Manifest:
     raise VersionNotFound(f"version {version} is no longer in the store")
 
 
-def commit(store, manifest: Manifest, expected_head: Head | None, tag) -> Head:
+def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag) -> Head:
     """Write the manifest, then move HEAD from ``expected_head`` to it atomically."""
     from nemo_dcr.stores import PreconditionFailed
     try:
         store.put_if_absent(manifest.key, manifest.to_bytes())
     except PreconditionFailed:
         raise CommitConflict(f"{manifest.key} already exists: publish ids must be unique") from None
+    ks: str | None
     if manifest.is_keyframe:
         kv, kk, ks = manifest.version, manifest.key, manifest.sha256
     else:
+        if expected_head is None:
+            raise CommitConflict(f"{manifest.key}: a delta follows a HEAD, and the store has none")
         kv, kk, ks = expected_head.keyframe_version, expected_head.keyframe_manifest, expected_head.keyframe_sha256
         if ks is None:  # the keyframe was committed to a format-1 store: record its identity now
             ks = read_manifest(store, kk).sha256
@@ -297,7 +306,8 @@ def commit(store, manifest: Manifest, expected_head: Head | None, tag) -> Head:
     return head
 
 
-def plans(store, target: Manifest, current: int | None = None, digest: str | None = None) -> Iterator[list]:
+def plans(store: Store, target: Manifest, current: int | None = None,
+          digest: str | None = None) -> Iterator[list]:
     """Ways to take a receiver holding version ``current`` (state digest ``digest``, when
     known; None: nothing) to ``target``, best first. Each is a list of ("delta" | "keyframe",
     Manifest) steps, oldest first: the deltas from the receiver's own version, then each
@@ -317,7 +327,7 @@ def plans(store, target: Manifest, current: int | None = None, digest: str | Non
     while True:
         walked.append(m)
         j = len(walked) - 1
-        if searching and m.version <= current:
+        if searching and current is not None and m.version <= current:  # searching implies a current
             searching = False
             if m.version == current and (digest is None or m.target_digest == digest):
                 yield [("delta", walked[i]) for i in range(j - 1, -1, -1)]

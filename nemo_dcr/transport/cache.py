@@ -29,7 +29,7 @@ class ObjectCache:
         for d in (self._objects, self._tmp):
             shutil.rmtree(d, ignore_errors=True)
             os.makedirs(d, exist_ok=True)
-        self._entries: "OrderedDict[str, Entry]" = OrderedDict()
+        self._entries: OrderedDict[str, Entry] = OrderedDict()
         self.bytes = 0
         self.evicted = 0
 
@@ -40,7 +40,7 @@ class ObjectCache:
         """A fresh file name for a download in flight."""
         return os.path.join(self._tmp, uuid.uuid4().hex)
 
-    def lookup(self, key: str) -> "Entry | None":
+    def lookup(self, key: str) -> Entry | None:
         e = self._entries.get(key)
         if e is not None:
             self._entries.move_to_end(key)

@@ -16,7 +16,6 @@ import logging
 import os
 import re
 from collections import OrderedDict
-from typing import Optional
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores.base import NotFound, Store
@@ -37,11 +36,11 @@ class Fetch:
 
     def __init__(self, key: str, path: str):
         self.key, self.path = key, path
-        self.size: Optional[int] = None   # the object's size, once the upstream said it
+        self.size: int | None = None   # the object's size, once the upstream said it
         self.written = 0                  # bytes in the file so far
         self.done = False
-        self.error: Optional[BaseException] = None
-        self.sha256: Optional[str] = None
+        self.error: BaseException | None = None
+        self.sha256: str | None = None
         self._changed = asyncio.Event()
 
     def update(self, *, size=None, written=None, done=False, error=None, sha256=None) -> None:
@@ -65,15 +64,18 @@ class Reader:
     """An open handle on an object: from the cache (``fetch`` None, ``size`` known) or on a
     download in flight. Opened at once so that a later rename or unlink does not matter."""
 
-    def __init__(self, fd: int, size: Optional[int], fetch: Optional[Fetch]):
+    def __init__(self, fd: int, size: int | None, fetch: Fetch | None):
         self.fd, self._size, self.fetch = fd, size, fetch
 
     @property
-    def size(self) -> Optional[int]:
+    def size(self) -> int | None:
         return self._size if self.fetch is None else self.fetch.size
 
     def available(self) -> int:
-        return self._size if self.fetch is None else self.fetch.written
+        if self.fetch is not None:
+            return self.fetch.written
+        assert self._size is not None, "a reader on a cached object is opened with its size"
+        return self._size
 
     async def wait_size(self) -> int:
         """The object's size; raises the upstream's error (NotFound, ...) if it failed first."""
@@ -82,7 +84,9 @@ class Reader:
             if f.error is not None:
                 raise f.error
             await f.changed()
-        return self.size
+        size = self.size
+        assert size is not None, "a cached object's size is known; a download's once the loop above ends"
+        return size
 
     def close(self) -> None:
         os.close(self.fd)
@@ -92,7 +96,7 @@ class Fetcher:
     def __init__(self, upstream: Store, cache: ObjectCache, workers: Workers, stats: dict):
         self.upstream, self.cache, self.workers, self.stats = upstream, cache, workers, stats
         self._inflight: dict = {}
-        self._manifests: "OrderedDict[str, Manifest]" = OrderedDict()
+        self._manifests: OrderedDict[str, Manifest] = OrderedDict()
 
     def open(self, key: str) -> Reader:
         """A reader on ``key``: the cached copy, the download in flight, or a new download."""
@@ -136,7 +140,9 @@ class Fetcher:
                     n += len(b)
                     loop.call_soon_threadsafe(lambda n=n: f.update(written=n))
         finally:
-            chunks.close()
+            close = getattr(chunks, "close", None)  # a generator holds a connection or file;
+            if close is not None:                   # Store.get_stream's default is a plain iterator
+                close()
         if n != size:
             raise DcrError(f"{f.key}: the upstream sent {n} of {size} bytes")
         loop.call_soon_threadsafe(lambda: f.update(sha256=h.hexdigest(), done=True))
@@ -173,6 +179,8 @@ class Fetcher:
         if m is None:
             return False  # not a versioned object: nothing to check it against; pass it through
         version = int(m.group(1))
+        if f.size is None:  # set by the download's first update, before done
+            raise DcrError(f"{f.key}: finished without a size")
         if m.group(3) == "manifest.json":
             if f.size > _MAX_MANIFEST:
                 return False
@@ -217,9 +225,11 @@ class Fetcher:
             if size > _MAX_MANIFEST:
                 raise DcrError(f"{key}: {size} bytes is too large for a manifest")
             while r.available() < size:
-                if r.fetch.error is not None:
-                    raise r.fetch.error
-                await r.fetch.changed()
+                f = r.fetch
+                assert f is not None, "a cached object is whole: only a download can be short"
+                if f.error is not None:
+                    raise f.error
+                await f.changed()
             data = os.pread(r.fd, size, 0)
         finally:
             r.close()

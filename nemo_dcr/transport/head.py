@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores.base import NotFound, Store
@@ -31,13 +31,13 @@ log = logging.getLogger("nemo_dcr.relay")
 class HeadState:
     data: bytes
     tag: str
-    version: Optional[int]  # None if the bytes do not parse as a head pointer
+    version: int | None  # None if the bytes do not parse as a head pointer
 
-    def newer_than(self, v: Optional[int]) -> bool:
+    def newer_than(self, v: int | None) -> bool:
         return v is None or (self.version is not None and self.version > v)
 
 
-def _parse(res) -> Optional[HeadState]:
+def _parse(res) -> HeadState | None:
     if res is None:
         return None
     data, tag = res
@@ -50,16 +50,16 @@ def _parse(res) -> Optional[HeadState]:
 
 class HeadWatcher:
     def __init__(self, upstream: Store, workers: Workers, stats: dict, *, poll_interval: float = 0.5,
-                 upstream_wait: float = 20.0, on_new_version: Optional[Callable[[int], None]] = None):
+                 upstream_wait: float = 20.0, on_new_version: Callable[[int], None] | None = None):
         self.upstream, self.workers, self.stats = upstream, workers, stats
         self.poll_interval, self.upstream_wait = float(poll_interval), float(upstream_wait)
         self.on_new_version = on_new_version
-        self.current: Optional[HeadState] = None
+        self.current: HeadState | None = None
         self.waiters = 0
-        self._read_task: Optional[asyncio.Task] = None
+        self._read_task: asyncio.Task | None = None
         self._changed = asyncio.Event()
         self._wanted = asyncio.Event()  # set while someone is parked
-        self._poller: Optional[asyncio.Task] = None
+        self._poller: asyncio.Task | None = None
         self._poll_workers = Workers(1, "relay-head-poll")
         self._closing = False
 
@@ -78,7 +78,7 @@ class HeadWatcher:
             except (asyncio.CancelledError, Exception):
                 pass
 
-    def _observe(self, st: Optional[HeadState]) -> None:
+    def _observe(self, st: HeadState | None) -> None:
         old = self.current
         if st == old:
             return
@@ -96,7 +96,7 @@ class HeadWatcher:
         except NotFound:
             return None
 
-    async def _read_now(self) -> Optional[HeadState]:
+    async def _read_now(self) -> HeadState | None:
         try:
             st = _parse(await self.workers.run(self._read))
             self._observe(st)
@@ -105,7 +105,7 @@ class HeadWatcher:
             if self._read_task is asyncio.current_task():
                 self._read_task = None
 
-    async def fresh(self) -> Optional[HeadState]:
+    async def fresh(self) -> HeadState | None:
         """The head as the upstream holds it now: from a read that started after this call."""
         old = self._read_task
         if old is not None:
@@ -114,7 +114,7 @@ class HeadWatcher:
             self._read_task = asyncio.get_running_loop().create_task(self._read_now())
         return await asyncio.shield(self._read_task)
 
-    async def wait_newer(self, newer_than: Optional[int], wait: float) -> Optional[HeadState]:
+    async def wait_newer(self, newer_than: int | None, wait: float) -> HeadState | None:
         """The head once it names a version newer than ``newer_than``, or after ``wait``
         seconds the newest seen."""
         deadline = time.monotonic() + max(0.0, wait)

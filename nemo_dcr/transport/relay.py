@@ -19,7 +19,7 @@ import shutil
 import signal
 import sys
 import tempfile
-from typing import Optional
+from typing import Any
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores.base import NotFound, Store, StoreError, check_key, check_prefix
@@ -61,14 +61,14 @@ def parse_listen(text: str) -> tuple:
 
 class Relay:
     def __init__(self, upstream: Store, *, cache_dir: str, cache_max_bytes: int = 8 << 30,
-                 token: Optional[str] = None, mount: str = "", poll_interval: float = 0.5,
-                 upstream_wait: float = 20.0, workers: int = 16, stall_after: Optional[int] = None):
+                 token: str | None = None, mount: str = "", poll_interval: float = 0.5,
+                 upstream_wait: float = 20.0, workers: int = 16, stall_after: int | None = None):
         self.upstream, self.mount = upstream, mount.strip("/")
         if self.mount:
             check_key(self.mount)
         self._token = token.encode() if token else None
         self.stall_after = stall_after
-        self.stats = {
+        self.stats: dict[str, Any] = {  # counters, and upstream_fetches_by_key: {key: count}
             "requests": 0, "refused": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0,
             "upstream_fetches": 0, "upstream_fetches_by_key": {}, "upstream_errors": 0,
             "bad_objects": 0, "upstream_head_reads": 0, "upstream_head_polls": 0, "head_waits": 0,
@@ -230,13 +230,15 @@ class Relay:
                     await resp.write(data)
                     pos += len(data)
                     self.stats["served_bytes"] += len(data)
-                elif r.fetch.error is not None:
-                    # cut the response short: the child sees fewer bytes than announced and
-                    # goes on to its next source from where it got
-                    request.transport.close()
-                    return resp
                 else:
-                    await r.fetch.changed()
+                    f = r.fetch
+                    assert f is not None, "a cached object is whole: only a download can be behind pos"
+                    if f.error is not None:
+                        # cut the response short: the child sees fewer bytes than announced and
+                        # goes on to its next source from where it got
+                        request.transport.close()
+                        return resp
+                    await f.changed()
             await resp.write_eof()
             return resp
         finally:
@@ -266,13 +268,14 @@ class Relay:
         asyncio.get_running_loop().create_task(prune())
 
 
-async def serve(upstream: Store, listen: str, *, cache_dir: Optional[str] = None,
-                token: Optional[str] = None, ready=None, **kwargs) -> None:
+async def serve(upstream: Store, listen: str, *, cache_dir: str | None = None,
+                token: str | None = None, ready=None, **kwargs) -> None:
     """Run a relay until SIGTERM/SIGINT. ``ready(url)`` is called once it listens."""
     web = _aiohttp()
     host, port = parse_listen(listen)
     own_dir = cache_dir is None
-    cache_dir = tempfile.mkdtemp(prefix="nemo-dcr-relay-") if own_dir else cache_dir
+    if cache_dir is None:
+        cache_dir = tempfile.mkdtemp(prefix="nemo-dcr-relay-")
     stall = os.environ.get(STALL_ENV)
     relay = Relay(upstream, cache_dir=cache_dir, token=token,
                   stall_after=int(stall) if stall else None, **kwargs)

@@ -11,7 +11,7 @@ __all__ = ["Workers"]
 
 class Workers:
     def __init__(self, n: int, name: str):
-        self._q: "queue.Queue" = queue.Queue()
+        self._q: queue.Queue = queue.Queue()
         for i in range(max(1, n)):
             threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True).start()
 
@@ -27,14 +27,14 @@ class Workers:
             except RuntimeError:  # the loop is closed: nobody waits any more
                 pass
 
-    def run(self, fn, *args) -> "asyncio.Future":
+    def run(self, fn, *args) -> asyncio.Future:
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         self._q.put((loop, fut, fn, args))
         return fut
 
 
-def _settle(fut: "asyncio.Future", out, err) -> None:
+def _settle(fut: asyncio.Future, out, err) -> None:
     if fut.done():
         return
     if err is not None:

@@ -20,7 +20,7 @@ import json
 import os
 import re
 import uuid
-from typing import Callable, Iterator
+from collections.abc import Callable, Iterator
 
 JOURNAL = ".nemo-dcr-journal.json"
 TEMP_RE = re.compile(r"^\.(?P<base>.+)\.tmp-[0-9a-f]{32}$")
@@ -142,7 +142,7 @@ def dir_lock(path: str) -> Iterator[None]:
 def remove_temps(dirpath: str, base: str | None = None) -> list[str]:
     """Remove temporaries left in ``dirpath`` by killed writers (all of them, or those for the
     target name ``base``). Only call this holding :func:`dir_lock` on ``dirpath``."""
-    gone = []
+    gone: list[str] = []
     try:
         names = os.listdir(dirpath)
     except OSError:
@@ -241,16 +241,16 @@ class FileSet:
         self.delete = list(delete)
         self.same_mode = same_mode
         self._temps: dict[str, str] = {}
-        self._lock = None
+        self._lock: contextlib.AbstractContextManager[None] | None = None
 
-    def __enter__(self) -> "FileSet":
-        self._lock = dir_lock(self.dir)
-        self._lock.__enter__()
+    def __enter__(self) -> FileSet:
+        lock = self._lock = dir_lock(self.dir)
+        lock.__enter__()
         try:
             recover(self.dir, locked=True)
             remove_temps(self.dir)
         except BaseException:
-            self._lock.__exit__(None, None, None)
+            lock.__exit__(None, None, None)
             raise
         return self
 
@@ -287,6 +287,8 @@ class FileSet:
                 for tmp in self._temps.values():
                     remove_quiet(tmp)
         finally:
+            if self._lock is None:  # __exit__ without __enter__: a caller bug, not something to commit
+                raise RuntimeError("FileSet used without entering it")
             self._lock.__exit__(None, None, None)
         return False
 

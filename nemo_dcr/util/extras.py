@@ -3,11 +3,12 @@ missing one is a one-line error that says what to install, not a traceback."""
 from __future__ import annotations
 
 import importlib
+from typing import Any
 
 from nemo_dcr.errors import MissingExtraError
 
 
-def require(module: str, extra: str, what: str | None = None):
+def require(module: str, extra: str, what: str | None = None) -> Any:  # a module: its attributes are dynamic
     """Import and return ``module``; if it (or a package above it) is not installed, raise
     :class:`MissingExtraError` (also an ``ImportError``) naming ``pip install "nemo-dcr[<extra>]"``,
     which installs it with its own dependencies. Other errors while importing are not masked."""

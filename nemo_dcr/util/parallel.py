@@ -9,8 +9,8 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
-from typing import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 _PREFIX = "nemo-dcr"
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -42,7 +42,7 @@ def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, windo
         return
     window = window or 2 * workers
     pool = _pool(workers)
-    pending = deque()
+    pending: deque[Future] = deque()
     try:
         for it in items:
             pending.append(pool.submit(fn, it))

@@ -1,0 +1,15 @@
+"""The names of the chunk codings and of the ``encoding`` choices, without torch.
+
+Defined here, not in ``chunk.py`` (which imports torch), so that the command line can offer them
+as choices while ``nemo-dcr --help`` and ``nemo-dcr relay`` stay free of torch; ``chunk.py``
+imports them from here.
+"""
+from __future__ import annotations
+
+OVERWRITE, XOR, ADD, CLASSES = "overwrite", "xor", "add", "classes"
+ENCODINGS = (OVERWRITE, XOR, ADD, CLASSES)  # the codings a chunk's header names
+AUTO = "auto"  # mixed: per chunk, the smallest of them (see chunk.encode_chunk)
+PORTABLE = "portable"  # mixed without codings that need the whole base chunk (receivers sharded differently)
+CHOICES = (AUTO, PORTABLE, OVERWRITE, XOR, ADD, CLASSES)  # what ``encoding=`` accepts
+
+__all__ = ["OVERWRITE", "XOR", "ADD", "CLASSES", "ENCODINGS", "AUTO", "PORTABLE", "CHOICES"]
