@@ -1,4 +1,5 @@
-"""Megatron GPT (Llama-style, and its MoE layers) names and layouts <-> Hugging Face Llama / Mixtral / Qwen, as fixed permutations.
+"""Megatron GPT names and layouts (Llama-style, MoE layers too) <-> Hugging Face Llama / Mixtral / Qwen-MoE,
+as fixed permutations.
 
 Every conversion here moves rows (slices, concatenations); no value is computed, so a BF16
 tensor converts bit-exactly and a delta published in HF coordinates rebuilds exactly the HF
@@ -193,7 +194,8 @@ def _routed(router: str, expert: str, parts: Tuple[str, str], down: str) -> list
 #: TEGroupedMLP's ``mlp.experts.linear_fc1.weightE`` as a module's ``state_dict`` has them, where
 #: E is the local index: the global one without expert parallelism), and Qwen's shared expert.
 _MOE = {
-    "mixtral": _routed("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{E}.{part}.weight", ("w1", "w3"), "w2"),
+    "mixtral": _routed("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{E}.{part}.weight",
+                       ("w1", "w3"), "w2"),
     "qwen": _routed("mlp.gate.weight", "mlp.experts.{E}.{part}_proj.weight", ("gate", "up"), "down") + [
         (_L + r"mlp\.shared_experts\.linear_fc1\.weight", "glu", _HL + "mlp.shared_expert.{part}_proj.weight",
          ("gate", "up")),
@@ -358,7 +360,8 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
     lay = as_layout(config)
     pv = padded_vocab_size or lay.vocab_size
     layers = sorted({int(m.group(1)) for k in hf_tensors for m in [re.match(r"model\.layers\.(\d+)\.", k)] if m})
-    expert_at = r"model\.layers\.(\d+)\." + (r"block_sparse_moe" if lay.moe == "mixtral" else r"mlp") + r"\.experts\.(\d+)\."
+    moe_block = r"block_sparse_moe" if lay.moe == "mixtral" else r"mlp"
+    expert_at = r"model\.layers\.(\d+)\." + moe_block + r"\.experts\.(\d+)\."
     experts: Dict[int, set] = {}
     for k in hf_tensors:
         m = re.match(expert_at, k)
@@ -373,7 +376,8 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
                   p + "self_attention.linear_qkv.weight", p + "self_attention.linear_qkv.bias",
                   p + "self_attention.linear_proj.weight", p + "self_attention.q_layernorm.weight",
                   p + "self_attention.k_layernorm.weight",
-                  p + ("mlp.linear_fc1.layer_norm_weight" if te_layernorm_names and not moe else "pre_mlp_layernorm.weight")]
+                  p + ("mlp.linear_fc1.layer_norm_weight" if te_layernorm_names and not moe
+                       else "pre_mlp_layernorm.weight")]
         if moe:
             names.append(p + "mlp.router.weight")
             for e in sorted(experts[i]):
@@ -410,5 +414,5 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
     return out
 
 
-__all__ = ["MOE_FAMILIES", "GPTLayout", "as_layout", "hf_names", "megatron_shard_to_hf", "megatron_to_hf_shards", "megatron_to_hf",
-           "hf_to_megatron"]
+__all__ = ["MOE_FAMILIES", "GPTLayout", "as_layout", "hf_names", "megatron_shard_to_hf", "megatron_to_hf_shards",
+           "megatron_to_hf", "hf_to_megatron"]
