@@ -173,6 +173,18 @@ def test_moe_expert_parallel_per_expert_and_stacked(tmp_path):
     assert "copy=False needs views" in res[0]["stacked_views_error"]
     follow_unsharded(str(tmp_path / "store"), "m", tmp_path / "pub", 3)
     follow_unsharded(str(tmp_path / "stacked"), "stacked", tmp_path / "pub", 3)
+    # the real model's names, both EP ranks' experts (global expert index), in Mixtral's checkpoint
+    # names and shapes: exactly what save_pretrained writes for the same architecture
+    transformers = pytest.importorskip("transformers")
+    cfg = _moe_config(transformers, "mixtral", layers=4)
+    lay = H.GPTLayout.from_hf(cfg)
+    got = {}
+    for names in (n0, n1):
+        for n, shape in names.items():
+            for h, hshape in H.hf_names(n, shape, lay).items():
+                assert got.setdefault(h, hshape) == hshape
+    ckpt = _hf_checkpoint(transformers.AutoModelForCausalLM.from_config(cfg), tmp_path / "hf")
+    assert got == {k: tuple(v.shape) for k, v in ckpt.items()}
 
 
 # ----------------------------------------------------------------------------- distributed optimizer
@@ -287,8 +299,107 @@ def test_hf_permutation_is_bit_exact_and_round_trips(split_fc1):
     hf2 = H.megatron_to_hf({"module." + k: v for k, v in local.items()}, LAYOUT)
     for n in hf:
         assert_bits_equal(hf2[n], hf[n], n)
-    with pytest.raises(DcrError, match="no Hugging Face Llama counterpart"):
-        H.megatron_to_hf({"decoder.layers.0.mlp.router.weight": torch.zeros(4, 64)}, LAYOUT)
+    with pytest.raises(DcrError, match="no Hugging Face counterpart"):
+        H.megatron_to_hf({"decoder.layers.0.mlp.experts.weight1": torch.zeros(64, 4 * 96)}, LAYOUT)  # legacy GroupedMLP
+    with pytest.raises(DcrError, match="no Hugging Face counterpart in the 'mixtral' naming"):
+        H.megatron_to_hf({"decoder.layers.0.mlp.shared_experts.gate_weight": torch.zeros(1, 64)}, LAYOUT)
+
+
+def _moe_config(transformers, family, layers=2, experts=4):
+    common = dict(vocab_size=W.VOCAB, hidden_size=64, num_hidden_layers=layers, num_attention_heads=8,
+                  num_key_value_heads=4, head_dim=8, max_position_embeddings=32, tie_word_embeddings=False)
+    if family == "mixtral":
+        return transformers.MixtralConfig(intermediate_size=96, num_local_experts=experts, num_experts_per_tok=2,
+                                          **common)
+    return transformers.Qwen2MoeConfig(intermediate_size=128, moe_intermediate_size=96, num_experts=experts,
+                                       num_experts_per_tok=2, shared_expert_intermediate_size=80,
+                                       decoder_sparse_step=1, mlp_only_layers=[0], qkv_bias=False, **common)
+
+
+def _moe_megatron_state(family, experts=4, ffn=96, shared=80, hidden=64, seed=1):
+    """Two layers in the snapshot's per-expert names, both MoE (Mixtral), or layer 0 dense
+    (Qwen's ``mlp_only_layers``) and layer 1 MoE with a shared expert."""
+    g = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=g).to(torch.bfloat16)  # noqa: E731
+    st = _megatron_state(LAYOUT, layers=2, ffn=128 if family == "qwen" else 96, seed=seed)
+    for i in (0, 1) if family == "mixtral" else (1,):
+        _moe_layer(st, f"decoder.layers.{i}.", family, r, experts, ffn, shared, hidden)
+    return st
+
+
+def _moe_layer(st, p, family, r, experts, ffn, shared, hidden):
+    for k in [k for k in st if k.startswith(p + "mlp.") or k == p + "mlp.linear_fc1.layer_norm_weight"]:
+        del st[k]
+    st[p + "pre_mlp_layernorm.weight"] = r(hidden)
+    st[p + "mlp.router.weight"] = r(experts, hidden)
+    for e in range(experts):
+        st[f"{p}mlp.experts.experts.{e}.linear_fc1.weight_w"] = r(ffn, hidden)
+        st[f"{p}mlp.experts.experts.{e}.linear_fc1.weight_v"] = r(ffn, hidden)
+        st[f"{p}mlp.experts.experts.{e}.linear_fc2.weight"] = r(hidden, ffn)
+    if family == "qwen":
+        st[p + "mlp.shared_experts.linear_fc1.weight_w"] = r(shared, hidden)
+        st[p + "mlp.shared_experts.linear_fc1.weight_v"] = r(shared, hidden)
+        st[p + "mlp.shared_experts.linear_fc2.weight"] = r(hidden, shared)
+        st[p + "mlp.shared_experts.gate_weight"] = r(1, hidden)
+
+
+def _hf_checkpoint(model, path) -> dict:
+    """What ``save_pretrained`` writes: the checkpoint names vLLM loads and a trainer publishes
+    (transformers 5 fuses experts in memory and splits them again on save)."""
+    from safetensors.torch import load_file
+    model.save_pretrained(str(path), safe_serialization=True)
+    return load_file(str(path / "model.safetensors"))
+
+
+@pytest.mark.parametrize("family", H.MOE_FAMILIES)
+def test_hf_moe_names_load_into_the_real_hf_model_and_round_trip(family, tmp_path):
+    """Megatron MoE names -> the Hugging Face family's checkpoint (Mixtral; Qwen2-MoE with a
+    shared expert and a dense first layer): every key and shape ``save_pretrained`` writes, loaded
+    by the real ``transformers`` model without missing or unexpected keys and saved back bit for
+    bit; the other Megatron spellings of the experts give the same tensors; and back to Megatron."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import save_file
+    cfg = _moe_config(transformers, family)
+    lay = H.GPTLayout.from_hf(cfg)
+    assert lay.moe == family and lay.num_query_groups == LAYOUT.num_query_groups
+    st = _moe_megatron_state(family)
+    hf = H.megatron_to_hf(st, lay)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
+    want = {k: tuple(v.shape) for k, v in _hf_checkpoint(model, tmp_path / "init").items()}
+    assert {k: tuple(v.shape) for k, v in hf.items()} == want
+    save_file({k: v.contiguous() for k, v in hf.items()}, str(tmp_path / "init" / "model.safetensors"),
+              metadata={"format": "pt"})
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "init"), dtype=torch.bfloat16,
+                                                                    output_loading_info=True)
+    assert not any(info.get(k) for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    for k, v in _hf_checkpoint(loaded, tmp_path / "again").items():
+        assert_bits_equal(v, hf[k], k)
+    e = "model.layers.1.block_sparse_moe.experts.2.w3.weight" if family == "mixtral" \
+        else "model.layers.1.mlp.experts.2.up_proj.weight"
+    assert_bits_equal(hf[e], st["decoder.layers.1.mlp.experts.experts.2.linear_fc1.weight_v"], e)
+    # SequentialMLP's and TEGroupedMLP's state_dict spellings (fused fc1: gate rows, then up rows)
+    p = "decoder.layers.1.mlp.experts."
+    for spell in ("local_experts.{e}.linear_fc{n}.weight", "linear_fc{n}.weight{e}"):
+        alt = {k: v for k, v in st.items() if not k.startswith(p)}
+        for i in range(4):
+            alt[p + spell.format(e=i, n=1)] = torch.cat([st[f"{p}experts.{i}.linear_fc1.weight_w"],
+                                                         st[f"{p}experts.{i}.linear_fc1.weight_v"]])
+            alt[p + spell.format(e=i, n=2)] = st[f"{p}experts.{i}.linear_fc2.weight"]
+        got = H.megatron_to_hf(alt, lay)
+        assert sorted(got) == sorted(hf)
+        for k in hf:
+            assert_bits_equal(got[k], hf[k], k)
+    back = H.hf_to_megatron(hf, lay, padded_vocab_size=W.PADDED_VOCAB)
+    assert sorted(back) == sorted(st)
+    for n, t in st.items():
+        rows = W.VOCAB if ("embedding" in n or "output_layer" in n) else t.shape[0]
+        assert_bits_equal(back[n][:rows], t[:rows], n)
+    # TP=2 shards of the experts (fc1 rows, fc2 columns) map to HF rectangles of the same tensors
+    name = "decoder.layers.1.mlp.experts.experts.3.linear_fc2.weight"
+    spec, local = _tp_split(name, st[name], 2, 1)
+    [(h, hspec, t)] = H.megatron_shard_to_hf(name, spec, local, lay)
+    assert hspec.offsets == (0, 48) and hspec.global_shape == tuple(hf[h].shape)
+    assert_bits_equal(t, hf[h][:, 48:], h)
 
 
 def _tp_split(name, t, tp, r):

@@ -510,9 +510,11 @@ def _group_rank(rank, world, port, store, out):
         loader = RolloutLoader(store, recv, shards={"W": ShardSpec.of((8, 6), (rank * rows, 0), (rows, 6))},
                                group=None)
         res["hidden"] = sorted(loader.tensors.hidden)
-        res["versions"], res["exact"] = [], []
+        res["versions"], res["exact"], res["norm_marked"] = [], [], []
         for v in range(3):
+            before = recv["norm"]._version
             res["versions"].append(loader.update(v))
+            res["norm_marked"].append(recv["norm"]._version != before)  # what a watcher of changes reads
             want = _group_state(v)
             res["exact"].append(bool(torch.equal(recv["W"].view(torch.int16),
                                                  want["W"][rank * rows:(rank + 1) * rows].view(torch.int16))
@@ -540,6 +542,9 @@ def test_sharded_receiver_group_with_a_replicated_tensor(tmp_path):
         assert res[r]["ok"], res[r].get("error")
         assert res[r]["versions"] == [0, 1, 2] and all(res[r]["exact"])
     assert res[0]["hidden"] == [] and res[1]["hidden"] == ["norm"]  # rank 0 applies it, rank 1 receives it
+    # the received copy is marked changed like the applied one (the vLLM worker rebuilds a replicated
+    # layer, an MoE router, on every rank from this; a broadcast alone left rank 1's version as it was)
+    assert res[0]["norm_marked"] == res[1]["norm_marked"] == [True, True, True]
 
 
 

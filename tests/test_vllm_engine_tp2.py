@@ -1,4 +1,9 @@
-"""The real vLLM engine with tensor parallelism 2 (two CPU workers, vLLM's gloo TP group).
+"""The real vLLM engine with tensor parallelism 2 (two CPU workers, vLLM's gloo TP group), on a
+tiny Qwen2-MoE: layer 0 a dense MLP (``gate_up_proj`` column-, ``down_proj`` row-parallel), layer 1
+MoE (4 experts in vLLM's ``RoutedExperts``, each rank holding its half of every expert's
+intermediate dimension: ``w13_weight`` rows, ``w2_weight`` columns) with a gated shared expert; qkv
+bias, kv heads split over the ranks, a padded vocabulary. The store holds the checkpoint's Hugging
+Face names (``model.layers.1.mlp.experts.E.gate_proj.weight``, ...).
 
 * The default encoding: a ``classes`` chunk decodes only against the whole base chunk, which a TP
   worker holding half a tensor lacks. Every worker finds that out before the first write: the
@@ -16,6 +21,7 @@ from dcr_testing import vllm_models as vm
 
 vm.require_vllm()
 
+from nemo_dcr.codec.chunk import CLASSES  # noqa: E402
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.integrations.vllm_worker import refit  # noqa: E402
@@ -27,19 +33,18 @@ from nemo_dcr.stores import open_store  # noqa: E402
 def _uses_classes(store_url: str) -> bool:
     store = open_store(store_url)
     m = read_manifest(store, read_head(store)[0].manifest)
-    return any(c["enc"] == "classes" for p in m.parts
-               for e in DeltaReader.open(store.get(p.key)).header["tensors"] for c in e["chunks"])
+    return any(c.enc == CLASSES for p in m.parts
+               for e in DeltaReader.open(store.get(p.key)).header.tensors for c in e.chunks)
 
 
 def test_tp2_refit(tmp_path):
-    model = vm.tiny_model("llama")
+    model = vm.tiny_model("qwen2_moe")
     auto, portable = str(tmp_path / "auto"), str(tmp_path / "portable")
     pubs = {auto: Publisher(auto), portable: Publisher(portable, encoding="portable")}
     for v in range(2):
         if v:
             vm.perturb(model, v, rate=0.01)
-        vm.save(model, str(tmp_path / f"v{v}"))
-        state = vm.hf_state(model)
+        state = vm.saved_state(vm.save(model, str(tmp_path / f"v{v}")))
         for pub in pubs.values():
             assert pub.publish(state, step=v).version == v
     assert _uses_classes(auto) and not _uses_classes(portable)
@@ -49,6 +54,10 @@ def test_tp2_refit(tmp_path):
         start = vm.greedy(llm)
         assert llm.collective_rpc("dcr_init", args=(auto, 0)) == [0, 0]
         bits0 = llm.collective_rpc("dcr_fingerprint")
+        # every published tensor has a part on each worker (the shared-expert gate, norms: whole)
+        assert set(bits0[0]) == set(bits0[1]) == set(state)
+        assert {"model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
+                "model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate_proj.weight"} <= set(state)
         with pytest.raises(DcrError, match="cannot decode the update") as e:
             refit(llm, auto)
         assert "nothing was written" in str(e.value) and "Partial" not in type(e.value).__name__

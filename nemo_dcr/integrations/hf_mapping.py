@@ -1,4 +1,5 @@
-"""Megatron GPT (Llama-style) names and layouts <-> Hugging Face Llama, as fixed permutations.
+"""Megatron GPT names and layouts (Llama-style, MoE layers too) <-> Hugging Face Llama / Mixtral / Qwen-MoE,
+as fixed permutations.
 
 Every conversion here moves rows (slices, concatenations); no value is computed, so a BF16
 tensor converts bit-exactly and a delta published in HF coordinates rebuilds exactly the HF
@@ -45,8 +46,31 @@ one rectangle per HF tensor, and no delta-format change is needed. What
 :func:`megatron_to_hf_shards` refuses is two Megatron blocks of one rank landing in the same
 HF tensor (e.g. both layer-norm spellings present, or two blocks of a stacked key).
 
-Not covered: MoE experts / routers (no HF Llama counterpart), stacked layouts
-(``singleton_local_shards=False``: convert per-layer names), biases other than QKV's.
+MoE layers (``GPTLayout.moe`` picks the Hugging Face family; expert ``E`` is Megatron's global
+expert index, which the snapshot's per-expert keys carry, so expert-parallel ranks map their own
+experts without a gather):
+
+========================================================  ===========================  ==========================
+Megatron (per layer ``i``)                                 ``mixtral``                  ``qwen`` (Qwen2/3-MoE)
+========================================================  ===========================  ==========================
+``mlp.router.weight`` [E, h]                               ``block_sparse_moe.gate``    ``mlp.gate``
+``mlp.experts.experts.E.linear_fc1.weight_w`` / ``_v``     ``...experts.E.w1`` / ``w3``  ``mlp.experts.E.gate_proj``
+  (fused ``.weight``: gate rows, then up rows)                                          / ``up_proj``
+``mlp.experts.experts.E.linear_fc2.weight``                ``...experts.E.w2``          ``mlp.experts.E.down_proj``
+``mlp.shared_experts.linear_fc1.weight_w`` / ``_v``        (none: an error)             ``mlp.shared_expert.gate_proj``
+  / ``linear_fc2.weight``                                                               / ``up_proj`` / ``down_proj``
+``mlp.shared_experts.gate_weight`` [1, h]                  (none)                       ``mlp.shared_expert_gate``
+``pre_mlp_layernorm.weight``                               ``post_attention_layernorm``  (same)
+========================================================  ===========================  ==========================
+
+(every HF name under ``model.layers.i.``, ending in ``.weight``). A module's ``state_dict``
+spellings of the experts map the same way: SequentialMLP's ``mlp.experts.local_experts.E.`` and
+TEGroupedMLP's ``mlp.experts.linear_fc1.weightE``, whose ``E`` is the *local* index (the global one
+only without expert parallelism). Router and expert shards are rows/columns like the dense MLP's.
+
+Not covered: stacked layouts (``singleton_local_shards=False``: convert per-layer names), the
+legacy GroupedMLP's ``weight1``/``weight2`` (all experts in one tensor), the router's
+``expert_bias`` (a buffer, not published), biases other than QKV's.
 """
 from __future__ import annotations
 
@@ -68,8 +92,14 @@ class GPTLayout:
     num_query_groups: int
     head_dim: int
     vocab_size: int  # the true (HF) vocabulary; Megatron's rows beyond it are padding
+    #: the Hugging Face naming of MoE layers: ``mixtral`` (``block_sparse_moe.gate``,
+    #: ``block_sparse_moe.experts.E.w1/w3/w2``) or ``qwen`` (Qwen2-MoE / Qwen3-MoE: ``mlp.gate``,
+    #: ``mlp.experts.E.gate_proj/up_proj/down_proj``, ``mlp.shared_expert.*``, ``mlp.shared_expert_gate``)
+    moe: str = "mixtral"
 
     def __post_init__(self):
+        if self.moe not in _MOE:
+            raise DcrError(f"GPTLayout.moe must be one of {sorted(_MOE)}, not {self.moe!r}")
         if self.num_attention_heads % self.num_query_groups:
             raise DcrError(f"{self.num_attention_heads} heads do not split into {self.num_query_groups} groups")
 
@@ -83,15 +113,16 @@ class GPTLayout:
         heads = cfg.num_attention_heads
         groups = getattr(cfg, "num_key_value_heads", None) or heads
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-        return cls(heads, groups, head_dim, cfg.vocab_size)
+        moe = "qwen" if str(getattr(cfg, "model_type", "")).startswith("qwen") else "mixtral"
+        return cls(heads, groups, head_dim, cfg.vocab_size, moe)
 
     @classmethod
-    def from_megatron(cls, cfg, vocab_size: int) -> "GPTLayout":
-        """From a megatron-core ``TransformerConfig`` and the true vocabulary size."""
+    def from_megatron(cls, cfg, vocab_size: int, moe: str = "mixtral") -> "GPTLayout":
+        """From a megatron-core ``TransformerConfig``, the true vocabulary size and the HF MoE naming."""
         heads = cfg.num_attention_heads
         groups = getattr(cfg, "num_query_groups", None) or heads
         head_dim = getattr(cfg, "kv_channels", None) or cfg.hidden_size // heads
-        return cls(heads, groups, head_dim, int(vocab_size))
+        return cls(heads, groups, head_dim, int(vocab_size), moe)
 
 
 def as_layout(config, vocab_size: Optional[int] = None) -> GPTLayout:
@@ -110,28 +141,80 @@ def as_layout(config, vocab_size: Optional[int] = None) -> GPTLayout:
 
 # ----------------------------------------------------------------------------- name rules
 
-_L = r"decoder\.layers\.(\d+)\."
-_HL = "model.layers.{}."
-# (megatron pattern, kind, HF name(s)); kind: same | vocab | qkv | glu
-_RULES = [
+_L = r"decoder\.layers\.(?P<L>\d+)\."
+_HL = "model.layers.{L}."
+
+
+def _expert(fc: int, suffix: str = "") -> str:
+    """One expert's ``linear_fc<fc>.weight<suffix>`` in Megatron's three spellings (the expert
+    index as group E, E2 or E3)."""
+    w = rf"linear_fc{fc}\.weight{suffix}"
+    return (rf"mlp\.experts\.(?:experts\.(?P<E>\d+)\.{w}|local_experts\.(?P<E2>\d+)\.{w}"
+            rf"|linear_fc{fc}\.weight(?P<E3>\d+){suffix})")
+
+
+# (megatron pattern, kind, HF name(s), glu parts); kind: same | vocab | qkv | glu. ``{part}`` in an
+# HF name is a qkv/glu part.
+_DENSE = [
     (r"embedding\.word_embeddings\.weight", "vocab", "model.embed_tokens.weight"),
     (r"output_layer\.weight", "vocab", "lm_head.weight"),
     (r"decoder\.final_layernorm\.weight", "same", "model.norm.weight"),
     (_L + r"self_attention\.linear_qkv\.layer_norm_weight", "same", _HL + "input_layernorm.weight"),
     (_L + r"input_layernorm\.weight", "same", _HL + "input_layernorm.weight"),
-    (_L + r"self_attention\.linear_qkv\.weight", "qkv", _HL + "self_attn.{}_proj.weight"),
-    (_L + r"self_attention\.linear_qkv\.bias", "qkv", _HL + "self_attn.{}_proj.bias"),
+    (_L + r"self_attention\.linear_qkv\.weight", "qkv", _HL + "self_attn.{part}_proj.weight"),
+    (_L + r"self_attention\.linear_qkv\.bias", "qkv", _HL + "self_attn.{part}_proj.bias"),
     (_L + r"self_attention\.linear_proj\.weight", "same", _HL + "self_attn.o_proj.weight"),
     (_L + r"self_attention\.q_layernorm\.weight", "same", _HL + "self_attn.q_norm.weight"),
     (_L + r"self_attention\.k_layernorm\.weight", "same", _HL + "self_attn.k_norm.weight"),
     (_L + r"mlp\.linear_fc1\.layer_norm_weight", "same", _HL + "post_attention_layernorm.weight"),
     (_L + r"pre_mlp_layernorm\.weight", "same", _HL + "post_attention_layernorm.weight"),
-    (_L + r"mlp\.linear_fc1\.weight", "glu", _HL + "mlp.{}_proj.weight"),
+    (_L + r"mlp\.linear_fc1\.weight", "glu", _HL + "mlp.{part}_proj.weight", ("gate", "up")),
     (_L + r"mlp\.linear_fc1\.weight_w", "same", _HL + "mlp.gate_proj.weight"),
     (_L + r"mlp\.linear_fc1\.weight_v", "same", _HL + "mlp.up_proj.weight"),
     (_L + r"mlp\.linear_fc2\.weight", "same", _HL + "mlp.down_proj.weight"),
 ]
-_COMPILED = [(re.compile(p + r"\Z"), kind, hf) for p, kind, hf in _RULES]
+
+
+def _routed(router: str, expert: str, parts: Tuple[str, str], down: str) -> list:
+    """The router and the experts of an MoE layer, in one family's HF names (``expert`` has
+    ``{E}`` and ``{part}``: the gate/up parts, or ``down``)."""
+    gate, up = parts
+    return [
+        (_L + r"mlp\.router\.weight", "same", _HL + router),
+        (_L + _expert(1), "glu", _HL + expert, parts),
+        (_L + _expert(1, "_w"), "same", _HL + expert.replace("{part}", gate)),
+        (_L + _expert(1, "_v"), "same", _HL + expert.replace("{part}", up)),
+        (_L + _expert(2), "same", _HL + expert.replace("{part}", down)),
+    ]
+
+
+#: MoE layers, per Hugging Face family (``GPTLayout.moe``): the router, every expert's gated MLP
+#: (Megatron's per-expert keys ``mlp.experts.experts.E.linear_fc1.weight_w`` as the snapshot gives
+#: them with the global expert index, SequentialMLP's ``mlp.experts.local_experts.E.`` and
+#: TEGroupedMLP's ``mlp.experts.linear_fc1.weightE`` as a module's ``state_dict`` has them, where
+#: E is the local index: the global one without expert parallelism), and Qwen's shared expert.
+_MOE = {
+    "mixtral": _routed("block_sparse_moe.gate.weight", "block_sparse_moe.experts.{E}.{part}.weight",
+                       ("w1", "w3"), "w2"),
+    "qwen": _routed("mlp.gate.weight", "mlp.experts.{E}.{part}_proj.weight", ("gate", "up"), "down") + [
+        (_L + r"mlp\.shared_experts\.linear_fc1\.weight", "glu", _HL + "mlp.shared_expert.{part}_proj.weight",
+         ("gate", "up")),
+        (_L + r"mlp\.shared_experts\.linear_fc1\.weight_w", "same", _HL + "mlp.shared_expert.gate_proj.weight"),
+        (_L + r"mlp\.shared_experts\.linear_fc1\.weight_v", "same", _HL + "mlp.shared_expert.up_proj.weight"),
+        (_L + r"mlp\.shared_experts\.linear_fc2\.weight", "same", _HL + "mlp.shared_expert.down_proj.weight"),
+        (_L + r"mlp\.shared_experts\.gate_weight", "same", _HL + "mlp.shared_expert_gate.weight"),
+    ],
+}
+MOE_FAMILIES = tuple(_MOE)
+_COMPILED: Dict[str, list] = {}
+
+
+def _rules(moe: str) -> list:
+    if moe not in _COMPILED:
+        _COMPILED[moe] = [(re.compile(r[0] + r"\Z"), r[1], r[2],
+                           r[3] if len(r) > 3 else ("q", "k", "v") if r[1] == "qkv" else None)
+                          for r in _DENSE + _MOE[moe]]
+    return _COMPILED[moe]
 
 
 def _strip(name: str) -> str:
@@ -140,17 +223,20 @@ def _strip(name: str) -> str:
     return name
 
 
-def _rule(name: str):
+def _rule(name: str, lay: "GPTLayout"):
+    """(kind, HF name with ``{part}`` left for qkv/glu, the parts) of a Megatron name."""
     n = _strip(name)
-    for pat, kind, hf in _COMPILED:
+    for pat, kind, hf, parts in _rules(lay.moe):
         m = pat.match(n)
         if m:
-            layer = m.group(1) if m.groups() else None
-            return kind, (hf.format(layer, "{}") if layer is not None else hf)
-    raise DcrError(f"{name}: no Hugging Face Llama counterpart (MoE, stacked-layer or unknown key)")
+            g = m.groupdict()
+            e = next((g[k] for k in ("E", "E2", "E3") if g.get(k) is not None), None)
+            return kind, hf.format(L=g.get("L"), E=e, part="{part}"), parts
+    raise DcrError(f"{name}: no Hugging Face counterpart in the {lay.moe!r} naming (stacked-layer, "
+                   "shared-expert outside Qwen, or unknown key)")
 
 
-def _segments(kind: str, hf: str, rows: int, lay: GPTLayout) -> Tuple[List[tuple], Dict[str, int]]:
+def _segments(kind: str, hf: str, parts, rows: int, lay: GPTLayout) -> Tuple[List[tuple], Dict[str, int]]:
     """The row permutation of one Megatron tensor with ``rows`` rows (dim 0):
     ``[(hf_name, megatron_row, hf_row, length)]`` and ``{hf_name: HF rows}``."""
     if kind == "same":
@@ -163,14 +249,14 @@ def _segments(kind: str, hf: str, rows: int, lay: GPTLayout) -> Tuple[List[tuple
         if rows % 2:
             raise DcrError(f"{hf}: a gated linear_fc1 needs an even number of rows, not {rows}")
         f = rows // 2
-        gate, up = hf.format("gate"), hf.format("up")
+        gate, up = (hf.format(part=p) for p in parts)
         return [(gate, 0, 0, f), (up, f, 0, f)], {gate: f, up: f}
     if kind == "qkv":
         G, Q, d = lay.num_query_groups, lay.q_per_group, lay.head_dim
         if rows != G * (Q + 2) * d:
-            raise DcrError(f"{hf.format('qkv')}: {rows} rows, but {G} query groups of {Q} heads (+k, v) of "
+            raise DcrError(f"{hf.format(part='qkv')}: {rows} rows, but {G} query groups of {Q} heads (+k, v) of "
                            f"dim {d} make {G * (Q + 2) * d}")
-        q, k, v = hf.format("q"), hf.format("k"), hf.format("v")
+        q, k, v = (hf.format(part=p) for p in parts)
         seg = []
         for g in range(G):
             base = g * (Q + 2) * d
@@ -182,8 +268,8 @@ def _segments(kind: str, hf: str, rows: int, lay: GPTLayout) -> Tuple[List[tuple
 def hf_names(name: str, global_shape, config) -> Dict[str, tuple]:
     """``{hf_name: HF global shape}`` of the HF tensors a Megatron tensor maps to."""
     lay = as_layout(config)
-    kind, hf = _rule(name)
-    _, rows = _segments(kind, hf, int(global_shape[0]), lay)
+    kind, hf, parts = _rule(name, lay)
+    _, rows = _segments(kind, hf, parts, int(global_shape[0]), lay)
     return {h: (r,) + tuple(global_shape[1:]) for h, r in rows.items()}
 
 
@@ -203,9 +289,9 @@ def megatron_shard_to_hf(name: str, spec: Optional[ShardSpec], tensor: torch.Ten
     if tuple(tensor.shape) != spec.shape:
         raise DcrError(f"{name}: tensor shape {tuple(tensor.shape)} differs from its shard shape {spec.shape}")
     if len(spec.global_shape) == 0:
-        raise DcrError(f"{name}: a 0-dim tensor has no Hugging Face Llama counterpart")
-    kind, hf = _rule(name)
-    segs, hf_rows = _segments(kind, hf, spec.global_shape[0], lay)
+        raise DcrError(f"{name}: a 0-dim tensor has no Hugging Face counterpart")
+    kind, hf, parts = _rule(name, lay)
+    segs, hf_rows = _segments(kind, hf, parts, spec.global_shape[0], lay)
     a, n = spec.offsets[0], spec.shape[0]
     pieces: Dict[str, List[tuple]] = {}
     for h, ms, hs, ln in segs:
@@ -267,30 +353,45 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
     """The inverse of :func:`megatron_to_hf` for whole tensors (vocab padding rows are zero).
     ``split_fc1``: ``linear_fc1.weight_w``/``_v`` (the snapshot's per-layer names) or the fused
     ``linear_fc1.weight``; ``te_layernorm_names``: ``linear_qkv.layer_norm_weight`` /
-    ``linear_fc1.layer_norm_weight`` (canonical) or ``input_layernorm`` / ``pre_mlp_layernorm``."""
+    ``linear_fc1.layer_norm_weight`` (canonical) or ``input_layernorm`` / ``pre_mlp_layernorm``.
+    MoE layers (HF experts in the layout's ``moe`` naming) get Megatron's per-expert snapshot
+    names (``mlp.experts.experts.E.linear_fc1.weight_w``, ...), ``mlp.router.weight``, the shared
+    expert's, and ``pre_mlp_layernorm.weight`` (an MoE layer has no ``linear_fc1`` to fuse it into)."""
     lay = as_layout(config)
     pv = padded_vocab_size or lay.vocab_size
     layers = sorted({int(m.group(1)) for k in hf_tensors for m in [re.match(r"model\.layers\.(\d+)\.", k)] if m})
+    moe_block = r"block_sparse_moe" if lay.moe == "mixtral" else r"mlp"
+    expert_at = r"model\.layers\.(\d+)\." + moe_block + r"\.experts\.(\d+)\."
+    experts: Dict[int, set] = {}
+    for k in hf_tensors:
+        m = re.match(expert_at, k)
+        if m:
+            experts.setdefault(int(m.group(1)), set()).add(int(m.group(2)))
+    fc1 = ["linear_fc1.weight_w", "linear_fc1.weight_v"] if split_fc1 else ["linear_fc1.weight"]
     names = ["embedding.word_embeddings.weight", "output_layer.weight", "decoder.final_layernorm.weight"]
     for i in layers:
         p = f"decoder.layers.{i}."
+        moe = i in experts
         names += [p + ("self_attention.linear_qkv.layer_norm_weight" if te_layernorm_names else "input_layernorm.weight"),
                   p + "self_attention.linear_qkv.weight", p + "self_attention.linear_qkv.bias",
                   p + "self_attention.linear_proj.weight", p + "self_attention.q_layernorm.weight",
                   p + "self_attention.k_layernorm.weight",
-                  p + ("mlp.linear_fc1.layer_norm_weight" if te_layernorm_names else "pre_mlp_layernorm.weight"),
-                  p + "mlp.linear_fc2.weight"]
-        names += [p + "mlp.linear_fc1.weight_w", p + "mlp.linear_fc1.weight_v"] if split_fc1 else \
-            [p + "mlp.linear_fc1.weight"]
+                  p + ("mlp.linear_fc1.layer_norm_weight" if te_layernorm_names and not moe
+                       else "pre_mlp_layernorm.weight")]
+        if moe:
+            names.append(p + "mlp.router.weight")
+            for e in sorted(experts[i]):
+                names += [f"{p}mlp.experts.experts.{e}.{w}" for w in fc1 + ["linear_fc2.weight"]]
+            names += [f"{p}mlp.shared_experts.{w}" for w in fc1 + ["linear_fc2.weight", "gate_weight"]]
+        else:
+            names += [f"{p}mlp.{w}" for w in fc1 + ["linear_fc2.weight"]]
     out, used = {}, set()
     for name in names:
-        kind, hf = _rule(name)
-        if kind == "qkv":
-            parts = [hf.format(x) for x in "qkv"]
-        elif kind == "glu":
-            parts = [hf.format(x) for x in ("gate", "up")]
-        else:
-            parts = [hf]
+        try:
+            kind, hf, names_of = _rule(name, lay)
+        except DcrError:
+            continue  # (a shared expert in the Mixtral naming: no HF tensor can need it)
+        parts = [hf.format(part=x) for x in names_of] if names_of else [hf]
         have = [p in hf_tensors for p in parts]
         if not any(have):
             continue
@@ -298,7 +399,7 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
             raise DcrError(f"{name}: needs {parts}, missing {[p for p, h in zip(parts, have) if not h]}")
         ref = hf_tensors[parts[0]]
         rows = pv if kind == "vocab" else sum(hf_tensors[p].shape[0] for p in parts)
-        segs, hf_rows = _segments(kind, hf, rows, lay)
+        segs, hf_rows = _segments(kind, hf, names_of, rows, lay)
         for p in parts:
             if hf_tensors[p].shape[0] != hf_rows[p]:
                 raise DcrError(f"{p}: {hf_tensors[p].shape[0]} rows, expected {hf_rows[p]}")
@@ -313,5 +414,5 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
     return out
 
 
-__all__ = ["GPTLayout", "as_layout", "hf_names", "megatron_shard_to_hf", "megatron_to_hf_shards", "megatron_to_hf",
-           "hf_to_megatron"]
+__all__ = ["MOE_FAMILIES", "GPTLayout", "as_layout", "hf_names", "megatron_shard_to_hf", "megatron_to_hf_shards",
+           "megatron_to_hf", "hf_to_megatron"]

@@ -386,6 +386,11 @@ class RolloutLoader:
             dist.broadcast(buf.reshape(-1).view(torch.uint8), src=src, group=self.group.group)
             if buf is not bits:
                 bits.copy_(buf)
+            elif owner != me and self._counter(t) is not None:
+                # a collective writes behind autograd's back: the version counter, which those that
+                # watch this tensor for changes read (the vLLM worker rebuilds the layers whose plain
+                # copies changed), would still say "unchanged" on the receiving ranks
+                torch.autograd.graph.increment_version(t)
             if self.staging and owner != me:
                 self.live[name].copy_(t)
                 self._seen_versions[name] = t._version

