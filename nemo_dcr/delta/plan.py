@@ -52,8 +52,8 @@ class Plan:
 
     @property
     def held(self) -> torch.Tensor:
-        """The receiver's tensor, for the plans that have one: every action but ``ignore`` and ``create``
-        (``plan_entry`` returns those two for what the receiver lacks)."""
+        """The receiver's tensor, for the plans that have one: all but an ``ignore`` of a removed tensor
+        it lacks and a ``create`` of a new one."""
         assert self.tensor is not None, f"{self.name}: a {self.action.value} plan without the receiver's tensor"
         return self.tensor
 
