@@ -73,7 +73,8 @@ def _load_train():
     name = "nemo_dcr_bench_train"
     if name in sys.modules:
         return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "train.py"))
+    here = os.path.dirname(os.path.abspath(__file__))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(here, "train.py"))
     mod = importlib.util.module_from_spec(spec)
     sys.modules[name] = mod
     spec.loader.exec_module(mod)
@@ -87,7 +88,9 @@ class BenchError(AssertionError):
 # ----------------------------------------------------------------------------- helpers
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16) if t.element_size() == 2 else t.view({1: torch.uint8, 4: torch.int32, 8: torch.int64}[t.element_size()])
+    if t.element_size() == 2:
+        return t.view(torch.int16)
+    return t.view({1: torch.uint8, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
 
 def count_changed(a: dict, b: dict) -> int:
@@ -323,7 +326,8 @@ def bench_pair(base: dict, target: dict, *, level: int, chunk_elems: int, worker
                           progress=False)
         stats[enc] = inspect(blobs[enc])
         if stats[enc]["changed"] != changed:
-            raise BenchError(f"{enc} delta counts {stats[enc]['changed']} changed elements, the int16 compare {changed}")
+            raise BenchError(f"{enc} delta counts {stats[enc]['changed']} changed elements, "
+                             f"the int16 compare {changed}")
         work = {n: t.clone() for n, t in base.items()}
         apply(work, blobs[enc], workers=workers)
         check_equal(work, target, f"{enc} delta")

@@ -126,13 +126,16 @@ def _line(r: dict, res: dict) -> str:
 def table(res: dict) -> str:
     c = res["config"]
     L = [f"link: {res['link_mbit']:g} Mbit/s, {c['shaping']}; {res['elements'] / 1e6:.0f}M BF16 elements, "
-         f"{res['change']:.0%} change (injected), delta {res['delta_bytes'] / 1e6:.2f} MB, RTT {res['rtt'] * 1e3:.1f} ms",
+         f"{res['change']:.0%} change (injected), delta {res['delta_bytes'] / 1e6:.2f} MB, "
+         f"RTT {res['rtt'] * 1e3:.1f} ms",
          f"machine: {res['machine']['cpus']} CPUs, load {res['machine']['load_1min']:.2f}", "", "MEASURED",
-         "| receivers | from | relays | to last s | / one receiver (<=1.25) | slow-link MB | slow-link copies of the delta |",
+         "| receivers | from | relays | to last s | / one receiver (<=1.25) | slow-link MB "
+         "| slow-link copies of the delta |",
          "|---|---|---|---|---|---|---|"]
     L += [_line(r, res) for r in res["runs"]]
     L += ["", f"EXTRAPOLATED (pipeline model; receiver work split over {c['receiver_workers_assumed']} workers)",
-          "| model | receivers | from | link Gbit/s | intra Gbit/s | wire s | reload s | dense s |", "|---|---|---|---|---|---|---|---|"]
+          "| model | receivers | from | link Gbit/s | intra Gbit/s | wire s | reload s | dense s |",
+          "|---|---|---|---|---|---|---|---|"]
     L += [f"| {e['model']} | {e['receivers']} | {e['how']} | {e['link_gbit']:.2f} | {e['intra_gbit']:.0f} | "
           f"{e['wire']:.1f} | {e['seconds']:.1f} | {e['dense']:.0f} |" for e in res["extrapolated"]]
     L += ne.footer(res)

@@ -13,7 +13,8 @@ the normal build), preloads the ASan runtime and sets ``PYTHONMALLOC=malloc`` (s
 ``bytes`` the kernel reads, small ones too, have redzones), so an out-of-bounds read or write in
 the kernel aborts the run with ASan's report. (gcc's ASan runtime then supplies the coverage
 hooks atheris would use: the native runs are not coverage-guided; they start from the corpus the
-reference run of the same target grew, which is why ``--backend both`` runs the reference first.) Invariant checked on every input: the target returns, or raises
+reference run of the same target grew, which is why ``--backend both`` runs the reference first.)
+Invariant checked on every input: the target returns, or raises
 a ``DcrError`` (a typed error); any other exception, a crash, a hang (``--timeout`` seconds per
 input) or memory past ``--rss-limit-mb`` is a finding, and libFuzzer writes the input that caused
 it under ``--artifacts``. A JSON summary per target (inputs, coverage counters, findings) is
@@ -95,6 +96,7 @@ class DeltaFixtures:
 def craft(raw_header, area: bytes) -> bytes:
     """A delta with this payload area and header, every checksum valid (zstd level 1: fast)."""
     import zstandard
+
     from nemo_dcr.codec.format import END_MAGIC, FOOTER, FORMAT_VERSION, MAGIC, PREAMBLE
     raw = json.dumps(raw_header, separators=(",", ":"), sort_keys=True, allow_nan=True).encode()
     stored = zstandard.ZstdCompressor(level=1).compress(raw)
@@ -230,6 +232,7 @@ class VersionFixtures:
 
     def __init__(self):
         import torch
+
         from nemo_dcr.stores import LocalStore
         from nemo_dcr.sync.publisher import Publisher
         from nemo_dcr.sync.signing import Signer, Verifier, generate_key

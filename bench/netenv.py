@@ -578,7 +578,8 @@ def footer(res: dict) -> list:
     """The published figures, printed next to the extrapolation (not measured here), and the notes."""
     return ["", "PUBLISHED (for comparison, not measured here)"] + [
         f"  {p['source']}: {p['model']}{' at ' + format(p['change'], '.0%') if 'change' in p else ''}, {p['what']}: "
-        f"{'%g-%g' % p['seconds'] if isinstance(p['seconds'], tuple) else '%g' % p['seconds']} s" for p in PAPER] + [
+        f"{'{:g}-{:g}'.format(*p['seconds']) if isinstance(p['seconds'], tuple) else format(p['seconds'], 'g')} s"
+        for p in PAPER] + [
         f"note: {n}" for n in res["notes"]]
 
 

@@ -90,9 +90,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     import fanout
+    import matplotlib.pyplot as plt
     import reload
     with open(a.reload_json) as f:
         rl = json.load(f)

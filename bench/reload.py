@@ -40,7 +40,6 @@ from nemo_dcr.stores import HttpStore  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
 
 
-
 def measure(region, endpoint, args) -> dict:
     """Per size: one keyframe (timed against a raw put of the same bytes), then one version per
     change rate on top of the previous (the keyframe's O(model) digest is paid once per size);
@@ -75,7 +74,8 @@ def measure(region, endpoint, args) -> dict:
                 rtt = ne.rtt(store, ne.RAW_KEY)
                 for via in ("s3", "relay"):
                     row = {"elements": elements, "dense_bytes": dense_bytes, "change": change, "changes": "injected",
-                           "changed": r1.changed, "delta_bytes": r1.delta_bytes, "payload_ratio": dense_bytes / r1.delta_bytes,
+                           "changed": r1.changed, "delta_bytes": r1.delta_bytes,
+                           "payload_ratio": dense_bytes / r1.delta_bytes,
                            "link_mbit": mbit, "via": via, "rtt": rtt, "memcpy": memcpy,
                            "publish_delta_stages": ne.stage_sums(r1.spans), "publish_delta_s": r1.seconds}
                     if i == 0:
@@ -194,12 +194,14 @@ def table(res: dict) -> str:
         r = max(res["rows"], key=lambda r: (r["elements"], -r["link_mbit"]))
         L += [f"timeline ({r['elements'] / 1e6:.0f}M, {r['change']:.0%}, {r['link_mbit']:g} Mbit/s via {r['via']}):",
               ne.timeline(r["delta"]["spans"])]
-    L += ["", "| elements | keyframe publish s | raw put s | ratio (<=1.0) | keyframe stages |", "|---|---|---|---|---|"]
+    L += ["", "| elements | keyframe publish s | raw put s | ratio (<=1.0) | keyframe stages |",
+          "|---|---|---|---|---|"]
     L += [f"| {p['elements'] / 1e6:.0f}M | {p['keyframe_publish']:.3f} | {p['raw_put']:.3f} | {p['ratio']:.2f} | "
           f"{p['keyframe_stages']} |" for p in res["publish"]]
     L += ["", f"EXTRAPOLATED (pipeline model, measured rates; receiver work split over {c['receiver_workers_assumed']} "
               "workers; links at the rate the paper's dense figures imply)",
-          "| model | change | via | link Gbit/s | delta GB | wire s | receiver s | reload s | dense s | transport share |",
+          "| model | change | via | link Gbit/s | delta GB | wire s | receiver s | reload s | dense s "
+          "| transport share |",
           "|---|---|---|---|---|---|---|---|---|---|"]
     L += [f"| {e['model']} | {e['change']:.0%} | {e['via']} | {e['link_gbit']:.2f} | {e['delta_bytes'] / 1e9:.1f} | "
           f"{e['wire']:.1f} | {e['compute']:.1f} | {e['seconds']:.1f} | {e['dense']:.0f} | {e['transport_share']:.0%} |"

@@ -6,7 +6,8 @@ one memcpy of the shard, measured side by side in this process.
 
 The shard is real: the BF16 weights of the bench model (bench/train.py, warm-up cached under
 runs/bench-cache) before and after fine-tune step ``--step`` at ``--lr`` (step 2 at 3e-7: 1.00 %
-of the elements change, the issue's "1 %"; step 1: 1.45 %), all tensors flattened and concatenated, tiled ``--copies`` times (default: ~64M elements, 128 MB, far
+of the elements change, the issue's "1 %"; step 1: 1.45 %), all tensors flattened and concatenated,
+tiled ``--copies`` times (default: ~64M elements, 128 MB, far
 larger than the caches). Timed, median of ``--reps``:
 
 * memcpy -- ``dst.copy_(shard)`` with 1 torch thread (one memcpy) and with all threads;
@@ -38,7 +39,8 @@ def _codec():
     """bench/codec.py, loaded by path (bench/ is not a package): its train loader and timer."""
     name = "nemo_dcr_bench_codec"
     if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)), "codec.py"))
+        here = os.path.dirname(os.path.abspath(__file__))
+        spec = importlib.util.spec_from_file_location(name, os.path.join(here, "codec.py"))
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
@@ -120,7 +122,8 @@ def run(lr=3e-7, copies=10, reps=3, warmup_steps=300, cache_dir=None, workers=No
         "chunk_encodings": encs, "payload_bytes_per_changed": payload / changed,
         "delta_bytes_per_changed": len(blob) / changed,
         "seconds": {"memcpy_1thread": t_mem1, "memcpy": t_mem, "chunk_encode_1worker": t_enc1, "chunk_encode": t_enc,
-                    "chunk_decode_apply_1worker": t_dec1, "chunk_decode_apply": t_dec, "diff": t_diff, "apply": t_apply},
+                    "chunk_decode_apply_1worker": t_dec1, "chunk_decode_apply": t_dec,
+                    "diff": t_diff, "apply": t_apply},
     })
     out["x_memcpy"] = {k: v / t_mem1 for k, v in out["seconds"].items()}
     return out

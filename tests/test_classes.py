@@ -7,13 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcr_testing import assert_bits_equal
 from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, diff
 from nemo_dcr.codec import classes, native
 from nemo_dcr.codec.ordered import unsigned
 from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.state.index_map import ShardSpec
-
-from dcr_testing import assert_bits_equal
 
 DTYPES = list(classes.MANTISSA)
 needs_native = pytest.mark.skipif(native.lib() is None, reason=f"C kernels unavailable: {native.build_error}")
@@ -146,8 +145,8 @@ def test_malformed_streams_are_refused_the_same_way():
     for which in ("pos", "val"):
         for bad in _mutations(pos if which == "pos" else val, seed=len(which), count=60):
             p, v = (bad, val) if which == "pos" else (pos, bad)
-            a = _outcome(lambda: classes.decode(old, rows, p, v, k, mant, use_native=True))
-            b = _outcome(lambda: classes.decode(old, rows, p, v, k, mant, use_native=False))
+            a = _outcome(lambda p=p, v=v: classes.decode(old, rows, p, v, k, mant, use_native=True))
+            b = _outcome(lambda p=p, v=v: classes.decode(old, rows, p, v, k, mant, use_native=False))
             assert a == b
             refused += a[0] == "error"
     assert refused > 60
@@ -163,8 +162,9 @@ def test_malformed_streams_are_refused_the_same_way():
 
 def _model(seed=0, p=0.02):
     ts = {}
-    for i, (dtype, shape) in enumerate([(torch.bfloat16, (64, 300)), (torch.float16, (5000,)), (torch.float32, (40, 50)),
-                                       (torch.float8_e4m3fn, (3000,)), (torch.float8_e5m2, (2, 1500))]):
+    for i, (dtype, shape) in enumerate([(torch.bfloat16, (64, 300)), (torch.float16, (5000,)),
+                                       (torch.float32, (40, 50)), (torch.float8_e4m3fn, (3000,)),
+                                       (torch.float8_e5m2, (2, 1500))]):
         old, new = _pair(dtype, int(torch.tensor(shape).prod()), p, seed=seed + i, big=0.02)
         ts[f"t{i}"] = (old.view(dtype).reshape(shape), new.view(dtype).reshape(shape))
     return {k: v[0] for k, v in ts.items()}, {k: v[1] for k, v in ts.items()}

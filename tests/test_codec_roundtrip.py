@@ -31,7 +31,8 @@ LAYOUTS = ["contiguous", "transposed", "sliced"]
 # subnormals, infinities, all-ones. Integer dtypes get the extremes.
 SPECIAL = {
     "float16": [0x7E00, 0x7C01, 0x7DFF, 0xFE00, 0xFC01, 0x0000, 0x8000, 0x0001, 0x03FF, 0x8001, 0x7C00, 0xFC00, 0xFFFF],
-    "bfloat16": [0x7FC0, 0x7F81, 0x7FFF, 0xFFC0, 0xFF81, 0x0000, 0x8000, 0x0001, 0x007F, 0x8001, 0x7F80, 0xFF80, 0xFFFF],
+    "bfloat16": [0x7FC0, 0x7F81, 0x7FFF, 0xFFC0, 0xFF81, 0x0000, 0x8000, 0x0001, 0x007F, 0x8001, 0x7F80, 0xFF80,
+                 0xFFFF],
     "float32": [0x7FC00000, 0x7F800001, 0x7FBFFFFF, 0xFFC00000, 0xFF800001, 0x00000000, 0x80000000, 0x00000001,
                 0x007FFFFF, 0x80000001, 0x7F800000, 0xFF800000, 0xFFFFFFFF],
     "float64": [0x7FF8000000000000, 0x7FF0000000000001, 0x7FF7FFFFFFFFFFFF, 0xFFF8000000000000, 0xFFF0000000000001,
@@ -362,7 +363,8 @@ def test_auto_mixes_encodings_and_beats_both():
     target[n // 2:] = 0.5
     blobs = {e: diff({"x": base}, {"x": target}, encoding=e, chunk_elems=1024, workers=1) for e in ENCODINGS}
     encs = {c["enc"] for c in DeltaReader(blobs["auto"]).raw_header["tensors"][0]["chunks"]}
-    assert "overwrite" in encs and encs & {"xor", "add", "classes"}  # small moves: xor, add or classes; resets: overwrite
+    # small moves: xor, add or classes; resets: overwrite
+    assert "overwrite" in encs and encs & {"xor", "add", "classes"}
     sizes = {e: payload_bytes(b) for e, b in blobs.items()}
     assert all(sizes["auto"] < sizes[e] for e in ENCODINGS if e != "auto")
     assert len(blobs["auto"]) < min(len(blobs[e]) for e in ENCODINGS if e != "auto")

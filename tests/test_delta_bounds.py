@@ -16,7 +16,7 @@ import zstandard
 
 from dcr_testing import assert_bits_equal
 from nemo_dcr import DcrError, DeltaFormatError, DeltaReader, apply, diff
-from nemo_dcr.codec.format import FOOTER, FORMAT_VERSION, MAGIC, PREAMBLE, END_MAGIC, DeltaWriter
+from nemo_dcr.codec.format import END_MAGIC, FOOTER, FORMAT_VERSION, MAGIC, PREAMBLE, DeltaWriter
 
 
 def craft(raw_header: dict, payloads: list[bytes]) -> bytes:

@@ -13,11 +13,10 @@ pytest.importorskip("triton")
 
 from dcr_testing import assert_bits_equal  # noqa: E402
 from dcr_testing.device_cases import FLOATS, INTS, make_pair  # noqa: E402
-
 from nemo_dcr.codec import classes  # noqa: E402
+from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
 from nemo_dcr.device import kernels  # noqa: E402
 from nemo_dcr.device.apply import PreImageMismatch, apply_, digest_change  # noqa: E402
-from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
 from nemo_dcr.device.diff import bits, diff_  # noqa: E402
 from nemo_dcr.device.encode import encode_changes_chunks  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402

@@ -12,9 +12,8 @@ import torch
 os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from dcr_testing import assert_bits_equal, assert_state  # noqa: E402
+from dcr_testing import assert_state  # noqa: E402
 from dcr_testing.device_cases import make_pair  # noqa: E402
-
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.delta import diff  # noqa: E402
 from nemo_dcr.device import kernels  # noqa: E402
@@ -90,8 +89,8 @@ def test_publisher_on_the_device_publishes_the_reference_versions(tmp_path, capl
             a, b = ref.publish(live), dev.publish(live)
             assert a.manifest.target_digest == b.manifest.target_digest
             assert a.changed == b.changed
-            for pa, pb in zip(a.manifest.parts + a.manifest.keyframe_parts, b.manifest.parts + b.manifest.keyframe_parts,
-                              strict=True):
+            for pa, pb in zip(a.manifest.parts + a.manifest.keyframe_parts,
+                              b.manifest.parts + b.manifest.keyframe_parts, strict=True):
                 _same_delta(ref.store.get(pa.key), dev.store.get(pb.key))
     assert "device path (Triton kernels, interpreted)" in caplog.text
     assert_state(dev.published[0], {k: v.contiguous() for k, v in v2.items()})

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dcr_testing import assert_state, zeros_like
 
+from dcr_testing import assert_state, zeros_like
 from nemo_dcr import BaseMismatchError, DeltaReader, Follower, Publisher, apply, diff
 from nemo_dcr.state.digest import RunningDigest, tensor_digest
 from nemo_dcr.stores.local import LocalStore

@@ -15,12 +15,20 @@ import random
 import pytest
 import torch
 
-from nemo_dcr import (BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, PartialApplyError, ShardSpec,
-                      TargetMismatchError, apply, diff)
 from dcr_testing import deadline
-from nemo_dcr.state.dtypes import int_view
+from nemo_dcr import (
+    BaseMismatchError,
+    DcrError,
+    DeltaFormatError,
+    DeltaReader,
+    PartialApplyError,
+    ShardSpec,
+    TargetMismatchError,
+    apply,
+    diff,
+)
 from nemo_dcr.codec.format import FOOTER, PREAMBLE, DeltaWriter
-
+from nemo_dcr.state.dtypes import int_view
 
 # ----------------------------------------------------------------------------- helpers
 

@@ -304,7 +304,8 @@ def header_of(target, names=None, **override):
 
 ABS_EVIL = "/tmp/nemo-dcr-test-absolute-evil.safetensors"  # must never be created
 BAD_LAYOUTS = {
-    "dotdot": lambda t: {"kind": "dir", "files": [{"name": "../evil.safetensors", "header": header_of(t)}], "index": None},
+    "dotdot": lambda t: {"kind": "dir", "files": [{"name": "../evil.safetensors", "header": header_of(t)}],
+                         "index": None},
     "absolute": lambda t: {"kind": "dir", "files": [{"name": ABS_EVIL, "header": header_of(t)}], "index": None},
     "not-safetensors": lambda t: {"kind": "dir", "files": [{"name": "config.json", "header": header_of(t)}],
                                   "index": None},
@@ -444,7 +445,8 @@ def test_output_through_a_symlink_updates_the_file_it_points_to(tmp_path, capsys
     real = tmp_path / "real.safetensors"
     real.write_bytes(b"old")
     os.symlink(real, tmp_path / "link.safetensors")
-    assert cli(capsys, "apply", tmp_path / "b.safetensors", tmp_path / "d.dcr", "-o", tmp_path / "link.safetensors")[0] == 0
+    out = tmp_path / "link.safetensors"
+    assert cli(capsys, "apply", tmp_path / "b.safetensors", tmp_path / "d.dcr", "-o", out)[0] == 0
     assert os.path.islink(tmp_path / "link.safetensors")
     assert sha(real) == sha(tmp_path / "t.safetensors")
     ck = Checkpoint(str(tmp_path / "link.safetensors"))

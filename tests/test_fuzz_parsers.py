@@ -164,7 +164,7 @@ def exchange(port: int, request: bytes, whole: bool = False) -> bytes:
                 if not b:
                     return out
                 out += b
-        except socket.timeout:
+        except TimeoutError:
             if out:
                 return out
             s.shutdown(socket.SHUT_WR)
@@ -187,7 +187,8 @@ QUERY = st.sampled_from(["", "?prefix=", "?prefix=../", "?prefix=%00", "?newer_t
                          "?%zz=1", "?prefix=versions/"])
 HEADER = st.sampled_from(["Range: bytes=0-", "Range: bytes=5-2", "Range: bytes=-5", "Range: bytes=99999999999-",
                           "Range: items=0-1", "Content-Length: 5", "Content-Length: -1", "Transfer-Encoding: chunked",
-                          "Authorization: Bearer x", "Host:", "X: \x01", "Connection: keep-alive", "Expect: 100-continue"])
+                          "Authorization: Bearer x", "Host:", "X: \x01", "Connection: keep-alive",
+                          "Expect: 100-continue"])
 METHOD = st.sampled_from(["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "BREW", "G\x00T", "", "get"])
 
 

@@ -7,10 +7,9 @@ import math
 import pytest
 import torch
 
+from dcr_testing.shards import cut, grid
 from nemo_dcr import DcrError, IndexMap, ShardSpec, apply, diff
 from nemo_dcr.state.dtypes import int_view
-from dcr_testing.shards import cut, grid
-
 
 # ----------------------------------------------------------------------------- helpers
 

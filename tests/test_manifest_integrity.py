@@ -9,12 +9,12 @@ import torch
 from safetensors.torch import save_file
 
 from dcr_testing import assert_state, zeros_like
-from nemo_dcr.checkpoint.sync import pull_checkpoint, publish_checkpoint
+from nemo_dcr.checkpoint.sync import publish_checkpoint, pull_checkpoint
 from nemo_dcr.errors import DcrError, ManifestError
 from nemo_dcr.stores import LocalStore
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
-from nemo_dcr.sync.versions import HEAD_KEY, Head, Manifest, read_head, walk
+from nemo_dcr.sync.versions import HEAD_KEY, Manifest, read_head, walk
 
 
 def state(seed=0):
@@ -78,7 +78,7 @@ def test_an_edited_metadata_byte_is_a_manifest_error(published, tmp_path):
 def test_one_edited_byte_in_head_is_caught(published, tmp_path):
     store, src = published
     good = store.get(HEAD_KEY)
-    for pos, bad in flips(good, every=2):
+    for _pos, bad in flips(good, every=2):
         store.put(HEAD_KEY, bad)
         with pytest.raises(ManifestError):
             read_head(store)

@@ -24,14 +24,14 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core not installed (pip install '.[megatron]')")
 
+from dcr_testing import assert_bits_equal  # noqa: E402
 from dcr_testing import mp_megatron as W  # noqa: E402
 from dcr_testing.procs import launch  # noqa: E402
-from dcr_testing import assert_bits_equal  # noqa: E402
+from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.integrations import hf_mapping as H  # noqa: E402
 from nemo_dcr.integrations.megatron import check_cover, is_megatron_module, megatron_snapshot  # noqa: E402
-from nemo_dcr.errors import DcrError  # noqa: E402
-from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.state.index_map import ShardSpec  # noqa: E402
+from nemo_dcr.sync.follower import Follower  # noqa: E402
 
 DEADLINE = 90.0
 LAYOUT = H.GPTLayout(num_attention_heads=8, num_query_groups=4, head_dim=8, vocab_size=W.VOCAB)
@@ -482,7 +482,7 @@ def test_stacked_blocks_tile_into_one_rectangle_or_fail_clearly():
     blocks become one rectangle at layer offset 2; gate and up rows of a TP-sharded fc1 cannot."""
     from nemo_dcr.integrations.megatron import _Piece, _tile
     full = torch.randn(4, 6, 3).to(torch.bfloat16)
-    blocks = [_Piece("w", ShardSpec.of((4, 6, 3), (l, 0, 0), (1, 6, 3)), full[l:l + 1], True) for l in (3, 2)]
+    blocks = [_Piece("w", ShardSpec.of((4, 6, 3), (r, 0, 0), (1, 6, 3)), full[r:r + 1], True) for r in (3, 2)]
     p = _tile("w", blocks)
     assert (p.spec.offsets, p.spec.shape, p.alias) == ((2, 0, 0), (2, 6, 3), False)
     assert_bits_equal(p.tensor, full[2:4], "w")

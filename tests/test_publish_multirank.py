@@ -13,12 +13,12 @@ import time
 import pytest
 import torch
 
+from dcr_testing import assert_bits_equal
 from dcr_testing import mp_workers as W
 from dcr_testing.procs import launch
-from dcr_testing import assert_bits_equal
+from dcr_testing.s3 import make_s3_store
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.versions import read_head, read_manifest
-from dcr_testing.s3 import make_s3_store
 
 DEADLINE = 60.0  # seconds for one group of processes, start-up included
 AWS_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_DEFAULT_REGION", "AWS_REGION",

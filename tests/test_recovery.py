@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dcr_testing import assert_state, zeros_like
-from nemo_dcr.errors import CorruptObjectError, VersionNotFound
+from nemo_dcr.errors import VersionNotFound
 from nemo_dcr.integrations.rollout import RolloutLoader
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher

@@ -14,11 +14,11 @@ import pytest
 import torch
 
 from dcr_testing import assert_bits_equal
-from nemo_dcr.integrations import RolloutLoader, module_snapshot, module_tensors
+from dcr_testing.procs import launch
 from nemo_dcr.errors import BaseMismatchError, DcrError
+from nemo_dcr.integrations import RolloutLoader, module_snapshot, module_tensors
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.sync.publisher import Publisher
-from dcr_testing.procs import launch
 
 CFG = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
            num_key_value_heads=2)

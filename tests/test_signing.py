@@ -13,7 +13,7 @@ from nemo_dcr.errors import ManifestError, ReplayError, SignatureError, Unsigned
 from nemo_dcr.stores import LocalStore, open_store
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
-from nemo_dcr.sync.signing import (Signer, Verifier, generate_key, private_key_pem, public_key_text, verifying)
+from nemo_dcr.sync.signing import Signer, Verifier, generate_key, private_key_pem, public_key_text, verifying
 from nemo_dcr.sync.versions import HEAD_KEY, Head, Manifest, canonical_sha256, read_head
 
 pytest.importorskip("cryptography")

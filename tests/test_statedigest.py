@@ -7,13 +7,12 @@ import os
 import pytest
 import torch
 
+from dcr_testing.procs import launch
+from dcr_testing.shards import cut, grid
 from nemo_dcr import DcrError, ShardSpec
 from nemo_dcr.state import statedigest as sd
 from nemo_dcr.state.dtypes import DTYPES, INT_VIEW, int_view
-from nemo_dcr.state.statedigest import (P, StateDigest, allreduce_digest, changes_contrib, state_contrib,
-                                  tensor_contrib)
-from dcr_testing.procs import launch
-from dcr_testing.shards import cut, grid
+from nemo_dcr.state.statedigest import P, StateDigest, allreduce_digest, changes_contrib, state_contrib, tensor_contrib
 
 ALL_DTYPES = list(DTYPES.values())  # every width 1/2/4/8, incl. bool, float8, bf16, fp64, int64
 

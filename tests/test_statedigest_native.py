@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from dcr_testing.shards import cut
 
+from dcr_testing.shards import cut
 from nemo_dcr import ShardSpec
 from nemo_dcr.codec import native
 from nemo_dcr.state import statedigest as sd

@@ -15,11 +15,17 @@ import time
 
 import pytest
 
+from dcr_testing.s3 import make_s3_store
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores import (
-    LocalStore, NotFound, PreconditionFailed, S3Store, Store, StoreError, open_store,
+    LocalStore,
+    NotFound,
+    PreconditionFailed,
+    S3Store,
+    Store,
+    StoreError,
+    open_store,
 )
-from dcr_testing.s3 import make_s3_store
 
 MiB = 1 << 20
 

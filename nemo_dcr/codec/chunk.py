@@ -25,14 +25,12 @@ from typing import TYPE_CHECKING
 import torch
 import zstandard
 
-from nemo_dcr.codec import classes
-from nemo_dcr.codec import ordered
-from nemo_dcr.codec import planes
-from nemo_dcr.codec import positions
+from nemo_dcr.codec import classes, ordered, planes, positions
+
 # the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
 from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
-from nemo_dcr.state.digest import values_digest
 from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.state.digest import values_digest
 
 if TYPE_CHECKING:
     from nemo_dcr.codec.header import ChunkEntry
@@ -118,7 +116,7 @@ class EncodedChunk:
     changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
     cls: list | None = None  # the classes table (classes coding only)
 
-    def entry(self, offset: int) -> "ChunkEntry":
+    def entry(self, offset: int) -> ChunkEntry:
         """The typed entry a reader would parse from ``header(offset)``."""
         from nemo_dcr.codec.header import ChunkEntry
         h = self.header(offset)
@@ -150,6 +148,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     encoding, use_classes = plan_encoding(encoding, old is not None, dtype)
     cls_try, cidx = None, None
     if use_classes:
+        assert old is not None and dtype is not None  # plan_encoding tries classes only with both
         k, rows, pbytes, vbytes, cidx = classes.encode(old, new, classes.MANTISSA[dtype], with_idx=True)
         if k == 0:
             return None
@@ -203,6 +202,7 @@ def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Ten
     if xorv is not None and (mixed or encoding == XOR or (encoding == ADD and not add_ok)):
         tried[XOR] = pack(planes.split(xorv), level)
     if add_ok and (mixed or encoding == ADD):
+        assert prev is not None  # add_ok: there is a base (xorv is not None)
         tried[ADD] = pack(planes.split(ordered.encode(prev, newv, is_float)), level)
     sizes = {e: len(v[0]) + len(pos_bytes) for e, v in tried.items()}
     if cls_try is not None:
@@ -230,7 +230,7 @@ def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx) -> E
     )
 
 
-def decode_chunk(h: "ChunkEntry", payload, w: int, base: torch.Tensor | None = None,
+def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None):
     """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
 

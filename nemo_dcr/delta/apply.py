@@ -9,15 +9,15 @@ receiver's local indices), check (the pre-image of what is held) and write.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping, MutableMapping
 
 import torch
 
 from nemo_dcr.codec import ordered
 from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk
 from nemo_dcr.codec.format import DeltaReader
-from nemo_dcr.codec.header import ChunkEntry
+from nemo_dcr.codec.header import ChunkEntry, TensorEntry
 from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
@@ -65,15 +65,17 @@ class _Target:
 
 def _target_of(plan: Plan) -> _Target:
     dtype = plan.entry.torch_dtype
+    region = plan.sent
     if plan.action == Action.CREATE:
         try:
-            tensor = torch.empty(plan.region.shape, dtype=dtype)
+            tensor = torch.empty(region.shape, dtype=dtype)
         except RuntimeError as e:
-            raise DcrError(f"{plan.name}: cannot allocate the new tensor {plan.region.shape}: {e}") from None
-        recv = plan.region
+            raise DcrError(f"{plan.name}: cannot allocate the new tensor {region.shape}: {e}") from None
+        recv = region
     else:
-        tensor, recv = plan.tensor, plan.recv
-    return _Target(plan, tensor, FlatAccess(tensor), IndexMap(plan.region), IndexMap(recv), dtype, itemsize(dtype))
+        assert plan.recv is not None  # plan_entry places a held tensor without a shard spec as the whole tensor
+        tensor, recv = plan.held, plan.recv
+    return _Target(plan, tensor, FlatAccess(tensor), IndexMap(region), IndexMap(recv), dtype, itemsize(dtype))
 
 
 # ----------------------------------------------------------------------------- the four steps
@@ -131,6 +133,7 @@ def new_bits(name: str, c: ChunkEntry, dtype: torch.dtype, cur: torch.Tensor | N
         return vals
     if not xor_ok:
         raise DeltaFormatError(f"{name}: a {c.enc} chunk in a whole-tensor entry")
+    assert cur is not None, f"{name}: a {c.enc} chunk needs the bits held"  # xor_ok: the callers gathered them
     if c.enc == ADD:
         if dtype.itemsize not in ordered.WIDTHS:
             raise DeltaFormatError(f"{name}: an add chunk for a {dtype.itemsize}-byte dtype")
@@ -156,13 +159,15 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
     glob, local, vals = _locate(t, c, idx, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
     cur = t.fa.gather(local) if need_cur else None
-    if check and _check(t, c, cur, in_journal):
-        return "already", 0
+    if check:
+        assert cur is not None  # checks_chunks implies xor_ok, so cur was gathered
+        if _check(t, c, cur, in_journal):
+            return "already", 0
     new = _write(t, c, local, cur, vals)
     if journal is not None:
         journal.add(key)
     if on_change is not None:
-        on_change(t.plan.name, t.dtype, t.plan.region.global_shape, glob, cur, new)
+        on_change(t.plan.name, t.dtype, t.region_map.spec.global_shape, glob, cur, new)
     return "applied", int(local.numel())
 
 
@@ -183,17 +188,17 @@ def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int 
     if plan.action == Action.IGNORE:
         return plan.tensor
     if plan.action == Action.REMOVE:
-        report_gone(plan.name, plan.tensor, plan.recv, on_change)
+        report_gone(plan.name, plan.held, plan.recv, on_change)
         return plan.tensor
     if plan.action == Action.SKIP or (plan.action != Action.CREATE and not entry.chunks):
         report.tensors_skipped += 1
         if verify:
-            verify_plan(plan, plan.tensor)
+            verify_plan(plan, plan.held)
         return plan.tensor
     t = _target_of(plan)
     if plan.replaces:
-        report_gone(plan.name, plan.tensor, plan.recv, on_change)
-    running = RunningDigest(_verified_view(plan, t.tensor), algo_of(entry.target_digest)) \
+        report_gone(plan.name, plan.held, plan.recv, on_change)
+    running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target)) \
         if verify and _verifies(plan) else None
     for c, (status, k) in zip(entry.chunks, ordered_map(lambda c: _apply_chunk(reader, t, c, journal, on_change),
                                                         entry.chunks, workers)):
@@ -222,15 +227,18 @@ def _verifies(plan: Plan) -> bool:
 
 
 def _verified_view(plan: Plan, tensor: torch.Tensor) -> torch.Tensor:
-    return tensor if plan.action == Action.CREATE else tensor[plan.recv.slices_of(plan.region)]
+    if plan.action == Action.CREATE:
+        return tensor
+    assert plan.recv is not None  # plan_entry: every held tensor has its shard spec
+    return tensor[plan.recv.slices_of(plan.sent)]
 
 
 def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> None:
     """Check the entry's target digest on ``tensor`` (``digest``: already computed on it)."""
     if not _verifies(plan):
         return
-    d = digest or tensor_digest_like(_verified_view(plan, tensor), plan.entry.target_digest)
-    if d != plan.entry.target_digest:
+    d = digest or tensor_digest_like(_verified_view(plan, tensor), plan.target)
+    if d != plan.target:
         raise TargetMismatchError(f"{plan.name}: result does not match the target digest "
                                   f"(got {d}, expected {plan.entry.target_digest})")
 
@@ -252,7 +260,7 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     reader = DeltaReader.open(delta)
     reader.check_payloads()
     shards = shards or {}
-    entries = reader.header.tensors
+    entries: Sequence[TensorEntry] = reader.header.tensors
     if held_only:  # one rank of a group: tensors it does not hold are other ranks' to apply
         entries = [e for e in entries if e.name in tensors]
     # the base digests of all entries, hashed on the worker threads; nothing is changed yet

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import io
 import time
-from typing import BinaryIO, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import BinaryIO
 
 import torch
 
@@ -64,8 +65,8 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         raise DcrError(f"chunk_elems must be in [1, {MAX_CHUNK_ELEMS}], not {chunk_elems}")
     shards = shards or {}
     base_shards = shards if base_shards is None else base_shards
-    sink = out if out is not None else io.BytesIO()
-    w = DeltaWriter(sink)
+    buf = io.BytesIO()
+    w = DeltaWriter(out if out is not None else buf)
     names = sorted(set(base.keys()) | set(target.keys()))
     total = getattr(target, "total_bytes", None)
     if total is None and isinstance(target, dict):
@@ -97,7 +98,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         "meta": meta or {},
     }
     w.finish(header)
-    return header if out is not None else sink.getvalue()
+    return header if out is not None else buf.getvalue()
 
 
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
@@ -134,6 +135,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
         if isinstance(r, tuple) and r[0] == "digest":
             digests[r[1]] = tensor_digest(new if r[1] == "target" else old)
             return None, 0
+        c: EncodedChunk | None
         if isinstance(r, EncodedChunk):  # found by the chunker
             c, s = r, r.start
         else:
@@ -142,10 +144,12 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
                              keep_changes=on_change is not None, is_float=new.dtype.is_floating_point,
                              dtype=new.dtype)
         if c is not None and on_change is not None:
+            # keep_changes=True (and the chunker is told the same): every chunk carries its changes
+            assert c.changes is not None and region_map is not None
             idx, oldv, newv = c.changes
             on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
             c.changes = None
-        return c, (c.n if isinstance(r, EncodedChunk) else e - s) * new.element_size()
+        return c, (r.n if isinstance(r, EncodedChunk) else e - s) * new.element_size()
 
     chunks = []
     jobs = [("digest", "target")] + ([("digest", "base")] if old is not None and "base" not in digests else []) \

@@ -51,6 +51,25 @@ class Plan:
         return self.covered and self.action in (Action.APPLY, Action.RESUME)
 
     @property
+    def held(self) -> torch.Tensor:
+        """The receiver's tensor, for the plans that have one: all but an ``ignore`` of a removed tensor
+        it lacks and a ``create`` of a new one."""
+        assert self.tensor is not None, f"{self.name}: a {self.action.value} plan without the receiver's tensor"
+        return self.tensor
+
+    @property
+    def sent(self) -> ShardSpec:
+        """The region the entry carries (every entry but a removed one has one)."""
+        assert self.region is not None, f"{self.name}: a removed entry carries no region"
+        return self.region
+
+    @property
+    def target(self) -> str:
+        """The entry's target digest (every entry but a removed one has one)."""
+        assert self.entry.target_digest is not None, f"{self.name}: a removed entry has no target digest"
+        return self.entry.target_digest
+
+    @property
     def replaces(self) -> bool:
         """A ``create`` over a tensor the receiver holds with another dtype or shape."""
         return self.action == Action.CREATE and self.tensor is not None
@@ -65,7 +84,8 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
                 and tensor_digest_like(tensor, entry.base_digest) != entry.base_digest:
             raise BaseMismatchError(f"{name}: the delta removes this tensor, but the receiver's is not the base's")
         return Plan(entry, tensor, recv, None, False, Action.REMOVE if tensor is not None else Action.IGNORE)
-    dtype, region = entry.torch_dtype, entry.region
+    dtype, region, target = entry.torch_dtype, entry.region, entry.target_digest
+    assert region is not None and target is not None  # TensorEntry.parse: every entry but a removed one has both
     if entry.kind == TensorKind.FULL and (tensor is None or tensor.dtype != dtype
                                          or tuple((recv or ShardSpec.full(tensor.shape)).global_shape)
                                          != region.global_shape):
@@ -88,14 +108,14 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
     if not covered and not _overlaps(recv, region):
         return Plan(entry, tensor, recv, region, False, Action.IGNORE)
     if entry.kind == TensorKind.FULL:  # the region's whole content, written over whatever is there
-        if covered and verify and tensor_digest_like(tensor[recv.slices_of(region)], entry.target_digest) \
-                == entry.target_digest:
+        if covered and verify and tensor_digest_like(tensor[recv.slices_of(region)], target) == target:
             return Plan(entry, tensor, recv, region, True, Action.SKIP)
         return Plan(entry, tensor, recv, region, covered, Action.OVERWRITE)
     if not covered:
         return Plan(entry, tensor, recv, region, False, Action.UNVERIFIED)
     if not verify:
         return Plan(entry, tensor, recv, region, True, Action.RESUME)
+    assert entry.base_digest is not None  # TensorEntry.parse: a delta entry has one (full ones returned above)
     d = tensor_digest_like(tensor[recv.slices_of(region)], entry.base_digest)
     if d == entry.base_digest:
         action = Action.APPLY if entry.chunks else Action.SKIP

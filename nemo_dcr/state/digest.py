@@ -12,7 +12,8 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Mapping
+from collections.abc import Mapping
+from typing import Protocol
 
 import torch
 
@@ -27,6 +28,12 @@ def _bytes(bits: torch.Tensor):
     return bits.contiguous().view(torch.uint8).cpu().numpy().data
 
 
+class _Hasher(Protocol):
+    def update(self, data: bytes | memoryview, /) -> None: ...
+
+    def hexdigest(self) -> str: ...
+
+
 class RunningDigest:
     """``tensor_digest`` of ``t`` fed front to back: ``advance(end)`` hashes the flat elements up
     to ``end`` (those must be final by then), ``hexdigest()`` the rest and returns the digest.
@@ -35,6 +42,7 @@ class RunningDigest:
     instead of being a second pass after them (same bytes hashed, same digest)."""
 
     def __init__(self, t: torch.Tensor, algo: str = "sha256"):
+        self._h: _Hasher  # sha256 and blake2b share no base class, only these two methods
         if algo == "sha256":
             self._h, self._prefix = hashlib.sha256(), "sha256:"
         elif algo == "blake2b":

@@ -40,14 +40,15 @@ import hashlib
 import json
 import math
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Mapping, Optional, Sequence, Union
+from typing import TYPE_CHECKING
 
 import torch
 
 from nemo_dcr.codec import native
-from nemo_dcr.state.dtypes import INT_VIEW, dtype_from_name, dtype_name, itemsize
 from nemo_dcr.errors import DcrError
+from nemo_dcr.state.dtypes import INT_VIEW, dtype_from_name, dtype_name, itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.util.parallel import ordered_map
@@ -82,20 +83,20 @@ class StateDigest:
         object.__setattr__(self, "lanes", lanes)
 
     @classmethod
-    def zero(cls) -> "StateDigest":
+    def zero(cls) -> StateDigest:
         return cls((0,) * LANES)
 
-    def __add__(self, other: "StateDigest") -> "StateDigest":
+    def __add__(self, other: StateDigest) -> StateDigest:
         if not isinstance(other, StateDigest):
             return NotImplemented
         return StateDigest(tuple((a + b) % P for a, b in zip(self.lanes, other.lanes)))
 
-    def __sub__(self, other: "StateDigest") -> "StateDigest":
+    def __sub__(self, other: StateDigest) -> StateDigest:
         if not isinstance(other, StateDigest):
             return NotImplemented
         return StateDigest(tuple((a - b) % P for a, b in zip(self.lanes, other.lanes)))
 
-    def __neg__(self) -> "StateDigest":
+    def __neg__(self) -> StateDigest:
         return StateDigest(tuple((-a) % P for a in self.lanes))
 
     def hex(self) -> str:
@@ -103,7 +104,7 @@ class StateDigest:
         return "".join(f"{v:0{_HEX_WIDTH}x}" for v in self.lanes)
 
     @classmethod
-    def from_hex(cls, s: str) -> "StateDigest":
+    def from_hex(cls, s: str) -> StateDigest:
         if not isinstance(s, str) or len(s) != _HEX_WIDTH * LANES:
             raise DcrError(f"state digest must be {_HEX_WIDTH * LANES} hex digits, got {s!r}")
         try:
@@ -223,7 +224,7 @@ def _native_keys(keys: _Keys):
     return t, kp, c
 
 
-def _native_kernel(lib, keys: _Keys, bits: torch.Tensor, start: int = 0, gidx: Optional[torch.Tensor] = None) -> list:
+def _native_kernel(lib, keys: _Keys, bits: torch.Tensor, start: int = 0, gidx: torch.Tensor | None = None) -> list:
     """``_kernel`` in C: ``bits`` contiguous; canonical indices ``gidx`` (int64, contiguous) or,
     when None, ``start + k`` for element ``k``. Any length (the C loop reduces in blocks)."""
     import ctypes
@@ -256,8 +257,8 @@ def _as_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- public API
 
-def tensor_contrib(name: str, tensor: torch.Tensor, spec: Optional[ShardSpec] = None, *,
-                   workers: Optional[int] = None) -> StateDigest:
+def tensor_contrib(name: str, tensor: torch.Tensor, spec: ShardSpec | None = None, *,
+                   workers: int | None = None) -> StateDigest:
     """Partial state digest of a local tensor, or of a shard of tensor ``name`` placed by ``spec``.
 
     ``spec`` None means the whole tensor. Any strides are fine; memory beyond the tensor is
@@ -299,7 +300,7 @@ def tensor_contrib(name: str, tensor: torch.Tensor, spec: Optional[ShardSpec] = 
 
 
 def state_contrib(tensors: Mapping[str, torch.Tensor],
-                  shards: Optional[Mapping[str, ShardSpec]] = None, *, workers: Optional[int] = None) -> StateDigest:
+                  shards: Mapping[str, ShardSpec] | None = None, *, workers: int | None = None) -> StateDigest:
     """Sum of ``tensor_contrib`` over ``tensors``; ``shards`` maps names to their ShardSpec
     (a name missing from it is a whole tensor)."""
     shards = shards or {}
@@ -309,7 +310,7 @@ def state_contrib(tensors: Mapping[str, torch.Tensor],
     return d
 
 
-def changes_contrib(name: str, dtype: Union[torch.dtype, str], global_shape: Sequence[int],
+def changes_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[int],
                     global_idx: torch.Tensor, bits: torch.Tensor) -> StateDigest:
     """Contribution of the elements of tensor ``name`` at canonical flat ``global_idx`` holding
     ``bits`` (a tensor of ``dtype`` or of its integer view). Indices must be distinct.
@@ -371,7 +372,7 @@ def allreduce_digest(d: StateDigest, group: ProcessGroup | None = None) -> State
     total). Lanes are < 2**31, so an int64 sum is exact for up to 2**32 ranks."""
     import torch.distributed as dist
 
-    device = "cpu"
+    device: str | torch.device = "cpu"
     if "nccl" in str(dist.get_backend(group)).lower():
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(d.lanes, dtype=torch.int64, device=device)

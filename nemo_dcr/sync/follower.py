@@ -39,14 +39,22 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping, MutableMapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from nemo_dcr.delta import apply, remove_absent
-from nemo_dcr.errors import (BaseMismatchError, CorruptObjectError, DcrError, GroupError, PartialApplyError,
-                             TargetMismatchError, VersionNotFound)
+from nemo_dcr.errors import (
+    BaseMismatchError,
+    CorruptObjectError,
+    DcrError,
+    GroupError,
+    PartialApplyError,
+    TargetMismatchError,
+    VersionNotFound,
+)
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.group import Group
@@ -74,7 +82,8 @@ class SyncResult:
     path: str = ""                              # the path taken, e.g. "keyframe 4 + deltas 5..6"
     fallbacks: list = field(default_factory=list)  # paths given up on the way, with the reason
     rekeyed: bool = False                       # the store's history was not the one followed
-    spans: list = field(default_factory=list)   # Span per stage, seconds from the start of the sync
+    # Span per stage, seconds from the start of the sync (sync() passes its own; lambda: Spans is defined below)
+    spans: Spans = field(default_factory=lambda: Spans())
 
     @property
     def updated(self) -> bool:
@@ -257,6 +266,7 @@ class Follower:
         target = g.run(lambda: read_manifest(self.store, head.manifest, head.manifest_sha256) if tv == head.version
                        else manifest_at(self.store, tv, head), f"read the manifest of version {tv}")
         if self._version is not None and target.version == self._version:
+            assert self._digest is not None  # set together with _version (_verify)
             if target.target_digest == self._digest.hex():
                 self._held = target  # the same state under another manifest (a republished store)
                 return self._done(res, t0)
@@ -308,11 +318,10 @@ class Follower:
         self._version = self._held = self._digest = None
 
     # ------------------------------------------------------------------ steps
-    def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False, feed: "_Feed | None" = None) -> None:
-        g = self.group
+    def _step(self, kind: str, m: Manifest, res: SyncResult, resume: bool = False, feed: _Feed | None = None) -> None:
         parts = _parts(kind, m)
         own = feed is None
-        if own:  # a step on its own (finishing an interrupted version)
+        if feed is None:  # a step on its own (finishing an interrupted version)
             feed = _Feed(self, [(kind, m)], res.spans)
         try:
             self._apply_step(kind, m, parts, res, resume, feed)
@@ -320,13 +329,13 @@ class Follower:
             if own:
                 feed.close()
 
-    def _take(self, feed: "_Feed", kind: str, m: Manifest, parts) -> list:
+    def _take(self, feed: _Feed, kind: str, m: Manifest, parts) -> list:
         try:
             return self.group.run(lambda: [feed.take(p) for p in parts], f"download the {kind} of version {m.version}")
         except (CorruptObjectError, VersionNotFound, GroupError) as e:
             raise _Unavailable(kind, m, e) from e
 
-    def _apply_step(self, kind: str, m: Manifest, parts, res: SyncResult, resume: bool, feed: "_Feed") -> None:
+    def _apply_step(self, kind: str, m: Manifest, parts, res: SyncResult, resume: bool, feed: _Feed) -> None:
         g = self.group
         stream = self.stream and not g.active and len(parts) > 1
         # default: every object of the version verified before its first write
@@ -383,6 +392,7 @@ class Follower:
         a version finished after an interruption (anything may have happened in between)."""
         pend = self._pending
         if kind == "delta" and not full:
+            assert pend is not None and m.base_digest is not None  # _apply_step set it; a delta has a base
             change = pend["change"].total
             if self.group.active:
                 change = allreduce_digest(change, self.group.group)
@@ -398,6 +408,7 @@ class Follower:
 
     def _finish_pending(self, res: SyncResult) -> None:
         pend = self._pending
+        assert pend is not None  # sync() calls this only for a pending version
         try:
             self._step(pend["kind"], pend["manifest"], res, resume=True)
         except (BaseMismatchError, TargetMismatchError, PartialApplyError, _Unavailable):
@@ -448,7 +459,8 @@ class Follower:
                        f", manifest says {part.size} bytes, {part.sha256[:16]}..."
             if attempt < self.retries:
                 time.sleep(self.backoff * (2 ** attempt))
-        raise CorruptObjectError(f"object {part.key} is corrupt or unreadable after {self.retries + 1} attempts: {last}")
+        raise CorruptObjectError(f"object {part.key} is corrupt or unreadable after {self.retries + 1} attempts: "
+                                 f"{last}")
 
     def _full_digest(self) -> StateDigest:
         d = state_contrib(self.tensors, self.shards)
@@ -480,7 +492,7 @@ class _Feed:
         self._stop = threading.Event()
         self._thread = None
         if follower.prefetch > 0 and self._parts:
-            self._q: "queue.Queue" = queue.Queue(maxsize=follower.prefetch)
+            self._q: queue.Queue = queue.Queue(maxsize=follower.prefetch)
             self._thread = threading.Thread(target=self._run, name="nemo-dcr-fetch", daemon=True)
             self._thread.start()
 
@@ -488,6 +500,7 @@ class _Feed:
         for p in self._parts:
             if self._stop.is_set():
                 return
+            item: tuple[Any, bytes | None, Exception | None]
             try:
                 item = (p, self._fetch(p), None)
             except Exception as e:  # handed to the consumer, raised there
@@ -520,6 +533,8 @@ class _Feed:
 
 class _Fallback(str):
     """A path given up: ``"<kind> <version>: <why>"`` (``.error`` keeps the exception)."""
+
+    error: Exception
 
     def __new__(cls, what: str, error: Exception):
         s = super().__new__(cls, f"{what}: {type(error).__name__}: {error}")

@@ -18,13 +18,14 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Mapping
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, PublishError
 from nemo_dcr.state.index_map import ShardSpec
@@ -36,6 +37,7 @@ from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id,
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from nemo_dcr.device.trainer import DeviceSnapshot
     from nemo_dcr.stores.base import Store
 
 # dense bytes per object of a rank's delta/keyframe: big enough that a part's header and request
@@ -70,8 +72,9 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 
 
 class Publisher:
-    def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto", level: int = DEFAULT_LEVEL,
-                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, retain: int | None = None,
+    def __init__(self, store: Store | str, *, keyframe_every: int = 0, encoding: str = "auto",
+                 level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
+                 retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
                  part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
@@ -104,7 +107,7 @@ class Publisher:
         # private and unchanged since, so the next diff need not hash it again
         self._tensor_digests: dict = {}
         self.device, self.keep = device, keep
-        self._dev = None  # the device path's DeviceSnapshot (its tensors are _base), once chosen
+        self._dev: DeviceSnapshot | None = None  # the device path's DeviceSnapshot (its tensors are _base), once chosen
         self._dev_chosen = False
 
     @property
@@ -120,7 +123,10 @@ class Publisher:
     def published(self) -> tuple[dict, dict] | None:
         """``(tensors, shards)``: this rank's copy of the last published state (None before the
         first publish). Read-only: it is the base of the next delta."""
-        return None if self._base is None else (self._base, self._shards)
+        if self._base is None:
+            return None
+        assert self._shards is not None  # set together with _base
+        return self._base, self._shards
 
     # ------------------------------------------------------------------ publish
     def publish(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] | None = None, *,
@@ -139,7 +145,7 @@ class Publisher:
                                       "read the store's HEAD", src=0)
         version = 0 if head is None else head.version + 1
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
-        local = {}
+        local: dict[str, Any] = {}  # what upload() leaves behind: snapshot, shards, digests
 
         dev = self._device_path(tensors)
 
@@ -175,7 +181,8 @@ class Publisher:
         self._tensor_digests = local["tensor_digests"]
         if self.retain is not None:
             from nemo_dcr.sync.retention import prune
-            g.run(lambda: prune(self.store, new_head, keep=self.retain) if g.rank == 0 else None,
+            retain = self.retain
+            g.run(lambda: prune(self.store, new_head, keep=retain) if g.rank == 0 else None,
                   f"retention after version {version}", src=0)
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0, spans)
@@ -195,7 +202,7 @@ class Publisher:
         does."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
-        out = {"parts": [], "keyframe_parts": []}
+        out: dict[str, Any] = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
         dev = self._dev
         if dev:  # the full-state steps (keyframe, first digest) read host copies, one tensor at a time
@@ -220,6 +227,7 @@ class Publisher:
                     spans.add("encode", f"delta part {j}", t)
                     uploads.start(out["parts"], f"{d}/{_part_name('part', rank, j)}", blob, j)
                     digests.update(target_digests(blob))  # the next version's base digests, known now
+                assert self._digest is not None  # set together with _base
                 new_digest = self._digest + change.total
             else:
                 new_digest = state_contrib(host, shards)
@@ -309,7 +317,9 @@ class _Uploads:
     ``Publisher.max_uploads`` at once (``start`` waits for room: the encoded bytes wait in memory)."""
 
     def __init__(self, pub: Publisher, spans: Spans):
-        self.pub, self.spans, self.threads, self.errors = pub, spans, [], []
+        self.pub, self.spans = pub, spans
+        self.threads: list[threading.Thread] = []
+        self.errors: list[BaseException] = []
         self.room = threading.BoundedSemaphore(pub.max_uploads)
 
     def start(self, into: list, key: str, blob: bytes, order: int = 0) -> None:
@@ -343,7 +353,9 @@ def split_parts(base: Mapping, target: Mapping, part_bytes: int) -> list[list[st
     names = sorted(set(base.keys()) | set(target.keys()))
     if part_bytes <= 0:
         return [names]
-    groups, cur, size = [], [], 0
+    groups: list[list[str]] = []
+    cur: list[str] = []
+    size = 0
     for n in names:
         t = target.get(n) if n in target else None
         b = t.numel() * t.element_size() if t is not None else 0

@@ -158,7 +158,8 @@ def pinned_clock():
 def load_inputs(d: str = OUT):
     """The committed inputs: (base, target, shard base, shard target) as dicts of tensors."""
     from safetensors.torch import load_file
-    return tuple(load_file(os.path.join(d, f"{n}.safetensors")) for n in ("base", "target", "shard_base", "shard_target"))
+    names = ("base", "target", "shard_base", "shard_target")
+    return tuple(load_file(os.path.join(d, f"{n}.safetensors")) for n in names)
 
 
 def encode_all(inputs_dir: str, scratch: str, workers: int | None = 1) -> dict:

@@ -17,9 +17,10 @@ def variants():
     """(kernel name, signature, constexprs) of every launch the wrappers make."""
     from nemo_dcr.codec.classes import MANTISSA
     view = {1: "*u8", 2: "*i16", 4: "*i32", 8: "*i64"}
-    for w, p in view.items():
-        yield f"diff_compact_kernel[{p[1:]}]", dict(old_ptr=p, new_ptr=p, n="i64", chunk="i64", bpc="i32", pos_ptr="*i64",
-                                          oldv_ptr=p, newv_ptr=p, cap="i64", ctr_ptr="*i64", boff_ptr="*i64",
+    for p in view.values():
+        yield f"diff_compact_kernel[{p[1:]}]", dict(old_ptr=p, new_ptr=p, n="i64", chunk="i64", bpc="i32",
+                                          pos_ptr="*i64", oldv_ptr=p, newv_ptr=p, cap="i64", ctr_ptr="*i64",
+                                          boff_ptr="*i64",
                                           bcnt_ptr="*i32", BLOCK="constexpr"), dict(BLOCK=1024)
         yield f"preimage_check_kernel[{p[1:]}]", dict(target_ptr=p, pos_ptr="*i64", pre_ptr=p, k="i64", bad_ptr="*i32",
                                             BLOCK="constexpr"), dict(BLOCK=1024)

@@ -147,6 +147,7 @@ def _train(rank, world, a, res, out):
     """(a) TP=2 trainer: real forward/backward/Adam steps; publishes Megatron coordinates and,
     through hf_mapping, HF Llama coordinates, each to its own store."""
     import torch.distributed as dist
+
     from nemo_dcr.integrations.hf_mapping import GPTLayout, megatron_to_hf_shards
     from nemo_dcr.integrations.megatron import megatron_snapshot
     from nemo_dcr.sync.publisher import Publisher
@@ -223,6 +224,7 @@ def _follow(rank, world, a, res, out):
     """A TP=a['tp'] receiver group: applies every version into views of its own (differently
     initialised) model's parameters, refreshes the TP-replicated layer norms, compares."""
     import torch.distributed as dist
+
     from nemo_dcr.integrations.megatron import check_cover, megatron_snapshot, sync_replicas
     from nemo_dcr.sync.follower import Follower
     tp = a["tp"]
@@ -263,6 +265,7 @@ def _dp2(rank, world, a, res, out):
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.param_and_grad_buffer import shard_buffer
+
     from nemo_dcr.integrations.megatron import force_param_sync, is_megatron_module, megatron_snapshot
     from nemo_dcr.state.dtypes import int_view
     setup()
@@ -299,7 +302,10 @@ def _dp2(rank, world, a, res, out):
     res["synced_chunks"] = force_param_sync(wrapped)
     res["equal_after_sync"] = same_across_dp()
     after, shards = megatron_snapshot(wrapped)
-    changed = lambda x, y: sum(int((int_view(x[n]) != int_view(y[n])).sum()) for n in x)
+
+    def changed(x, y):
+        return sum(int((int_view(x[n]) != int_view(y[n])).sum()) for n in x)
+
     total = sum(t.numel() for t in after.values())
     res["changed_stale"], res["changed_after"], res["total"] = changed(before, stale), changed(before, after), total
     res["published_tensors"] = len(after)
@@ -324,8 +330,9 @@ SCENARIOS = {"train": _train, "publish": _publish, "follow": _follow, "dp2": _dp
 
 
 def main(rank: int, world: int, port: int, scenario: str, args: dict, out: str) -> None:
-    import torch.distributed as dist
     import warnings
+
+    import torch.distributed as dist
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)
     res = {"rank": rank, "ok": False}

@@ -131,6 +131,7 @@ class FaultyStore:
 def _joint_publish_and_follow(rank, world, spec, res):
     """Ranks 0-3 publish (trainer group), ranks 4-5 follow (receiver group), in lock step."""
     import torch.distributed as dist
+
     from nemo_dcr.sync.follower import Follower
     from nemo_dcr.sync.publisher import Publisher
 
@@ -196,7 +197,7 @@ def _fresh_group_publishes(rank, world, spec, res):
 
 
 def _raise_mid_upload(rank, world, spec, res):
-    from nemo_dcr.sync.publisher import PublishError, Publisher
+    from nemo_dcr.sync.publisher import Publisher, PublishError
     from nemo_dcr.sync.versions import read_head
 
     store = FaultyStore(open_spec(spec), f"/part-{rank:05d}.dcr", "raise") if rank == 2 else open_spec(spec)
@@ -218,7 +219,7 @@ def _raise_mid_upload(rank, world, spec, res):
 def _restore_download_fails(rank, world, spec, res):
     """A restarted trainer rebuilds its base from the store over the group; one rank cannot
     download: every rank must fail the publish promptly, not wait in a collective for it."""
-    from nemo_dcr.sync.publisher import PublishError, Publisher
+    from nemo_dcr.sync.publisher import Publisher, PublishError
     from nemo_dcr.sync.versions import read_head
 
     store = FaultyStore(open_spec(spec), ".dcr") if rank == 2 else open_spec(spec)

@@ -27,7 +27,7 @@ class RelayProc:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                      env={**os.environ, **(env or {})})
         self.out, self.err = [], []
-        self._lines: "queue.Queue" = queue.Queue()
+        self._lines: queue.Queue = queue.Queue()
         for stream, keep in ((self.proc.stdout, self.out), (self.proc.stderr, self.err)):
             threading.Thread(target=self._pump, args=(stream, keep), daemon=True).start()
         m = self.wait_line(READY, timeout)

@@ -67,7 +67,9 @@ def moto_server(host: str = "127.0.0.1"):
                         reason="S3 store tests need pip install 'moto[server]'")
     import boto3
     from moto.moto_server.werkzeug_app import (
-        DomainDispatcherApplication, MotoRequestHandler, create_backend_app,
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
     )
     from werkzeug.serving import make_server
 

@@ -83,8 +83,6 @@ except ImportError:
     skip('triton is not installed (pip install "nemo-dcr[gpu]")')
 
 from dcr_testing.device_cases import FLOATS, INTS, make_pair  # noqa: E402
-
-from nemo_dcr.codec import classes  # noqa: E402
 from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.delta import diff  # noqa: E402
@@ -93,7 +91,7 @@ from nemo_dcr.device.diff import bits, diff_  # noqa: E402
 from nemo_dcr.device.encode import encode_changes_chunks  # noqa: E402
 from nemo_dcr.device.receive import apply_delta_  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
-from nemo_dcr.state.statedigest import StateDigest, state_contrib, tensor_contrib  # noqa: E402
+from nemo_dcr.state.statedigest import StateDigest, tensor_contrib  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
 from nemo_dcr.sync.follower import Follower  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
@@ -137,7 +135,8 @@ def kernel_case(dtype, n, rate, chunk, encodings):
     ch = diff_(snap, live_d, chunk_elems=chunk)
     ob, nb = bits(base), bits(live)
     idx = torch.nonzero(ob != nb).squeeze(1)
-    if not (torch.equal(ch.pos.cpu(), idx) and torch.equal(ch.old.cpu(), ob[idx]) and torch.equal(ch.new.cpu(), nb[idx])):
+    if not (torch.equal(ch.pos.cpu(), idx) and torch.equal(ch.old.cpu(), ob[idx])
+            and torch.equal(ch.new.cpu(), nb[idx])):
         raise AssertionError("changes differ from the reference's")
     eq_bits(snap, live, "snapshot after the update")
     chunk = chunk or max(n, 1)
@@ -176,7 +175,8 @@ def kernels_section():
                 for chunk in ((None, 4099) if n > 4099 else (None, 100)):
                     encs = CHOICES if n <= 100_003 else ("auto", "classes")
                     name = f"kernels {str(dtype).removeprefix('torch.')} n={n} rate={rate} chunk={chunk}"
-                    check(name, lambda: kernel_case(dtype, n, rate, chunk, encs))
+                    check(name, lambda dtype=dtype, n=n, rate=rate, chunk=chunk, encs=encs:
+                          kernel_case(dtype, n, rate, chunk, encs))
 
     def noncontig():
         a = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEV)
@@ -287,11 +287,14 @@ def bench_section():
         bv = bits(live)
         bv[idx] = bv[idx] + torch.where(torch.rand(k, device=DEV, generator=g) < 0.5, 1, -1).to(bv.dtype)
         snap = base.clone()
-        t_compact = timed(lambda: diff_(snap, live, chunk_elems=1 << 20, use_classes=False, update=False))
-        t_fused = timed(lambda: diff_(snap, live, chunk_elems=1 << 20, use_classes=True, update=False))
+        t_compact = timed(lambda snap=snap, live=live:
+                          diff_(snap, live, chunk_elems=1 << 20, use_classes=False, update=False))
+        t_fused = timed(lambda snap=snap, live=live:
+                        diff_(snap, live, chunk_elems=1 << 20, use_classes=True, update=False))
         ch = diff_(snap, live, chunk_elems=1 << 20, use_classes=True, update=False)
         # the snapshot update after a commit: the changes written (checked), then undone, timed as pairs
-        t_update = timed(lambda: (apply_(snap, ch.pos, ch.new, ch.old), apply_(snap, ch.pos, ch.old, ch.new))) / 2
+        t_update = timed(lambda snap=snap, ch=ch: (apply_(snap, ch.pos, ch.new, ch.old),
+                                                   apply_(snap, ch.pos, ch.old, ch.new))) / 2
         t0 = time.perf_counter()
         ch_host = ch.cpu()
         t_stream_d2h = time.perf_counter() - t0
@@ -301,7 +304,7 @@ def bench_section():
         # the receiver: a delta of those chunks, host decode + device apply
         # (diff with the chunks found on the device; its tensor digests read the shard on the host)
         blob = diff({"w": base}, {"w": live}, encoding="classes", chunk_elems=1 << 20, progress=False,
-                    chunker=lambda *a: chunks)
+                    chunker=lambda *a, chunks=chunks: chunks)
         target = base.clone()
         t0 = time.perf_counter()
         apply_delta_({"w": target}, blob)

@@ -54,8 +54,9 @@ def tiny_llama():
 
 
 def save_bf16(model, path):
-    from nemo_dcr.integrations import module_snapshot
     from safetensors.torch import save_file
+
+    from nemo_dcr.integrations import module_snapshot
     os.makedirs(path, exist_ok=True)
     state, _ = module_snapshot(model, dtype="bfloat16")
     save_file({k: v.contiguous() for k, v in state.items()}, os.path.join(path, "model.safetensors"))
