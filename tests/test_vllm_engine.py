@@ -7,7 +7,6 @@ equal to the trainer's. Runs in the vLLM venv (``make test-vllm``); skipped else
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dcr_testing import vllm_models as vm
 

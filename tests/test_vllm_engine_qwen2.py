@@ -7,8 +7,6 @@ checkpoint, and every tensor's bits equal the trainer's. Runs in the vLLM venv (
 """
 from __future__ import annotations
 
-import pytest
-
 from dcr_testing import vllm_models as vm
 
 vm.require_vllm()

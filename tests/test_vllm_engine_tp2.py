@@ -25,9 +25,9 @@ from nemo_dcr.codec.chunk import CLASSES  # noqa: E402
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.integrations.vllm_worker import refit  # noqa: E402
+from nemo_dcr.stores import open_store  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
 from nemo_dcr.sync.versions import read_head, read_manifest  # noqa: E402
-from nemo_dcr.stores import open_store  # noqa: E402
 
 
 def _uses_classes(store_url: str) -> bool:

