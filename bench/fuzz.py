@@ -57,21 +57,12 @@ ASAN_CFLAGS = "-fsanitize=address -fno-omit-frame-pointer -g -O1"
 
 
 def _states():
-    import torch
-    g = torch.Generator().manual_seed(1)
-    base = {
-        "bf": torch.randn(40, 20, generator=g).to(torch.bfloat16),  # classes chunks (C kernel)
-        "f32": torch.randn(300, generator=g),
-        "i8": torch.randint(-100, 100, (50,), generator=g, dtype=torch.int8),
-        "gone": torch.ones(4, dtype=torch.float16),
-        "same": torch.arange(10, dtype=torch.int32),
-    }
-    target = {k: v.clone() for k, v in base.items() if k != "gone"}
-    target["bf"].view(-1)[::7] = (target["bf"].view(-1)[::7].float() * 1.01).to(torch.bfloat16)
-    target["f32"][::5] += 0.5
-    target["i8"][3:9] = 7
-    target["new"] = torch.tensor([0.0, -0.0, float("nan"), float("inf")], dtype=torch.float16)
-    return base, target
+    """The tests' fuzz pair (tests/dcr_testing/fuzz_cases.py): one definition for both fuzzers."""
+    tests = os.path.join(ROOT, "tests")
+    if tests not in sys.path:
+        sys.path.insert(0, tests)
+    from dcr_testing.fuzz_cases import fuzz_states
+    return fuzz_states()
 
 
 class DeltaFixtures:

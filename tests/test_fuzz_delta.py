@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from dcr_testing import bits, deadline
+from dcr_testing.fuzz_cases import fuzz_states
 from nemo_dcr import DcrError, DeltaReader, apply, diff, inspect
 from nemo_dcr.codec import native
 from nemo_dcr.codec.format import PREAMBLE, DeltaWriter
@@ -28,24 +29,7 @@ SEED = 20261201
 CASES = int(os.environ.get("NEMO_DCR_FUZZ_CASES", "150"))
 
 
-def states():
-    g = torch.Generator().manual_seed(1)
-    base = {
-        "bf": torch.randn(40, 20, generator=g).to(torch.bfloat16),  # classes chunks
-        "f32": torch.randn(300, generator=g),
-        "i8": torch.randint(-100, 100, (50,), generator=g, dtype=torch.int8),
-        "gone": torch.ones(4, dtype=torch.float16),
-        "same": torch.arange(10, dtype=torch.int32),
-    }
-    target = {k: v.clone() for k, v in base.items() if k != "gone"}
-    target["bf"].view(-1)[::7] = (target["bf"].view(-1)[::7].float() * 1.01).to(torch.bfloat16)
-    target["f32"][::5] += 0.5
-    target["i8"][3:9] = 7
-    target["new"] = torch.tensor([0.0, -0.0, float("nan"), float("inf")], dtype=torch.float16)
-    return base, target
-
-
-BASE, TARGET = states()
+BASE, TARGET = fuzz_states()
 BLOBS = {
     "auto": diff(BASE, TARGET, chunk_elems=64, workers=1),
     "portable": diff(BASE, TARGET, encoding="portable", chunk_elems=64, workers=1),
