@@ -11,19 +11,29 @@ import pytest
 pytest.importorskip("moto.moto_server.werkzeug_app", reason="the campaign needs moto[server]")
 pytest.importorskip("aiohttp", reason="the campaign needs aiohttp")
 
-from nemo_dcr.chaos.campaign import FAULTS, run_campaign
+from nemo_dcr.chaos.campaign import FAULTS, Campaign
 
 DISK = {"disk_full_pub", "disk_full_recv", "readonly_pub", "readonly_recv"}
 
 
-def test_fast_campaign_every_fault_kind_no_silent_corruption_all_converge():
-    out = run_campaign(len(FAULTS), seed=7, fast=True)
+@pytest.fixture(scope="module")
+def campaign():
+    # one start-up (S3 server, proxies, relays, publisher group, receivers) for both tests:
+    # each batch of runs is counted afresh and depends only on its own seed
+    c = Campaign(fast=True)
+    yield c
+    c.close()
+
+
+def test_fast_campaign_every_fault_kind_no_silent_corruption_all_converge(campaign):
+    out = campaign.batch(len(FAULTS), seed=7)
     assert out["runs"] == len(FAULTS)
     injected = set(out["faults"]) - {k.split(":")[0] for k in out["skipped"]}
     expected = set(FAULTS) if os.geteuid() == 0 else set(FAULTS) - DISK  # tmpfs faults need root
     assert expected <= injected, f"fault kinds never injected: {expected - injected}"
     assert out["silent_corruptions"] == 0, out["violations"]
     assert out["violations"] == []
+    assert out["aborted"] == []
     assert out["not_converged"] == 0 and out["convergence_rate"] == 1.0
     assert out["bit_checks"] > 3 * out["steps"]  # every receiver compared after every step
     # the faults reached the receivers: some updates failed (and said so), some re-keyed
@@ -31,9 +41,9 @@ def test_fast_campaign_every_fault_kind_no_silent_corruption_all_converge():
     assert sum(out["proxy_injected"].values()) > 0
 
 
-def test_campaign_detects_a_receiver_whose_bits_are_not_its_version():
+def test_campaign_detects_a_receiver_whose_bits_are_not_its_version(campaign):
     # an engine write that goes wrong after the follower verified (RolloutLoader's on_update
     # seam flips one bit): only the harness's own raw-bit comparison can catch it
-    out = run_campaign(2, seed=3, fast=True, sabotage="flip-after-update")
+    out = campaign.batch(2, seed=3, sabotage="flip-after-update")
     assert out["silent_corruptions"] > 0
     assert any("SILENT CORRUPTION" in v and "proj.weight" in v for v in out["violations"])

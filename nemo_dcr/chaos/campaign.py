@@ -119,16 +119,22 @@ class _Worker:
 
 class _Relay:
     def __init__(self, upstream: str, cache: str, env: dict, port: int = 0):
+        """Started by ``spawn()`` and ``wait()`` (a campaign starts its processes together)."""
         self.upstream, self.cache, self.env = upstream, cache, env
         self.port = port
-        self.start()
 
     def start(self):
+        self.spawn()
+        self.wait()
+
+    def spawn(self):
         os.makedirs(self.cache, exist_ok=True)
         cmd = [sys.executable, "-m", "nemo_dcr", "relay", "--listen", f"127.0.0.1:{self.port}", "--upstream",
                self.upstream, "--cache-dir", self.cache, "--poll-interval", "0.2"]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True,
                                      env={**os.environ, **self.env})
+
+    def wait(self):
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "serving" not in line:
@@ -154,12 +160,18 @@ class _Relay:
 
 class _S3Server:
     def __init__(self, port: int):
+        """Started by ``spawn()`` and ``wait()``."""
         self.port = port
-        self.start()
 
     def start(self):
+        self.spawn()
+        self.wait()
+
+    def spawn(self):
         self.proc = subprocess.Popen([sys.executable, "-m", "nemo_dcr.chaos.s3server", "--port", str(self.port)],
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+    def wait(self):
         assert self.proc.stdout is not None
         line = self.proc.stdout.readline()
         if "ready" not in line:
@@ -249,29 +261,59 @@ class Campaign:
         self.recv_disk = _Disk(os.path.join(self.workdir, "recv-fs"), 64)
         self.local_root = os.path.join(self.store_disk.path, "store")
         os.makedirs(self.local_root, exist_ok=True)
+        # every process starts at once (most of the start-up is each one importing its modules),
+        # then the harness waits for each to say it is ready
         self.s3 = _S3Server(_free_port())
+        self.s3.spawn()
         self.pub_proxy = FaultProxy(self.s3.port, seed=truth.hash_seed(seed, 1))
         self.recv_proxy = FaultProxy(self.s3.port, seed=truth.hash_seed(seed, 2))
         self.relay_local = _Relay(self.local_root, os.path.join(self.recv_disk.path, "cache-local"), {})
         self.relay_s3 = _Relay(f"s3://{BUCKET}/{PREFIX}", os.path.join(self.recv_disk.path, "cache-s3"),
                                {**AWS_ENV, "NEMO_DCR_S3_ENDPOINT": self.recv_proxy.url})
+        self.relay_local.spawn()
+        self.relay_s3.spawn()
         self.ctx = multiprocessing.get_context("forkserver")
         self.ctx.set_forkserver_preload(PRELOAD)
         self.env = dict(AWS_ENV)
         self.pubs: list = []
         self.followers: dict = {}
-        self._start_publishers()
+        self._start_publishers(wait=False)
+        self.s3.wait()
+        self.relay_local.wait()
+        self.relay_s3.wait()
+        for w in self.pubs:
+            w.recv(START_S)
         for i in range(len(FOLLOWERS)):
             self._start_follower(i)
 
+    def batch(self, runs: int, seed: int | None = None, sabotage: str | None = None,
+              progress: str | None = None) -> dict:
+        """``runs`` runs on this campaign's infrastructure, counted afresh -> their summary.
+        Several batches (the CI subset and the self-test) share one start-up; a batch's runs
+        depend only on its ``seed`` and the run index, as in a campaign of its own."""
+        t0 = time.monotonic()
+        if seed is not None:
+            self.seed = seed
+        self.sabotage, self.totals = sabotage, Totals()
+
+        def summary():
+            self.totals.seconds = time.monotonic() - t0
+            return {"seed": self.seed, "fast": self.fast, "sabotage": sabotage, **self.totals.as_json()}
+        for i in range(runs):
+            self.run(i)
+            if progress:
+                from nemo_dcr.util.atomic import write_atomic
+                write_atomic(progress, json.dumps(summary(), indent=2).encode())
+        return summary()
+
     # -- processes --------------------------------------------------------------------------
-    def _start_publishers(self):
+    def _start_publishers(self, wait=True):
         from nemo_dcr.chaos.workers import publisher_main
         for w in self.pubs:
             w.kill()
         port = _free_port()
         self.pubs = [_Worker(self.ctx, publisher_main, (r, port, self.env)) for r in range(truth.WORLD)]
-        for w in self.pubs:
+        for w in self.pubs if wait else ():
             w.recv(START_S)
 
     def _start_follower(self, i):
@@ -316,7 +358,7 @@ class Campaign:
             s3 = {"kind": "s3", "bucket": BUCKET, "prefix": PREFIX}
             pub, direct = dict(s3, endpoint=self.pub_proxy.url), dict(s3, endpoint=self.recv_proxy.url)
             relay = self.relay_s3
-            own = open_store(dict(s3, endpoint=f"http://127.0.0.1:{self.s3.port}"))
+            own = open_store(dict(s3, endpoint=f"http://127.0.0.1:{self.s3.port}"), cache=True)
         return pub, direct, relay, own
 
     def _wipe(self, own):
@@ -384,6 +426,7 @@ class _Run:
         self.pending_damage: list = []
         self.verified: set = set()    # objects whose bytes check_store has checked
         self.stopped: list = []
+        self.answers: dict = {}       # receiver -> (version, manifest key, error) of its last update
 
     # -- setup / teardown -------------------------------------------------------------------
     def setup(self):
@@ -646,10 +689,12 @@ class _Run:
                 killed.add(i)
                 continue
             at_head[i] = self.check(i, rep)
+            self.answers[i] = (rep.get("version"), rep.get("key"), rep.get("error"))
             if final and not at_head[i]:
                 self.c.log(f"  {FOLLOWERS[i]} not at head {self.head}: version {rep.get('version')} "
                            f"error {rep.get('error')}")
         for i in killed:  # a receiver killed (or hung) starts again from nothing
+            self.answers.pop(i, None)
             c._start_follower(i)
             self._open_follower(i)
             at_head[i] = False
@@ -736,9 +781,19 @@ class _Run:
         t.convergence_s.append(time.monotonic() - t0)
 
     def _rounds(self, n) -> bool:
+        """Up to ``n`` update rounds until every receiver is at HEAD. Stops early when two
+        rounds in a row left every receiver where it was, each one behind raising the same error
+        naming an object the harness damaged: no round can change that (the object stays
+        damaged), only a keyframe can."""
+        prev = None
         for _ in range(n):
             if self.update_all(final=True):
                 return True
+            now = dict(self.answers)
+            behind = [a for a in now.values() if self.head is None or a[1] != self.head[1]]
+            if now == prev and behind and all(a[2] and any(k in a[2] for k in self.damaged) for a in behind):
+                return False
+            prev = now
         return False
 
 
@@ -806,18 +861,8 @@ def run_campaign(runs: int, seed: int = 0, fast: bool = False, sabotage: str | N
                  progress: str | None = None) -> dict:
     """``progress``: a file rewritten after every run with the summary so far (a long campaign
     stopped early still has its figures)."""
-    t0 = time.monotonic()
-    c = Campaign(seed=seed, fast=fast, sabotage=sabotage, log=log)
-
-    def summary():
-        c.totals.seconds = time.monotonic() - t0
-        return {"seed": seed, "fast": fast, "sabotage": sabotage, **c.totals.as_json()}
+    c = Campaign(seed=seed, fast=fast, log=log)
     try:
-        for i in range(runs):
-            c.run(i)
-            if progress:
-                from nemo_dcr.util.atomic import write_atomic
-                write_atomic(progress, json.dumps(summary(), indent=2).encode())
+        return c.batch(runs, seed=seed, sabotage=sabotage, progress=progress)
     finally:
         c.close()
-    return summary()

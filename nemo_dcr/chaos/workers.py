@@ -32,14 +32,29 @@ PRELOAD = ["torch", "torch.distributed", "boto3", "nemo_dcr.chaos.truth", "nemo_
 # a dead peer is noticed at once (closed sockets); the timeout is the backstop, long enough for
 # ranks starved of CPU on a shared machine
 GLOO_TIMEOUT = datetime.timedelta(seconds=60)
+BACKOFF_S = 0.02
 
 
-def open_store(spec):
+_STORES: dict = {}
+
+
+def open_store(spec, cache: bool = False):
     """A store from the harness's spec: ``{"kind": "local", "root"}``, ``{"kind": "s3", "bucket",
     "prefix", "endpoint"}``, ``{"kind": "http", "url"}`` or ``{"kind": "list", "of": [...]}``.
-    Retries are short: faults are frequent here and a run must not wait out AWS-sized backoffs."""
+    Retries are short: faults are frequent here and a run must not wait out AWS-sized backoffs.
+    ``cache``: a long-lived worker reuses the S3 store it opened for the same spec in an earlier
+    run (making a boto3 client costs ~0.5 s of CPU; the store keeps no state between requests but
+    its connections). Other stores are cheap and made afresh (a fallback list remembers which
+    source failed; a local store checks its directory when opened)."""
     from nemo_dcr.stores import FallbackStore, HttpStore, LocalStore, S3Store
     k = spec["kind"]
+    if k == "list":
+        return FallbackStore([open_store(s, cache) for s in spec["of"]], retry_after=1.0)
+    if cache and k == "s3":
+        key = repr(sorted(spec.items()))
+        if key not in _STORES:
+            _STORES[key] = open_store(spec)
+        return _STORES[key]
     if k == "local":
         return LocalStore(spec["root"], create=spec.get("create", False))
     if k == "s3":
@@ -47,8 +62,6 @@ def open_store(spec):
                        backoff_base=0.02, backoff_max=0.2, connect_timeout=2, read_timeout=10)
     if k == "http":
         return HttpStore(spec["url"], timeout=15, connect_timeout=2)
-    if k == "list":
-        return FallbackStore([open_store(s) for s in spec["of"]], retry_after=1.0)
     raise ValueError(k)
 
 
@@ -72,7 +85,7 @@ def publisher_main(rank: int, port: int, conn, env: dict) -> None:
 
     def open_(cmd):
         state["contents"] = truth.Contents(cmd["seed"])
-        state["pub"] = Publisher(open_store(cmd["store"]), keyframe_every=cmd["keyframe_every"],
+        state["pub"] = Publisher(open_store(cmd["store"], cache=True), keyframe_every=cmd["keyframe_every"],
                                  retain=cmd["retain"], chunk_elems=256)
         return {}
 
@@ -130,7 +143,10 @@ class _Receiver:
         from nemo_dcr.integrations.rollout import RolloutLoader
         model = self.model = TinyLM()
         hook = (lambda v, r: _flip_one_bit(model)) if self.sabotage == "flip-after-update" else None
-        self.loader = RolloutLoader(open_store(self.spec), model, on_update=hook)
+        self.loader = RolloutLoader(open_store(self.spec, cache=True), model, on_update=hook)
+        # the follower's retry waits are short, as the stores' (open_store): faults are frequent
+        # here; the number of attempts is the library's own
+        self.loader.follower.backoff = BACKOFF_S
         return self.loader
 
     def update(self) -> dict:
