@@ -16,6 +16,7 @@ encoded; the commit still comes after every upload of every rank returned.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 import time
 from collections.abc import Mapping
@@ -27,12 +28,23 @@ import torch
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.stats import inspect
-from nemo_dcr.errors import CommitConflict, PublishError
+from nemo_dcr.errors import CommitConflict, ManifestError, PublishError, VersionNotFound
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
 from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
-from nemo_dcr.sync.versions import Head, Manifest, Part, commit, new_publish_id, read_head, read_manifest, version_dir
+from nemo_dcr.sync.versions import (
+    HEAD_KEY,
+    Head,
+    Manifest,
+    Part,
+    commit,
+    key_version,
+    new_publish_id,
+    read_head,
+    read_manifest,
+    version_dir,
+)
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -43,6 +55,7 @@ if TYPE_CHECKING:
 # dense bytes per object of a rank's delta/keyframe: big enough that a part's header and request
 # are noise, small enough that encode, upload, download and apply of neighbouring parts overlap
 DEFAULT_PART_BYTES = 32 << 20
+log = logging.getLogger("nemo_dcr.sync")
 
 __all__ = ["Publisher", "PublishResult", "PublishError", "CommitConflict", "snapshot"]
 
@@ -102,6 +115,7 @@ class Publisher:
         self._base: dict | None = None        # the last published snapshot (this rank's tensors)
         self._shards: dict | None = None
         self._head: Head | None = None
+        self._manifest: Manifest | None = None  # _head's manifest, as committed or restored here
         self._digest: StateDigest | None = None  # this rank's partial digest of _base
         # name -> tensor digest of _base[name], as the diff that published it wrote it: _base is
         # private and unchanged since, so the next diff need not hash it again
@@ -141,9 +155,8 @@ class Publisher:
         t0 = time.perf_counter()
         spans = Spans(t0)
         g = self.group
-        head, tag, publish_id = g.run(lambda: self._read_head() if g.rank == 0 else None,
-                                      "read the store's HEAD", src=0)
-        version = 0 if head is None else head.version + 1
+        head, tag, publish_id, version = g.run(lambda: self._read_head(keyframe) if g.rank == 0 else None,
+                                               "read the store's HEAD", src=0)
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
         local: dict[str, Any] = {}  # what upload() leaves behind: snapshot, shards, digests
 
@@ -156,12 +169,14 @@ class Publisher:
                 try:  # fresh publisher, or the store moved on; every rank fails alike (Group.run)
                     g.run(lambda: self._restore(head, local["snap"], local["shards"]),
                           f"rebuild version {head.version} from the store")
-                except Exception:
+                except Exception as e:
                     if not keyframe:
-                        raise
+                        raise PublishError(f"cannot rebuild version {head.version}, the base of this delta, from the "
+                                           f"store ({e}); publish(keyframe=True) publishes the full state without "
+                                           "it") from e
                     # a keyframe was asked for and the published state cannot be rebuilt (and
                     # verified) on every rank: publish the keyframe alone, no delta part
-                    self._base = self._shards = self._head = self._digest = None
+                    self._base = self._shards = self._head = self._manifest = self._digest = None
                     self._tensor_digests = {}
             receipt, local["digest"], local["tensor_digests"] = self._upload(
                 local["snap"], local["shards"], head, version, publish_id, kf, spans)
@@ -178,6 +193,7 @@ class Publisher:
             local["snap"] = dev.tensors
         spans.add("commit", f"version {version}", t)
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
+        self._manifest = manifest
         self._tensor_digests = local["tensor_digests"]
         if self.retain is not None:
             from nemo_dcr.sync.retention import prune
@@ -187,13 +203,28 @@ class Publisher:
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0, spans)
 
-    def _read_head(self):
-        """Rank 0 (which signs): HEAD, its tag and a fresh publish id. A chain signed for another
-        run is refused here, before the first upload."""
-        head, tag = read_head(self.store)
+    def _read_head(self, keyframe: bool):
+        """Rank 0 (which signs): HEAD, its tag, a fresh publish id and the version to publish. A
+        chain signed for another run is refused here, before the first upload.
+
+        A damaged HEAD (its checksum or format broken in the store) stops every publish with its
+        ``ManifestError``, except a keyframe: that replaces HEAD (compare-and-set on the damaged
+        bytes) with a keyframe numbered above every version in the store and this publisher's
+        own, so that no receiver (nor a verifier that refuses older versions) sees it as a step
+        back."""
+        try:
+            head, tag = read_head(self.store)
+        except ManifestError as e:
+            if not keyframe:
+                raise ManifestError(f"{e}; publish(keyframe=True) replaces it with a new keyframe") from None
+            _, tag = self.store.get_with_tag(HEAD_KEY)
+            listed = [key_version(k)[0] for k in self.store.list("versions/")]
+            top = max([v for v in listed if v is not None] + [self.version if self.version is not None else -1])
+            log.warning("nemo-dcr: HEAD is damaged (%s); publishing keyframe version %d in its place", e, top + 1)
+            return None, tag, new_publish_id(), top + 1
         if self.signer is not None:
             self.signer.check_continues(head)
-        return head, tag, new_publish_id()
+        return head, tag, new_publish_id(), 0 if head is None else head.version + 1
 
     def _upload(self, snap, shards, head, version, publish_id, kf, spans: Spans) -> tuple[dict, StateDigest, dict]:
         """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``, the
@@ -264,20 +295,43 @@ class Publisher:
             total = StateDigest.zero()
             for r in results:
                 total = total + StateDigest.from_hex(r["digest"])
-            base = read_manifest(self.store, head.manifest, head.manifest_sha256) if head is not None else None
+            base = self._base_manifest(head, keyframe=all(r["keyframe_parts"] for r in results))
             m = Manifest(
                 version=version, publish_id=publish_id, target_digest=total.hex(),
-                base_version=head.version if head else None, base_manifest=head.manifest if head else None,
+                base_version=head.version if base and head else None,
+                base_manifest=head.manifest if base and head else None,
                 base_digest=base.target_digest if base else None, base_sha256=base.sha256 if base else None,
-                parts=[Part(**p) for r in results for p in r["parts"]],
+                parts=[Part(**p) for r in results for p in r["parts"]] if base else [],
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
                 world_size=self.group.world_size, step=step, meta=meta or {})
             return m, commit(self.store, m, head, tag, signer=self.signer)
-        except CommitConflict:
+        except (CommitConflict, PublishError):
             raise
         except Exception as e:
             raise PublishError(f"commit failed: {type(e).__name__}: {e}") from e
+
+    def _base_manifest(self, head: Head | None, keyframe: bool) -> Manifest | None:
+        """The manifest of the version this one follows (None for the first). The one this
+        publisher committed or restored is used as it is, so a damaged or lost copy in the store
+        does not stop the publisher that wrote it. Otherwise it is read from the store; when it
+        is unreadable there, a keyframe is committed without a base (its delta parts are left
+        out: nothing can be checked against the base) and anything else fails with a
+        ``PublishError`` that says so."""
+        if head is None:
+            return None
+        known = self._manifest
+        if known is not None and known.key == head.manifest and known.sha256 == head.manifest_sha256:
+            return known
+        try:
+            return read_manifest(self.store, head.manifest, head.manifest_sha256)
+        except (ManifestError, VersionNotFound) as e:
+            if not keyframe:
+                raise PublishError(f"the manifest of version {head.version}, the base of this one, is unreadable "
+                                   f"({e}); publish(keyframe=True) commits a keyframe without it") from None
+            log.warning("nemo-dcr: the base manifest of version %d is unreadable (%s); committing a keyframe "
+                        "without a base link", head.version + 1, e)
+            return None
 
     def _device_path(self, tensors):
         """The device path's snapshot, when it runs (chosen, and logged, at the first publish)."""
@@ -303,7 +357,7 @@ class Publisher:
         if self._dev is not None:  # the rebuilt base goes where the device path keeps it
             self._dev.reset(tensors, like)
             tensors = self._dev.tensors
-        self._base, self._shards, self._head = tensors, shards, head
+        self._base, self._shards, self._head, self._manifest = tensors, shards, head, f.manifest
         self._tensor_digests = {}  # rebuilt, not published from here: hashed by the next diff
 
 

@@ -7,32 +7,36 @@ lost race or of a rank that died mid-upload).
 """
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
-from nemo_dcr.sync.versions import Head, walk
+from nemo_dcr.errors import ManifestError, VersionNotFound
+from nemo_dcr.sync.versions import Head, key_version, walk
 
 if TYPE_CHECKING:
     from nemo_dcr.stores.base import Store
 
-
-def _version_of(key: str):
-    parts = key.split("/")
-    if len(parts) >= 3 and parts[0] == "versions" and parts[1].isdigit():
-        return int(parts[1]), parts[2]
-    return None, None
+log = logging.getLogger("nemo_dcr.sync")
 
 
 def prune(store: Store, head: Head, keep: int = 0) -> list:
     """Returns the deleted keys."""
     cutoff = min(head.keyframe_version, head.version - max(keep, 0))
     committed = {}  # committed publish id of every version still reachable from HEAD
-    for m in walk(store, head, missing_ok=False):  # a gap above the cutoff: delete nothing
-        committed[m.version] = m.publish_id
-        if m.version <= cutoff:
-            break
+    try:
+        for m in walk(store, head, missing_ok=False):
+            committed[m.version] = m.publish_id
+            if m.version <= cutoff:
+                break
+    except (VersionNotFound, ManifestError) as e:
+        # a gap or a damaged manifest above the cutoff: delete nothing (what is kept cannot be
+        # told from what is not); the version is committed all the same, and retention resumes
+        # once a keyframe newer than the break moves the cutoff past it
+        log.warning("nemo-dcr: retention after version %d skipped: %s", head.version, e)
+        return []
     deleted = []
     for key in store.list("versions/"):
-        v, pid = _version_of(key)
+        v, pid = key_version(key)
         if v is None or v > head.version:
             continue
         if v < cutoff or committed.get(v) != pid:

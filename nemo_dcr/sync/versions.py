@@ -360,9 +360,19 @@ def manifest_at(store: Store, version: int, head: Head | None = None) -> Manifes
     raise VersionNotFound(f"version {version} is no longer in the store")
 
 
+def key_version(key: str) -> tuple[int | None, str | None]:
+    """``versions/<v>/<publish id>/...`` -> (v, publish id); (None, None) for any other key."""
+    parts = key.split("/")
+    if len(parts) >= 3 and parts[0] == "versions" and parts[1].isdigit():
+        return int(parts[1]), parts[2]
+    return None, None
+
+
 def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, signer=None) -> Head:
     """Write the manifest, then move HEAD from ``expected_head`` to it atomically. With a
-    ``signer`` (nemo_dcr.sync.signing.Signer) the manifest (in place) and HEAD are signed."""
+    ``signer`` (nemo_dcr.sync.signing.Signer) the manifest (in place) and HEAD are signed.
+    ``expected_head`` None with a ``tag``: HEAD is there but unreadable (damaged); a keyframe
+    replaces it if it is still those bytes."""
     from nemo_dcr.stores import PreconditionFailed
     if signer is not None:
         signer.check_continues(expected_head)
@@ -384,7 +394,7 @@ def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, si
     if signer is not None:
         signer.sign(head)
     try:
-        if expected_head is None:
+        if expected_head is None and tag is None:
             store.put_if_absent(HEAD_KEY, head.to_bytes())
         else:
             store.put_if_match(HEAD_KEY, head.to_bytes(), tag)
