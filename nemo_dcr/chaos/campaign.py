@@ -24,13 +24,16 @@ from dataclasses import dataclass, field
 
 from nemo_dcr.chaos import truth
 
-FAULTS = ("kill_pub_rank", "kill_follower", "kill_relay", "obj_corrupt", "obj_truncate", "obj_delete",
-          "obj_replace", "slow_serve", "http_errors", "throttle", "transit_damage", "reorder_head",
-          "dup_delivery", "s3_restart_empty", "disk_full_pub", "disk_full_recv", "readonly_pub",
-          "readonly_recv", "pub_restart", "retention_race")
+FAULTS = ("kill_pub_rank", "kill_follower", "kill_relay", "obj_corrupt", "obj_truncate", "obj_delete", "obj_replace",
+          "manifest_corrupt", "manifest_delete", "head_corrupt", "head_truncate", "slow_serve", "http_errors",
+          "throttle", "transit_damage", "reorder_head", "dup_delivery", "s3_restart_empty", "disk_full_pub",
+          "disk_full_recv", "readonly_pub", "readonly_recv", "pub_restart", "retention_race")
 S3_ONLY = {"slow_serve", "http_errors", "throttle", "transit_damage", "reorder_head", "dup_delivery",
            "s3_restart_empty"}
 LOCAL_ONLY = {"disk_full_pub", "readonly_pub"}  # the publisher's disk is the local store's
+# damage done to the store itself after a publish, before receivers fetch
+DAMAGE = {"obj_corrupt", "obj_truncate", "obj_delete", "obj_replace", "manifest_corrupt", "manifest_delete",
+          "head_corrupt", "head_truncate"}
 PROXY = {"slow_serve": {"delay": 0.5}, "http_errors": {"error": 0.15}, "throttle": {"throttle": 0.2},
          "transit_damage": {"corrupt": 0.25, "truncate": 0.2}, "reorder_head": {"stale_head": 0.4},
          "dup_delivery": {"replay": 0.3}}
@@ -42,6 +45,7 @@ AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
            "AWS_CONFIG_FILE": "/nonexistent/nemo-dcr-chaos",
            "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent/nemo-dcr-chaos"}
+HEAD_DAMAGED = "HEAD"  # in _Run.damaged: the harness damaged HEAD (receivers' errors name it so)
 REPLY_S = 90.0  # a worker that answers nothing for this long is hung: a violation
 START_S = 300.0  # starting a worker or a relay on a starved machine (fork server, gloo rendezvous)
 
@@ -530,10 +534,16 @@ class _Run:
                 c._start_publishers()
                 self._open_publishers()
         self.publish(kill="kill_pub_rank" in faults)
-        # damage to the newest version's objects, before receivers fetch them (deferred to the
-        # next step while nothing is committed yet)
+        # the store's disk faults were for this publish: lifted before the harness writes its
+        # own damage there
+        for d in [d for d in self.disk_faults if d is c.store_disk]:
+            d.readonly(False)
+            d.unfill()
+            self.disk_faults.remove(d)
+        # damage to the newest version's objects, manifest or HEAD, before receivers fetch
+        # them (deferred to the next step while nothing is committed yet)
         self.pending_damage = [f for f in [*self.pending_damage, *faults]
-                               if f.startswith("obj_") and not self.damage(f)]
+                               if f in DAMAGE and not self.damage(f)]
         self.update_all(faults)
         # faults that last one step
         for d in self.disk_faults:
@@ -585,16 +595,18 @@ class _Run:
 
     def _observe(self):
         """Learn what is committed, from the store directly (not through the proxies)."""
-        from nemo_dcr.sync.versions import read_head, walk
+        from nemo_dcr.sync.versions import read_head
         try:
             head, _ = read_head(self.own)
         except Exception as ex:
-            self.violation(f"HEAD unreadable: {ex}")
-            return
+            if HEAD_DAMAGED not in self.damaged:
+                self.violation(f"HEAD unreadable: {ex}")
+            return  # the harness damaged it: nothing new was committed (the publisher refuses)
+        self.damaged.discard(HEAD_DAMAGED)  # a publish replaced it
         if head is None:
             return
         self.head = (head.version, head.manifest)
-        for m in walk(self.own, head):
+        for m in self._walk(head):
             if m.key in self.manifests:
                 break
             e, cc = m.meta["chaos"]
@@ -605,12 +617,12 @@ class _Run:
         """Every committed object retention must keep is there, whole. Each object's bytes are
         checked once; after that one listing per check shows it is still there (objects are
         immutable: only deletion or the harness's own damage can change them)."""
-        from nemo_dcr.sync.versions import read_head, walk
+        from nemo_dcr.sync.versions import read_head
         head, _ = read_head(self.own)
         assert head is not None  # called after a successful publish
         cutoff = 0 if self.retain is None else min(head.keyframe_version, head.version - self.retain)
         listed = set(self.own.list("versions/"))
-        for m in walk(self.own, head):
+        for m in self._walk(head):
             if m.version < cutoff:
                 break
             for p in [*m.parts, *m.keyframe_parts]:
@@ -624,12 +636,45 @@ class _Run:
                     self.violation(f"committed object {p.key} of version {m.version} unreadable before retention "
                                    f"allows (cutoff {cutoff}, head {head.version})", fatal=False)
 
+    def _walk(self, head):
+        """The committed chain from ``head``, newest first, as walk() reads it, ending (instead of
+        raising) at a manifest the harness itself damaged or deleted."""
+        from nemo_dcr.errors import ManifestError, VersionNotFound
+        from nemo_dcr.sync.versions import walk
+        it = walk(self.own, head)
+        while True:
+            try:
+                m = next(it)
+            except StopIteration:
+                return
+            except (ManifestError, VersionNotFound) as e:
+                if any(k in str(e) for k in self.damaged):
+                    return
+                raise
+            yield m
+
     def damage(self, kind):
-        from nemo_dcr.sync.versions import read_head, walk
+        from nemo_dcr.sync.versions import HEAD_KEY, read_head
+        if HEAD_DAMAGED in self.damaged:
+            return False  # HEAD is unreadable: nothing newer to damage until a publish replaces it
         head, _ = read_head(self.own)
         if head is None:
             return False
-        ms = list(walk(self.own, head))
+        if kind.startswith(("manifest_", "head_")):
+            key = HEAD_KEY if kind.startswith("head_") else head.manifest
+            data = self.own.get(key)
+            if kind == "manifest_delete":
+                self.own.delete(key)
+            elif kind == "head_truncate":
+                self.own.put(key, data[: self.rng.randrange(len(data))])
+            else:  # one bit flipped
+                i = self.rng.randrange(len(data))
+                self.own.put(key, data[:i] + bytes([data[i] ^ (1 << self.rng.randrange(8))]) + data[i + 1:])
+            self.damaged.add(HEAD_DAMAGED if key == HEAD_KEY else key)
+            return True
+        ms = list(self._walk(head))
+        if not ms:
+            return False
         newest = ms[0]
         parts = [*newest.parts, *newest.keyframe_parts]
         p = self.rng.choice(parts)
@@ -783,15 +828,15 @@ class _Run:
     def _rounds(self, n) -> bool:
         """Up to ``n`` update rounds until every receiver is at HEAD. Stops early when two
         rounds in a row left every receiver where it was, each one behind raising the same error
-        naming an object the harness damaged: no round can change that (the object stays
-        damaged), only a keyframe can."""
+        while the store holds something the harness damaged: no round can change that (the
+        damage stays), only a keyframe can."""
         prev = None
         for _ in range(n):
             if self.update_all(final=True):
                 return True
             now = dict(self.answers)
             behind = [a for a in now.values() if self.head is None or a[1] != self.head[1]]
-            if now == prev and behind and all(a[2] and any(k in a[2] for k in self.damaged) for a in behind):
+            if now == prev and behind and self.damaged and all(a[2] for a in behind):
                 return False
             prev = now
         return False
