@@ -1,17 +1,19 @@
 """The fault campaign's fast subset: seeded end-to-end runs (gloo publisher ranks, local and S3
 stores, a fault proxy, relays, RolloutLoader receivers) covering every fault kind, with 0 silent
-corruptions and every run converging; and a self-test that the campaign does see a receiver
+corruptions and every run converging; a signed subset (forged versions refused, a stale HEAD
+refused rather than followed); and a self-test that the campaign does see a receiver
 holding bits other than the version it reports, so it cannot pass vacuously.
 
 The long campaign (>= 500 runs) is a documented command (docs/reliability.md)."""
 import os
+from collections import Counter
 
 import pytest
 
 pytest.importorskip("moto.moto_server.werkzeug_app", reason="the campaign needs moto[server]")
 pytest.importorskip("aiohttp", reason="the campaign needs aiohttp")
 
-from nemo_dcr.chaos.campaign import FAULTS, Campaign
+from nemo_dcr.chaos.campaign import SIGNED_ONLY, Campaign, kinds
 
 DISK = {"disk_full_pub", "disk_full_recv", "readonly_pub", "readonly_recv"}
 
@@ -26,10 +28,14 @@ def campaign():
 
 
 def test_fast_campaign_every_fault_kind_no_silent_corruption_all_converge(campaign):
-    out = campaign.batch(len(FAULTS), seed=7)
-    assert out["runs"] == len(FAULTS)
-    injected = set(out["faults"]) - {k.split(":")[0] for k in out["skipped"]}
-    expected = set(FAULTS) if os.geteuid() == 0 else set(FAULTS) - DISK  # tmpfs faults need root
+    ks = kinds(sign=False)
+    out = campaign.batch(len(ks), seed=7)
+    assert out["runs"] == len(ks)
+    skipped = Counter()
+    for why, n in out["skipped"].items():
+        skipped[why.split(":")[0]] += n
+    injected = {k for k, n in out["faults"].items() if n > skipped[k]}  # at least once, somewhere
+    expected = set(ks) if os.geteuid() == 0 else set(ks) - DISK  # tmpfs faults need root
     assert expected <= injected, f"fault kinds never injected: {expected - injected}"
     assert out["silent_corruptions"] == 0, out["violations"]
     assert out["violations"] == []
@@ -39,6 +45,19 @@ def test_fast_campaign_every_fault_kind_no_silent_corruption_all_converge(campai
     # the faults reached the receivers: some updates failed (and said so), some re-keyed
     assert out["errors_reported"] > 0
     assert sum(out["proxy_injected"].values()) > 0
+
+
+def test_signed_campaign_refuses_forged_versions_and_never_goes_back(campaign):
+    # the publisher signs, every receiver trusts its key; a version written by someone with
+    # store access but not the key (another key, or none) is refused at HEAD, before any part is
+    # fetched; a stale HEAD is refused (ReplayError) instead of taking a receiver back
+    out = campaign.batch(len(SIGNED_ONLY) + 1, seed=5, sign=True)
+    assert set(SIGNED_ONLY) | {"reorder_head"} <= set(out["faults"])
+    assert out["silent_corruptions"] == 0, out["violations"]
+    assert out["violations"] == [] and out["aborted"] == []
+    assert out["not_converged"] == 0 and out["convergence_rate"] == 1.0
+    assert out["refused_forged"] > 0
+    assert out["went_back_on_stale_head"] == 0
 
 
 def test_campaign_detects_a_receiver_whose_bits_are_not_its_version(campaign):

@@ -27,13 +27,31 @@ from nemo_dcr.chaos import truth
 FAULTS = ("kill_pub_rank", "kill_follower", "kill_relay", "obj_corrupt", "obj_truncate", "obj_delete", "obj_replace",
           "manifest_corrupt", "manifest_delete", "head_corrupt", "head_truncate", "slow_serve", "http_errors",
           "throttle", "transit_damage", "reorder_head", "dup_delivery", "s3_restart_empty", "disk_full_pub",
-          "disk_full_recv", "readonly_pub", "readonly_recv", "pub_restart", "retention_race")
+          "disk_full_recv", "readonly_pub", "readonly_recv", "pub_restart", "retention_race", "foreign_signed",
+          "unsigned_inject")
+# a forged version (another key, or none) is refused only by receivers that verify signatures;
+# without signing, whoever can write the store is trusted by design
+SIGNED_ONLY = ("foreign_signed", "unsigned_inject")
+# a store restarted empty and rewritten from version 0 is a rollback to a verifier: refused
+# (ReplayError) by design, for as long as the receiver runs (tests/test_signing.py)
+UNSIGNED_ONLY = ("s3_restart_empty",)
+FORGED_EPOCH = -1  # the content a forger publishes: no real publish has it
 S3_ONLY = {"slow_serve", "http_errors", "throttle", "transit_damage", "reorder_head", "dup_delivery",
            "s3_restart_empty"}
+
+
+def kinds(sign: bool) -> list:
+    """The fault kinds of a campaign, in the order ``--fast`` takes them: a signed campaign's
+    own first (the forgeries, then the stale HEAD a verifier must refuse)."""
+    if not sign:
+        return [f for f in FAULTS if f not in SIGNED_ONLY]
+    first = [*SIGNED_ONLY, "reorder_head"]
+    return first + [f for f in FAULTS if f not in first and f not in UNSIGNED_ONLY]
+
 LOCAL_ONLY = {"disk_full_pub", "readonly_pub"}  # the publisher's disk is the local store's
 # damage done to the store itself after a publish, before receivers fetch
 DAMAGE = {"obj_corrupt", "obj_truncate", "obj_delete", "obj_replace", "manifest_corrupt", "manifest_delete",
-          "head_corrupt", "head_truncate"}
+          "head_corrupt", "head_truncate", *SIGNED_ONLY}
 PROXY = {"slow_serve": {"delay": 0.5}, "http_errors": {"error": 0.15}, "throttle": {"throttle": 0.2},
          "transit_damage": {"corrupt": 0.25, "truncate": 0.2}, "reorder_head": {"stale_head": 0.4},
          "dup_delivery": {"replay": 0.3}}
@@ -62,7 +80,9 @@ class Totals:
     errors_reported: int = 0                              # updates that raised (allowed: nothing applied silently)
     rekeyed: int = 0
     fallbacks: int = 0
-    went_back: int = 0                                    # a receiver followed a stale HEAD to an older version
+    went_back: int = 0                                    # a receiver reported an older version than it held
+    refused_forged: int = 0                               # updates refused: unsigned or untrusted (SignatureError)
+    refused_replay: int = 0                               # updates refused: an older HEAD (ReplayError)
     converged: int = 0
     converged_after_keyframe: int = 0
     not_converged: int = 0
@@ -81,6 +101,7 @@ class Totals:
                 "skipped": dict(self.skipped), "silent_corruptions": self.corruptions,
                 "violations": self.violations, "bit_checks": self.checks, "errors_reported": self.errors_reported,
                 "rekeyed": self.rekeyed, "fallbacks": self.fallbacks, "went_back_on_stale_head": self.went_back,
+                "refused_forged": self.refused_forged, "refused_replay": self.refused_replay,
                 "converged": self.converged, "converged_after_keyframe": self.converged_after_keyframe,
                 "not_converged": self.not_converged,
                 "convergence_rate": (self.converged + self.converged_after_keyframe) / self.runs if self.runs else None,
@@ -250,7 +271,10 @@ class Campaign:
 
         from nemo_dcr.chaos.proxy import FaultProxy
         from nemo_dcr.chaos.workers import PRELOAD
-        self.seed, self.fast, self.sabotage = seed, fast, sabotage
+        from nemo_dcr.sync.signing import generate_key
+        self.seed, self.fast, self.sabotage, self.sign = seed, fast, sabotage, False
+        # the publisher's key (receivers trust its public half) and a forger's
+        self.key, self.foreign_key = generate_key(), generate_key()
         self.log = log or (lambda s: None)
         self.rng = random.Random(seed)
         self.own_workdir = workdir is None
@@ -290,19 +314,22 @@ class Campaign:
         for i in range(len(FOLLOWERS)):
             self._start_follower(i)
 
-    def batch(self, runs: int, seed: int | None = None, sabotage: str | None = None,
+    def batch(self, runs: int, seed: int | None = None, sabotage: str | None = None, sign: bool = False,
               progress: str | None = None) -> dict:
         """``runs`` runs on this campaign's infrastructure, counted afresh -> their summary.
-        Several batches (the CI subset and the self-test) share one start-up; a batch's runs
-        depend only on its ``seed`` and the run index, as in a campaign of its own."""
+        Several batches (the CI subset, the signed subset and the self-test) share one start-up;
+        a batch's runs depend only on its ``seed``, ``sign`` and the run index, as in a campaign
+        of its own. ``sign``: the publisher signs (Ed25519, a namespace per run) and every
+        receiver trusts its public key."""
         t0 = time.monotonic()
         if seed is not None:
             self.seed = seed
-        self.sabotage, self.totals = sabotage, Totals()
+        self.sabotage, self.sign, self.totals = sabotage, sign, Totals()
 
         def summary():
             self.totals.seconds = time.monotonic() - t0
-            return {"seed": self.seed, "fast": self.fast, "sabotage": sabotage, **self.totals.as_json()}
+            return {"seed": self.seed, "fast": self.fast, "sabotage": sabotage, "signed": sign,
+                    **self.totals.as_json()}
         for i in range(runs):
             self.run(i)
             if progress:
@@ -373,9 +400,10 @@ class Campaign:
     def run(self, index: int) -> None:
         rng = random.Random(truth.hash_seed(self.seed, index))
         t = self.totals
-        primary = FAULTS[index % len(FAULTS)] if self.fast else rng.choice(FAULTS)
+        ks = kinds(self.sign)
+        primary = ks[index % len(ks)] if self.fast else rng.choice(ks)
         backend = "s3" if primary in S3_ONLY else "local" if primary in LOCAL_ONLY else rng.choice(["local", "s3"])
-        others = [f for f in FAULTS if f not in (S3_ONLY if backend == "local" else LOCAL_ONLY)]
+        others = [f for f in ks if f not in (S3_ONLY if backend == "local" else LOCAL_ONLY)]
         faults = [primary] + rng.sample(others, rng.randint(0, 1 if self.fast else 2))
         n_steps = rng.randint(2, 3) if self.fast else rng.randint(4, 6)
         when = {f: rng.randrange(n_steps) for f in faults}
@@ -431,6 +459,8 @@ class _Run:
         self.verified: set = set()    # objects whose bytes check_store has checked
         self.stopped: list = []
         self.answers: dict = {}       # receiver -> (version, manifest key, error) of its last update
+        self.namespace = f"chaos-{c.seed}-{index}"  # what a signed run's versions are signed for
+        self.held: dict = {}          # receiver -> newest version it reported (since it started)
 
     # -- setup / teardown -------------------------------------------------------------------
     def setup(self):
@@ -479,9 +509,12 @@ class _Run:
         c.recv_proxy.counts.clear()
 
     def _open_publishers(self):
+        from nemo_dcr.sync.signing import private_key_pem
+        key = private_key_pem(self.c.key).decode() if self.c.sign else None
         for w in self.c.pubs:
             w.send({"op": "open", "seed": self.contents.seed, "store": self.pub_spec,
-                    "keyframe_every": self.kf_every, "retain": self.retain})
+                    "keyframe_every": self.kf_every, "retain": self.retain, "signing_key": key,
+                    "namespace": self.namespace})
         for w in self.c.pubs:
             rep = w.recv(START_S)
             if not rep.get("ok"):
@@ -492,7 +525,10 @@ class _Run:
         relay = {"kind": "http", "url": self.relay.url}
         store = {"loader": self.direct_spec, "relay": {"kind": "list", "of": [relay, self.direct_spec]},
                  "relay-only": relay}[kind]
-        return {"op": "open", "store": store, "sabotage": self.c.sabotage}
+        from nemo_dcr.sync.signing import public_key_text
+        trusted = public_key_text(self.c.key) if self.c.sign else None
+        return {"op": "open", "store": store, "sabotage": self.c.sabotage, "trusted": trusted,
+                "namespace": self.namespace}
 
     def _open_follower(self, i):
         w = self.c.followers[i]
@@ -529,6 +565,7 @@ class _Run:
             elif f == "s3_restart_empty":
                 c.s3.restart_empty()
                 self.epoch += 1  # the publisher now writes another history under the same URL
+                self.held.clear()
                 self.head = None
             elif f == "pub_restart":
                 c._start_publishers()
@@ -603,13 +640,15 @@ class _Run:
                 self.violation(f"HEAD unreadable: {ex}")
             return  # the harness damaged it: nothing new was committed (the publisher refuses)
         self.damaged.discard(HEAD_DAMAGED)  # a publish replaced it
-        if head is None:
-            return
+        if head is None or head.manifest in self.damaged:
+            return  # nothing committed, or the forgery the harness itself wrote
         self.head = (head.version, head.manifest)
         for m in self._walk(head):
             if m.key in self.manifests:
                 break
             e, cc = m.meta["chaos"]
+            if e == FORGED_EPOCH:  # a forgery is never a committed version
+                continue
             self.manifests[m.key] = (e, cc)
             self.published_fps.add(truth.fingerprint(self.contents.raw(e, cc)))
 
@@ -636,6 +675,24 @@ class _Run:
                     self.violation(f"committed object {p.key} of version {m.version} unreadable before retention "
                                    f"allows (cutoff {cutoff}, head {head.version})", fatal=False)
 
+    def forge(self, kind) -> bool:
+        """Someone with write access to the store but not the key publishes a version of their
+        own (content no publish had: FORGED_EPOCH): signed with another key for the run's
+        namespace, or unsigned. A real ``Publisher`` writes it, so it is consistent in every
+        digest: only the signature check stands between it and the receivers."""
+        from nemo_dcr.errors import DcrError
+        from nemo_dcr.sync.publisher import Publisher
+        from nemo_dcr.sync.signing import Signer
+        signer = Signer(self.c.foreign_key, self.namespace) if kind == "foreign_signed" else None
+        try:
+            r = Publisher(self.own, signer=signer, chunk_elems=256).publish(
+                self.contents.state(FORGED_EPOCH, 0), keyframe=True, meta={"chaos": [FORGED_EPOCH, 0]})
+        except DcrError as e:
+            self.c.log(f"  forgery not written: {e}")
+            return False
+        self.damaged.add(r.manifest.key)
+        return True
+
     def _walk(self, head):
         """The committed chain from ``head``, newest first, as walk() reads it, ending (instead of
         raising) at a manifest the harness itself damaged or deleted."""
@@ -660,6 +717,8 @@ class _Run:
         head, _ = read_head(self.own)
         if head is None:
             return False
+        if kind in SIGNED_ONLY:
+            return self.forge(kind)
         if kind.startswith(("manifest_", "head_")):
             key = HEAD_KEY if kind.startswith("head_") else head.manifest
             data = self.own.get(key)
@@ -740,6 +799,7 @@ class _Run:
                            f"error {rep.get('error')}")
         for i in killed:  # a receiver killed (or hung) starts again from nothing
             self.answers.pop(i, None)
+            self.held.pop(i, None)
             c._start_follower(i)
             self._open_follower(i)
             at_head[i] = False
@@ -756,6 +816,19 @@ class _Run:
         t.errors_reported += err is not None
         t.rekeyed += bool(rep.get("rekeyed"))
         t.fallbacks += rep.get("fallbacks", 0)
+        if err is not None:
+            t.refused_replay += err.startswith("ReplayError")
+            t.refused_forged += err.startswith(("SignatureError", "UnsignedError"))
+        if v is not None:
+            # a receiver that reports an older version than it held before (the same process,
+            # the same history): a stale HEAD took it back. Allowed without signatures (counted);
+            # a verifier must refuse it (ReplayError)
+            prev = self.held.get(i)
+            if prev is not None and v < prev:
+                t.went_back += 1
+                if self.c.sign:
+                    self.violation(f"signed receiver {kind} went back from version {prev} to {v}", fatal=False)
+            self.held[i] = max(v, prev if prev is not None else v)
         fp = truth.fingerprint(raw) if raw else None
         if v is not None:
             if key not in self.manifests:
@@ -766,8 +839,6 @@ class _Run:
                 bad = sorted(n for n in exp if raw.get(n) != exp[n])
                 self._corrupt(i, f"reports version {v} but holds other bits in {bad}")
                 return False
-            if self.head and v < self.head[0] and key is not None and key != self.head[1] and err is None:
-                t.went_back += self.c.recv_proxy.faults.get("stale_head", 0) > 0
         else:
             if err is None and self.head is not None:
                 self.violation(f"follower {kind} has no version and reported no error (HEAD {self.head})",
@@ -903,11 +974,11 @@ def _sample(c: Campaign, v, seconds):
 
 
 def run_campaign(runs: int, seed: int = 0, fast: bool = False, sabotage: str | None = None, log=None,
-                 progress: str | None = None) -> dict:
+                 progress: str | None = None, sign: bool = False) -> dict:
     """``progress``: a file rewritten after every run with the summary so far (a long campaign
     stopped early still has its figures)."""
     c = Campaign(seed=seed, fast=fast, log=log)
     try:
-        return c.batch(runs, seed=seed, sabotage=sabotage, progress=progress)
+        return c.batch(runs, seed=seed, sabotage=sabotage, sign=sign, progress=progress)
     finally:
         c.close()

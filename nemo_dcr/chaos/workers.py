@@ -84,9 +84,13 @@ def publisher_main(rank: int, port: int, conn, env: dict) -> None:
     state: dict = {}
 
     def open_(cmd):
+        signer = None
+        if cmd.get("signing_key"):  # a signed campaign: this run's namespace
+            from nemo_dcr.sync.signing import Signer, load_private_key
+            signer = Signer(load_private_key(cmd["signing_key"]), cmd["namespace"])
         state["contents"] = truth.Contents(cmd["seed"])
         state["pub"] = Publisher(open_store(cmd["store"], cache=True), keyframe_every=cmd["keyframe_every"],
-                                 retain=cmd["retain"], chunk_elems=256)
+                                 retain=cmd["retain"], chunk_elems=256, signer=signer)
         return {}
 
     def publish(cmd):
@@ -133,8 +137,9 @@ class TinyLM(torch.nn.Module):
 
 
 class _Receiver:
-    def __init__(self, store_spec, sabotage: str | None):
+    def __init__(self, store_spec, sabotage: str | None, trusted: str | None = None, namespace: str | None = None):
         self.spec, self.sabotage = store_spec, sabotage
+        self.trusted, self.namespace = trusted, namespace
         self.loader: RolloutLoader | None = None
         self.model: TinyLM | None = None
         self._last: object = None
@@ -143,7 +148,11 @@ class _Receiver:
         from nemo_dcr.integrations.rollout import RolloutLoader
         model = self.model = TinyLM()
         hook = (lambda v, r: _flip_one_bit(model)) if self.sabotage == "flip-after-update" else None
-        self.loader = RolloutLoader(open_store(self.spec, cache=True), model, on_update=hook)
+        store = open_store(self.spec, cache=True)
+        if self.trusted:  # a signed campaign: HEAD and every manifest checked as read, end to end
+            from nemo_dcr.sync.signing import Verifier, load_public_keys
+            store = Verifier(load_public_keys(self.trusted), self.namespace).wrap(store)
+        self.loader = RolloutLoader(store, model, on_update=hook)
         # the follower's retry waits are short, as the stores' (open_store): faults are frequent
         # here; the number of attempts is the library's own
         self.loader.follower.backoff = BACKOFF_S
@@ -187,7 +196,7 @@ def follower_main(conn, env: dict) -> None:
     state: dict = {}
 
     def open_(cmd):
-        state["rec"] = _Receiver(cmd["store"], cmd.get("sabotage"))
+        state["rec"] = _Receiver(cmd["store"], cmd.get("sabotage"), cmd.get("trusted"), cmd.get("namespace"))
         return {}
 
     _serve(conn, {"open": open_, "update": lambda cmd: state["rec"].update()}, {"pid": os.getpid()})

@@ -166,7 +166,8 @@ def _cmd_chaos(a):
         out = long_run(a.versions, seed=a.seed, backend=a.backend, log=log)
         bad = out["violations"]
     else:
-        out = run_campaign(a.runs, seed=a.seed, fast=a.fast, sabotage=a.sabotage, log=log, progress=a.progress)
+        out = run_campaign(a.runs, seed=a.seed, fast=a.fast, sabotage=a.sabotage, log=log, progress=a.progress,
+                           sign=a.sign)
         bad = out["violations"] or out["not_converged"]
     if a.json:
         print(json.dumps(out, indent=2))
@@ -320,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--fast", action="store_true",
                     help="short runs, the fault kinds in turn (run i's first fault is kind i), at most two faults each")
+    ch.add_argument("--sign", action="store_true",
+                    help="signed versions: the publisher signs, every receiver trusts its key; adds forged versions "
+                         "(another key, unsigned) to the faults, and a stale HEAD must be refused")
     ch.add_argument("--json", action="store_true", help="the whole summary as JSON on stdout")
     ch.add_argument("--progress", default=None, help="rewrite this file with the summary so far after every run")
     ch.add_argument("--versions", type=int, default=None,
