@@ -145,3 +145,36 @@ def test_retention_past_a_damaged_manifest_does_not_fail_a_committed_publish(sto
     assert_state(recv, states[4])
     r = pub.publish(states[5])
     assert not any(k.startswith(f"versions/{v:012d}/") for k in store.list("versions/") for v in range(3))
+
+
+@pytest.mark.parametrize("forger", ["unsigned", "other key"])
+def test_a_forged_version_in_the_chain_does_not_stop_a_verifier_at_the_next_keyframe(store, forger):
+    # found by the signed campaign: someone with store access but not the key publishes a
+    # version; the real publisher (which checks only the namespace of the HEAD it extends)
+    # builds on it and signs; receivers refuse the forgery, and before the fix they refused
+    # every later version too, keyframes included: the walk back from a signed keyframe
+    # raised the forged base's SignatureError instead of offering the keyframe
+    from nemo_dcr.errors import SignatureError
+    from nemo_dcr.sync.signing import Signer, Verifier, generate_key
+    key = generate_key()
+    states = [state(i) for i in range(5)]
+    pub = Publisher(store, signer=Signer(key, "run-1"))
+    pub.publish(states[0])
+    pub.publish(states[1])
+    recv = zeros_like(states[0])
+    f = Follower(store, recv, verifier=Verifier([key.public_key()], "run-1"), backoff=0.0)
+    f.sync()
+    forged = Signer(generate_key(), "run-1") if forger == "other key" else None
+    Publisher(store, signer=forged).publish(state(99), keyframe=True)
+    with pytest.raises(SignatureError):  # refused at HEAD, before any part is fetched
+        f.sync()
+    assert f.version == 1
+    assert_state(recv, states[1])
+    pub.publish(states[2])  # a signed delta on the forged base: no way there for a verifier
+    with pytest.raises(DcrError):
+        f.sync()
+    assert_state(recv, states[1])
+    r = pub.publish(states[3], keyframe=True)  # version 4: 2 is the forgery, 3 the delta on it
+    f.sync()
+    assert f.version == r.version == 4
+    assert_state(recv, states[3])

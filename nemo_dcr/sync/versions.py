@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
-from nemo_dcr.errors import CommitConflict, ManifestError, VersionNotFound
+from nemo_dcr.errors import CommitConflict, ManifestError, SignatureError, VersionNotFound
 
 if TYPE_CHECKING:
     from nemo_dcr.stores.base import Store
@@ -445,7 +445,9 @@ def plans(store: Store, target: Manifest, current: int | None = None,
             m = _base_of(store, m, known)
         except VersionNotFound:
             break  # retention removed what is older
-        except ManifestError as e:
+        except (ManifestError, SignatureError) as e:
+            # damaged, or (through a verifying store) not signed by a trusted key: nothing older
+            # can be used, but a keyframe already walked (signed itself) still can
             log.warning("nemo-dcr: the chain below version %d is broken (%s)", m.version, e)
             break
     for k in waiting:
