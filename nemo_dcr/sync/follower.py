@@ -305,9 +305,12 @@ class Follower:
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None
         known = self._held if self._version is not None else None
-        for p in plans(self.store, target, self._version, digest, known):
+        refused: list = []
+        for p in plans(self.store, target, self._version, digest, known, refused):
             if not any((m.key, kind) in bad for kind, m in p):
                 return p
+        if refused:  # no way there, and the way back was signed by no trusted key: that says why
+            raise refused[0]
         return None
 
     def _done(self, res: SyncResult, t0: float) -> SyncResult:

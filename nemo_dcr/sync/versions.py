@@ -405,7 +405,8 @@ def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, si
 
 
 def plans(store: Store, target: Manifest, current: int | None = None,
-          digest: str | None = None, known: Manifest | None = None) -> Iterator[list]:
+          digest: str | None = None, known: Manifest | None = None,
+          refused: list | None = None) -> Iterator[list]:
     """Ways to take a receiver holding version ``current`` (state digest ``digest``, when
     known; None: nothing) to ``target``, best first. Each is a list of ("delta" | "keyframe",
     Manifest) steps, oldest first: the deltas from the receiver's own version, then each
@@ -415,7 +416,8 @@ def plans(store: Store, target: Manifest, current: int | None = None,
     keyframe. Manifests are read lazily: a caller that takes the first plan reads no further
     back than it needs, and ``known`` (the receiver's manifest, already checked) is not read
     again where the chain names it by key and sha256 (one round trip less per sync). A broken
-    link (removed or damaged manifest) ends the walk there."""
+    link (removed or damaged manifest, or one a verifying store refused: its ``SignatureError``
+    is appended to ``refused``) ends the walk there."""
     walked: list = []
     waiting: list = []          # keyframes newer than the receiver's version, offered after its deltas
     searching = current is not None
@@ -449,6 +451,8 @@ def plans(store: Store, target: Manifest, current: int | None = None,
             # damaged, or (through a verifying store) not signed by a trusted key: nothing older
             # can be used, but a keyframe already walked (signed itself) still can
             log.warning("nemo-dcr: the chain below version %d is broken (%s)", m.version, e)
+            if refused is not None and isinstance(e, SignatureError):
+                refused.append(e)
             break
     for k in waiting:
         yield from_keyframe(k)
