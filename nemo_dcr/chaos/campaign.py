@@ -597,7 +597,10 @@ class _Run:
         elif kind == "obj_truncate":
             new = data[: self.rng.randrange(len(data))]
         elif kind == "obj_replace":
-            others = [q.key for m in ms for q in [*m.parts, *m.keyframe_parts] if q.key != p.key]
+            # another committed object still in the store: the chain's older manifests may name
+            # objects retention has deleted since
+            listed = set(self.own.list("versions/"))
+            others = [q.key for m in ms for q in [*m.parts, *m.keyframe_parts] if q.key != p.key and q.key in listed]
             if not others:
                 self.t.skipped[f"{kind}: no other object"] += 1
                 return True
