@@ -721,6 +721,9 @@ class _Run:
             return self.forge(kind)
         if kind.startswith(("manifest_", "head_")):
             key = HEAD_KEY if kind.startswith("head_") else head.manifest
+            if key in self.damaged:  # a failed publish leaves the same newest manifest
+                self.t.skipped[f"{kind}: the newest manifest is already damaged"] += 1
+                return True
             data = self.own.get(key)
             if kind == "manifest_delete":
                 self.own.delete(key)
