@@ -54,14 +54,17 @@ Not handled: pipeline parallelism (a stage lacks the other stages' layers), quan
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.stores.base import Store
 
 from .rollout import RolloutLoader
+from .vllm_types import MergedLayer, ModelRunner, QKVLayer
 
 #: vLLM's fused layers and the Hugging Face layers they are made of, for models that do not
 #: declare ``packed_modules_mapping``
@@ -170,10 +173,11 @@ def vllm_tensors(model: torch.nn.Module, tp_rank: int | None = None, tp_size: in
         base = f"{parent}." if parent else ""
         if cls == "QKVParallelLinear" and pname in ("weight", "bias"):
             r, n = _tp(mod, tp_rank, tp_size)
-            hs = int(mod.head_size)
+            qkv = cast(QKVLayer, mod)
+            hs = int(qkv.head_size)
             vhs = int(getattr(mod, "v_head_size", hs) or hs)
-            nq, nkv = int(mod.num_heads), int(mod.num_kv_heads)
-            tq, tkv = int(mod.total_num_heads), int(mod.total_num_kv_heads)
+            nq, nkv = int(qkv.num_heads), int(qkv.num_kv_heads)
+            tq, tkv = int(qkv.total_num_heads), int(qkv.total_num_kv_heads)
             rep = int(getattr(mod, "num_kv_head_replicas", 1) or 1)
             names = subs or ["q_proj", "k_proj", "v_proj"]
             q, k, v = nq * hs, nkv * hs, nkv * vhs
@@ -183,7 +187,7 @@ def vllm_tensors(model: torch.nn.Module, tp_rank: int | None = None, tp_size: in
             put(f"{base}{names[2]}.{pname}", *_rows(data, q + k, v, kv_shard * v, tkv * vhs))
         elif cls == "MergedColumnParallelLinear" and pname in ("weight", "bias"):
             r, n = _tp(mod, tp_rank, tp_size)
-            sizes = [int(s) for s in mod.output_sizes]
+            sizes = [int(s) for s in cast(MergedLayer, mod).output_sizes]
             if not subs or len(subs) != len(sizes):
                 raise DcrError(f"{mod_name}: fused layer of {len(sizes)} parts but packed_modules_mapping "
                                f"gives {subs!r} for {leaf!r}")
@@ -234,26 +238,61 @@ def _tp_group():
         return None
 
 
-class _Prefetched:
+class _Prefetched(Store):
     """The store, with the objects of the coming update fetched once: the pre-write check reads
-    the delta headers, the follower then applies the same bytes without a second download."""
+    the delta headers, the follower then applies the same bytes without a second download.
+    Everything else goes to the store itself."""
 
-    def __init__(self, store):
+    def __init__(self, store: Store):
         self.inner = store
+        self.url = store.url
         self.cache: dict[str, bytes] = {}
 
     def get(self, key: str) -> bytes:
         data = self.cache.pop(key, None)
         return data if data is not None else self.inner.get(key)
 
-    def __getattr__(self, name):
+    def get_to_file(self, key, path) -> None:
+        self.inner.get_to_file(key, path)
+
+    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
+        return self.inner.get_stream(key, offset)
+
+    def get_with_tag(self, key: str) -> tuple[bytes, str]:
+        return self.inner.get_with_tag(key)
+
+    def exists(self, key: str) -> bool:
+        return self.inner.exists(key)
+
+    def size(self, key: str) -> int:
+        return self.inner.size(key)
+
+    def list(self, prefix: str = "") -> list[str]:
+        return self.inner.list(prefix)
+
+    def put(self, key: str, data: bytes) -> None:
+        self.inner.put(key, data)
+
+    def put_file(self, key, path) -> None:
+        self.inner.put_file(key, path)
+
+    def put_if_absent(self, key: str, data: bytes) -> None:
+        self.inner.put_if_absent(key, data)
+
+    def put_if_match(self, key: str, data: bytes, tag: str) -> str:
+        return self.inner.put_if_match(key, data, tag)
+
+    def delete(self, key: str) -> None:
+        self.inner.delete(key)
+
+    def __getattr__(self, name):  # what a store offers beyond Store's methods (a relay's wait_head, ...)
         return getattr(self.inner, name)
 
     def __repr__(self) -> str:
         return repr(self.inner)
 
 
-def undecodable(loader: RolloutLoader, store, version: int, head) -> list[str]:
+def undecodable(loader: RolloutLoader, store, version: int | None, head) -> list[str]:
     """Chunks of the coming update that this receiver cannot decode (before anything is written).
 
     A ``classes`` chunk decodes only against the whole base chunk; a receiver that holds part of
@@ -268,7 +307,7 @@ def undecodable(loader: RolloutLoader, store, version: int, head) -> list[str]:
     from nemo_dcr.codec.header import TensorKind
     from nemo_dcr.sync.versions import VersionNotFound, manifest_at, plans
 
-    if loader.version is None or head is None:
+    if loader.version is None or head is None or version is None:
         return []  # bootstrapping from a keyframe or resuming: keyframes are whole tensors
     target_v = version
     if target_v == loader.version:
@@ -315,6 +354,9 @@ def undecodable(loader: RolloutLoader, store, version: int, head) -> list[str]:
 class DcrWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); call them with
     ``llm.collective_rpc(name, args=...)`` (every worker runs them together)."""
+
+    if TYPE_CHECKING:  # provided by the vLLM worker this class is mixed into
+        model_runner: ModelRunner
 
     def dcr_init(self, store: str, version: int | None = None, check_every: int = 0,
                  name_map: dict | None = None) -> int | None:
