@@ -8,6 +8,10 @@
     refit(llm, "s3://bucket/run1")     # = llm.collective_rpc("dcr_update", args=(store,)), then
                                        #   llm.reset_prefix_cache() if the weights changed
 
+The same receiver is also vLLM's weight-transfer backend ``dcr`` (``weight_transfer_config=
+{"backend": "dcr"}``, driven by vLLM's ``init_weight_transfer_engine`` / ``update_weights`` calls:
+:mod:`nemo_dcr.integrations.vllm_transfer`).
+
 ``DcrWorkerExtension`` is mixed into every vLLM worker (vLLM's ``worker_extension_cls``); inside
 a worker ``self.model_runner.model`` is the engine's ``torch.nn.Module``. The extension keeps a
 ``RolloutLoader`` over the worker's own part of the weights, in checkpoint format: vLLM processes
@@ -54,7 +58,7 @@ Not handled: pipeline parallelism (a stage lacks the other stages' layers), quan
 """
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, cast
 
 import torch
@@ -62,6 +66,7 @@ import torch
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.stores.base import Store
+from nemo_dcr.stores.passthrough import PassThroughStore
 
 from .rollout import RolloutLoader
 from .vllm_types import MergedLayer, ModelRunner, QKVLayer
@@ -238,52 +243,18 @@ def _tp_group():
         return None
 
 
-class _Prefetched(Store):
+class _Prefetched(PassThroughStore):
     """The store, with the objects of the coming update fetched once: the pre-write check reads
     the delta headers, the follower then applies the same bytes without a second download.
     Everything else goes to the store itself."""
 
     def __init__(self, store: Store):
-        self.inner = store
-        self.url = store.url
+        super().__init__(store)
         self.cache: dict[str, bytes] = {}
 
     def get(self, key: str) -> bytes:
         data = self.cache.pop(key, None)
         return data if data is not None else self.inner.get(key)
-
-    def get_to_file(self, key, path) -> None:
-        self.inner.get_to_file(key, path)
-
-    def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
-        return self.inner.get_stream(key, offset)
-
-    def get_with_tag(self, key: str) -> tuple[bytes, str]:
-        return self.inner.get_with_tag(key)
-
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def list(self, prefix: str = "") -> list[str]:
-        return self.inner.list(prefix)
-
-    def put(self, key: str, data: bytes) -> None:
-        self.inner.put(key, data)
-
-    def put_file(self, key, path) -> None:
-        self.inner.put_file(key, path)
-
-    def put_if_absent(self, key: str, data: bytes) -> None:
-        self.inner.put_if_absent(key, data)
-
-    def put_if_match(self, key: str, data: bytes, tag: str) -> str:
-        return self.inner.put_if_match(key, data, tag)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
 
     def __getattr__(self, name):  # what a store offers beyond Store's methods (a relay's wait_head, ...)
         return getattr(self.inner, name)
@@ -437,14 +408,24 @@ class DcrWorkerExtension:
         except Exception as e:  # noqa: BLE001 - handed to the driver, raised there
             return {"version": self.dcr_version(), "error": f"{type(e).__name__}: {e}"}
 
+    def _dcr_receiver(self) -> DcrWorkerExtension:
+        """Who follows the store in this worker: this extension, or the ``dcr`` weight-transfer
+        backend (:mod:`.vllm_transfer`) when the engine was updated the vLLM way."""
+        if getattr(self, "_dcr_loader", None) is None:
+            other = getattr(getattr(self, "weight_transfer_engine", None), "receiver", None)
+            if isinstance(other, DcrWorkerExtension):
+                return other
+        return self
+
     def dcr_version(self) -> int | None:
-        loader = getattr(self, "_dcr_loader", None)
+        loader = getattr(self._dcr_receiver(), "_dcr_loader", None)
         return loader.version if loader is not None else None
 
     def dcr_check(self) -> int | None:
         """Recompute the whole state's digest (O(model)); raises if the weights are not the version held."""
-        self._dcr_loader.check()
-        return self._dcr_loader.version
+        loader = self._dcr_receiver()._dcr_loader
+        loader.check()
+        return loader.version
 
     def dcr_fingerprint(self, engine_only: bool = False) -> dict[str, str]:
         """Per published tensor (this worker's part): a BLAKE2b digest of its bits, for tests.
@@ -452,7 +433,7 @@ class DcrWorkerExtension:
         format, from the plain copy it was rebuilt from otherwise (``engine_only``: only the former)."""
         from nemo_dcr.state.digest import tensor_digest
 
-        engine = getattr(self, "_dcr_engine", None)
+        engine = getattr(self._dcr_receiver(), "_dcr_engine", None)
         model = self.model_runner.model
         kept = {}
         for full, p in model.named_parameters():
@@ -511,4 +492,28 @@ def refit(llm, store: str, version: int | None = None) -> int | None:
         _engine_call(llm, "resume_scheduler")
 
 
-__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "undecodable", "DEFAULT_PACKED", "MOE_CLASSES"]
+#: the name of nemo-dcr's backend in vLLM's weight-transfer registry (:mod:`.vllm_transfer`)
+WEIGHT_TRANSFER_BACKEND = "dcr"
+
+
+def register_weight_transfer() -> None:
+    """Add the ``dcr`` backend to vLLM's weight-transfer registry (``weight_transfer_config=
+    {"backend": "dcr"}``), lazily: :mod:`nemo_dcr.integrations.vllm_transfer` is imported when vLLM
+    builds the engine. The ``vllm.general_plugins`` entry point; also run when this module is
+    imported (vLLM imports it in every worker for ``worker_extension_cls``, before the model is
+    loaded and the transfer engine built). Without vLLM it does nothing."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(WEIGHT_TRANSFER_BACKEND, "nemo_dcr.integrations.vllm_transfer",
+                                                    "DcrWeightTransferEngine")
+    except ValueError:  # registered already in this process
+        pass
+
+
+register_weight_transfer()
+
+__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "undecodable", "DEFAULT_PACKED", "MOE_CLASSES",
+           "WEIGHT_TRANSFER_BACKEND", "register_weight_transfer"]
