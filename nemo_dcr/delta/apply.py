@@ -8,9 +8,8 @@ receiver's local indices), check (the pre-image of what is held) and write.
 
 A ``classes`` chunk decodes only against the whole base chunk. A receiver holding part of an
 entry's region decodes none of them itself: the caller hands in each one decoded already
-(``Decoded``, from the whole chunk's bits gathered over the receiver's group and checked against
-the chunk's pre-image: ``nemo_dcr.sync.chunk_gather``); without that, apply refuses before its
-first write.
+(``Decoded``, decoded with the receiver group's help and checked against the chunk's pre-image:
+``nemo_dcr.sync.chunk_gather``); without that, apply refuses before its first write.
 """
 from __future__ import annotations
 
@@ -50,7 +49,7 @@ class ApplyReport:
 
 @dataclass(frozen=True)
 class Decoded:
-    """A ``classes`` chunk decoded against the whole base chunk by whoever could assemble it:
+    """A ``classes`` chunk decoded with what the receiver's group holds of the whole base chunk:
     ``idx`` the changed positions (relative to the chunk), ``old`` the base bits there (checked
     against the chunk's pre-image digest), ``new`` the new bits. Empty: the receiver holds none of
     the chunk's positions."""
