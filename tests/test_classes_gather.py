@@ -5,7 +5,7 @@ ranks (a ``RolloutLoader`` group over gloo, tests/dcr_testing/gather_workers.py)
 by columns (every chunk crosses every rank), by rows at boundaries that are not chunk boundaries,
 over two of the three ranks, or whole (a replica). Each classes chunk is decoded from the whole
 base chunk gathered over the group: bit-exact on integer views, NaN payloads, -0.0, subnormals and
-infinities included, in bf16, fp16, fp32 and fp8. A base that is not the version's on one rank is
+infinities included, in bf16, fp16 (held non-contiguous), fp32 and both fp8s. A base that is not the version's on one rank is
 the same typed error on every rank, and nothing is written anywhere.
 
 Alone (no group), a receiver holding part of a classes chunk is refused before its first write."""

@@ -21,6 +21,7 @@ LAYOUT = {
     # two ranks only (rank 2 holds none of it), by columns
     "cols_f16": ((16, 20), torch.float16, 1, (0, 9, 20, 20)),
     "rows_fp8": ((20, 24), torch.float8_e4m3fn, 0, (0, 5, 11, 20)),
+    "cols_e5m2": ((8, 30), torch.float8_e5m2, 1, (0, 10, 17, 30)),
     "norm": ((40,), torch.float32, None, None),  # whole on every rank (a replica: one rank applies it)
 }
 # bit patterns (unsigned, wrapped into the integer view) that must survive: NaN payloads (quiet and
@@ -30,6 +31,7 @@ SPECIAL = {
     torch.float16: [0x7E01, 0xFC01, 0x7C05, 0x8000, 0x0001, 0x83FF, 0xFC00],
     torch.float32: [0x7FC00001, 0xFFA00005, 0x7F800003, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F800000],
     torch.float8_e4m3fn: [0x7F, 0xFF, 0x80, 0x01, 0x87, 0x07],
+    torch.float8_e5m2: [0x7D, 0xFE, 0x80, 0x01, 0x83, 0x7C],
 }
 
 
@@ -84,7 +86,10 @@ def local_state(version: int, rank: int) -> tuple[dict, dict]:
         spec = shard_spec(n, rank)
         if spec is None:
             continue
-        tensors[n] = st[n][tuple(slice(o, o + s) for o, s in zip(spec.offsets, spec.shape))].clone()
+        part = st[n][tuple(slice(o, o + s) for o, s in zip(spec.offsets, spec.shape))]
+        if n == "cols_f16":  # held column-major, as a transposed weight is: not contiguous
+            part = part.t().contiguous().t()
+        tensors[n] = part.clone(memory_format=torch.preserve_format)
         shards[n] = spec
     return tensors, shards
 
