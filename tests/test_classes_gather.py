@@ -3,10 +3,11 @@
 The trainer (this process) publishes every tensor whole with ``encoding='classes'``; three receiver
 ranks (a ``RolloutLoader`` group over gloo, tests/dcr_testing/gather_workers.py) hold them split
 by columns (every chunk crosses every rank), by rows at boundaries that are not chunk boundaries,
-over two of the three ranks, or whole (a replica). Each classes chunk is decoded from the whole
-base chunk gathered over the group: bit-exact on integer views, NaN payloads, -0.0, subnormals and
-infinities included, in bf16, fp16 (held non-contiguous), fp32 and both fp8s. A base that is not the version's on one rank is
-the same typed error on every rank, and nothing is written anywhere.
+over two of the three ranks, or whole (a replica). Each classes chunk is decoded with the group's
+help (the classes of the base elements, the base bits at the changed positions): bit-exact on
+integer views, NaN payloads, -0.0, subnormals and infinities included, in bf16, fp16 (held
+non-contiguous), fp32 and both fp8s. A base that is not the version's on one rank is the same
+typed error on every rank, and nothing is written anywhere.
 
 Alone (no group), a receiver holding part of a classes chunk is refused before its first write."""
 import time
