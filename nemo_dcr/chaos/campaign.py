@@ -588,7 +588,11 @@ class _Run:
             return False
         ms = list(walk(self.own, head))
         newest = ms[0]
-        parts = [*newest.parts, *newest.keyframe_parts]
+        # not one the harness deleted at an earlier step (a failed publish leaves the same newest)
+        parts = [q for q in [*newest.parts, *newest.keyframe_parts] if self.own.exists(q.key)] or None
+        if parts is None:
+            self.t.skipped[f"{kind}: every part of the newest version already deleted"] += 1
+            return True
         p = self.rng.choice(parts)
         data = self.own.get(p.key)
         if kind == "obj_corrupt":
@@ -597,18 +601,26 @@ class _Run:
         elif kind == "obj_truncate":
             new = data[: self.rng.randrange(len(data))]
         elif kind == "obj_replace":
-            others = [q.key for m in ms for q in [*m.parts, *m.keyframe_parts] if q.key != p.key]
+            # another committed object still in the store: the chain's older manifests may name
+            # objects retention has deleted since
+            listed = set(self.own.list("versions/"))
+            others = [q.key for m in ms for q in [*m.parts, *m.keyframe_parts] if q.key != p.key and q.key in listed]
             if not others:
                 self.t.skipped[f"{kind}: no other object"] += 1
                 return True
             new = self.own.get(self.rng.choice(others))
         else:
             new = None
+        from nemo_dcr.errors import DcrError
+        try:
+            if new is None:
+                self.own.delete(p.key)
+            else:
+                self.own.put(p.key, new)
+        except DcrError:  # the store is read-only or full this step (a disk fault drawn with it)
+            self.t.skipped[f"{kind}: store not writable"] += 1
+            return True
         self.damaged.add(p.key)
-        if new is None:
-            self.own.delete(p.key)
-        else:
-            self.own.put(p.key, new)
         return True
 
     # -- receivers --------------------------------------------------------------------------

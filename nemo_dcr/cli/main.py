@@ -7,7 +7,7 @@ import os
 import sys
 
 from nemo_dcr import __version__
-from nemo_dcr.codec.names import CHOICES  # torch-free: --help and relay do not import torch
+from nemo_dcr.codec.names import CHOICES, DEFAULT_LEVEL  # torch-free: --help and relay do not import torch
 from nemo_dcr.errors import DcrError
 
 
@@ -247,7 +247,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--encoding", choices=list(CHOICES), default="auto",
                    help="auto (default): per chunk, classes where it pays, else the smallest of all; "
                         "portable: the smallest of xor, add and overwrite (receivers sharded finer than the sender)")
-    d.add_argument("--level", type=int, default=3, help="zstd level, 1..22 (default 3)")
+    d.add_argument("--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level, 1..22 (default {DEFAULT_LEVEL})")
     d.add_argument("--chunk-elems", type=int, default=1 << 20, help="elements per chunk (bounds memory)")
     d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
     d.set_defaults(func=_cmd_diff)
@@ -273,7 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--retain", type=int, default=None,
                     help="delete versions no receiver needs, keeping N recent")
     pb.add_argument("--encoding", choices=list(CHOICES), default="auto")
-    pb.add_argument("--level", type=int, default=3)
+    pb.add_argument("--level", type=int, default=DEFAULT_LEVEL)
     _signing_args(pb, sign=True)
     pb.set_defaults(func=_cmd_publish)
 

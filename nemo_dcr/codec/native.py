@@ -38,7 +38,8 @@ def _cache_dir() -> Path:
 
 
 def _build(src: Path) -> Path:
-    text = src.read_bytes()
+    # the headers it includes are part of what is built: a change to either makes a new build
+    text = src.read_bytes() + b"".join(h.read_bytes() for h in sorted(src.parent.glob("*.h")))
     cc = os.environ.get("CC", "cc")
     flags = CFLAGS + os.environ.get(EXTRA_CFLAGS_ENV, "").split()  # later flags win (-O1 over -O3)
     tag = hashlib.sha256(text + " ".join([cc] + flags).encode()).hexdigest()[:16]

@@ -26,9 +26,11 @@ its own ``process_weights_after_loading``, the way vLLM's in-place reload does i
 old weights (requests in flight are preempted and recomputed with the new weights; the reset is
 checked), then resumes: the weights and the cache change together.
 
-Before the first write of an update every worker checks that it can decode every chunk it must
-apply (a ``classes`` chunk decodes only against the whole base chunk: a TP worker holding part of
-a tensor cannot); if one cannot, every worker raises the same ``DcrError`` and nothing is written.
+A ``classes`` chunk decodes only against the whole base chunk, which a TP worker holding part of a
+tensor lacks: the workers of the TP group gather their bits of such chunks (one exchange per
+version over the gloo TP group), and each decodes and checks them before the first write
+(:mod:`nemo_dcr.sync.chunk_gather`); a chunk the group together does not hold is refused by every
+worker with the same ``DcrError`` before anything is written.
 
 Names and layouts (:func:`vllm_tensors`). The trainer publishes Hugging Face names (what
 ``DeltaPublishCallback`` publishes for an HF model). vLLM's layers are mapped onto them:
@@ -65,8 +67,6 @@ import torch
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
-from nemo_dcr.stores.base import Store
-from nemo_dcr.stores.passthrough import PassThroughStore
 
 from .rollout import RolloutLoader
 from .vllm_types import MergedLayer, ModelRunner, QKVLayer
@@ -243,85 +243,6 @@ def _tp_group():
         return None
 
 
-class _Prefetched(PassThroughStore):
-    """The store, with the objects of the coming update fetched once: the pre-write check reads
-    the delta headers, the follower then applies the same bytes without a second download.
-    Everything else goes to the store itself."""
-
-    def __init__(self, store: Store):
-        super().__init__(store)
-        self.cache: dict[str, bytes] = {}
-
-    def get(self, key: str) -> bytes:
-        data = self.cache.pop(key, None)
-        return data if data is not None else self.inner.get(key)
-
-    def __getattr__(self, name):  # what a store offers beyond Store's methods (a relay's wait_head, ...)
-        return getattr(self.inner, name)
-
-    def __repr__(self) -> str:
-        return repr(self.inner)
-
-
-def undecodable(loader: RolloutLoader, store, version: int | None, head) -> list[str]:
-    """Chunks of the coming update that this receiver cannot decode (before anything is written).
-
-    A ``classes`` chunk decodes only against the whole base chunk; a receiver that holds part of
-    the entry's region (a TP worker holding its rows of a tensor the trainer published whole)
-    cannot decode it. ``version``: the target, ``head``: the store's HEAD (as every rank of the
-    group saw it). Returns one line per such tensor; fetched parts stay cached in ``store`` (a
-    :class:`_Prefetched`) for the follower."""
-    import hashlib
-
-    from nemo_dcr.codec.chunk import CLASSES
-    from nemo_dcr.codec.format import DeltaReader
-    from nemo_dcr.codec.header import TensorKind
-    from nemo_dcr.sync.versions import VersionNotFound, manifest_at, plans
-
-    if loader.version is None or head is None or version is None:
-        return []  # bootstrapping from a keyframe or resuming: keyframes are whole tensors
-    target_v = version
-    if target_v == loader.version:
-        return []
-    try:
-        target = manifest_at(store, target_v, head)
-        steps = next(iter(plans(store, target, loader.version)), [])  # the path the follower takes first
-    except (VersionNotFound, DcrError):
-        return []  # the follower reports it
-    bad: list[str] = []
-    shards = loader.shards.shards
-    for kind, man in steps:
-        if kind != "delta":
-            continue
-        for part in man.parts:
-            try:
-                data = store.inner.get(part.key)
-            except Exception:  # noqa: BLE001 - the follower retries and reports
-                continue
-            if len(data) != part.size or hashlib.sha256(data).hexdigest() != part.sha256:
-                continue  # corrupt: the follower refetches and reports
-            store.cache[part.key] = data
-            try:
-                entries = DeltaReader.open(data).header.tensors
-            except Exception:  # noqa: BLE001 - the follower reports a bad object
-                continue
-            for e in entries:
-                if e.kind != TensorKind.DELTA or not any(c.enc == CLASSES for c in e.chunks):
-                    continue
-                recv = loader.tensors.resolve(e.name)
-                spec = shards.get(recv) if recv is not None else None
-                if spec is None or e.region is None:
-                    continue
-                region = e.region
-                overlaps = all(ro < o + n and o < ro + rn for o, n, ro, rn in
-                               zip(spec.offsets, spec.shape, region.offsets, region.shape))
-                if overlaps and not spec.contains(region):
-                    bad.append(f"{e.name} (version {man.version}): this worker holds {spec.shape} at "
-                               f"{spec.offsets} of {tuple(spec.global_shape)}, the delta's classes chunks are "
-                               f"coded against the region {region.shape} at {region.offsets}")
-    return bad
-
-
 class DcrWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); call them with
     ``llm.collective_rpc(name, args=...)`` (every worker runs them together)."""
@@ -350,11 +271,10 @@ class DcrWorkerExtension:
         tensors, shards = vllm_tensors(model, data_of=engine.data_of)
         self._dcr_store = store
         self._dcr_engine = engine
-        # verified (trusted keys in the environment) below the prefetcher: the pre-write check
-        # fetches no part of a version whose HEAD or manifest does not verify
-        self._dcr_prefetch = _Prefetched(verifying(open_store(store) if isinstance(store, str) else store))
         try:
-            self._dcr_loader = RolloutLoader(self._dcr_prefetch, tensors, shards, group=_tp_group(),
+            # HEAD and manifests verified with the trusted keys in the environment
+            self._dcr_loader = RolloutLoader(verifying(open_store(store) if isinstance(store, str) else store),
+                                             tensors, shards, group=_tp_group(),
                                              name_map=name_map, check_every=check_every, version=version,
                                              staging=False)
         finally:
@@ -363,8 +283,9 @@ class DcrWorkerExtension:
 
     def dcr_update(self, store: str | None = None, version: int | None = None) -> int | None:
         """Bring the weights to the newest (or given) version; returns the version held. Every
-        chunk is checked decodable by every worker before the first write; the layers whose
-        weights changed are rebuilt into what the engine computes from, even after a failure
+        chunk is decoded and checked by every worker before the first write (``classes`` chunks
+        of a tensor held in part: with the base chunk gathered over the TP group); the layers
+        whose weights changed are rebuilt into what the engine computes from, even after a failure
         (the engine then computes from what the follower holds, which it knows is in between)."""
         loader = getattr(self, "_dcr_loader", None)
         if loader is None or (store is not None and store != self._dcr_store):
@@ -372,31 +293,9 @@ class DcrWorkerExtension:
                 raise DcrError("dcr_update: no store yet; pass its URL (or call dcr_init first)")
             self.dcr_init(store)
             loader = self._dcr_loader
-        from nemo_dcr.sync.versions import read_head
-
-        g = loader.group
-        # one HEAD for the check and the update, the same on every rank: what was checked is applied
-        head = g.broadcast(read_head(self._dcr_prefetch)[0] if g.rank == 0 else None)
-        if head is not None and version is None:
-            version = head.version
-
-        def check():
-            bad = undecodable(loader, self._dcr_prefetch, version, head)
-            if bad:
-                raise DcrError("this worker cannot decode the update (nothing was written): " + "; ".join(bad[:3])
-                               + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
-                               + ". A receiver sharded differently from the trainer needs deltas published "
-                               "with encoding='portable'")
-
-        try:
-            g.run(check, "check that every worker can decode the update before the first write")
-        except Exception:
-            self._dcr_prefetch.cache.clear()
-            raise
         try:
             return loader.update(version)
         finally:
-            self._dcr_prefetch.cache.clear()
             self._dcr_engine.rebuild_changed()
 
     def dcr_update_outcome(self, store: str | None = None, version: int | None = None) -> dict:
@@ -515,5 +414,5 @@ def register_weight_transfer() -> None:
 
 register_weight_transfer()
 
-__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "undecodable", "DEFAULT_PACKED", "MOE_CLASSES",
+__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "DEFAULT_PACKED", "MOE_CLASSES",
            "WEIGHT_TRANSFER_BACKEND", "register_weight_transfer"]

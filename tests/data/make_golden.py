@@ -35,6 +35,7 @@ ENCODINGS = ("auto", "portable", "classes", "xor", "add", "overwrite")
 CHUNK = 256  # elements per chunk: the bigger tensors span several chunks
 SHARD_CHUNK = 64
 CREATED = 1_700_000_000.0  # the header's "created", pinned so the files are reproducible
+LEVEL = 3  # the zstd level the files were written at (the default then; the default is 1 now)
 
 
 def _bits(t, int_dtype):
@@ -172,15 +173,15 @@ def encode_all(inputs_dir: str, scratch: str, workers: int | None = 1) -> dict:
     out = {}
     with pinned_clock():
         for enc in ENCODINGS:
-            out[f"{enc}.dcr"] = diff(base, target, encoding=enc, chunk_elems=CHUNK, workers=workers)
+            out[f"{enc}.dcr"] = diff(base, target, encoding=enc, level=LEVEL, chunk_elems=CHUNK, workers=workers)
         for r, (off, rows) in enumerate(SHARD_ROWS):
             spec = ShardSpec.of(tuple(sb["big"].shape), (off, 0), (rows, sb["big"].shape[1]))
             out[f"shard{r}.dcr"] = diff({"big": sb["big"][off:off + rows]}, {"big": st["big"][off:off + rows]},
-                                        encoding="portable", chunk_elems=SHARD_CHUNK, shards={"big": spec},
+                                        encoding="portable", level=LEVEL, chunk_elems=SHARD_CHUNK, shards={"big": spec},
                                         workers=workers)
         cli_out = os.path.join(scratch, "cli_diff.dcr")
         argv = ["diff", os.path.join(inputs_dir, "base.safetensors"), os.path.join(inputs_dir, "target.safetensors"),
-                "-o", cli_out]
+                "-o", cli_out, "--level", str(LEVEL)]
         if cli_main(argv + (["--workers", str(workers)] if workers else [])) != 0:
             raise RuntimeError("nemo-dcr diff failed")
         with open(cli_out, "rb") as f:

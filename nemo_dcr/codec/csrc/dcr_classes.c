@@ -186,165 +186,137 @@ static inline __attribute__((always_inline)) int64_t scan_decode(
 }
 
 
-/* ------------------------------------------------------------------ AVX-512 scans (16-bit)
- * The same results as the scalar scans, 64 elements at a time: one compare per *active* class
- * (a class with changes), on the classes packed to bytes, gives that class's members in the block
- * as a bit mask; popcounts keep
- * the per-class counts and locate ranks inside the block. Used for 2-byte dtypes when the CPU
- * has AVX-512BW and at most MAXA classes are active; everything else takes the scalar scans. */
+/* ------------------------------------------------------------------ vector scans (16-bit)
+ * For 2-byte dtypes the element scans run 64 elements at a time (dcr_simd_scans.h says how),
+ * with AVX-512BW or AVX2, whichever the CPU has, chosen at run time; other widths, chunks with
+ * more than MAXA active classes, and dcr_set_simd(0) take the scalar scans above. */
 #define MAXA 64
 static int simd_enabled = 1;
 void dcr_set_simd(int on) { simd_enabled = on; }
 
 #ifdef DCR_X86
-static int have_avx512(void) {
+/* 2: AVX-512BW (+BMI2 for pdep), 1: AVX2, 0: neither (or dcr_set_simd(0)) */
+static int simd_isa(void) {
     static int v = -1;
-    if (v < 0) { __builtin_cpu_init(); v = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt"); }
-    return v;
+    if (v < 0) {
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt") ? 2
+            : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt") ? 1 : 0;
+    }
+    return simd_enabled ? v : 0;
 }
 
-/* the classes of 64 consecutive 16-bit elements as 64 bytes, in element order (classes of
- * 2-byte dtypes are below 256): one byte compare per class then covers the whole block */
-__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static inline __m512i class_bytes(const uint16_t *p, __m512i absm, __m128i sh) {
-    __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)p), absm), sh);
-    __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(p + 32)), absm), sh);
-    /* packus interleaves 128-bit lanes: quadwords come out as c0[0], c1[0], c0[1], c1[1], ... */
-    return _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi16(c0, c1));
+/* AVX-512BW: a block's classes are one vector of 64 bytes */
+typedef struct { __m512i absm, vlo, vhi; __m128i sh; } ctx512;
+__attribute__((target("avx512f,avx512bw")))
+static inline ctx512 ctx_avx512(int mant, int lo, int hi) {
+    ctx512 x = {_mm512_set1_epi16(0x7FFF), _mm512_set1_epi8((char)lo), _mm512_set1_epi8((char)hi), _mm_cvtsi32_si128(mant)};
+    return x;
 }
+/* packus interleaves 128-bit lanes: quadwords come out as c0[0], c1[0], c0[1], c1[1], ... */
+__attribute__((target("avx512f,avx512bw")))
+static inline __m512i classes_avx512(const ctx512 *x, const uint16_t *p) {
+    __m512i c0 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)p), x->absm), x->sh);
+    __m512i c1 = _mm512_srl_epi16(_mm512_and_si512(_mm512_loadu_si512((const void *)(p + 32)), x->absm), x->sh);
+    __m512i b = _mm512_permutexvar_epi64(_mm512_setr_epi64(0, 2, 4, 6, 1, 3, 5, 7), _mm512_packus_epi16(c0, c1));
+    return _mm512_max_epu8(_mm512_min_epu8(b, x->vhi), x->vlo);
+}
+__attribute__((target("avx512f,avx512bw")))
+static inline uint64_t neq_avx512(const uint16_t *o, const uint16_t *nw) {
+    __m512i a0 = _mm512_loadu_si512((const void *)o), a1 = _mm512_loadu_si512((const void *)(o + 32));
+    __m512i b0 = _mm512_loadu_si512((const void *)nw), b1 = _mm512_loadu_si512((const void *)(nw + 32));
+    return (uint64_t)_mm512_cmpneq_epi16_mask(a0, b0) | ((uint64_t)_mm512_cmpneq_epi16_mask(a1, b1) << 32);
+}
+#define SFX _avx512
+#define TGT __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
+#define CTX_T ctx512
+#define CTX(m, l, h) ctx_avx512(m, l, h)
+#define BLK_T __m512i
+#define CLASSES(x, p) classes_avx512(x, p)
+#define ACT_T __m512i
+#define ACT(c) _mm512_set1_epi8((char)(c))
+#define EQ(cb, a) ((uint64_t)_mm512_cmpeq_epi8_mask(cb, a))
+#define NEQ(o, nw) neq_avx512(o, nw)
+#define NTH(e, at) __builtin_ctzll(_pdep_u64(1ULL << (at), e))
+#include "dcr_simd_scans.h"
+#undef SFX
+#undef TGT
+#undef CTX_T
+#undef CTX
+#undef BLK_T
+#undef CLASSES
+#undef ACT_T
+#undef ACT
+#undef EQ
+#undef NEQ
+#undef NTH
 
-/* pass A of the encoder, 64 elements at a time */
-__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static int64_t find_changes_avx512(const uint16_t *o, const uint16_t *nw, int64_t n,
-                                   int64_t **cidx, uint64_t **rank, int64_t *cap) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < n; i += 64) {
-        uint64_t m;
-        if (i + 64 <= n) {
-            __m512i a0 = _mm512_loadu_si512((const void *)(o + i)), a1 = _mm512_loadu_si512((const void *)(o + i + 32));
-            __m512i b0 = _mm512_loadu_si512((const void *)(nw + i)), b1 = _mm512_loadu_si512((const void *)(nw + i + 32));
-            m = (uint64_t)_mm512_cmpneq_epi16_mask(a0, b0) | ((uint64_t)_mm512_cmpneq_epi16_mask(a1, b1) << 32);
-        } else {
-            m = 0;
-            for (int64_t j = i; j < n; j++) if (o[j] != nw[j]) m |= 1ULL << (j - i);
-        }
-        while (m) {
-            if (push_change(cidx, rank, cap, &k, i + __builtin_ctzll(m), 0)) return -1;
-            m &= m - 1;
-        }
-    }
-    return k;
+/* AVX2: a block's classes are two vectors of 32 bytes. No pdep: it is microcoded (slow) on the
+ * AMD cores that lack AVX-512, so a rank inside a block is found by clearing lower set bits. */
+typedef struct { __m256i absm, vlo, vhi; __m128i sh; } ctx256;
+typedef struct { __m256i a, b; } blk256;
+__attribute__((target("avx2")))
+static inline ctx256 ctx_avx2(int mant, int lo, int hi) {
+    ctx256 x = {_mm256_set1_epi16(0x7FFF), _mm256_set1_epi8((char)lo), _mm256_set1_epi8((char)hi), _mm_cvtsi32_si128(mant)};
+    return x;
 }
-
-/* pass B of the encoder, 64 elements at a time (cls: each change's class). Returns 0, or -2
- * when more than MAXA classes have changes (use the scalar pass). */
-__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static int rank_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx,
-                       const uint8_t *cls, int64_t k, uint64_t *rank) {
-    int slot[256], act[MAXA], A = 0;
-    for (int c = 0; c < 256; c++) slot[c] = -1;
-    for (int64_t j = 0; j < k; j++) {
-        int c = cls[j];
-        if (slot[c] < 0) { if (A == MAXA) return -2; slot[c] = A; act[A++] = c; }
-    }
-    uint64_t cnt[MAXA] = {0};
-    __m512i vact[MAXA];
-    for (int a = 0; a < A; a++) vact[a] = _mm512_set1_epi8((char)act[a]);
-    const __m512i absm = _mm512_set1_epi16(0x7FFF), vlo = _mm512_set1_epi8((char)lo), vhi = _mm512_set1_epi8((char)hi);
-    const __m128i sh = _mm_cvtsi32_si128(mant);
-    int64_t j = 0, i;
-    for (i = 0; i + 64 <= n && j < k; i += 64) {
-        __m512i cb = _mm512_max_epu8(_mm512_min_epu8(class_bytes(o + i, absm, sh), vhi), vlo);
-        for (; j < k && cidx[j] < i + 64; j++) {  /* this block's changes: members before them */
-            int b = (int)(cidx[j] - i), s = slot[cls[j]];
-            uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[s]);
-            rank[j] = cnt[s] + (uint64_t)__builtin_popcountll(e & ((1ULL << b) - 1));
-        }
-        for (int a = 0; a < A; a++) cnt[a] += (uint64_t)__builtin_popcountll(_mm512_cmpeq_epi8_mask(cb, vact[a]));
-    }
-    for (; i < n && j < k; i++) {  /* the tail, scalar */
-        int s = slot[class_of(o[i], 0x7FFF, mant, lo, hi)];
-        if (cidx[j] == i) rank[j++] = cnt[s];
-        if (s >= 0) cnt[s]++;
-    }
-    return 0;
+/* packus works per 128-bit lane: quadwords come out as c0[0], c1[0], c0[1], c1[1] */
+__attribute__((target("avx2")))
+static inline __m256i classes32_avx2(const ctx256 *x, const uint16_t *p) {
+    __m256i c0 = _mm256_srl_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p), x->absm), x->sh);
+    __m256i c1 = _mm256_srl_epi16(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)(p + 16)), x->absm), x->sh);
+    __m256i b = _mm256_permute4x64_epi64(_mm256_packus_epi16(c0, c1), 0xD8);
+    return _mm256_max_epu8(_mm256_min_epu8(b, x->vhi), x->vlo);
 }
-
-/* decoder scan. rows: the active classes (table order), their start/end in the class-ordered
- * arrays. Returns the number of changes written, -2 (use scalar) or -3 (a rank past its class). */
-__attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
-static int64_t scan_decode_avx512(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *table, int64_t ntab,
-                                  const int64_t *start, const uint64_t *rk, const uint64_t *dv,
-                                  int64_t *idx_out, uint16_t *new_out) {
-    if (ntab > MAXA) return -2;
-    const uint64_t mask = 0xFFFF, sign = 0x8000;
-    /* the live classes, compacted (a class leaves when its last change is out): its class byte,
-     * how many of its members to skip before its next change, and where its changes are */
-    __m512i vact[MAXA];
-    uint64_t rem[MAXA];
-    int64_t next[MAXA], endc[MAXA];
-    int L = (int)ntab;
-    for (int a = 0; a < L; a++) {
-        int c = (int)table[TAB * a];
-        vact[a] = _mm512_set1_epi8((char)c);
-        next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; rem[a] = rk[next[a]];
-    }
-    const __m512i absm = _mm512_set1_epi16(0x7FFF), vlo = _mm512_set1_epi8((char)lo), vhi = _mm512_set1_epi8((char)hi);
-    const __m128i sh = _mm_cvtsi32_si128(mant);
-    int64_t out = 0, i;
-    for (i = 0; i + 64 <= n && L; i += 64) {
-        __m512i cb = _mm512_max_epu8(_mm512_min_epu8(class_bytes(o + i, absm, sh), vhi), vlo);
-        int64_t first = out;
-        for (int x = 0; x < L; x++) {
-            uint64_t e = (uint64_t)_mm512_cmpeq_epi8_mask(cb, vact[x]);
-            uint64_t pc = (uint64_t)__builtin_popcountll(e);
-            if (__builtin_expect(pc <= rem[x], 1)) { rem[x] -= pc; continue; }
-            uint64_t at = rem[x];  /* index among the class's members in this block */
-            for (;;) {
-                int b = __builtin_ctzll(_pdep_u64(1ULL << at, e));
-                int64_t jj = next[x]++;
-                uint64_t u = o[i + b];
-                idx_out[out] = i + b;
-                new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
-                out++;
-                if (next[x] == endc[x]) break;
-                at += 1 + (rk[next[x]] - rk[jj] - 1);
-                if (at >= pc) { rem[x] = at - pc; break; }
-            }
-            if (next[x] == endc[x]) {  /* done: stop counting it */
-                L--;
-                vact[x] = vact[L]; rem[x] = rem[L]; next[x] = next[L]; endc[x] = endc[L];
-                x--;
-            }
-        }
-        /* the block's changes came class by class: put them in position order */
-        for (int64_t p = first + 1; p < out; p++) {
-            int64_t ix = idx_out[p]; uint16_t v = new_out[p]; int64_t q = p - 1;
-            while (q >= first && idx_out[q] > ix) { idx_out[q + 1] = idx_out[q]; new_out[q + 1] = new_out[q]; q--; }
-            idx_out[q + 1] = ix; new_out[q + 1] = v;
-        }
-    }
-    for (; i < n && L; i++) {  /* the tail, scalar */
-        uint64_t u = o[i];
-        char c = (char)class_of(u, 0x7FFF, mant, lo, hi);
-        for (int x = 0; x < L; x++) {
-            if ((char)_mm_cvtsi128_si32(_mm512_castsi512_si128(vact[x])) != c) continue;
-            if (rem[x]) { rem[x]--; break; }
-            int64_t jj = next[x]++;
-            idx_out[out] = i;
-            new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
-            out++;
-            if (next[x] == endc[x]) {
-                L--;
-                vact[x] = vact[L]; rem[x] = rem[L]; next[x] = next[L]; endc[x] = endc[L];
-            } else {
-                rem[x] = rk[next[x]] - rk[jj] - 1;
-            }
-            break;
-        }
-    }
-    return L ? -3 : out;
+__attribute__((target("avx2")))
+static inline blk256 classes_avx2(const ctx256 *x, const uint16_t *p) {
+    blk256 r = {classes32_avx2(x, p), classes32_avx2(x, p + 32)};
+    return r;
 }
+__attribute__((target("avx2")))
+static inline uint64_t eq_avx2(blk256 cb, __m256i a) {
+    return (uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(cb.a, a))
+        | ((uint64_t)(uint32_t)_mm256_movemask_epi8(_mm256_cmpeq_epi8(cb.b, a)) << 32);
+}
+/* 32 16-bit compares to 32 mask bits: pack the 0/-1 words to bytes, undo packs' lane order */
+__attribute__((target("avx2")))
+static inline uint32_t eq32_avx2(const uint16_t *o, const uint16_t *nw) {
+    __m256i e0 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)o), _mm256_loadu_si256((const __m256i *)nw));
+    __m256i e1 = _mm256_cmpeq_epi16(_mm256_loadu_si256((const __m256i *)(o + 16)),
+                                    _mm256_loadu_si256((const __m256i *)(nw + 16)));
+    return (uint32_t)_mm256_movemask_epi8(_mm256_permute4x64_epi64(_mm256_packs_epi16(e0, e1), 0xD8));
+}
+__attribute__((target("avx2")))
+static inline uint64_t neq_avx2(const uint16_t *o, const uint16_t *nw) {
+    return ~((uint64_t)eq32_avx2(o, nw) | ((uint64_t)eq32_avx2(o + 32, nw + 32) << 32));
+}
+static inline int nth_bit(uint64_t e, uint64_t at) {
+    for (; at; at--) e &= e - 1;
+    return __builtin_ctzll(e);
+}
+#define SFX _avx2
+#define TGT __attribute__((target("avx2,popcnt")))
+#define CTX_T ctx256
+#define CTX(m, l, h) ctx_avx2(m, l, h)
+#define BLK_T blk256
+#define CLASSES(x, p) classes_avx2(x, p)
+#define ACT_T __m256i
+#define ACT(c) _mm256_set1_epi8((char)(c))
+#define EQ(cb, a) eq_avx2(cb, a)
+#define NEQ(o, nw) neq_avx2(o, nw)
+#define NTH(e, at) nth_bit(e, at)
+#include "dcr_simd_scans.h"
+#undef SFX
+#undef TGT
+#undef CTX_T
+#undef CTX
+#undef BLK_T
+#undef CLASSES
+#undef ACT_T
+#undef ACT
+#undef EQ
+#undef NEQ
+#undef NTH
 #endif
 
 /* ------------------------------------------------------------------ encode, once placed */
@@ -458,12 +430,13 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     if (!cidx || !rank) { free(cidx); free(rank); return E_NOMEM; }
     int simd = 0;
 #ifdef DCR_X86
-    simd = w == 2 && simd_enabled && have_avx512();
+    simd = w == 2 ? simd_isa() : 0;
 #endif
     /* pass A: the changed positions */
     int64_t got;
 #ifdef DCR_X86
-    if (simd) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, &cidx, &rank, &cap);
+    if (simd == 2) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, &cidx, &rank, &cap);
+    else if (simd == 1) got = find_changes_avx2((const uint16_t *)oldp, (const uint16_t *)newp, n, &cidx, &rank, &cap);
     else
 #endif
     got = w == 2 ? find_changes(oldp, newp, n, 2, &cidx, &rank, &cap)
@@ -492,7 +465,8 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
     /* pass B: ranks within the classes */
     int rb = -2;
 #ifdef DCR_X86
-    if (simd) rb = rank_avx512((const uint16_t *)oldp, n, mant, lo, hi, cidx, ex, k, rank);
+    if (simd == 2) rb = rank_avx512((const uint16_t *)oldp, n, mant, lo, hi, cidx, ex, k, rank);
+    else if (simd == 1) rb = rank_avx2((const uint16_t *)oldp, n, mant, lo, hi, cidx, ex, k, rank);
 #endif
     if (rb == -2) {
         if (w == 2) rank_scalar(oldp, n, 2, mant, lo, hi, cidx, k, rank);
@@ -575,9 +549,13 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
     int lo = ntab ? (int)table[0] : 0, hi = ntab ? (int)table[TAB * (ntab - 1)] : 0;
     int64_t out = -2, scalar = 1;
 #ifdef DCR_X86
-    if (w == 2 && simd_enabled && have_avx512())
+    int isa = w == 2 ? simd_isa() : 0;
+    if (isa == 2)
         out = scan_decode_avx512((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
                                  (uint16_t *)new_out);
+    else if (isa == 1)
+        out = scan_decode_avx2((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
+                               (uint16_t *)new_out);
 #endif
     if (out != -2) scalar = 0;
     else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out)
