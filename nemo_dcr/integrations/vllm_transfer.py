@@ -10,8 +10,8 @@ dicts, through ``collective_rpc`` or ``AsyncLLM``'s methods of the same names).
 Here "receiving" is a store update: ``init_info`` is ``{"store": url, "version": v or None,
 "check_every": 0, "name_map": None}`` (what ``dcr_init`` takes), ``update_info`` is ``{"version":
 v or None}`` (None: the store's newest). Everything else is the worker extension's: the same
-mapping onto vLLM's layers, plain copies and per-layer rebuild, the pre-write decodability check
-across the TP group (``DcrWorkerExtension``). ``start``/``finish_weight_update`` do nothing: each
+mapping onto vLLM's layers, plain copies and per-layer rebuild, the TP group's checks and gathers
+(``DcrWorkerExtension``). ``start``/``finish_weight_update`` do nothing: each
 update rebuilds the layers it changed before it returns.
 
 What this path does not do, and ``refit(llm, store)`` does: pause the scheduler and drop the KV

@@ -8,7 +8,7 @@ from .base import Store
 
 class PassThroughStore(Store):
     """Every read and write goes to ``inner``; subclasses override what they change (a verified
-    store checks HEAD and manifests as they are read; the vLLM receiver serves prefetched objects)."""
+    store checks HEAD and manifests as they are read)."""
 
     def __init__(self, inner: Store):
         self.inner = inner
