@@ -60,10 +60,11 @@ venv-vllm: $(VLLM_STAMP)
 
 # The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module (vLLM's default: an engine-core
 # and a worker process, as users run it) and fresh-engine references, computed once per checkpoint in one process
-# each with the engine inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0: a third of a default start's time): 4 refitted
-# + 7 references (Llama 3, Qwen2 1, Mixtral 2, TP=2 Qwen2-MoE 1); the session prints its count. Measured: 13.6 min
-# on 2 cores shared with other jobs (load 6-10); the old layout (10 default starts) took 7:52 in a fresh-clone CI
-# run and ~90 s per start at load 5-7, where a reference start took ~22 s. In the main venv they skip.
+# each with the engine inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0: a third of a default start's time): 5 default
+# starts (4 refitted, the TP=2 fresh engine whose bits are read back) + 6 references (Llama 3, Qwen2 1, Mixtral 2);
+# the session prints its count. Measured: 14.3 min on 2 cores shared with other jobs (load 3-10); the old layout
+# (10 default starts) took 7:52 in a fresh-clone CI run, and a default start took ~90 s at load 5-7 where a
+# reference start took ~22 s. In the main venv they skip.
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine*.py
 

@@ -47,6 +47,6 @@ def pytest_terminal_summary(terminalreporter):
     import sys
     vm = sys.modules.get("dcr_testing.vllm_models")
     if vm is not None and any(vm.STARTS.values()):
-        terminalreporter.write_line(f"vLLM engines started: {vm.STARTS['engine']} refitted in the test process "
-                                    f"(engine-core and worker processes), {vm.STARTS['reference']} fresh references "
-                                    "(one in-process engine each)")
+        terminalreporter.write_line(f"vLLM engines started: {vm.STARTS['engine']} in the test process (vLLM's "
+                                    f"default: engine-core and worker processes), {vm.STARTS['reference']} fresh "
+                                    "references (one process each, the engine inside it)")
