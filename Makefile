@@ -58,10 +58,13 @@ $(VLLM_STAMP):
 
 venv-vllm: $(VLLM_STAMP)
 
-# The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module, plus fresh engines as the
-# reference: 10 engine starts (Llama 4, Qwen2 2, Mixtral 2, TP=2 Qwen2-MoE 2). The 8 dense starts took ~5-6 min
-# on 2 otherwise idle cores, so ~7-8 min is expected there; measured on 2 cores shared with other jobs
-# (load 10-40): the Mixtral module 6.2 min, the TP=2 module 16 min. In the main venv they skip.
+# The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module (vLLM's default: an engine-core
+# and a worker process, as users run it) and fresh-engine references, computed once per checkpoint in one process
+# each with the engine inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0: a third of a default start's time): 5 default
+# starts (4 refitted, the TP=2 fresh engine whose bits are read back) + 6 references (Llama 3, Qwen2 1, Mixtral 2);
+# the session prints its count. Measured: 14.3 min on 2 cores shared with other jobs (load 3-10); the old layout
+# (10 default starts) took 7:52 in a fresh-clone CI run, and a default start took ~90 s at load 5-7 where a
+# reference start took ~22 s. In the main venv they skip.
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine*.py
 

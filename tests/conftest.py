@@ -40,3 +40,13 @@ def cli(capsys):
 def nemo_dcr_cmd():
     """The installed console script, next to the running interpreter (for the subprocess smoke tests)."""
     return console_script()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """How many real vLLM engines the session started (they are most of `make test-vllm`'s time)."""
+    import sys
+    vm = sys.modules.get("dcr_testing.vllm_models")
+    if vm is not None and any(vm.STARTS.values()):
+        terminalreporter.write_line(f"vLLM engines started: {vm.STARTS['engine']} in the test process (vLLM's "
+                                    f"default: engine-core and worker processes), {vm.STARTS['reference']} fresh "
+                                    "references (one process each, the engine inside it)")

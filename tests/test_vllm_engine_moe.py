@@ -5,9 +5,10 @@ kernel, and a router (``gate``) repacked like every linear.
 The store holds the checkpoint's own Hugging Face names (``model.layers.N.block_sparse_moe.experts.
 E.w1/w2/w3.weight``, ``...block_sparse_moe.gate.weight``), what a trainer publishes after the
 Megatron->HF mapping. v0 and two updates that each train a subset of the experts (and the router of
-one layer) are refitted into an engine started on v0; at v2 its greedy tokens and logprobs equal a
-fresh engine's on v2's checkpoint and every published tensor's bits equal the trainer's. One refitted
-and one fresh engine (~40 s each here). Runs in the vLLM venv (``make test-vllm``).
+one layer) are refitted into an engine started on v0; at every version its greedy tokens and logprobs
+equal a fresh engine's on that version's checkpoint, every published tensor's bits equal the trainer's
+and the parameters the engine keeps read back bit for bit. One refitted engine and two fresh references
+(v1, v2). Runs in the vLLM venv (``make test-vllm``).
 """
 from __future__ import annotations
 
@@ -51,11 +52,11 @@ def test_mixtral_refit_experts(tmp_path):
     assert json.load(open(os.path.join(v0, "config.json")))["num_local_experts"] == vm.EXPERTS
     store = str(tmp_path / "store")
     pub = Publisher(store)
-    states, path = [], v0
+    states, paths = [], [v0]
     for v in range(3):
         if v:
             state = train_experts(state, v)
-            path = vm.save_state(v0, str(tmp_path / f"v{v}"), state)
+            paths.append(vm.save_state(v0, str(tmp_path / f"v{v}"), state))
         states.append({k: tensor_digest(t) for k, t in state.items()})
         assert pub.publish(state, step=v).version == v
     changed = {k for k in states[2] if states[2][k] != states[0][k]}
@@ -63,21 +64,26 @@ def test_mixtral_refit_experts(tmp_path):
     assert "model.layers.0.block_sparse_moe.experts.0.w1.weight" not in changed
 
     llm = vm.engine(v0)
+    gens, kept = {}, {}
     try:
         start = vm.greedy(llm)
         assert llm.collective_rpc("dcr_init", args=(store, 0)) == [0]  # plain copies read from v0's checkpoint
-        assert llm.collective_rpc("dcr_fingerprint")[0] == states[0]
-        for v in (1, 2):
-            assert refit(llm, store, v) == v
+        for v in (0, 1, 2):
+            if v:
+                assert refit(llm, store, v) == v
             assert llm.collective_rpc("dcr_fingerprint")[0] == states[v]  # every expert, gate and up rows apart
-        # the engine's own parameters, where it keeps checkpoint format (norms, embeddings, lm_head);
-        # the experts (prepacked in place) and the linears (oneDNN handles) are read from their plain copies
-        kept = llm.collective_rpc("dcr_fingerprint", args=(True,))[0]
-        assert "model.norm.weight" in kept and all(states[2][k] == d for k, d in kept.items())
-        assert not any(".experts." in k for k in kept)
-        got = vm.greedy(llm)
+            # the engine's own parameters, where it keeps checkpoint format (norms, embeddings, lm_head); the
+            # experts (prepacked in place) and the linears (oneDNN handles) are read from their plain copies
+            kept[v] = llm.collective_rpc("dcr_fingerprint", args=(True,))[0]
+            gens[v] = vm.greedy(llm)
         assert llm.collective_rpc("dcr_check") == [2]
     finally:
         vm.shutdown(llm)
-    assert got != start
-    assert got == vm.fresh_greedy(path)
+    for v in (0, 1, 2):
+        assert "model.norm.weight" in kept[v] and all(states[v][k] == d for k, d in kept[v].items()), f"version {v}"
+        assert not any(".experts." in k for k in kept[v])
+    assert gens[0] == start  # dcr_init wrote nothing the engine computes from
+    assert gens[1] != gens[0] and gens[2] != gens[1]  # every update changes the output
+    # a fresh engine on each version's checkpoint (v0's is the refitted engine before its first refit)
+    for v in (1, 2):
+        assert gens[v] == vm.fresh_greedy(paths[v]), f"version {v}"

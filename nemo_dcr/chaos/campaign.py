@@ -761,11 +761,16 @@ class _Run:
             new = self.own.get(self.rng.choice(others))
         else:
             new = None
+        from nemo_dcr.errors import DcrError
+        try:
+            if new is None:
+                self.own.delete(p.key)
+            else:
+                self.own.put(p.key, new)
+        except DcrError:  # the store is read-only or full this step (a disk fault drawn with it)
+            self.t.skipped[f"{kind}: store not writable"] += 1
+            return True
         self.damaged.add(p.key)
-        if new is None:
-            self.own.delete(p.key)
-        else:
-            self.own.put(p.key, new)
         return True
 
     # -- receivers --------------------------------------------------------------------------

@@ -5,6 +5,11 @@
 Per entry, ``plan_entry`` (plan.py) decides what to do before anything is written; ``run_plan``
 then runs each chunk through four steps: decode (the chunk's positions and values), locate (the
 receiver's local indices), check (the pre-image of what is held) and write.
+
+A ``classes`` chunk decodes only against the whole base chunk. A receiver holding part of an
+entry's region decodes none of them itself: the caller hands in each one decoded already
+(``Decoded``, decoded with the receiver group's help and checked against the chunk's pre-image:
+``nemo_dcr.sync.chunk_gather``); without that, apply refuses before its first write.
 """
 from __future__ import annotations
 
@@ -40,6 +45,26 @@ class ApplyReport:
     elements_changed: int = 0
     unverified: list = field(default_factory=list)  # entries only partly held: no digest check possible
     seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Decoded:
+    """A ``classes`` chunk decoded with what the receiver's group holds of the whole base chunk:
+    ``idx`` the changed positions (relative to the chunk), ``old`` the base bits there (checked
+    against the chunk's pre-image digest), ``new`` the new bits. Empty: the receiver holds none of
+    the chunk's positions."""
+
+    idx: torch.Tensor
+    old: torch.Tensor
+    new: torch.Tensor
+
+    @classmethod
+    def nothing(cls, bits_dtype: torch.dtype) -> Decoded:
+        empty = torch.empty(0, dtype=bits_dtype)
+        return cls(torch.empty(0, dtype=torch.int64), empty, empty)
+
+
+DecodedChunks = Mapping[tuple[str, int], Decoded]  # (tensor name, chunk start) -> Decoded
 
 
 @dataclass(frozen=True)
@@ -86,9 +111,7 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
         return decode_chunk(c, reader.payload(c), t.w)
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
-        raise DcrError(f"{t.plan.name}: chunk at element {c.start} is coded against the whole base chunk, which "
-                       "this receiver does not hold; publish with encoding 'portable' for receivers sharded "
-                       "differently")
+        raise undecodable(t.plan.name, c)
     if t.identity:
         base = t.fa.read(c.start, c.end)
     else:
@@ -100,6 +123,12 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
         # a checksum-valid chunk that does not decode against what is held: not this base (or
         # applied already); the pre-image check that follows reports it
         return torch.empty(0, dtype=torch.int64), base[:0]
+
+
+def undecodable(name: str, c: ChunkEntry) -> DcrError:
+    return DcrError(f"{name}: chunk at element {c.start} is coded against the whole base chunk, which this "
+                    "receiver does not hold (nor, together, its group); publish with encoding 'portable' for "
+                    "receivers sharded differently")
 
 
 def _locate(t: _Target, c: ChunkEntry, idx: torch.Tensor, vals: torch.Tensor):
@@ -148,13 +177,36 @@ def _write(t: _Target, c: ChunkEntry, local: torch.Tensor, cur: torch.Tensor | N
     return new
 
 
+def _apply_decoded(t: _Target, c: ChunkEntry, d: Decoded, on_change: OnChange | None):
+    """Write the positions of a chunk decoded elsewhere (``Decoded``) that this receiver holds,
+    each checked against the base bits the whole chunk was checked with."""
+    glob, local, both = _locate(t, c, d.idx, torch.stack([d.old, d.new], 1))
+    old, new = both[:, 0], both[:, 1]
+    cur = t.fa.gather(local)
+    if torch.equal(cur, new):
+        return "already", 0
+    if not torch.equal(cur, old):
+        raise BaseMismatchError(f"{t.plan.name}: chunk at element {c.start} does not match its base here "
+                                "(it changed since the whole chunk was checked)")
+    t.fa.scatter(local, new)
+    if on_change is not None:
+        on_change(t.plan.name, t.dtype, t.region_map.spec.global_shape, glob, cur, new)
+    return "applied", int(local.numel())
+
+
 def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | None,
-                 on_change: OnChange | None):
+                 on_change: OnChange | None, decoded: DecodedChunks | None = None):
     key = (t.plan.name, c.start)
     in_journal = journal is not None and key in journal
     check = t.plan.checks_chunks
     if in_journal and not check:  # pre-images, where checkable, are stronger
         return "already", 0
+    d = decoded.get(key) if decoded is not None and not check else None
+    if d is not None:
+        out = _apply_decoded(t, c, d, on_change)
+        if journal is not None:
+            journal.add(key)
+        return out
     idx, vals = _decode(reader, t, c)
     glob, local, vals = _locate(t, c, idx, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
@@ -172,7 +224,8 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
 
 
 def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int | None = None, bar=None,
-             journal: set | None = None, on_change: OnChange | None = None, verify: bool = False):
+             journal: set | None = None, on_change: OnChange | None = None, verify: bool = False,
+             decoded: DecodedChunks | None = None):
     """Apply one planned entry in place. Returns the tensor (a new one for ``create``).
 
     ``verify``: also check the target digest (``verify_plan``), hashing each range of the region
@@ -182,7 +235,8 @@ def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int 
     each chunk applied is added (re-delivery safety where pre-images cannot be checked).
     ``on_change`` (``delta/changes.py``) is called for every chunk written, and for every element
     of a tensor removed or replaced by one of another dtype or shape: incremental digests hang
-    off it.
+    off it. ``decoded``: ``classes`` chunks of entries the receiver holds only part of, decoded
+    already (see the module doc).
     """
     entry = plan.entry
     if plan.action == Action.IGNORE:
@@ -200,8 +254,10 @@ def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int 
         report_gone(plan.name, plan.held, plan.recv, on_change)
     running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target)) \
         if verify and _verifies(plan) else None
-    for c, (status, k) in zip(entry.chunks, ordered_map(lambda c: _apply_chunk(reader, t, c, journal, on_change),
-                                                        entry.chunks, workers)):
+    def one(c):
+        return _apply_chunk(reader, t, c, journal, on_change, decoded)
+
+    for c, (status, k) in zip(entry.chunks, ordered_map(one, entry.chunks, workers)):
         if running is not None:  # every chunk up to c is written, and later ones write past its end
             running.advance(c.start + c.n)
         if status == "applied":
@@ -246,7 +302,7 @@ def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> 
 def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
           verify: bool = True, resume: bool = False, workers: int | None = None,
           progress: bool | None = None, journal: set | None = None, on_change: OnChange | None = None,
-          held_only: bool = False) -> ApplyReport:
+          held_only: bool = False, decoded: DecodedChunks | None = None) -> ApplyReport:
     """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
 
     Before anything is changed: the container and every chunk checksum are checked, and every
@@ -255,6 +311,8 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     an XOR delta is harmless. After applying, target digests are checked. ``held_only``: skip
     entries for tensors ``tensors`` does not have (instead of creating them or refusing). A failure after the
     first write raises ``PartialApplyError``; calling again with ``resume=True`` finishes.
+    ``decoded``: the ``classes`` chunks of entries the receiver holds only part of, decoded
+    already (``nemo_dcr.sync.chunk_gather``); any other such chunk is refused before the first write.
     """
     t0 = time.perf_counter()
     reader = DeltaReader.open(delta)
@@ -266,13 +324,15 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     # the base digests of all entries, hashed on the worker threads; nothing is changed yet
     plans = list(ordered_map(lambda e: plan_entry(e, tensors.get(e.name), shards.get(e.name), verify=verify,
                                                   resume=resume), entries, workers))
+    _refuse_undecodable(plans, journal, decoded)
     report = ApplyReport()
     started = False
     try:
         with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
             for p in plans:
                 started = started or p.action.writes or p.action == Action.REMOVE
-                out = run_plan(reader, p, report, workers, bar, journal=journal, on_change=on_change, verify=verify)
+                out = run_plan(reader, p, report, workers, bar, journal=journal, on_change=on_change, verify=verify,
+                               decoded=decoded)
                 if p.action == Action.CREATE:
                     tensors[p.name] = out
                 elif p.action == Action.REMOVE:
@@ -285,6 +345,19 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
         raise
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def _refuse_undecodable(plans: Sequence[Plan], journal: set | None, decoded: DecodedChunks | None) -> None:
+    """Before the first write: a ``classes`` chunk of an entry the receiver holds only part of,
+    that nobody decoded for it (and that it has not applied already)."""
+    for p in plans:
+        if not p.action.writes or p.checks_chunks:
+            continue
+        for c in p.entry.chunks:
+            key = (p.name, c.start)
+            if c.enc == CLASSES and not (decoded is not None and key in decoded) \
+                    and not (journal is not None and key in journal):
+                raise undecodable(p.name, c)
 
 
 def remove_absent(tensors: MutableMapping[str, torch.Tensor], deltas: Iterable, *,

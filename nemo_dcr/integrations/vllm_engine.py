@@ -35,10 +35,13 @@ repacking, so this is about what the loaded model held before it).
 from __future__ import annotations
 
 import logging
+from typing import cast
 
 import torch
 
 from nemo_dcr.errors import DcrError
+
+from .vllm_types import LoadableModel, ProcessedLayer, TpStatusLayer, Worker
 
 log = logging.getLogger("nemo_dcr.callbacks")
 
@@ -154,7 +157,8 @@ class EngineWeights:
                                "dcr_init(store) (no version): the first update reads a keyframe")
             # every weight is routed as at load time; layers not restored receive the values they
             # were loaded with (the same checkpoint)
-            self.model.load_weights(loader.get_all_weights(self.vllm_config.model_config, self.model))
+            cast(LoadableModel, self.model).load_weights(
+                loader.get_all_weights(self.vllm_config.model_config, self.model))
             for mod, info in infos:
                 for pname, p in info.kernel_tensors[0].items():
                     self.plain[id(p)].copy_(getattr(mod, pname).detach())
@@ -206,7 +210,7 @@ class EngineWeights:
                 delattr(mod, "_already_called_process_weights_after_loading")
             _process(mod)
             if hasattr(mod, "update_param_tp_status"):
-                mod.update_param_tp_status()
+                cast(TpStatusLayer, mod).update_param_tp_status()
             layerwise._copy_and_restore_kernel_tensors(mod, info)
         except Exception:
             if info.kernel_tensors is not None:
@@ -233,7 +237,7 @@ def _process(mod: torch.nn.Module) -> None:
     prepacks ``w13_weight``/``w2_weight`` into the grouped-GEMM layout the kernel reads, so the
     kernel would read unpacked values as packed. The layer was just restored to checkpoint format,
     so that preparation is run here, as the first call ran it."""
-    qm = mod.quant_method
+    qm = cast(ProcessedLayer, mod).quant_method
     kernel = getattr(qm, "moe_kernel", None)
     qm.process_weights_after_loading(mod)
     if kernel is not None and getattr(qm, "moe_kernel", None) is kernel:
@@ -242,7 +246,7 @@ def _process(mod: torch.nn.Module) -> None:
             prep(mod)
 
 
-def engine_weights(worker, from_checkpoint: bool = True) -> EngineWeights:
+def engine_weights(worker: Worker, from_checkpoint: bool = True) -> EngineWeights:
     """The ``EngineWeights`` of a vLLM worker (``self`` inside the worker extension)."""
     return EngineWeights(worker.model_runner.model, getattr(worker, "vllm_config", None),
                          from_checkpoint=from_checkpoint)

@@ -8,6 +8,10 @@
     refit(llm, "s3://bucket/run1")     # = llm.collective_rpc("dcr_update", args=(store,)), then
                                        #   llm.reset_prefix_cache() if the weights changed
 
+The same receiver is also vLLM's weight-transfer backend ``dcr`` (``weight_transfer_config=
+{"backend": "dcr"}``, driven by vLLM's ``init_weight_transfer_engine`` / ``update_weights`` calls:
+:mod:`nemo_dcr.integrations.vllm_transfer`).
+
 ``DcrWorkerExtension`` is mixed into every vLLM worker (vLLM's ``worker_extension_cls``); inside
 a worker ``self.model_runner.model`` is the engine's ``torch.nn.Module``. The extension keeps a
 ``RolloutLoader`` over the worker's own part of the weights, in checkpoint format: vLLM processes
@@ -22,9 +26,11 @@ its own ``process_weights_after_loading``, the way vLLM's in-place reload does i
 old weights (requests in flight are preempted and recomputed with the new weights; the reset is
 checked), then resumes: the weights and the cache change together.
 
-Before the first write of an update every worker checks that it can decode every chunk it must
-apply (a ``classes`` chunk decodes only against the whole base chunk: a TP worker holding part of
-a tensor cannot); if one cannot, every worker raises the same ``DcrError`` and nothing is written.
+A ``classes`` chunk decodes only against the whole base chunk, which a TP worker holding part of a
+tensor lacks: the workers of the TP group gather their bits of such chunks (one exchange per
+version over the gloo TP group), and each decodes and checks them before the first write
+(:mod:`nemo_dcr.sync.chunk_gather`); a chunk the group together does not hold is refused by every
+worker with the same ``DcrError`` before anything is written.
 
 Names and layouts (:func:`vllm_tensors`). The trainer publishes Hugging Face names (what
 ``DeltaPublishCallback`` publishes for an HF model). vLLM's layers are mapped onto them:
@@ -55,6 +61,7 @@ Not handled: pipeline parallelism (a stage lacks the other stages' layers), quan
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -62,6 +69,7 @@ from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
 
 from .rollout import RolloutLoader
+from .vllm_types import MergedLayer, ModelRunner, QKVLayer
 
 #: vLLM's fused layers and the Hugging Face layers they are made of, for models that do not
 #: declare ``packed_modules_mapping``
@@ -170,10 +178,11 @@ def vllm_tensors(model: torch.nn.Module, tp_rank: int | None = None, tp_size: in
         base = f"{parent}." if parent else ""
         if cls == "QKVParallelLinear" and pname in ("weight", "bias"):
             r, n = _tp(mod, tp_rank, tp_size)
-            hs = int(mod.head_size)
+            qkv = cast(QKVLayer, mod)
+            hs = int(qkv.head_size)
             vhs = int(getattr(mod, "v_head_size", hs) or hs)
-            nq, nkv = int(mod.num_heads), int(mod.num_kv_heads)
-            tq, tkv = int(mod.total_num_heads), int(mod.total_num_kv_heads)
+            nq, nkv = int(qkv.num_heads), int(qkv.num_kv_heads)
+            tq, tkv = int(qkv.total_num_heads), int(qkv.total_num_kv_heads)
             rep = int(getattr(mod, "num_kv_head_replicas", 1) or 1)
             names = subs or ["q_proj", "k_proj", "v_proj"]
             q, k, v = nq * hs, nkv * hs, nkv * vhs
@@ -183,7 +192,7 @@ def vllm_tensors(model: torch.nn.Module, tp_rank: int | None = None, tp_size: in
             put(f"{base}{names[2]}.{pname}", *_rows(data, q + k, v, kv_shard * v, tkv * vhs))
         elif cls == "MergedColumnParallelLinear" and pname in ("weight", "bias"):
             r, n = _tp(mod, tp_rank, tp_size)
-            sizes = [int(s) for s in mod.output_sizes]
+            sizes = [int(s) for s in cast(MergedLayer, mod).output_sizes]
             if not subs or len(subs) != len(sizes):
                 raise DcrError(f"{mod_name}: fused layer of {len(sizes)} parts but packed_modules_mapping "
                                f"gives {subs!r} for {leaf!r}")
@@ -234,87 +243,12 @@ def _tp_group():
         return None
 
 
-class _Prefetched:
-    """The store, with the objects of the coming update fetched once: the pre-write check reads
-    the delta headers, the follower then applies the same bytes without a second download."""
-
-    def __init__(self, store):
-        self.inner = store
-        self.cache: dict[str, bytes] = {}
-
-    def get(self, key: str) -> bytes:
-        data = self.cache.pop(key, None)
-        return data if data is not None else self.inner.get(key)
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def __repr__(self) -> str:
-        return repr(self.inner)
-
-
-def undecodable(loader: RolloutLoader, store, version: int, head) -> list[str]:
-    """Chunks of the coming update that this receiver cannot decode (before anything is written).
-
-    A ``classes`` chunk decodes only against the whole base chunk; a receiver that holds part of
-    the entry's region (a TP worker holding its rows of a tensor the trainer published whole)
-    cannot decode it. ``version``: the target, ``head``: the store's HEAD (as every rank of the
-    group saw it). Returns one line per such tensor; fetched parts stay cached in ``store`` (a
-    :class:`_Prefetched`) for the follower."""
-    import hashlib
-
-    from nemo_dcr.codec.chunk import CLASSES
-    from nemo_dcr.codec.format import DeltaReader
-    from nemo_dcr.codec.header import TensorKind
-    from nemo_dcr.sync.versions import VersionNotFound, manifest_at, plans
-
-    if loader.version is None or head is None:
-        return []  # bootstrapping from a keyframe or resuming: keyframes are whole tensors
-    target_v = version
-    if target_v == loader.version:
-        return []
-    try:
-        target = manifest_at(store, target_v, head)
-        steps = next(iter(plans(store, target, loader.version)), [])  # the path the follower takes first
-    except (VersionNotFound, DcrError):
-        return []  # the follower reports it
-    bad: list[str] = []
-    shards = loader.shards.shards
-    for kind, man in steps:
-        if kind != "delta":
-            continue
-        for part in man.parts:
-            try:
-                data = store.inner.get(part.key)
-            except Exception:  # noqa: BLE001 - the follower retries and reports
-                continue
-            if len(data) != part.size or hashlib.sha256(data).hexdigest() != part.sha256:
-                continue  # corrupt: the follower refetches and reports
-            store.cache[part.key] = data
-            try:
-                entries = DeltaReader.open(data).header.tensors
-            except Exception:  # noqa: BLE001 - the follower reports a bad object
-                continue
-            for e in entries:
-                if e.kind != TensorKind.DELTA or not any(c.enc == CLASSES for c in e.chunks):
-                    continue
-                recv = loader.tensors.resolve(e.name)
-                spec = shards.get(recv) if recv is not None else None
-                if spec is None or e.region is None:
-                    continue
-                region = e.region
-                overlaps = all(ro < o + n and o < ro + rn for o, n, ro, rn in
-                               zip(spec.offsets, spec.shape, region.offsets, region.shape))
-                if overlaps and not spec.contains(region):
-                    bad.append(f"{e.name} (version {man.version}): this worker holds {spec.shape} at "
-                               f"{spec.offsets} of {tuple(spec.global_shape)}, the delta's classes chunks are "
-                               f"coded against the region {region.shape} at {region.offsets}")
-    return bad
-
-
 class DcrWorkerExtension:
     """Methods vLLM mixes into each worker (``worker_extension_cls``); call them with
     ``llm.collective_rpc(name, args=...)`` (every worker runs them together)."""
+
+    if TYPE_CHECKING:  # provided by the vLLM worker this class is mixed into
+        model_runner: ModelRunner
 
     def dcr_init(self, store: str, version: int | None = None, check_every: int = 0,
                  name_map: dict | None = None) -> int | None:
@@ -337,11 +271,10 @@ class DcrWorkerExtension:
         tensors, shards = vllm_tensors(model, data_of=engine.data_of)
         self._dcr_store = store
         self._dcr_engine = engine
-        # verified (trusted keys in the environment) below the prefetcher: the pre-write check
-        # fetches no part of a version whose HEAD or manifest does not verify
-        self._dcr_prefetch = _Prefetched(verifying(open_store(store) if isinstance(store, str) else store))
         try:
-            self._dcr_loader = RolloutLoader(self._dcr_prefetch, tensors, shards, group=_tp_group(),
+            # HEAD and manifests verified with the trusted keys in the environment
+            self._dcr_loader = RolloutLoader(verifying(open_store(store) if isinstance(store, str) else store),
+                                             tensors, shards, group=_tp_group(),
                                              name_map=name_map, check_every=check_every, version=version,
                                              staging=False)
         finally:
@@ -350,8 +283,9 @@ class DcrWorkerExtension:
 
     def dcr_update(self, store: str | None = None, version: int | None = None) -> int | None:
         """Bring the weights to the newest (or given) version; returns the version held. Every
-        chunk is checked decodable by every worker before the first write; the layers whose
-        weights changed are rebuilt into what the engine computes from, even after a failure
+        chunk is decoded and checked by every worker before the first write (``classes`` chunks
+        of a tensor held in part: with the base chunk gathered over the TP group); the layers
+        whose weights changed are rebuilt into what the engine computes from, even after a failure
         (the engine then computes from what the follower holds, which it knows is in between)."""
         loader = getattr(self, "_dcr_loader", None)
         if loader is None or (store is not None and store != self._dcr_store):
@@ -359,31 +293,9 @@ class DcrWorkerExtension:
                 raise DcrError("dcr_update: no store yet; pass its URL (or call dcr_init first)")
             self.dcr_init(store)
             loader = self._dcr_loader
-        from nemo_dcr.sync.versions import read_head
-
-        g = loader.group
-        # one HEAD for the check and the update, the same on every rank: what was checked is applied
-        head = g.broadcast(read_head(self._dcr_prefetch)[0] if g.rank == 0 else None)
-        if head is not None and version is None:
-            version = head.version
-
-        def check():
-            bad = undecodable(loader, self._dcr_prefetch, version, head)
-            if bad:
-                raise DcrError("this worker cannot decode the update (nothing was written): " + "; ".join(bad[:3])
-                               + (f"; and {len(bad) - 3} more" if len(bad) > 3 else "")
-                               + ". A receiver sharded differently from the trainer needs deltas published "
-                               "with encoding='portable'")
-
-        try:
-            g.run(check, "check that every worker can decode the update before the first write")
-        except Exception:
-            self._dcr_prefetch.cache.clear()
-            raise
         try:
             return loader.update(version)
         finally:
-            self._dcr_prefetch.cache.clear()
             self._dcr_engine.rebuild_changed()
 
     def dcr_update_outcome(self, store: str | None = None, version: int | None = None) -> dict:
@@ -395,14 +307,24 @@ class DcrWorkerExtension:
         except Exception as e:  # noqa: BLE001 - handed to the driver, raised there
             return {"version": self.dcr_version(), "error": f"{type(e).__name__}: {e}"}
 
+    def _dcr_receiver(self) -> DcrWorkerExtension:
+        """Who follows the store in this worker: this extension, or the ``dcr`` weight-transfer
+        backend (:mod:`.vllm_transfer`) when the engine was updated the vLLM way."""
+        if getattr(self, "_dcr_loader", None) is None:
+            other = getattr(getattr(self, "weight_transfer_engine", None), "receiver", None)
+            if isinstance(other, DcrWorkerExtension):
+                return other
+        return self
+
     def dcr_version(self) -> int | None:
-        loader = getattr(self, "_dcr_loader", None)
+        loader = getattr(self._dcr_receiver(), "_dcr_loader", None)
         return loader.version if loader is not None else None
 
     def dcr_check(self) -> int | None:
         """Recompute the whole state's digest (O(model)); raises if the weights are not the version held."""
-        self._dcr_loader.check()
-        return self._dcr_loader.version
+        loader = self._dcr_receiver()._dcr_loader
+        loader.check()
+        return loader.version
 
     def dcr_fingerprint(self, engine_only: bool = False) -> dict[str, str]:
         """Per published tensor (this worker's part): a BLAKE2b digest of its bits, for tests.
@@ -410,7 +332,7 @@ class DcrWorkerExtension:
         format, from the plain copy it was rebuilt from otherwise (``engine_only``: only the former)."""
         from nemo_dcr.state.digest import tensor_digest
 
-        engine = getattr(self, "_dcr_engine", None)
+        engine = getattr(self._dcr_receiver(), "_dcr_engine", None)
         model = self.model_runner.model
         kept = {}
         for full, p in model.named_parameters():
@@ -469,4 +391,28 @@ def refit(llm, store: str, version: int | None = None) -> int | None:
         _engine_call(llm, "resume_scheduler")
 
 
-__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "undecodable", "DEFAULT_PACKED", "MOE_CLASSES"]
+#: the name of nemo-dcr's backend in vLLM's weight-transfer registry (:mod:`.vllm_transfer`)
+WEIGHT_TRANSFER_BACKEND = "dcr"
+
+
+def register_weight_transfer() -> None:
+    """Add the ``dcr`` backend to vLLM's weight-transfer registry (``weight_transfer_config=
+    {"backend": "dcr"}``), lazily: :mod:`nemo_dcr.integrations.vllm_transfer` is imported when vLLM
+    builds the engine. The ``vllm.general_plugins`` entry point; also run when this module is
+    imported (vLLM imports it in every worker for ``worker_extension_cls``, before the model is
+    loaded and the transfer engine built). Without vLLM it does nothing."""
+    try:
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    except ImportError:
+        return
+    try:
+        WeightTransferEngineFactory.register_engine(WEIGHT_TRANSFER_BACKEND, "nemo_dcr.integrations.vllm_transfer",
+                                                    "DcrWeightTransferEngine")
+    except ValueError:  # registered already in this process
+        pass
+
+
+register_weight_transfer()
+
+__all__ = ["DcrWorkerExtension", "vllm_tensors", "refit", "DEFAULT_PACKED", "MOE_CLASSES",
+           "WEIGHT_TRANSFER_BACKEND", "register_weight_transfer"]

@@ -57,6 +57,7 @@ from nemo_dcr.errors import (
 )
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
+from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, manifest_at, no_plan, plans, read_head, read_manifest
 
@@ -82,6 +83,7 @@ class SyncResult:
     path: str = ""                              # the path taken, e.g. "keyframe 4 + deltas 5..6"
     fallbacks: list = field(default_factory=list)  # paths given up on the way, with the reason
     rekeyed: bool = False                       # the store's history was not the one followed
+    gathered: int = 0                           # bytes of base bits received from the group (chunk_gather)
     # Span per stage, seconds from the start of the sync (sync() passes its own; lambda: Spans is defined below)
     spans: Spans = field(default_factory=lambda: Spans())
 
@@ -346,6 +348,7 @@ class Follower:
         if kind == "delta" and not resume and (self._digest is None or self._digest.hex() != m.base_digest):
             raise BaseMismatchError(f"version {m.version} was built on a state whose digest is {m.base_digest}, "
                                     f"the receiver's is {self._digest.hex() if self._digest else 'unknown'}")
+        before = self._pending
         if self._pending is None or self._pending["version"] != m.version or self._pending["kind"] != kind:
             # one journal per part: its keys are (tensor, chunk start within the sending rank's
             # region), and every rank's part of a sharded tensor has a chunk starting at 0
@@ -353,6 +356,19 @@ class Follower:
                              "change": ChangeDigest()}
         pend = self._pending
         on_change = pend["change"] if kind == "delta" else None  # a keyframe's digest is recomputed whole
+        decoded = pend.setdefault("decoded", {})  # part key -> classes chunks decoded over the group
+
+        def gather(ps, bs):
+            # classes chunks of tensors held here only in part: decoded with the whole base chunk
+            # gathered over the group, and checked, before the first write (kept for a resume:
+            # once some rank wrote, the group no longer holds the base)
+            if kind != "delta" or all(p.key in decoded for p in ps):
+                return
+            t = time.perf_counter()
+            got = decode_partial(bs, self.tensors, self.shards, g)
+            decoded.update({p.key: d for p, d in zip(ps, got.decoded)})
+            res.gathered += got.received
+            res.spans.add("gather", f"version {m.version}", t)
 
         def apply_part(p, blob):
             # in a group each rank holds only some tensors (a replicated one is held, and
@@ -361,7 +377,7 @@ class Follower:
             t = time.perf_counter()
             r = apply(self.tensors, blob, shards=self.shards, verify=False, resume=True,
                       workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
-                      on_change=on_change, progress=False, held_only=g.active)
+                      on_change=on_change, progress=False, held_only=g.active, decoded=decoded.get(p.key))
             res.spans.add("apply", p.key, t)
             res.changed += r.elements_changed
 
@@ -371,12 +387,19 @@ class Follower:
             if kind == "keyframe":  # the keyframe names every tensor of the version: drop the rest
                 remove_absent(self.tensors, blobs, shards=self.shards)
 
+        if not stream:
+            try:
+                gather(parts, blobs)  # collective: every rank, before any writes
+            except DcrError:
+                self._pending = before  # nothing was written: the receiver is still at its version
+                raise
         self._version = None  # from here until verified, the state is "in between"
         if stream:
             # each part applied once it checked out, while the next one downloads; a later part
             # that cannot be had leaves the version pending (journal) and the path is given up
             for p in parts:
                 blobs.append(self._take(feed, kind, m, [p])[0])
+                gather([p], blobs[-1:])
                 apply_part(p, blobs[-1])
             if kind == "keyframe":
                 remove_absent(self.tensors, blobs, shards=self.shards)

@@ -14,6 +14,7 @@ import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeVar
 
+import torch
 import torch.distributed as dist
 
 from nemo_dcr.errors import DcrError, GroupError, RankFailure
@@ -84,6 +85,18 @@ class Group:
         if exc is not None:
             raise err from exc
         raise err from None
+
+    def all_gather_bytes(self, mine: torch.Tensor, sizes: list[int]) -> list[torch.Tensor]:
+        """Every rank's 1-D uint8 tensor; ``sizes``: each rank's length, known to every rank (one
+        exchange, no size round; the shorter ones are padded to the longest on the wire)."""
+        if not self.active:
+            return [mine]
+        n = max(sizes)
+        buf = torch.zeros(n, dtype=torch.uint8)
+        buf[: mine.numel()] = mine
+        out = [torch.empty(n, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.all_gather(out, buf, group=self.group)
+        return [o[:s] for o, s in zip(out, sizes)]
 
     def broadcast(self, obj, src: int = 0):
         if not self.active:

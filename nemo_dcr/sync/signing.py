@@ -43,6 +43,7 @@ from collections.abc import Iterable, Iterator
 from nemo_dcr.errors import ReplayError, SignatureError, UnsignedError
 from nemo_dcr.stores.base import Store
 from nemo_dcr.stores.http import wait_head, write_stream_to_file
+from nemo_dcr.stores.passthrough import PassThroughStore
 from nemo_dcr.sync.versions import HEAD_KEY, Head, Manifest, canonical_sha256, is_manifest_key
 
 __all__ = ["Signer", "Verifier", "VerifiedStore", "generate_key", "public_key_text", "private_key_pem",
@@ -371,13 +372,13 @@ def verifying(store: Store, verifier="env") -> Store:
     return VerifiedStore(store, verifier)
 
 
-class VerifiedStore(Store):
+class VerifiedStore(PassThroughStore):
     """A store whose HEAD and manifests are checked by a :class:`Verifier` as they are read (in
     every way of reading them); every other object, and every write, passes through."""
 
     def __init__(self, inner: Store, verifier: Verifier):
-        self.inner, self.verifier = inner, verifier
-        self.url = inner.url
+        super().__init__(inner)
+        self.verifier = verifier
 
     def _checked(self, key: str, data: bytes) -> bytes:
         if key == HEAD_KEY:
@@ -417,30 +418,8 @@ class VerifiedStore(Store):
             self._checked(HEAD_KEY, res[0])
         return res
 
-    def exists(self, key: str) -> bool:
-        return self.inner.exists(key)
-
-    def size(self, key: str) -> int:
-        return self.inner.size(key)
-
-    def list(self, prefix: str = "") -> list:
-        return self.inner.list(prefix)
-
-    # -- writes (a follower never writes; a verified store is still a store)
-    def put(self, key: str, data: bytes) -> None:
-        self.inner.put(key, data)
-
-    def put_file(self, key: str, path) -> None:
-        self.inner.put_file(key, path)
-
-    def put_if_absent(self, key: str, data: bytes) -> None:
-        self.inner.put_if_absent(key, data)
-
-    def put_if_match(self, key: str, data: bytes, tag: str) -> str:
-        return self.inner.put_if_match(key, data, tag)
-
-    def delete(self, key: str) -> None:
-        self.inner.delete(key)
+    # exists, size, list and every write pass through (a follower never writes; a verified store is
+    # still a store)
 
     def __repr__(self) -> str:
         return f"VerifiedStore({self.inner!r}, {self.verifier!r})"

@@ -243,7 +243,13 @@ def _restore_download_fails(rank, world, spec, res):
     res["versions"].append(pub.publish(local_state(2, layout), layout).version)
 
 
+def _gather_follow(rank, world, spec, res):
+    from dcr_testing.gather_workers import follow
+    follow(rank, world, spec, res)
+
+
 SCENARIOS = {
+    "gather": _gather_follow,
     "restore": _restore_download_fails,
     "joint": _joint_publish_and_follow,
     "die": _die_mid_upload,

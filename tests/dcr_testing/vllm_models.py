@@ -115,6 +115,7 @@ def engine(path: str, tp: int = 1, **kw):
     args = dict(dtype="bfloat16", tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
                 max_model_len=256, block_size=32, seed=0, enable_prefix_caching=True, worker_extension_cls=EXT)
     args.update(kw)
+    STARTS["engine"] += 1
     try:
         return LLM(model=path, **args)
     finally:
@@ -152,10 +153,55 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
+# Fresh-engine references, one engine process per (checkpoint, tp) and test session. The engine runs
+# in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's default starts an engine-core process that
+# starts the worker, each importing torch and vLLM again (~60 of the ~90 s a start took on 2 loaded
+# cores); the refitted engines keep the default, the way users run them.
+_REFERENCES: dict = {}
+STARTS = {"engine": 0, "reference": 0}  # engine starts in this process and reference processes: the suite's time
+
+
 def fresh_greedy(path: str, prompts=PROMPTS, tp: int = 1, n: int = 8):
-    """Greedy outputs of a fresh engine started on the checkpoint at ``path``."""
-    llm = engine(path, tp)
+    """Greedy outputs of a fresh engine started on the checkpoint at ``path``: computed once per
+    checkpoint, prompts and tp in this session, in a process of its own (nothing from the caller's
+    process, or an earlier engine, can leak into it), and reused by every comparison with it."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    key = (os.path.realpath(path), tp, n, tuple(map(tuple, prompts)))
+    if key not in _REFERENCES:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = os.path.join(tmp, "out.json")
+            with open(os.path.join(tmp, "in.json"), "w") as f:
+                json.dump({"path": path, "tp": tp, "n": n, "prompts": [list(p) for p in prompts]}, f)
+            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
+                       PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__))] +
+                                                  os.environ.get("PYTHONPATH", "").split(os.pathsep)))
+            proc = subprocess.run([sys.executable, "-m", "dcr_testing.vllm_models", tmp], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1800)
+            if proc.returncode or not os.path.exists(out):
+                raise RuntimeError(f"reference engine on {path} failed ({proc.returncode}):\n"
+                                   + proc.stdout.decode(errors="replace")[-6000:])
+            STARTS["reference"] += 1
+            with open(out) as f:  # json keeps every float's exact value (repr round-trips)
+                _REFERENCES[key] = [(list(t), list(lp)) for t, lp in json.load(f)]
+    return _REFERENCES[key]
+
+
+def _reference_main(tmp: str) -> None:
+    import json
+    with open(os.path.join(tmp, "in.json")) as f:
+        a = json.load(f)
+    llm = engine(a["path"], a["tp"])
     try:
-        return greedy(llm, prompts, n)
+        res = greedy(llm, a["prompts"], a["n"])
     finally:
         shutdown(llm)
+    with open(os.path.join(tmp, "out.json"), "w") as f:
+        json.dump(res, f)
+
+
+if __name__ == "__main__":  # a reference engine's process (fresh_greedy)
+    import sys
+    _reference_main(sys.argv[1])
