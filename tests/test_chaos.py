@@ -66,3 +66,14 @@ def test_campaign_detects_a_receiver_whose_bits_are_not_its_version(campaign):
     out = campaign.batch(2, seed=3, sabotage="flip-after-update")
     assert out["silent_corruptions"] > 0
     assert any("SILENT CORRUPTION" in v and "proj.weight" in v for v in out["violations"])
+
+
+def test_engine_mode_without_the_vllm_venv_is_refused_before_anything_starts(monkeypatch, tmp_path):
+    # engine mode (tests/test_vllm_engine_chaos.py runs it in the vLLM venv) needs that venv's
+    # python: without it, a clear typed error and no process, mount or directory left behind
+    from nemo_dcr.errors import DcrError
+    monkeypatch.setenv("NEMO_DCR_VLLM_PYTHON", str(tmp_path / "no-python"))
+    with pytest.raises(DcrError, match="make venv-vllm"):
+        Campaign(engine="vllm", workdir=str(tmp_path / "work"))
+    assert not (tmp_path / "work").exists()
+    assert kinds(sign=False, engine=True) == [f if f != "kill_follower" else "kill_engine" for f in kinds(sign=False)]

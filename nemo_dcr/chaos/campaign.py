@@ -23,12 +23,16 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from nemo_dcr.chaos import truth
+from nemo_dcr.chaos.engine import EngineProc
 
 FAULTS = ("kill_pub_rank", "kill_follower", "kill_relay", "obj_corrupt", "obj_truncate", "obj_delete", "obj_replace",
           "manifest_corrupt", "manifest_delete", "head_corrupt", "head_truncate", "slow_serve", "http_errors",
           "throttle", "transit_damage", "reorder_head", "dup_delivery", "s3_restart_empty", "disk_full_pub",
           "disk_full_recv", "readonly_pub", "readonly_recv", "pub_restart", "retention_race", "foreign_signed",
           "unsigned_inject")
+# engine mode (--engine vllm): SIGKILL of the engine's process mid-refit (it holds the worker);
+# the harness starts a fresh engine on the base checkpoint, which must refit to HEAD
+ENGINE_FAULTS = ("kill_engine",)
 # a forged version (another key, or none) is refused only by receivers that verify signatures;
 # without signing, whoever can write the store is trusted by design
 SIGNED_ONLY = ("foreign_signed", "unsigned_inject")
@@ -40,9 +44,12 @@ S3_ONLY = {"slow_serve", "http_errors", "throttle", "transit_damage", "reorder_h
            "s3_restart_empty"}
 
 
-def kinds(sign: bool) -> list:
+def kinds(sign: bool, engine: bool = False) -> list:
     """The fault kinds of a campaign, in the order ``--fast`` takes them: a signed campaign's
-    own first (the forgeries, then the stale HEAD a verifier must refuse)."""
+    own first (the forgeries, then the stale HEAD a verifier must refuse). Engine mode: the
+    engine is the one receiver, ``kill_engine`` stands for ``kill_follower``."""
+    if engine:
+        return [f if f != "kill_follower" else "kill_engine" for f in kinds(sign)]
     if not sign:
         return [f for f in FAULTS if f not in SIGNED_ONLY]
     first = [*SIGNED_ONLY, "reorder_head"]
@@ -58,6 +65,10 @@ PROXY = {"slow_serve": {"delay": 0.5}, "http_errors": {"error": 0.15}, "throttle
 # RolloutLoaders: on the store directly; through a relay with the store as fallback; through the
 # relay alone
 FOLLOWERS = ("loader", "relay", "relay-only")
+# engine mode: the real vLLM engine (nemo_dcr.chaos.engine), on the store directly or through a
+# relay with the store as fallback (drawn per run)
+ENGINE_RECEIVERS = ("engine",)
+ENGINE_CHUNK_ELEMS = 16384  # the engine's checkpoint is ~0.4 M elements (the small model's chunks: 256)
 BUCKET, PREFIX = "nemo-dcr-chaos", "chaos"
 AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_SESSION_TOKEN": "testing",
            "AWS_DEFAULT_REGION": "us-east-1", "AWS_REGION": "us-east-1",
@@ -86,6 +97,7 @@ class Totals:
     converged: int = 0
     converged_after_keyframe: int = 0
     not_converged: int = 0
+    engine_restarts: int = 0                              # engine mode: engines started afresh after a kill
     convergence_s: list = field(default_factory=list)
     publishes: Counter = field(default_factory=Counter)
     proxy: Counter = field(default_factory=Counter)
@@ -103,7 +115,7 @@ class Totals:
                 "rekeyed": self.rekeyed, "fallbacks": self.fallbacks, "went_back_on_stale_head": self.went_back,
                 "refused_forged": self.refused_forged, "refused_replay": self.refused_replay,
                 "converged": self.converged, "converged_after_keyframe": self.converged_after_keyframe,
-                "not_converged": self.not_converged,
+                "not_converged": self.not_converged, "engine_restarts": self.engine_restarts,
                 "convergence_rate": (self.converged + self.converged_after_keyframe) / self.runs if self.runs else None,
                 "convergence_s": {"p50": pct(0.5), "p95": pct(0.95), "max": cs[-1] if cs else None},
                 "publishes": dict(self.publishes), "proxy_injected": dict(self.proxy), "aborted": self.aborted,
@@ -266,13 +278,27 @@ class _Disk:
 
 class Campaign:
     def __init__(self, seed: int = 0, workdir: str | None = None, fast: bool = False, sabotage: str | None = None,
-                 log=None):
+                 log=None, engine: str | None = None):
+        """``engine="vllm"``: engine mode, a real vLLM engine is the receiver (DcrError, before
+        anything starts, when its venv is missing)."""
         import multiprocessing
 
         from nemo_dcr.chaos.proxy import FaultProxy
         from nemo_dcr.chaos.workers import PRELOAD
         from nemo_dcr.sync.signing import generate_key
         self.seed, self.fast, self.sabotage, self.sign = seed, fast, sabotage, False
+        self.engine, self.base = engine, None
+        self.force: tuple[str, ...] = ()
+        self.receivers: tuple[str, ...] = FOLLOWERS
+        if engine is not None:
+            from nemo_dcr.chaos.engine import MISSING, vllm_python
+            from nemo_dcr.errors import DcrError
+            if engine != "vllm":
+                raise DcrError(f"chaos: unknown engine {engine!r} (vllm)")
+            py = vllm_python()
+            if py is None:
+                raise DcrError(f"chaos --engine vllm: {MISSING}")
+            self.engine_python, self.receivers = py, ENGINE_RECEIVERS
         # the publisher's key (receivers trust its public half) and a forger's
         self.key, self.foreign_key = generate_key(), generate_key()
         self.log = log or (lambda s: None)
@@ -305,31 +331,35 @@ class Campaign:
         self.env = dict(AWS_ENV)
         self.pubs: list = []
         self.followers: dict = {}
+        self.engine_ckpt = os.path.join(self.workdir, "engine-checkpoint")
         self._start_publishers(wait=False)
         self.s3.wait()
         self.relay_local.wait()
         self.relay_s3.wait()
         for w in self.pubs:
             w.recv(START_S)
-        for i in range(len(FOLLOWERS)):
+        for i in range(len(self.receivers)):
             self._start_follower(i)
+        if engine is not None:  # the engine's process wrote its checkpoint before it started
+            self.base = truth.load_base(self.engine_ckpt)
 
     def batch(self, runs: int, seed: int | None = None, sabotage: str | None = None, sign: bool = False,
-              progress: str | None = None) -> dict:
+              progress: str | None = None, force: tuple = ()) -> dict:
         """``runs`` runs on this campaign's infrastructure, counted afresh -> their summary.
         Several batches (the CI subset, the signed subset and the self-test) share one start-up;
         a batch's runs depend only on its ``seed``, ``sign`` and the run index, as in a campaign
         of its own. ``sign``: the publisher signs (Ed25519, a namespace per run) and every
-        receiver trusts its public key."""
+        receiver trusts its public key. ``force``: fault kinds added to every run."""
         t0 = time.monotonic()
+        _check_options(sign, self.engine)
         if seed is not None:
             self.seed = seed
-        self.sabotage, self.sign, self.totals = sabotage, sign, Totals()
+        self.sabotage, self.sign, self.totals, self.force = sabotage, sign, Totals(), tuple(force)
 
         def summary():
             self.totals.seconds = time.monotonic() - t0
             return {"seed": self.seed, "fast": self.fast, "sabotage": sabotage, "signed": sign,
-                    **self.totals.as_json()}
+                    "engine": self.engine, **self.totals.as_json()}
         for i in range(runs):
             self.run(i)
             if progress:
@@ -352,8 +382,17 @@ class Campaign:
         old = self.followers.get(i)
         if old is not None:
             old.kill()
-        w = _Worker(self.ctx, follower_main, (self.env,))
-        w.recv(START_S)
+        w: _Worker | EngineProc
+        if self.engine is not None:
+            w = EngineProc(self.engine_python, self.engine_ckpt, self.env, START_S)
+            try:
+                w.recv(START_S)
+            except (TimeoutError, EOFError, OSError) as e:
+                w.kill()
+                raise RuntimeError(f"the engine did not start ({type(e).__name__}): {w.tail()}") from e
+        else:
+            w = _Worker(self.ctx, follower_main, (self.env,))
+            w.recv(START_S)
         self.followers[i] = w
         return w
 
@@ -400,11 +439,12 @@ class Campaign:
     def run(self, index: int) -> None:
         rng = random.Random(truth.hash_seed(self.seed, index))
         t = self.totals
-        ks = kinds(self.sign)
+        ks = kinds(self.sign, self.engine is not None)
         primary = ks[index % len(ks)] if self.fast else rng.choice(ks)
         backend = "s3" if primary in S3_ONLY else "local" if primary in LOCAL_ONLY else rng.choice(["local", "s3"])
         others = [f for f in ks if f not in (S3_ONLY if backend == "local" else LOCAL_ONLY)]
         faults = [primary] + rng.sample(others, rng.randint(0, 1 if self.fast else 2))
+        faults += [f for f in self.force if f not in faults]
         n_steps = rng.randint(2, 3) if self.fast else rng.randint(4, 6)
         when = {f: rng.randrange(n_steps) for f in faults}
         retain = 0 if "retention_race" in faults else rng.choice([None, 0, 1, 2])
@@ -429,7 +469,7 @@ class Campaign:
             self.log(f"  run {index} aborted by the harness: {type(e).__name__}: {e}")
             r.teardown()
             self._start_publishers()
-            for i in range(len(FOLLOWERS)):
+            for i in range(len(self.receivers)):
                 self._start_follower(i)
             return
         finally:
@@ -446,7 +486,9 @@ class _Run:
         self.retain, self.kf_every = retain, kf_every
         self.t = c.totals
         self.pub_spec, self.direct_spec, self.relay, self.own = c._specs(backend)
-        self.contents = truth.Contents(truth.hash_seed(c.seed, index))
+        self.contents = truth.Contents(truth.hash_seed(c.seed, index), c.base)
+        # engine mode: the engine reads through a relay (the store as fallback) in half the runs
+        self.engine_via_relay = c.engine is not None and rng.random() < 0.5
         self.epoch, self.next_c = 0, 0
         self.manifests: dict = {}     # manifest key -> (epoch, content) for every committed manifest seen
         self.published_fps: set = set()
@@ -514,15 +556,19 @@ class _Run:
         for w in self.c.pubs:
             w.send({"op": "open", "seed": self.contents.seed, "store": self.pub_spec,
                     "keyframe_every": self.kf_every, "retain": self.retain, "signing_key": key,
-                    "namespace": self.namespace})
+                    "namespace": self.namespace,
+                    **({} if self.c.engine is None else {"base": self.c.engine_ckpt,
+                                                         "chunk_elems": ENGINE_CHUNK_ELEMS})})
         for w in self.c.pubs:
             rep = w.recv(START_S)
             if not rep.get("ok"):
                 raise RuntimeError(f"publisher open failed: {rep}")
 
     def _follower_spec(self, i):
-        kind = FOLLOWERS[i]
+        kind = self.c.receivers[i]
         relay = {"kind": "http", "url": self.relay.url}
+        if kind == "engine":
+            kind = "relay" if self.engine_via_relay else "loader"
         store = {"loader": self.direct_spec, "relay": {"kind": "list", "of": [relay, self.direct_spec]},
                  "relay-only": relay}[kind]
         from nemo_dcr.sync.signing import public_key_text
@@ -779,8 +825,9 @@ class _Run:
         for w in c.followers.values():
             w.send({"op": "update"})
         killed = set()
-        if "kill_follower" in faults:
-            time.sleep(self.rng.uniform(0, 0.15))
+        if "kill_follower" in faults or "kill_engine" in faults:
+            # the engine's refit runs ~0.3-1 s (its layers are rebuilt): the kill lands in it
+            time.sleep(self.rng.uniform(0, 0.15 if "kill_follower" in faults else 0.6))
             i = self.rng.randrange(len(c.followers))
             c.followers[i].kill()
             killed.add(i)
@@ -804,18 +851,19 @@ class _Run:
             try:
                 rep = w.recv()
             except (TimeoutError, EOFError, OSError) as e:
-                self.violation(f"follower {FOLLOWERS[i]} hung or died in update ({type(e).__name__})", fatal=False)
+                self.violation(f"follower {c.receivers[i]} hung or died in update ({type(e).__name__})", fatal=False)
                 killed.add(i)
                 continue
             at_head[i] = self.check(i, rep)
             self.answers[i] = (rep.get("version"), rep.get("key"), rep.get("error"))
             if final and not at_head[i]:
-                self.c.log(f"  {FOLLOWERS[i]} not at head {self.head}: version {rep.get('version')} "
+                self.c.log(f"  {c.receivers[i]} not at head {self.head}: version {rep.get('version')} "
                            f"error {rep.get('error')}")
         for i in killed:  # a receiver killed (or hung) starts again from nothing
             self.answers.pop(i, None)
             self.held.pop(i, None)
             c._start_follower(i)
+            self.t.engine_restarts += c.engine is not None
             self._open_follower(i)
             at_head[i] = False
         return all(at_head.values())
@@ -824,9 +872,9 @@ class _Run:
         """The invariants for one receiver's answer -> whether it holds the newest version."""
         t = self.t
         if not rep.get("ok"):
-            self.violation(f"follower {FOLLOWERS[i]} worker failed: {rep.get('error')}", fatal=False)
+            self.violation(f"follower {self.c.receivers[i]} worker failed: {rep.get('error')}", fatal=False)
             return False
-        kind, v, key, err, raw = FOLLOWERS[i], rep["version"], rep.get("key"), rep["error"], rep.get("raw")
+        kind, v, key, err, raw = self.c.receivers[i], rep["version"], rep.get("key"), rep["error"], rep.get("raw")
         t.checks += 1
         t.errors_reported += err is not None
         t.rekeyed += bool(rep.get("rekeyed"))
@@ -867,7 +915,7 @@ class _Run:
 
     def _corrupt(self, i, what):
         self.t.corruptions += 1
-        self.violation(f"SILENT CORRUPTION: follower {FOLLOWERS[i]}: {what}", fatal=False)
+        self.violation(f"SILENT CORRUPTION: follower {self.c.receivers[i]}: {what}", fatal=False)
 
     def violation(self, what, fatal=True):
         self.t.violations.append(f"run {self.index} ({self.backend}): {what}")
@@ -980,7 +1028,7 @@ def _du(path):
 
 def _sample(c: Campaign, v, seconds):
     procs = {f"publisher{i}": w.proc.pid for i, w in enumerate(c.pubs)}
-    procs.update({f"follower-{FOLLOWERS[i]}": w.proc.pid for i, w in c.followers.items()})
+    procs.update({f"follower-{c.receivers[i]}": w.proc.pid for i, w in c.followers.items()})
     procs.update({"relay-local": c.relay_local.proc.pid, "relay-s3": c.relay_s3.proc.pid, "harness": os.getpid()})
     return {"version": v, "seconds": round(seconds, 1), "procs": {k: _proc_stats(p) for k, p in procs.items()},
             "store_bytes": _du(c.local_root), "store_objects": sum(len(fs) for _, _, fs in os.walk(c.local_root)),
@@ -988,12 +1036,21 @@ def _sample(c: Campaign, v, seconds):
             "receiver_disk_bytes": _du(c.recv_disk.path)}
 
 
+def _check_options(sign: bool, engine: str | None) -> None:
+    if sign and engine is not None:
+        from nemo_dcr.errors import DcrError
+        raise DcrError("chaos: --sign is not supported with --engine (the engine's receiver is not given the key)")
+
+
 def run_campaign(runs: int, seed: int = 0, fast: bool = False, sabotage: str | None = None, log=None,
-                 progress: str | None = None, sign: bool = False) -> dict:
+                 progress: str | None = None, sign: bool = False, engine: str | None = None,
+                 force: tuple = ()) -> dict:
     """``progress``: a file rewritten after every run with the summary so far (a long campaign
-    stopped early still has its figures)."""
-    c = Campaign(seed=seed, fast=fast, log=log)
+    stopped early still has its figures). ``engine="vllm"``: engine mode (a real vLLM engine is
+    the receiver). ``force``: fault kinds added to every run."""
+    _check_options(sign, engine)  # before anything starts
+    c = Campaign(seed=seed, fast=fast, log=log, engine=engine)
     try:
-        return c.batch(runs, seed=seed, sabotage=sabotage, sign=sign, progress=progress)
+        return c.batch(runs, seed=seed, sabotage=sabotage, sign=sign, progress=progress, force=force)
     finally:
         c.close()

@@ -5,6 +5,11 @@ A *content* is ``(epoch, c)``: epoch ``e`` starts from a random state drawn from
 sparse bit-level updates to it. Publisher ranks compute the same global state and keep their
 shard; the harness computes it whole and compares receivers' raw bytes with it. The harness
 never learns a receiver's bits from the system under test's own digests.
+
+Engine mode (``nemo-dcr chaos --engine vllm``): every epoch starts from a checkpoint's weights
+instead (a tiny Llama a real vLLM engine runs, :mod:`nemo_dcr.chaos.engine`), with no special
+values planted (the engine computes with them); the updates are the same low-bit flips (the
+low mantissa bits of bf16: no update makes a NaN or an infinity).
 """
 from __future__ import annotations
 
@@ -52,17 +57,19 @@ def hash_seed(*xs: int) -> int:
 def step(st: dict[str, torch.Tensor], seed: int, epoch: int, c: int) -> None:
     """Content c-1 -> c in place: flip low bits of ~5 % of the elements of every tensor."""
     g = torch.Generator().manual_seed(hash_seed(seed, epoch, c))
-    for n in SHAPES:
+    for n in st:
         flat = _ints(st[n])
         mask = torch.rand(flat.shape, generator=g) < 0.05
         flat[mask] ^= torch.randint(1, 16, (int(mask.sum()),), generator=g, dtype=flat.dtype)
 
 
 class Contents:
-    """Every content of a run, computed forward once and kept (tiny tensors: ~10 KB each)."""
+    """Every content of a run, computed forward once and kept (tiny tensors: ~10 KB each; the
+    engine's checkpoint: ~1 MB). ``base``: every epoch starts from these tensors (engine mode)
+    rather than from ``base_state``."""
 
-    def __init__(self, seed: int):
-        self.seed = seed
+    def __init__(self, seed: int, base: dict[str, torch.Tensor] | None = None):
+        self.seed, self.base = seed, base
         self._cache: dict[tuple[int, int], dict[str, torch.Tensor]] = {}
 
     def state(self, epoch: int, c: int) -> dict[str, torch.Tensor]:
@@ -74,7 +81,9 @@ class Contents:
                 st = {n: t.clone() for n, t in self._cache[start].items()}
                 first = start[1] + 1
             else:
-                st, first = base_state(self.seed, epoch), 1
+                st = base_state(self.seed, epoch) if self.base is None else \
+                    {n: t.clone() for n, t in self.base.items()}
+                first = 1
             for i in range(first, c + 1):
                 step(st, self.seed, epoch, i)
             self._cache[key] = st
@@ -101,9 +110,18 @@ def fingerprint(raw: dict[str, bytes]) -> str:
     return h.hexdigest()
 
 
-def shard_layout(rank: int):
+def load_base(checkpoint: str) -> dict[str, torch.Tensor]:
+    """Engine mode's base state: the checkpoint's tensors as saved (``model.safetensors``)."""
+    import os
+
+    from safetensors.torch import load_file
+    return {n: t.contiguous() for n, t in sorted(load_file(os.path.join(checkpoint, "model.safetensors")).items())}
+
+
+def shard_layout(rank: int, shapes: dict | None = None):
     """The trainer's sharding: embed by rows (vocab parallel), proj.weight by columns; the small
-    tensors whole on one rank each."""
+    tensors whole on one rank each. ``shapes`` (name -> shape, engine mode): matrices by rows,
+    the others whole on one rank each, in turn."""
     from nemo_dcr.state.index_map import ShardSpec
 
     def split(shape, dim):
@@ -112,6 +130,10 @@ def shard_layout(rank: int):
         off[dim], loc[dim] = rank * n, n
         return ShardSpec.of(shape, off, loc)
 
+    if shapes is not None:
+        whole = [n for n, sh in shapes.items() if len(sh) != 2]
+        return {n: split(tuple(sh), 0) if len(sh) == 2 else ShardSpec.full(tuple(sh))
+                for n, sh in shapes.items() if len(sh) == 2 or whole.index(n) % WORLD == rank}
     lay = {"embed.weight": split(SHAPES["embed.weight"][0], 0), "proj.weight": split(SHAPES["proj.weight"][0], 1)}
     owned = {0: ("proj.bias", "ids"), 1: ("norm.weight",)}[rank]
     for n in owned:

@@ -80,30 +80,37 @@ def publisher_main(rank: int, port: int, conn, env: dict) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=truth.WORLD,
                             timeout=GLOO_TIMEOUT)
-    layout = truth.shard_layout(rank)
-    state: dict = {}
+    state: dict = {"layout": truth.shard_layout(rank)}
+    bases: dict = {}  # checkpoint -> its tensors (engine mode): read once per process
 
     def open_(cmd):
         signer = None
         if cmd.get("signing_key"):  # a signed campaign: this run's namespace
             from nemo_dcr.sync.signing import Signer, load_private_key
             signer = Signer(load_private_key(cmd["signing_key"]), cmd["namespace"])
-        state["contents"] = truth.Contents(cmd["seed"])
+        base = None
+        if cmd.get("base"):  # engine mode: the engine's checkpoint is the base of every epoch
+            if cmd["base"] not in bases:
+                bases[cmd["base"]] = truth.load_base(cmd["base"])
+            base = bases[cmd["base"]]
+        state["layout"] = truth.shard_layout(rank, None if base is None else {n: t.shape for n, t in base.items()})
+        state["contents"] = truth.Contents(cmd["seed"], base)
         state["pub"] = Publisher(open_store(cmd["store"], cache=True), keyframe_every=cmd["keyframe_every"],
-                                 retain=cmd["retain"], chunk_elems=256, signer=signer)
+                                 retain=cmd["retain"], chunk_elems=cmd.get("chunk_elems", 256), signer=signer)
         return {}
 
     def publish(cmd):
         e, c = cmd["content"]
-        st = truth.local_shard(state["contents"].state(e, c), layout)
+        st = truth.local_shard(state["contents"].state(e, c), state["layout"])
         state["contents"].forget_before(e, c)
-        r = state["pub"].publish(st, layout, keyframe=cmd.get("keyframe", False), step=c, meta={"chaos": [e, c]})
+        r = state["pub"].publish(st, state["layout"], keyframe=cmd.get("keyframe", False), step=c,
+                                 meta={"chaos": [e, c]})
         return {"version": r.version, "key": r.manifest.key}
 
-    _serve(conn, {"open": open_, "publish": publish}, {"ready": rank})
+    serve(conn, {"open": open_, "publish": publish}, {"ready": rank})
 
 
-def _serve(conn, handlers: dict, hello: dict) -> None:
+def serve(conn, handlers: dict, hello: dict) -> None:
     """Answer commands until ``exit``: every reply is ``{"ok": True, ...}`` or ``{"ok": False,
     "error", "tb"}`` (the error is the worker's to report, the harness judges it)."""
     conn.send({"ok": True, **hello})
@@ -199,4 +206,4 @@ def follower_main(conn, env: dict) -> None:
         state["rec"] = _Receiver(cmd["store"], cmd.get("sabotage"), cmd.get("trusted"), cmd.get("namespace"))
         return {}
 
-    _serve(conn, {"open": open_, "update": lambda cmd: state["rec"].update()}, {"pid": os.getpid()})
+    serve(conn, {"open": open_, "update": lambda cmd: state["rec"].update()}, {"pid": os.getpid()})

@@ -156,7 +156,13 @@ def _cmd_chaos(a):
         require(mod, "chaos", f"nemo-dcr chaos ({what})")
     import signal
 
-    from nemo_dcr.chaos.campaign import long_run, run_campaign
+    from nemo_dcr.chaos.campaign import kinds, long_run, run_campaign
+    if a.engine and a.versions:
+        raise DcrError("chaos: --versions is not supported with --engine")
+    unknown = [f for f in a.force if f not in kinds(a.sign, a.engine is not None)]
+    if unknown:
+        raise DcrError(f"chaos: --force {unknown}: not a fault kind of this campaign "
+                       f"({', '.join(kinds(a.sign, a.engine is not None))})")
 
     def stop(*_):  # so the campaign's finally stops its processes and unmounts its tmpfs
         raise KeyboardInterrupt
@@ -166,8 +172,9 @@ def _cmd_chaos(a):
         out = long_run(a.versions, seed=a.seed, backend=a.backend, log=log)
         bad = out["violations"]
     else:
-        out = run_campaign(a.runs, seed=a.seed, fast=a.fast, sabotage=a.sabotage, log=log, progress=a.progress,
-                           sign=a.sign)
+        runs = a.runs if a.runs is not None else 3 if a.engine else 20
+        out = run_campaign(runs, seed=a.seed, fast=a.fast, sabotage=a.sabotage, log=log, progress=a.progress,
+                           sign=a.sign, engine=a.engine, force=tuple(a.force))
         bad = out["violations"] or out["not_converged"]
     if a.json:
         print(json.dumps(out, indent=2))
@@ -317,13 +324,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     ch = sub.add_parser("chaos", help="fault campaign: randomized end-to-end runs with injected faults, "
                                       "receivers checked bit for bit (docs/reliability.md)")
-    ch.add_argument("--runs", type=int, default=20)
+    ch.add_argument("--runs", type=int, default=None, help="runs (default 20; with --engine 3)")
     ch.add_argument("--seed", type=int, default=0)
     ch.add_argument("--fast", action="store_true",
                     help="short runs, the fault kinds in turn (run i's first fault is kind i), at most two faults each")
     ch.add_argument("--sign", action="store_true",
                     help="signed versions: the publisher signs, every receiver trusts its key; adds forged versions "
                          "(another key, unsigned) to the faults, and a stale HEAD must be refused")
+    ch.add_argument("--engine", choices=["vllm"], default=None,
+                    help="engine mode: a real vLLM engine (the vLLM venv, `make venv-vllm`) is the receiver, refitted "
+                         "from a tiny Llama's perturbed weights; adds kill_engine (SIGKILL mid-refit, restart) to the "
+                         "faults. Slow: an engine start is ~20-60 s")
+    ch.add_argument("--force", action="append", default=[], metavar="KIND",
+                    help="add this fault kind to every run (repeatable)")
     ch.add_argument("--json", action="store_true", help="the whole summary as JSON on stdout")
     ch.add_argument("--progress", default=None, help="rewrite this file with the summary so far after every run")
     ch.add_argument("--versions", type=int, default=None,

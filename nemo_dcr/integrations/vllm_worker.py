@@ -326,12 +326,16 @@ class DcrWorkerExtension:
         loader.check()
         return loader.version
 
-    def dcr_fingerprint(self, engine_only: bool = False) -> dict[str, str]:
-        """Per published tensor (this worker's part): a BLAKE2b digest of its bits, for tests.
-        The bits are read back from the engine's own parameters where it keeps them in checkpoint
-        format, from the plain copy it was rebuilt from otherwise (``engine_only``: only the former)."""
-        from nemo_dcr.state.digest import tensor_digest
+    def dcr_manifest_key(self) -> str | None:
+        """The store key of the manifest of the version held (None: no version)."""
+        loader = getattr(self._dcr_receiver(), "_dcr_loader", None)
+        m = loader.follower.manifest if loader is not None else None
+        return m.key if m is not None else None
 
+    def _dcr_readback(self, engine_only: bool = False) -> dict:
+        """Per published tensor (this worker's part): the tensor its bits are read back from: the
+        engine's own parameter where it keeps it in checkpoint format, the plain copy it was
+        rebuilt from otherwise (``engine_only``: only the former)."""
         engine = getattr(self._dcr_receiver(), "_dcr_engine", None)
         model = self.model_runner.model
         kept = {}
@@ -340,12 +344,21 @@ class DcrWorkerExtension:
         data_of = None if engine is None else (lambda full, p: p.data if kept[full] else engine.data_of(full, p))
         tensors, _ = vllm_tensors(model, data_of=data_of)
         plain = {v.untyped_storage().data_ptr() for v in (engine.plain.values() if engine is not None else ())}
-        out = {}
-        for k, v in sorted(tensors.items()):
-            if engine_only and v.untyped_storage().data_ptr() in plain:
-                continue
-            out[k] = tensor_digest(v.detach().cpu())
-        return out
+        return {k: v for k, v in sorted(tensors.items())
+                if not (engine_only and v.untyped_storage().data_ptr() in plain)}
+
+    def dcr_fingerprint(self, engine_only: bool = False) -> dict[str, str]:
+        """Per published tensor (this worker's part): a BLAKE2b digest of its bits, for tests
+        (read back as :meth:`_dcr_readback` says)."""
+        from nemo_dcr.state.digest import tensor_digest
+        return {k: tensor_digest(v.detach().cpu()) for k, v in self._dcr_readback(engine_only).items()}
+
+    def dcr_raw_bits(self, engine_only: bool = False) -> dict[str, bytes]:
+        """Per published tensor (this worker's part): its raw bits (the integer view's bytes, read
+        back as :meth:`_dcr_readback` says), for harnesses that compare with their own ground truth."""
+        from nemo_dcr.state.dtypes import int_view
+        return {k: int_view(v.detach().cpu().contiguous()).numpy().tobytes()
+                for k, v in self._dcr_readback(engine_only).items()}
 
 
 def _engine_call(llm, method: str, *args):
