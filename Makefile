@@ -64,7 +64,8 @@ venv-vllm: $(VLLM_STAMP)
 # starts (4 refitted, the TP=2 fresh engine whose bits are read back) + 6 references (Llama 3, Qwen2 1, Mixtral 2);
 # the session prints its count. Measured: 14.3 min on 2 cores shared with other jobs (load 3-10); the old layout
 # (10 default starts) took 7:52 in a fresh-clone CI run, and a default start took ~90 s at load 5-7 where a
-# reference start took ~22 s. In the main venv they skip.
+# reference start took ~22 s. In the main venv they skip. test_vllm_engine_chaos.py is the fault campaign in engine
+# mode: engines in processes of their own (the engine inside each), one start plus one per kill_engine (3 here).
 test-vllm: $(VLLM_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine*.py
 
