@@ -10,7 +10,8 @@ Face names (``model.layers.1.mlp.experts.E.gate_proj.weight``, ...).
   of those chunks over vLLM's TP group (nemo_dcr/sync/chunk_gather.py), so the refit to v1 needs no
   ``portable`` deltas (which are larger): greedy tokens and logprobs equal a fresh TP=2 engine's on
   v1's checkpoint, ``dcr_check`` verifies the whole state across both workers, and each worker's
-  bits read back equal the fresh engine's, tensor by tensor.
+  bits read back equal the fresh engine's, tensor by tensor. Then a second refit on top (v2, a
+  chain): ``dcr_check`` again, and generation equal to a fresh TP=2 engine's on v2's checkpoint.
 Runs in the vLLM venv (``make test-vllm``).
 """
 from __future__ import annotations
@@ -43,14 +44,15 @@ def test_tp2_refit(tmp_path):
     model = vm.tiny_model("qwen2_moe")
     auto, portable = str(tmp_path / "auto"), str(tmp_path / "portable")
     pubs = {auto: Publisher(auto), portable: Publisher(portable, encoding="portable")}
-    for v in range(2):
+    for v in range(3):
         if v:
             vm.perturb(model, v, rate=0.01)
         state = vm.saved_state(vm.save(model, str(tmp_path / f"v{v}")))
         for pub in pubs.values():
             assert pub.publish(state, step=v).version == v
-    assert _uses_classes(auto) and not _uses_classes(portable)
-    assert _delta_bytes(auto) < _delta_bytes(portable)  # what TP engines had to pay before
+        if v == 1:
+            assert _uses_classes(auto) and not _uses_classes(portable)
+            assert _delta_bytes(auto) < _delta_bytes(portable)  # what TP engines had to pay before
 
     llm = vm.engine(str(tmp_path / "v0"), tp=2)
     try:
@@ -61,14 +63,19 @@ def test_tp2_refit(tmp_path):
         assert set(bits0[0]) == set(bits0[1]) == set(state)
         assert {"model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.shared_expert.up_proj.weight",
                 "model.layers.1.mlp.shared_expert_gate.weight", "model.layers.0.mlp.gate_proj.weight"} <= set(state)
-        assert refit(llm, auto) == 1
+        assert refit(llm, auto, version=1) == 1
         assert llm.collective_rpc("dcr_check") == [1, 1]
         got = vm.greedy(llm)
         bits = llm.collective_rpc("dcr_fingerprint")
         kept = llm.collective_rpc("dcr_fingerprint", args=(True,))
+        # a chain: the next version on top of the refitted one
+        assert refit(llm, auto) == 2
+        assert llm.collective_rpc("dcr_check") == [2, 2]  # the whole state's digest, across both workers
+        got2 = vm.greedy(llm)
     finally:
         vm.shutdown(llm)
-    assert got != start and bits != bits0
+    assert got != start and bits != bits0 and got2 != got
+    assert got2 == vm.fresh_greedy(str(tmp_path / "v2"), tp=2)
     fresh = vm.engine(str(tmp_path / "v1"), tp=2)
     try:
         assert vm.greedy(fresh) == got

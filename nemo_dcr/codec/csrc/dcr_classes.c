@@ -238,18 +238,7 @@ static inline uint64_t neq_avx512(const uint16_t *o, const uint16_t *nw) {
 #define EQ(cb, a) ((uint64_t)_mm512_cmpeq_epi8_mask(cb, a))
 #define NEQ(o, nw) neq_avx512(o, nw)
 #define NTH(e, at) __builtin_ctzll(_pdep_u64(1ULL << (at), e))
-#include "dcr_simd_scans.h"
-#undef SFX
-#undef TGT
-#undef CTX_T
-#undef CTX
-#undef BLK_T
-#undef CLASSES
-#undef ACT_T
-#undef ACT
-#undef EQ
-#undef NEQ
-#undef NTH
+#include "dcr_simd_scans.h"  /* which undefines the parameters above */
 
 /* AVX2: a block's classes are two vectors of 32 bytes. No pdep: it is microcoded (slow) on the
  * AMD cores that lack AVX-512, so a rank inside a block is found by clearing lower set bits. */
@@ -305,18 +294,7 @@ static inline int nth_bit(uint64_t e, uint64_t at) {
 #define EQ(cb, a) eq_avx2(cb, a)
 #define NEQ(o, nw) neq_avx2(o, nw)
 #define NTH(e, at) nth_bit(e, at)
-#include "dcr_simd_scans.h"
-#undef SFX
-#undef TGT
-#undef CTX_T
-#undef CTX
-#undef BLK_T
-#undef CLASSES
-#undef ACT_T
-#undef ACT
-#undef EQ
-#undef NEQ
-#undef NTH
+#include "dcr_simd_scans.h"  /* which undefines the parameters above */
 #endif
 
 /* ------------------------------------------------------------------ encode, once placed */

@@ -14,6 +14,7 @@
  *   EQ(cb, act)      mask of the block's members of that class (bit b: element b)
  *   NEQ(o, nw)       mask of the 64 elements that differ between o and nw
  *   NTH(e, at)       the index of bit number `at` (from 0) among the set bits of e
+ * and undefines them at its end, so the next inclusion starts from nothing.
  */
 #define DCR_CAT2(a, b) a##b
 #define DCR_CAT(a, b) DCR_CAT2(a, b)
@@ -147,3 +148,14 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
 #undef F
 #undef DCR_CAT
 #undef DCR_CAT2
+#undef SFX
+#undef TGT
+#undef CTX_T
+#undef CTX
+#undef BLK_T
+#undef CLASSES
+#undef ACT_T
+#undef ACT
+#undef EQ
+#undef NEQ
+#undef NTH
