@@ -26,7 +26,7 @@ def _states(seed=0):
 
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algo", ["blake3", "sha256", "blake2b"])
 def test_running_digest_equals_tensor_digest(algo):
     t = torch.arange(5 * 7 * 11, dtype=torch.int32).reshape(5, 7, 11)
     for v in (t, t.transpose(0, 2), t[:, ::2], t[:0]):
@@ -53,9 +53,9 @@ def test_known_base_digest_is_what_the_delta_claims():
     """A wrong known digest is written as is (the caller vouches for its private base), and every
     receiver holding the real base refuses the delta before writing: nothing is hidden."""
     base, target = _states()
-    blob = diff(base, target, chunk_elems=4096, base_digests={"w": "sha256:" + "0" * 32})
+    blob = diff(base, target, chunk_elems=4096, base_digests={"w": "blake3:" + "0" * 32})
     entry = {e.name: e for e in DeltaReader.open(blob).header.tensors}["w"]
-    assert entry.base_digest == "sha256:" + "0" * 32
+    assert entry.base_digest == "blake3:" + "0" * 32
     recv = {k: v.clone() for k, v in base.items()}
     with pytest.raises(BaseMismatchError):
         apply(recv, blob)
