@@ -49,7 +49,8 @@ VLLM_TEST_DEPS := "pytest>=8" "hypothesis>=6.100" "boto3>=1.34" "moto[server]>=5
 	"zstandard>=0.22" "safetensors>=0.4" tqdm numpy "blake3>=1.0"
 # Dependencies the checkout gained after a cached venv was built (blake3: format version 2) are
 # added to it in place by this second stamp, instead of a rebuild (a new .installed-N costs the
-# whole ~5 min build): bump its number, not VLLM_STAMP's, when VLLM_TEST_DEPS grows.
+# whole ~5 min build): bump its number, not VLLM_STAMP's, when VLLM_TEST_DEPS grows (and in
+# nemo_dcr/chaos/engine.py, which takes a venv with this stamp as complete).
 VLLM_DEPS_STAMP := $(VLLM_VENV)/.deps-2
 $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
