@@ -220,3 +220,25 @@ def test_version_1_deltas_still_apply_and_verify():
     with pytest.raises(PartialApplyError) as e:
         apply(wrong, blob, verify=False)
     assert isinstance(e.value.__cause__, BaseMismatchError)
+
+
+def test_a_publisher_can_write_version_1_for_older_receivers(tmp_path):
+    """``Publisher(format_version=1)``: every part (keyframe and delta) is a version 1 delta, and
+    a follower applies the chain bit-exactly."""
+    from dcr_testing import zeros_like
+    from nemo_dcr import Follower, Publisher
+    from nemo_dcr.stores.local import LocalStore
+    base, target = _states()
+    target.pop("z.new")  # (the same tensor set: the follower holds it)
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store, chunk_elems=512, format_version=1)
+    recv = zeros_like(base)
+    fol = Follower(store, recv)
+    for s in (base, target):
+        r = pub.publish(s)
+        for p in r.manifest.parts + r.manifest.keyframe_parts:
+            assert DeltaReader.open(store.get(p.key)).version == 1
+        fol.sync()
+        assert_state(recv, s)
+    with pytest.raises(DcrError, match="format version 0"):
+        Publisher(store, format_version=0)

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nemo_dcr.errors import DcrError
+
 
 @dataclass(frozen=True)
 class Version:
@@ -30,9 +32,9 @@ FORMAT_VERSION = 2  # what a writer writes unless asked for another
 
 
 def version(number: int) -> Version:
-    """The version ``number``; ``ValueError`` for one this build does not know."""
+    """The version ``number``; ``DcrError`` for one this build does not know (to write)."""
     v = VERSIONS.get(number) if isinstance(number, int) and not isinstance(number, bool) else None
     if v is None:
-        raise ValueError(f"format version {number!r} is not supported "
+        raise DcrError(f"format version {number!r} is not supported "
                          f"(this build reads and writes {', '.join(map(str, VERSIONS))})")
     return v

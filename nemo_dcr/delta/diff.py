@@ -63,10 +63,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     with BLAKE3; 1 with SHA-256 and BLAKE2b-64, for receivers older than version 2. A known base
     digest of another algorithm than the version's is not reused (the base is hashed).
     """
-    try:
-        fv = version(format_version)
-    except ValueError as e:
-        raise DcrError(str(e)) from None
+    fv = version(format_version)
     if fv.number != FORMAT_VERSION:
         chunker = None  # the device path makes the default version's chunk digests; the reference, any
     if encoding not in CHOICES:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.codec.versions import FORMAT_VERSION, version
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, ManifestError, PublishError, VersionNotFound
@@ -89,7 +90,7 @@ class Publisher:
                  level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
                  retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
-                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
+                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4, format_version: int = FORMAT_VERSION):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing). ``signer``: a
@@ -102,7 +103,9 @@ class Publisher:
         ``part_bytes``: a rank's delta (and keyframe) is split into objects of whole tensors,
         about this many dense bytes each, so that part j+1 encodes while part j uploads and a
         receiver applies part j while part j+1 downloads (0: one object per rank).
-        ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded)."""
+        ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
+        ``format_version``: of every delta and keyframe part (``codec/versions.py``; 1 while
+        receivers older than format version 2 still follow the store)."""
         from nemo_dcr.stores import open_store
         from nemo_dcr.sync.signing import resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
@@ -111,6 +114,7 @@ class Publisher:
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
         self.part_bytes, self.max_uploads = int(part_bytes), max(1, int(max_uploads))
+        self.format_version = version(format_version).number
         self.group = Group(group)
         self._base: dict | None = None        # the last published snapshot (this rank's tensors)
         self._shards: dict | None = None
@@ -254,7 +258,7 @@ class Publisher:
                                 base_shards=self._shards, encoding=self.encoding, level=self.level,
                                 chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
                                 on_change=change, progress=False, base_digests=self._tensor_digests,
-                                chunker=dev.chunker if dev else None)
+                                chunker=dev.chunker if dev else None, format_version=self.format_version)
                     spans.add("encode", f"delta part {j}", t)
                     uploads.start(out["parts"], f"{d}/{_part_name('part', rank, j)}", blob, j)
                     digests.update(target_digests(blob))  # the next version's base digests, known now
@@ -267,7 +271,7 @@ class Publisher:
                     t = time.perf_counter()
                     blob = diff({}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
                                 chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                progress=False)
+                                progress=False, format_version=self.format_version)
                     spans.add("encode", f"keyframe part {j}", t)
                     uploads.start(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", blob, j)
                     digests.update(target_digests(blob))
