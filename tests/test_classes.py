@@ -307,7 +307,7 @@ def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     delta_mod = importlib.import_module("nemo_dcr.delta.diff")  # the module (nemo_dcr.delta.diff is the function)
     from nemo_dcr.state import digest
     base, target = _model(seed=6)
-    monkeypatch.setattr(delta_mod, "tensor_digest", lambda t, *a: digest.tensor_digest(t, "blake2b"))
+    monkeypatch.setattr(delta_mod, "tensor_digest", lambda t, *a, **k: digest.tensor_digest(t, "blake2b"))
     old_blob = diff(base, target, format_version=1)
     monkeypatch.undo()
     entries = DeltaReader(old_blob).raw_header["tensors"]

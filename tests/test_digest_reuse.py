@@ -86,7 +86,7 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     diff_mod = sys.modules["nemo_dcr.delta.diff"]  # (the package's ``diff`` attribute is the function)
     hashed = []
     real = diff_mod.tensor_digest
-    monkeypatch.setattr(diff_mod, "tensor_digest", lambda t, *a: hashed.append(t.data_ptr()) or real(t, *a))
+    monkeypatch.setattr(diff_mod, "tensor_digest", lambda t, *a, **k: hashed.append(t.data_ptr()) or real(t, *a, **k))
     base, target = _states()
     pub = Publisher(LocalStore(tmp_path / "store"), chunk_elems=4096)
     pub.publish(base)  # the first version: a keyframe, each tensor hashed once

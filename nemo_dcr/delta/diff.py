@@ -145,9 +145,10 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     digests = {"base": known_base} if old is not None and known_base else {}
 
     def job(r):
-        # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
+        # the two whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one
+        # thread each: the chunk jobs keep the other workers busy (state/digest.py, THREADS)
         if isinstance(r, tuple) and r[0] == "digest":
-            digests[r[1]] = tensor_digest(new if r[1] == "target" else old, fv.tensor_digest)
+            digests[r[1]] = tensor_digest(new if r[1] == "target" else old, fv.tensor_digest, threads=1)
             return None, 0
         c: EncodedChunk | None
         if isinstance(r, EncodedChunk):  # found by the chunker

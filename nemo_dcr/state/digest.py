@@ -30,9 +30,13 @@ HASH_RANGE = 1 << 22  # elements hashed per update
 TENSOR_ALGOS = ("blake3", "sha256", "blake2b")  # what a tensor digest may be made with
 VALUES_ALGOS = ("blake3", "blake2b")  # what a chunk's pre/post image digest may be made with
 _PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": ""}
-#: BLAKE3 threads for one tensor digest (``max_threads``): 2 threads hash a range ~1.8x faster
-#: than one on the bench machine (docs/results.md, "BLAKE3 digests"). A threaded hasher starts
-#: its own pool (~60 us), so tensors under THREADED_MIN bytes are hashed on the calling thread.
+#: BLAKE3 threads (``max_threads``) for a tensor digest that is a pass of its own (``tensor_digest``:
+#: a receiver's base check before the first write, a verification): 2 threads hash a large range
+#: ~1.8-2x faster than one on idle cores (docs/results.md, "BLAKE3 digests"). Digests that run
+#: beside the chunk work (``diff``'s digest jobs on the worker pool, ``apply``'s ``RunningDigest``
+#: beside the chunk writers) hash on one thread: the cores are busy already, and measured there
+#: a second thread gained nothing. A threaded hasher starts its own pool (~60 us), so tensors
+#: under THREADED_MIN bytes are hashed on one thread.
 THREADS = 2
 THREADED_MIN = 4 << 20
 
@@ -53,14 +57,14 @@ class RunningDigest:
     to ``end`` (those must be final by then), ``hexdigest()`` the rest and returns the digest.
     ``apply`` hashes each range as soon as the chunks before it are written, on the calling
     thread while the workers apply the next chunks: the target check then overlaps the writes
-    instead of being a second pass after them (same bytes hashed, same digest)."""
+    instead of being a second pass after them (same bytes hashed, same digest). ``threads``:
+    BLAKE3's, for a large tensor (one by default: the workers keep the cores busy)."""
 
-    def __init__(self, t: torch.Tensor, algo: str = "blake3", threads: int | None = None):
+    def __init__(self, t: torch.Tensor, algo: str = "blake3", threads: int = 1):
         self._h: _Hasher  # the hashers share no base class, only these two methods
         if algo == "blake3":
-            nbytes = t.numel() * t.element_size()
-            n = THREADS if threads is None else threads
-            self._h = blake3.blake3(max_threads=max(1, n) if nbytes >= THREADED_MIN else 1)
+            big = t.numel() * t.element_size() >= THREADED_MIN
+            self._h = blake3.blake3(max_threads=max(1, threads) if big else 1)
         elif algo == "sha256":
             self._h = hashlib.sha256()
         elif algo == "blake2b":
@@ -97,8 +101,9 @@ def algo_of(ref: str) -> str:
                      f"(this build checks {', '.join(TENSOR_ALGOS)})")
 
 
-def tensor_digest(t: torch.Tensor, algo: str = "blake3") -> str:
-    return RunningDigest(t, algo).hexdigest()
+def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = None) -> str:
+    """The digest of ``t`` in one pass; ``threads``: BLAKE3's (default ``THREADS``)."""
+    return RunningDigest(t, algo, THREADS if threads is None else threads).hexdigest()
 
 
 def tensor_digest_like(t: torch.Tensor, ref: str) -> str:
