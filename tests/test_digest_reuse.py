@@ -95,7 +95,11 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     pub.publish(target)
     assert len(hashed) == len(target)  # target digests only; the snapshot's were known
     snap, _ = pub.published
-    assert not set(hashed) - {t.data_ptr() for t in snap.values()}  # and they are of the new snapshot
+    # of the tensors published (read in place; the snapshot follows them by the changes), never
+    # of the snapshot, which now holds exactly what was published
+    assert set(hashed) <= {t.data_ptr() for t in target.values()}
+    assert not set(hashed) & {t.data_ptr() for t in snap.values()}
+    assert_state(snap, target)
     hashed.clear()
     third = {k: v.clone() for k, v in target.items()}
     next(iter(third.values())).view(-1)[0] += 1
