@@ -15,8 +15,10 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
 * encode side (``diff+encode+snapshot-update``: what a publish costs before its upload):
   * ``reference`` -- the snapshot copied, then ``diff`` hashing base and target and summing the
     state digest's change (the publisher before issue #12: both whole-tensor digests every version);
-  * ``fast`` -- the snapshot copied, then ``diff`` with the base's known digest (the publisher
-    now: its private snapshot was hashed when it was published);
+  * ``fast`` -- the snapshot copied, then ``diff`` with the base's known digest (its private
+    snapshot was hashed when it was published);
+  * ``fast-scatter`` -- the publisher now: ``diff`` of the target in place against the snapshot,
+    whose changes are then scattered into the snapshot (``_Changes``: O(changes), no copy);
   * ``codec`` -- the chunk encode alone (no digests, no container): the floor of the codec;
 * apply side (``decode+apply``):
   * ``reference`` -- plan (base digest), chunks, then the target digest as a second pass (apply
@@ -66,7 +68,7 @@ from nemo_dcr.state import statedigest
 from nemo_dcr.state.digest import RunningDigest, values_digest
 from nemo_dcr.state.statedigest import ChangeDigest
 from nemo_dcr.stores.local import LocalStore
-from nemo_dcr.sync.publisher import Publisher
+from nemo_dcr.sync.publisher import Publisher, _Changes
 from nemo_dcr.util.parallel import ordered_map
 
 #: hook for device paths (see the module docstring): fn(base, target, rate, workers, reps) -> rows
@@ -161,10 +163,23 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     blob = enc_fast()
     if DeltaReader.open(blob).header.tensors != DeltaReader.open(enc_ref()).header.tensors:
         raise AssertionError("the fast encode does not write the reference's header")
+    held = torch.empty_like(base)  # the publisher's snapshot, at the base before each rep
+
+    def enc_scatter(_):
+        keep = _Changes({"shard": held})
+        out = diff({"shard": held}, t, workers=workers, base_digests=known, on_change=keep.also(ChangeDigest()))
+        keep.commit({"shard": held}, {}, t)
+        return out
+
     blob1 = enc_fast_v1()
+    held.copy_(base)
+    if DeltaReader.open(enc_scatter(None)).header.tensors != DeltaReader.open(blob).header.tensors \
+            or not torch.equal(held.view(torch.int16), nb):
+        raise AssertionError("the in-place encode differs, or its snapshot is not the target")
     rows = [_row("encode", "reference", _median(enc_ref, reps), memcpy),
             _row("encode", "fast", _median(enc_fast, reps), memcpy),
             _row("encode", "fast-v1", _median(enc_fast_v1, reps), memcpy),
+            _row("encode", "fast-scatter", _median(enc_scatter, reps, setup=lambda: held.copy_(base)), memcpy),
             _row("encode", "codec", _median(enc_codec, reps), memcpy)]
 
     recv = {"shard": base.clone()}
