@@ -242,3 +242,12 @@ def test_a_publisher_can_write_version_1_for_older_receivers(tmp_path):
         assert_state(recv, s)
     with pytest.raises(DcrError, match="format version 0"):
         Publisher(store, format_version=0)
+
+
+def test_the_lightning_callback_takes_a_format_version(tmp_path):
+    pytest.importorskip("lightning")
+    from nemo_dcr.integrations import DeltaPublishCallback
+    assert DeltaPublishCallback(str(tmp_path), format_version=1).format_version == 1
+    assert DeltaPublishCallback(str(tmp_path)).format_version == 2
+    with pytest.raises(DcrError, match="format version 7"):
+        DeltaPublishCallback(str(tmp_path), format_version=7)
