@@ -46,7 +46,12 @@ VLLM_VERSION := 0.32.0
 VLLM_VENV ?= $(HOME)/.cache/nemo-dcr/venv-vllm-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed-1
 VLLM_TEST_DEPS := "pytest>=8" "hypothesis>=6.100" "boto3>=1.34" "moto[server]>=5" "aiohttp>=3.9" \
-	"zstandard>=0.22" "safetensors>=0.4" tqdm numpy
+	"zstandard>=0.22" "safetensors>=0.4" tqdm numpy "blake3>=1.0"
+# Dependencies the checkout gained after a cached venv was built (blake3: format version 2) are
+# added to it in place by this second stamp, instead of a rebuild (a new .installed-N costs the
+# whole ~5 min build): bump its number, not VLLM_STAMP's, when VLLM_TEST_DEPS grows (and in
+# nemo_dcr/chaos/engine.py, which takes a venv with this stamp as complete).
+VLLM_DEPS_STAMP := $(VLLM_VENV)/.deps-2
 $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
@@ -56,7 +61,11 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall --quiet -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-venv-vllm: $(VLLM_STAMP)
+$(VLLM_DEPS_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip install --quiet $(VLLM_TEST_DEPS) "torch==2.13.0"
+	touch $(VLLM_DEPS_STAMP)
+
+venv-vllm: $(VLLM_DEPS_STAMP)
 
 # The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module (vLLM's default: an engine-core
 # and a worker process, as users run it) and fresh-engine references, computed once per checkpoint in one process
@@ -66,7 +75,7 @@ venv-vllm: $(VLLM_STAMP)
 # (10 default starts) took 7:52 in a fresh-clone CI run, and a default start took ~90 s at load 5-7 where a
 # reference start took ~22 s. In the main venv they skip. test_vllm_engine_chaos.py is the fault campaign in engine
 # mode: engines in processes of their own (the engine inside each), one start plus one per kill_engine (3 here).
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_DEPS_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine*.py
 
 bench: $(STAMP)

@@ -15,8 +15,10 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
 * encode side (``diff+encode+snapshot-update``: what a publish costs before its upload):
   * ``reference`` -- the snapshot copied, then ``diff`` hashing base and target and summing the
     state digest's change (the publisher before issue #12: both whole-tensor digests every version);
-  * ``fast`` -- the snapshot copied, then ``diff`` with the base's known digest (the publisher
-    now: its private snapshot was hashed when it was published);
+  * ``fast`` -- the snapshot copied, then ``diff`` with the base's known digest (its private
+    snapshot was hashed when it was published);
+  * ``fast-scatter`` -- the publisher now: ``diff`` of the target in place against the snapshot,
+    whose changes are then scattered into the snapshot (``_Changes``: O(changes), no copy);
   * ``codec`` -- the chunk encode alone (no digests, no container): the floor of the codec;
 * apply side (``decode+apply``):
   * ``reference`` -- plan (base digest), chunks, then the target digest as a second pass (apply
@@ -26,10 +28,16 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
     checks only) with the state digest moved by the changes (``ChangeDigest``) and compared with
     the target's: the O(changes) verification, no whole-tensor pass;
   * ``unverified`` -- ``apply(verify=False)``: the chunks alone;
+* ``fast-v1`` rows (encode and apply): the same fast paths writing and reading format version 1
+  (SHA-256 tensor digests, BLAKE2b-64 chunk digests) where version 2 (default) uses BLAKE3;
+* tensor digest of the shard per algorithm: SHA-256, BLAKE3 on 1 and 2 threads; chunk values
+  digests (pre/post images) over the whole shard in chunks, as a keyframe's make them, on
+  ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
 * state digest of the shard: the torch reference (timed on at most 8M elements, scaled) and the
   C kernel on ``--workers`` threads;
 * keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``), with the state
-  digest in C and in torch, against writing (and fsyncing) the raw bytes of the shard there.
+  digest in C and in torch, and in format version 1, against writing (and fsyncing) the raw bytes
+  of the shard there.
 
 GPU figures: ``DEVICE_PATHS`` is the hook. Each entry is ``fn(base, target, rate, workers, reps)
 -> list of rows`` (the row fields of ``_row``: side, path, seconds, plus h2d/d2h bytes), run
@@ -57,9 +65,10 @@ from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta import DEFAULT_CHUNK, plan_entry, run_plan, verify_plan
 from nemo_dcr.delta.apply import ApplyReport
 from nemo_dcr.state import statedigest
+from nemo_dcr.state.digest import RunningDigest, values_digest
 from nemo_dcr.state.statedigest import ChangeDigest
 from nemo_dcr.stores.local import LocalStore
-from nemo_dcr.sync.publisher import Publisher
+from nemo_dcr.sync.publisher import Publisher, _Changes
 from nemo_dcr.util.parallel import ordered_map
 
 #: hook for device paths (see the module docstring): fn(base, target, rate, workers, reps) -> rows
@@ -126,6 +135,8 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     b, t = {"shard": base}, {"shard": target}
     first = diff({}, b, encoding="overwrite", level=1, workers=workers)  # what published ``base``
     known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
+    first1 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=1)
+    known1 = {e.name: e.target_digest for e in DeltaReader.open(first1).header.tensors}
     snap = torch.empty_like(target)
 
     # both as the publisher calls diff: the state digest's change summed from the changed elements
@@ -137,6 +148,11 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
         snap.copy_(target)
         return diff(b, {"shard": snap}, workers=workers, base_digests=known, on_change=ChangeDigest())
 
+    def enc_fast_v1():  # format version 1: SHA-256 and BLAKE2b-64 digests
+        snap.copy_(target)
+        return diff(b, {"shard": snap}, workers=workers, base_digests=known1, on_change=ChangeDigest(),
+                    format_version=1)
+
     ranges = [(s, min(s + DEFAULT_CHUNK, n)) for s in range(0, n, DEFAULT_CHUNK)]
 
     def enc_codec():
@@ -147,8 +163,23 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     blob = enc_fast()
     if DeltaReader.open(blob).header.tensors != DeltaReader.open(enc_ref()).header.tensors:
         raise AssertionError("the fast encode does not write the reference's header")
+    held = torch.empty_like(base)  # the publisher's snapshot, at the base before each rep
+
+    def enc_scatter(_):
+        keep = _Changes({"shard": held})
+        out = diff({"shard": held}, t, workers=workers, base_digests=known, on_change=keep.also(ChangeDigest()))
+        keep.commit({"shard": held}, {}, t)
+        return out
+
+    blob1 = enc_fast_v1()
+    held.copy_(base)
+    if DeltaReader.open(enc_scatter(None)).header.tensors != DeltaReader.open(blob).header.tensors \
+            or not torch.equal(held.view(torch.int16), nb):
+        raise AssertionError("the in-place encode differs, or its snapshot is not the target")
     rows = [_row("encode", "reference", _median(enc_ref, reps), memcpy),
             _row("encode", "fast", _median(enc_fast, reps), memcpy),
+            _row("encode", "fast-v1", _median(enc_fast_v1, reps), memcpy),
+            _row("encode", "fast-scatter", _median(enc_scatter, reps, setup=lambda: held.copy_(base)), memcpy),
             _row("encode", "codec", _median(enc_codec, reps), memcpy)]
 
     recv = {"shard": base.clone()}
@@ -164,6 +195,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
 
     paths = {"reference": lambda _: _apply_reference(recv, blob, workers),
              "fast": lambda _: apply(recv, blob, workers=workers),
+             "fast-v1": lambda _: apply(recv, blob1, workers=workers),
              "follower": follower,
              "unverified": lambda _: apply(recv, blob, workers=workers, verify=False)}
     for name, fn in paths.items():
@@ -176,6 +208,25 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     changed = int((ob != nb).sum())
     for r in rows:
         r.update(change_rate=changed / n, delta_bytes_per_changed=len(blob) / changed)
+    return rows
+
+
+def tensor_digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float) -> list:
+    """The whole-tensor digest per algorithm (BLAKE3 on 1 and 2 threads), and the chunk values
+    digests over the whole shard as a keyframe's overwrite chunks make them (one per chunk, on
+    ``workers`` threads), per format version's algorithm."""
+    rows = []
+    for path, algo, threads in (("sha256", "sha256", 1), ("blake3-1t", "blake3", 1), ("blake3-2t", "blake3", 2)):
+        def whole(algo=algo, threads=threads):
+            RunningDigest(base, algo, threads).hexdigest()
+        rows.append(_row("tensor_digest", path, _median(whole, reps), memcpy))
+    bits, n = base.view(torch.int16), base.numel()
+    ranges = [(s, min(s + DEFAULT_CHUNK, n)) for s in range(0, n, DEFAULT_CHUNK)]
+    for algo in ("blake2b", "blake3"):
+        def chunks(algo=algo):
+            for _ in ordered_map(lambda r: values_digest(bits[r[0]:r[1]], algo), ranges, workers):
+                pass
+        rows.append(_row("values_digest", algo, _median(chunks, reps), memcpy))
     return rows
 
 
@@ -208,9 +259,10 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float, tm
     raw = base.view(torch.uint8).numpy().data
     k = [0]
 
-    def publish():
+    def publish(fv: int = 2):
         k[0] += 1
-        Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers).publish(state, keyframe=True)
+        Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers, format_version=fv).publish(
+            state, keyframe=True)
 
     t_raw = _median(lambda: _raw_write(os.path.join(tmp, "raw.bin"), raw), reps)
     rows = [_row("keyframe", "raw_write", t_raw, memcpy)]
@@ -221,6 +273,7 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float, tm
     finally:
         native.lib = lib
     rows.append(_row("keyframe", "fast", _median(publish, reps), memcpy))
+    rows.append(_row("keyframe", "fast-v1", _median(lambda: publish(1), reps), memcpy))
     for r in rows:
         r["x_raw_write"] = r["seconds"] / t_raw
     return rows
@@ -251,7 +304,7 @@ def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick
         for r in encode_apply(base, target, rate, workers, reps, memcpy):
             out["rows"].append({"change": rate, **r})
         del target
-    for r in digest_rows(base, workers, reps, memcpy):
+    for r in tensor_digest_rows(base, workers, reps, memcpy) + digest_rows(base, workers, reps, memcpy):
         out["rows"].append({"change": None, **r})
     with tempfile.TemporaryDirectory(prefix="dcr-bench-kernels-") as tmp:
         for r in keyframe_rows(base, workers, reps, memcpy, tmp):

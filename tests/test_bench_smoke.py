@@ -269,10 +269,13 @@ def test_kernels_bench_quick_json():
     rows = {(row["change"], row["side"], row["path"]) for row in r["rows"]}
     for ch in (0.01, 0.05):
         for side, path in (("encode", "reference"), ("encode", "fast"), ("encode", "codec"), ("apply", "reference"),
-                           ("apply", "fast"), ("apply", "follower"), ("apply", "unverified")):
+                           ("apply", "fast"), ("apply", "follower"), ("apply", "unverified"), ("encode", "fast-v1"),
+                           ("encode", "fast-scatter"), ("apply", "fast-v1")):
             assert (ch, side, path) in rows
     for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
-                       ("keyframe", "fast")):
+                       ("keyframe", "fast"), ("keyframe", "fast-v1"), ("tensor_digest", "sha256"),
+                       ("tensor_digest", "blake3-1t"), ("tensor_digest", "blake3-2t"), ("values_digest", "blake2b"),
+                       ("values_digest", "blake3")):
         assert (None, side, path) in rows
     for row in r["rows"]:
         assert row["seconds"] > 0 and math.isclose(row["x_memcpy"], row["seconds"] / r["memcpy_seconds"])

@@ -307,11 +307,11 @@ def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     delta_mod = importlib.import_module("nemo_dcr.delta.diff")  # the module (nemo_dcr.delta.diff is the function)
     from nemo_dcr.state import digest
     base, target = _model(seed=6)
-    monkeypatch.setattr(delta_mod, "tensor_digest", lambda t: digest.tensor_digest(t, "blake2b"))
-    old_blob = diff(base, target)
+    monkeypatch.setattr(delta_mod, "tensor_digest", lambda t, *a, **k: digest.tensor_digest(t, "blake2b"))
+    old_blob = diff(base, target, format_version=1)
     monkeypatch.undo()
     entries = DeltaReader(old_blob).raw_header["tensors"]
-    assert all(not e["target_digest"].startswith("sha256:") for e in entries)
+    assert all(":" not in e["target_digest"] for e in entries)  # bare BLAKE2b, in a version 1 delta
     recv = {k: v.clone() for k, v in base.items()}
     apply(recv, old_blob)
     for k in target:
@@ -320,7 +320,7 @@ def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     with pytest.raises(BaseMismatchError):
         apply({k: v.clone() for k, v in other.items()}, old_blob)
     new_entries = DeltaReader(diff(base, target)).raw_header["tensors"]
-    assert all(e["target_digest"].startswith("sha256:") for e in new_entries)
+    assert all(e["target_digest"].startswith("blake3:") for e in new_entries)
 
 
 @pytest.mark.parametrize("use_native", [False, True] if native.lib() is not None else [False])

@@ -17,6 +17,7 @@ import zstandard
 from dcr_testing import assert_bits_equal
 from nemo_dcr import DcrError, DeltaFormatError, DeltaReader, apply, diff
 from nemo_dcr.codec.format import END_MAGIC, FOOTER, FORMAT_VERSION, MAGIC, PREAMBLE, DeltaWriter
+from nemo_dcr.codec.versions import VERSIONS
 
 
 def craft(raw_header: dict, payloads: list[bytes]) -> bytes:
@@ -204,7 +205,8 @@ def test_typed_header_is_what_the_writer_wrote():
 
 
 def test_container_constants_unchanged():
-    assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 1
+    assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 2
+    assert sorted(VERSIONS) == [1, 2]  # a reader still reads version 1 (tests/test_golden.py)
 
 
 def test_kernel_errors_are_dcr_errors(monkeypatch):

@@ -26,7 +26,7 @@ def _states(seed=0):
 
 
 
-@pytest.mark.parametrize("algo", ["sha256", "blake2b"])
+@pytest.mark.parametrize("algo", ["blake3", "sha256", "blake2b"])
 def test_running_digest_equals_tensor_digest(algo):
     t = torch.arange(5 * 7 * 11, dtype=torch.int32).reshape(5, 7, 11)
     for v in (t, t.transpose(0, 2), t[:, ::2], t[:0]):
@@ -53,9 +53,9 @@ def test_known_base_digest_is_what_the_delta_claims():
     """A wrong known digest is written as is (the caller vouches for its private base), and every
     receiver holding the real base refuses the delta before writing: nothing is hidden."""
     base, target = _states()
-    blob = diff(base, target, chunk_elems=4096, base_digests={"w": "sha256:" + "0" * 32})
+    blob = diff(base, target, chunk_elems=4096, base_digests={"w": "blake3:" + "0" * 32})
     entry = {e.name: e for e in DeltaReader.open(blob).header.tensors}["w"]
-    assert entry.base_digest == "sha256:" + "0" * 32
+    assert entry.base_digest == "blake3:" + "0" * 32
     recv = {k: v.clone() for k, v in base.items()}
     with pytest.raises(BaseMismatchError):
         apply(recv, blob)
@@ -86,7 +86,7 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     diff_mod = sys.modules["nemo_dcr.delta.diff"]  # (the package's ``diff`` attribute is the function)
     hashed = []
     real = diff_mod.tensor_digest
-    monkeypatch.setattr(diff_mod, "tensor_digest", lambda t, *a: hashed.append(t.data_ptr()) or real(t, *a))
+    monkeypatch.setattr(diff_mod, "tensor_digest", lambda t, *a, **k: hashed.append(t.data_ptr()) or real(t, *a, **k))
     base, target = _states()
     pub = Publisher(LocalStore(tmp_path / "store"), chunk_elems=4096)
     pub.publish(base)  # the first version: a keyframe, each tensor hashed once
@@ -95,7 +95,11 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     pub.publish(target)
     assert len(hashed) == len(target)  # target digests only; the snapshot's were known
     snap, _ = pub.published
-    assert not set(hashed) - {t.data_ptr() for t in snap.values()}  # and they are of the new snapshot
+    # of the tensors published (read in place; the snapshot follows them by the changes), never
+    # of the snapshot, which now holds exactly what was published
+    assert set(hashed) <= {t.data_ptr() for t in target.values()}
+    assert not set(hashed) & {t.data_ptr() for t in snap.values()}
+    assert_state(snap, target)
     hashed.clear()
     third = {k: v.clone() for k, v in target.items()}
     next(iter(third.values())).view(-1)[0] += 1

@@ -236,7 +236,8 @@ def _chunk(h, name="a", i=0):
 
 
 HEADER_TAMPERS = {
-    "format": lambda h: h.update(format=2),
+    "format": lambda h: h.update(format=1),  # the container says 2
+    "format-unknown": lambda h: h.update(format=3),
     "tensors-not-list": lambda h: h.update(tensors={}),
     "duplicate-name": lambda h: h["tensors"].append(copy.deepcopy(h["tensors"][0])),
     "unknown-kind": lambda h: _first(h, "a").update(kind="patch"),
@@ -268,6 +269,11 @@ HEADER_TAMPERS = {
     "no-target-digest": lambda h: _first(h, "a").pop("target_digest"),
     "no-target-digest-full": lambda h: _first(h, "new").pop("target_digest"),
     "digest-type": lambda h: _first(h, "b").update(base_digest=123),
+    # a tensor digest in an algorithm this build does not know (a newer writer's): refused with
+    # the header, not reported as a wrong base, and never after writing the tensors before it
+    "digest-algorithm": lambda h: _first(h, "new").update(target_digest="blake9:" + "0" * 32),
+    "base-digest-algorithm": lambda h: _first(h, "b").update(base_digest="md5:" + "0" * 32),
+    "removed-digest-algorithm": lambda h: _first(h, "gone").update(base_digest="x:1"),
 }
 
 
@@ -384,9 +390,16 @@ def test_unsupported_versions(states, blob):
     base, _ = states
     for pos in (8, len(blob) - 12):  # preamble version, footer version
         bad = bytearray(blob)
-        bad[pos:pos + 4] = (2).to_bytes(4, "little")
+        bad[pos:pos + 4] = (3).to_bytes(4, "little")
         with pytest.raises(DeltaFormatError, match="version"):
             apply(clone_state(base), bytes(bad))
+    # a version 2 delta relabelled 1 in preamble and footer: its header says 2 (and its chunk
+    # digests are not BLAKE2b), so it is refused as it is, not read as version 1
+    bad = bytearray(blob)
+    for pos in (8, len(blob) - 12):
+        bad[pos:pos + 4] = (1).to_bytes(4, "little")
+    with pytest.raises(DeltaFormatError, match="format field"):
+        apply(clone_state(base), bytes(bad))
 
 
 # ----------------------------------------------------------------------------- wrong base

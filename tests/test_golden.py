@@ -1,6 +1,7 @@
-"""Golden files: deltas written by an earlier build (tests/data/golden/, made by
-tests/data/make_golden.py) must still apply bit-exactly, and encoding the same inputs again must
-give the same bytes, so the format cannot change by accident."""
+"""Golden files: deltas written by an earlier build (tests/data/golden/ for format version 1,
+tests/data/golden_v2/ for version 2, made by tests/data/make_golden.py from the same inputs) must
+still apply bit-exactly, and encoding the same inputs again in the same version must give the
+same bytes, so the format cannot change by accident."""
 from __future__ import annotations
 
 import importlib.util
@@ -23,6 +24,7 @@ G = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(G)
 
 DELTAS = [f"{e}.dcr" for e in G.ENCODINGS] + [f"shard{r}.dcr" for r in range(len(G.SHARD_ROWS))] + ["cli_diff.dcr"]
+VERSIONS = G.VERSIONS
 
 
 @pytest.fixture(scope="module")
@@ -30,25 +32,51 @@ def inputs():
     return G.load_inputs(GOLDEN)
 
 
-@pytest.fixture(scope="module")
-def encoded(tmp_path_factory):
-    """Every golden delta encoded again by this build."""
-    return G.encode_all(GOLDEN, str(tmp_path_factory.mktemp("golden")))
+@pytest.fixture(scope="module", params=VERSIONS)
+def encoded(request, tmp_path_factory):
+    """(version, every golden delta of that format version encoded again by this build)."""
+    return request.param, G.encode_all(GOLDEN, str(tmp_path_factory.mktemp("golden")), version=request.param)
 
 
-def golden(name: str) -> bytes:
-    with open(os.path.join(GOLDEN, name), "rb") as f:
+def golden(name: str, version: int = 1) -> bytes:
+    with open(os.path.join(G.deltas_dir(version), name), "rb") as f:
         return f.read()
 
 
-def test_golden_set_is_complete():
-    assert sorted(DELTAS) == sorted(n for n in os.listdir(GOLDEN) if n.endswith(".dcr"))
+@pytest.mark.parametrize("version", VERSIONS)
+def test_golden_set_is_complete(version):
+    d = G.deltas_dir(version)
+    assert sorted(DELTAS) == sorted(n for n in os.listdir(d) if n.endswith(".dcr"))
+    assert {DeltaReader.open(os.path.join(d, n)).version for n in DELTAS} == {version}
 
 
+def test_golden_versions_differ_only_in_their_digests():
+    """Version 2 is version 1 with BLAKE3 digests: same chunk payload bytes, same header apart
+    from the format number and the digests (tensor digests, chunk pre/post, the state digests
+    over them), and every digest of each is the algorithm its version names."""
+    def no_digests(blob):
+        h = json.loads(json.dumps(DeltaReader.open(blob).raw_header))
+        for k in ("format", "tool", "base_digest", "target_digest"):
+            h.pop(k, None)
+        for t in h["tensors"]:
+            t.pop("base_digest", None), t.pop("target_digest", None)
+            for c in t.get("chunks", []):  # (a removed tensor has none)
+                c.pop("pre"), c.pop("post")
+        return h
+    for name in DELTAS:
+        v1, v2 = golden(name, 1), golden(name, 2)
+        assert _split(v1)[0][16:] == _split(v2)[0][16:], name  # the payloads, past the preamble
+        assert no_digests(v1) == no_digests(v2), name
+        for blob, prefix in ((v1, "sha256:"), (v2, "blake3:")):
+            for t in DeltaReader.open(blob).header.tensors:
+                assert all(d.startswith(prefix) for d in (t.base_digest, t.target_digest) if d), (name, t.name)
+
+
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("encoding", G.ENCODINGS)
-def test_golden_delta_applies_bit_exactly(encoding, inputs):
+def test_golden_delta_applies_bit_exactly(encoding, version, inputs):
     base, target, _, _ = inputs
-    r = DeltaReader.open(os.path.join(GOLDEN, f"{encoding}.dcr"))
+    r = DeltaReader.open(os.path.join(G.deltas_dir(version), f"{encoding}.dcr"))
     assert r.header.encoding == encoding
     state = {k: v.clone() for k, v in base.items()}
     report = apply(state, r)
@@ -56,35 +84,39 @@ def test_golden_delta_applies_bit_exactly(encoding, inputs):
     assert report.tensors_removed == ["old_head.fp32"]
 
 
-def test_golden_encodings_cover_every_chunk_coding():
+@pytest.mark.parametrize("version", VERSIONS)
+def test_golden_encodings_cover_every_chunk_coding(version):
     """The set holds every chunk coding at least once (else a coding could change unnoticed)."""
     seen = set()
     for name in DELTAS:
-        for t in DeltaReader.open(os.path.join(GOLDEN, name)).header.tensors:
+        for t in DeltaReader.open(os.path.join(G.deltas_dir(version), name)).header.tensors:
             seen.update(c.enc for c in t.chunks)
     assert seen == {"classes", "xor", "add", "overwrite"}
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("order", [(0, 1), (1, 0)])
-def test_golden_shard_deltas_apply_to_a_whole_tensor(order, inputs):
+def test_golden_shard_deltas_apply_to_a_whole_tensor(order, version, inputs):
     """Two ranks' row shards, encoded alone, applied (in either order) to a receiver holding the
     whole tensor; then each applied to a receiver holding just that shard."""
     _, _, sb, st = inputs
     whole = {"big": sb["big"].clone()}
     for r in order:
-        apply(whole, os.path.join(GOLDEN, f"shard{r}.dcr"))
+        apply(whole, os.path.join(G.deltas_dir(version), f"shard{r}.dcr"))
     assert_state(whole, st)
     for r, (off, rows) in enumerate(G.SHARD_ROWS):
         spec = ShardSpec.of(tuple(sb["big"].shape), (off, 0), (rows, sb["big"].shape[1]))
         part = {"big": sb["big"][off:off + rows].clone()}
-        apply(part, os.path.join(GOLDEN, f"shard{r}.dcr"), shards={"big": spec})
+        apply(part, os.path.join(G.deltas_dir(version), f"shard{r}.dcr"), shards={"big": spec})
         assert_state(part, {"big": st["big"][off:off + rows]})
 
 
-def test_golden_cli_delta_rebuilds_the_target_file(tmp_path):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_golden_cli_delta_rebuilds_the_target_file(tmp_path, version):
     """The delta `nemo-dcr diff` wrote applies to the base file and rebuilds the target file byte for byte."""
     out = tmp_path / "out.safetensors"
-    apply_checkpoint(os.path.join(GOLDEN, "base.safetensors"), os.path.join(GOLDEN, "cli_diff.dcr"), str(out))
+    apply_checkpoint(os.path.join(GOLDEN, "base.safetensors"), os.path.join(G.deltas_dir(version), "cli_diff.dcr"),
+                     str(out))
     assert out.read_bytes() == golden("target.safetensors")
     assert_state(load_file(out), load_file(os.path.join(GOLDEN, "target.safetensors")))
 
@@ -101,7 +133,8 @@ def _split(blob: bytes):
 
 @pytest.mark.parametrize("name", DELTAS)
 def test_encoding_again_gives_the_golden_bytes(name, encoded):
-    old, new = golden(name), encoded[name]
+    version, blobs = encoded
+    old, new = golden(name, version), blobs[name]
     (old_payload, old_header), (new_payload, new_header) = _split(old), _split(new)
     # "tool" names the release that wrote the delta; every other field is the format
     strip = lambda h: json.dumps({k: v for k, v in h.items() if k != "tool"}, sort_keys=True, indent=1)  # noqa: E731
@@ -111,8 +144,9 @@ def test_encoding_again_gives_the_golden_bytes(name, encoded):
         assert new == old
 
 
+@pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("encoding", ["classes", "auto"])
-def test_reference_codec_matches_the_golden_bytes(encoding, inputs, monkeypatch):
+def test_reference_codec_matches_the_golden_bytes(encoding, version, inputs, monkeypatch):
     """With the C kernel off, the PyTorch reference decodes the golden ``classes`` chunks and
     writes the same bytes again (the reference defines them; the kernel repeats them)."""
     from nemo_dcr import diff
@@ -122,17 +156,18 @@ def test_reference_codec_matches_the_golden_bytes(encoding, inputs, monkeypatch)
     assert native.backend() == "reference"
     base, target, _, _ = inputs
     state = {k: v.clone() for k, v in base.items()}
-    apply(state, os.path.join(GOLDEN, f"{encoding}.dcr"))
+    apply(state, os.path.join(G.deltas_dir(version), f"{encoding}.dcr"))
     assert_state(state, target)
     with G.pinned_clock():
-        again = diff(base, target, encoding=encoding, chunk_elems=G.CHUNK, workers=1)
-    assert _split(again)[0] == _split(golden(f"{encoding}.dcr"))[0]
+        again = diff(base, target, encoding=encoding, chunk_elems=G.CHUNK, workers=1, format_version=version)
+    assert _split(again)[0] == _split(golden(f"{encoding}.dcr", version))[0]
 
 
-def test_encoder_threads_do_not_change_the_bytes(inputs):
+@pytest.mark.parametrize("version", VERSIONS)
+def test_encoder_threads_do_not_change_the_bytes(inputs, version):
     """The golden files were encoded on one thread; four threads give the same payload bytes."""
     from nemo_dcr import diff
     base, target, _, _ = inputs
     with G.pinned_clock():
-        again = diff(base, target, encoding="auto", chunk_elems=G.CHUNK, workers=4)
-    assert _split(again)[0] == _split(golden("auto.dcr"))[0]
+        again = diff(base, target, encoding="auto", chunk_elems=G.CHUNK, workers=4, format_version=version)
+    assert _split(again)[0] == _split(golden("auto.dcr", version))[0]

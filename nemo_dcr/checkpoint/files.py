@@ -22,6 +22,7 @@ from nemo_dcr.checkpoint.safetensors_io import (
 )
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import TensorKind
+from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, ApplyReport, diff, plan_entry, run_plan, verify_plan
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.state.digest import tensor_digest_like
@@ -31,8 +32,9 @@ from nemo_dcr.util.progress import NullProgress, Progress
 
 def diff_checkpoints(base: str, target: str, out: str, *, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                      chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
-                     progress: bool | None = None) -> dict:
-    """Write the delta BASE -> TARGET to ``out`` atomically. Returns the delta header."""
+                     progress: bool | None = None, format_version: int = FORMAT_VERSION) -> dict:
+    """Write the delta BASE -> TARGET to ``out`` atomically. Returns the delta header.
+    ``format_version``: as ``diff``'s (1: for receivers older than format version 2)."""
     b, t = Checkpoint(base), Checkpoint(target)
     out = os.path.realpath(out)  # a symlink named as the output is written through
     if os.path.isdir(out):
@@ -41,7 +43,7 @@ def diff_checkpoints(base: str, target: str, out: str, *, encoding: str = "auto"
     with output_file(out) as tmp:
         with open(tmp, "wb") as f:
             header = diff(b, t, encoding=encoding, level=level, chunk_elems=chunk_elems, workers=workers,
-                          meta={"layout": t.layout()}, out=f, progress=progress)
+                          meta={"layout": t.layout()}, out=f, progress=progress, format_version=format_version)
             f.flush()
             os.fsync(f.fileno())
     return header

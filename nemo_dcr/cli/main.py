@@ -8,6 +8,7 @@ import sys
 
 from nemo_dcr import __version__
 from nemo_dcr.codec.names import CHOICES, DEFAULT_LEVEL  # torch-free: --help and relay do not import torch
+from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DcrError
 
 
@@ -15,7 +16,7 @@ def _cmd_diff(a):
     from nemo_dcr.checkpoint.files import diff_checkpoints
     from nemo_dcr.delta.stats import inspect
     diff_checkpoints(a.base, a.target, a.output, encoding=a.encoding, level=a.level, chunk_elems=a.chunk_elems,
-                     workers=a.workers)
+                     workers=a.workers, format_version=a.format_version)
     s = inspect(a.output)
     print(f"wrote {a.output}: {s['bytes']:,} bytes, {s['changed']:,} of {s['elements']:,} elements changed "
           f"({100 * s['change_rate']:.4f} %), {s['ratio_to_dense']:.1f}x smaller than dense")
@@ -258,6 +259,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level, 1..22 (default {DEFAULT_LEVEL})")
     d.add_argument("--chunk-elems", type=int, default=1 << 20, help="elements per chunk (bounds memory)")
     d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
+    d.add_argument("--format-version", type=int, choices=sorted(VERSIONS), default=FORMAT_VERSION,
+                   help=f"delta format version (default {FORMAT_VERSION}: BLAKE3 digests); 1 for receivers older "
+                        "than version 2 (SHA-256 and BLAKE2b digests)")
     d.set_defaults(func=_cmd_diff)
 
     ap = sub.add_parser("apply", help="apply DELTA to BASE and write the verified result to OUT atomically")

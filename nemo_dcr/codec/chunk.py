@@ -10,7 +10,8 @@ A chunk is a contiguous range ``[start, start + n)`` of a region's flat index. E
 
    Or (``classes``, ``classes.py``): positions and values coded together, modelled on the base
    value's exponent, with Rice codes; no zstd. It needs the whole base chunk to decode.
-4. ``pre``/``post`` are digests of the old and new bits at the changed positions. The
+4. ``pre``/``post`` are digests of the old and new bits at the changed positions (BLAKE3-64 in
+   format version 2, BLAKE2b-64 in version 1: ``values_algo``, codec/versions.py). The
    receiver checks the bits it holds against them before touching anything: ``pre`` means
    "apply", ``post`` means "already applied, skip" (so an XOR re-delivered is harmless),
    anything else is a wrong base.
@@ -29,6 +30,7 @@ from nemo_dcr.codec import classes, ordered, planes, positions
 
 # the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
 from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
+from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DeltaFormatError
 from nemo_dcr.state.digest import values_digest
 
@@ -38,6 +40,7 @@ if TYPE_CHECKING:
 _PREFER = {CLASSES: 0, XOR: 1, ADD: 2, OVERWRITE: 3}  # ties
 CLASSES_ENOUGH = 1.0  # auto: a classes chunk at or under this many bytes per change is taken without trying the rest
 _ROW_BYTES = 8  # auto: what one classes table row costs in the (zstd-compressed) header, roughly
+VALUES_ALGO = VERSIONS[FORMAT_VERSION].values_digest  # the pre/post digests a writer makes by default
 
 _tls = threading.local()
 
@@ -115,13 +118,14 @@ class EncodedChunk:
     alt_val_len: dict  # stored value bytes of every encoding tried (for inspect/bench)
     changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
     cls: list | None = None  # the classes table (classes coding only)
+    values_algo: str = VALUES_ALGO  # what pre/post are made with (not in the header: the format version says)
 
     def entry(self, offset: int) -> ChunkEntry:
         """The typed entry a reader would parse from ``header(offset)``."""
         from nemo_dcr.codec.header import ChunkEntry
         h = self.header(offset)
         h["cls"] = tuple(tuple(r) for r in h["cls"]) if "cls" in h else None
-        return ChunkEntry(**h)
+        return ChunkEntry(**h, values_algo=self.values_algo)
 
     def header(self, offset: int) -> dict:
         extra = {"cls": self.cls} if self.cls is not None else {}
@@ -136,14 +140,15 @@ class EncodedChunk:
 
 def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encoding: str = AUTO,
                  level: int = 3, keep_changes: bool = False, is_float: bool = True,
-                 dtype: torch.dtype | None = None) -> EncodedChunk | None:
+                 dtype: torch.dtype | None = None, values_algo: str = VALUES_ALGO) -> EncodedChunk | None:
     """old/new: 1-D integer views of the chunk. ``old=None`` means "no base": every element
     is sent, overwrite. Returns None when nothing changed.
 
     ``auto`` (the default): where the dtype allows it, ``classes`` first; if that costs more than
     ``CLASSES_ENOUGH`` bytes per change, xor, add and overwrite too, and the smallest wins.
     ``portable``: the smallest of xor, add and overwrite. ``dtype`` (the tensor's) enables
-    ``classes``; without it only the other codings are used."""
+    ``classes``; without it only the other codings are used. ``values_algo``: the pre/post
+    digests' algorithm, as the delta's format version says (codec/versions.py)."""
     n = new.numel()
     encoding, use_classes = plan_encoding(encoding, old is not None, dtype)
     cls_try, cidx = None, None
@@ -164,7 +169,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
         if idx.numel() == 0:
             return None
         newv, prev = new[idx], old[idx]
-    return encode_changes(idx, prev, newv, n, start, encoding, level, keep_changes, is_float, cls_try)
+    return encode_changes(idx, prev, newv, n, start, encoding, level, keep_changes, is_float, cls_try, values_algo)
 
 
 def plan_encoding(encoding: str, has_base: bool, dtype: torch.dtype | None) -> tuple[str, bool]:
@@ -178,7 +183,7 @@ def plan_encoding(encoding: str, has_base: bool, dtype: torch.dtype | None) -> t
 
 def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Tensor, n: int, start: int,
                    encoding: str, level: int = 3, keep_changes: bool = False, is_float: bool = True,
-                   cls_try: tuple | None = None) -> EncodedChunk:
+                   cls_try: tuple | None = None, values_algo: str = VALUES_ALGO) -> EncodedChunk:
     """The chunk from its changes alone (O(changes)): ``idx`` their positions in the chunk
     (increasing), ``prev``/``newv`` their old (None: no base, every element sent) and new bits,
     ``cls_try`` the ``classes`` coding of the chunk (k, rows, position bytes, value bytes) where
@@ -188,7 +193,7 @@ def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Ten
         k, rows, pbytes, vbytes = cls_try
         cost = len(pbytes) + len(vbytes) + _ROW_BYTES * len(rows)
         if encoding == CLASSES or cost <= CLASSES_ENOUGH * k:
-            return _classes_chunk(prev, newv, start, n, cls_try, {CLASSES: cost}, keep_changes, idx)
+            return _classes_chunk(prev, newv, start, n, cls_try, {CLASSES: cost}, keep_changes, idx, values_algo)
     w = newv.element_size()
     xorv = None if prev is None else torch.bitwise_xor(prev, newv)
     k = idx.numel()
@@ -209,24 +214,24 @@ def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Ten
         sizes[CLASSES] = len(cls_try[2]) + len(cls_try[3]) + _ROW_BYTES * len(cls_try[1])
     enc = min(sizes, key=lambda e: (sizes[e], _PREFER[e]))
     if enc == CLASSES:
-        return _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx)
+        return _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx, values_algo)
     val_bytes, val_z = tried[enc]
     return EncodedChunk(
         start=start, n=n, k=k, enc=enc, pos=pos_coding, pos_bytes=pos_bytes, val_bytes=val_bytes,
         pos_raw=len(pos_raw), val_raw=k * w, pos_z=pos_z, val_z=val_z,
-        pre=values_digest(prev) if prev is not None else "", post=values_digest(newv),
+        pre=values_digest(prev, values_algo) if prev is not None else "", post=values_digest(newv, values_algo),
         alt_val_len={e: len(v[0]) for e, v in tried.items()},
-        changes=(idx, prev, newv) if keep_changes else None,
+        changes=(idx, prev, newv) if keep_changes else None, values_algo=values_algo,
     )
 
 
-def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx) -> EncodedChunk:
+def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx, values_algo) -> EncodedChunk:
     k, rows, pbytes, vbytes = cls_try
     return EncodedChunk(
         start=start, n=n, k=k, enc=CLASSES, pos=CLASSES, pos_bytes=pbytes, val_bytes=vbytes,
         pos_raw=len(pbytes), val_raw=len(vbytes), pos_z=False, val_z=False,
-        pre=values_digest(prev), post=values_digest(newv), alt_val_len=dict(sizes),
-        changes=(idx, prev, newv) if keep_changes else None, cls=rows,
+        pre=values_digest(prev, values_algo), post=values_digest(newv, values_algo), alt_val_len=dict(sizes),
+        changes=(idx, prev, newv) if keep_changes else None, cls=rows, values_algo=values_algo,
     )
 
 

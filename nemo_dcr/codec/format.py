@@ -21,11 +21,11 @@ from typing import BinaryIO, NoReturn
 import zstandard
 
 from nemo_dcr.codec.header import ChunkEntry, DeltaHeader, parse_header
+from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DeltaFormatError
 
 MAGIC = b"NDCRDLT\x00"
 END_MAGIC = b"\x00TLDRCDN"
-FORMAT_VERSION = 1
 PREAMBLE = struct.Struct("<8sII")
 FOOTER = struct.Struct("<QQII8s")
 # A header's raw (decompressed) length is bounded before anything is allocated: by MAX_HEADER,
@@ -43,11 +43,14 @@ def header_bound(stored_len: int) -> int:
 
 
 class DeltaWriter:
-    """Streams chunk payloads to ``f`` and finishes with the header and footer."""
+    """Streams chunk payloads to ``f`` and finishes with the header and footer. ``version``:
+    the format version written in the preamble and footer (``codec/versions.py``); the header's
+    ``format`` field must say the same."""
 
-    def __init__(self, f: BinaryIO):
+    def __init__(self, f: BinaryIO, version: int = FORMAT_VERSION):
         self.f = f
-        self.f.write(PREAMBLE.pack(MAGIC, FORMAT_VERSION, 0))
+        self.version = version
+        self.f.write(PREAMBLE.pack(MAGIC, version, 0))
         self.offset = PREAMBLE.size
 
     def add_payload(self, *parts: bytes) -> int:
@@ -65,7 +68,7 @@ class DeltaWriter:
         level = HEADER_LEVEL if len(raw) <= HEADER_STRONG_MAX else 3
         stored = zstandard.ZstdCompressor(level=level).compress(raw)
         self.f.write(stored)
-        self.f.write(FOOTER.pack(len(stored), len(raw), zlib.crc32(stored), FORMAT_VERSION, END_MAGIC))
+        self.f.write(FOOTER.pack(len(stored), len(raw), zlib.crc32(stored), self.version, END_MAGIC))
         self.offset += len(stored) + FOOTER.size
         return self.offset
 
@@ -78,6 +81,7 @@ class DeltaReader:
         self.buf = memoryview(buf) if not isinstance(buf, memoryview) else buf
         self.size = len(self.buf)
         self.raw_header: dict = {}  # the JSON as stored (for tools that rewrite a header)
+        self.version = 0  # the format version, from the preamble (set by _read_header)
         self.header: DeltaHeader = self._read_header()
         self.payload_end = self.size - FOOTER.size - self._stored_len
 
@@ -105,15 +109,16 @@ class DeltaReader:
     def _read_header(self) -> DeltaHeader:
         if self.size < PREAMBLE.size + FOOTER.size:
             self._fail(f"{self.size} bytes is too short to be a nemo-dcr delta")
-        magic, version, _flags = PREAMBLE.unpack_from(self.buf, 0)
+        magic, number, _flags = PREAMBLE.unpack_from(self.buf, 0)
         if magic != MAGIC:
             self._fail("not a nemo-dcr delta (bad magic)")
-        if version != FORMAT_VERSION:
-            self._fail(f"format version {version} is not supported (this build reads {FORMAT_VERSION})")
+        if number not in VERSIONS:
+            self._fail(f"format version {number} is not supported (this build reads "
+                       f"{', '.join(map(str, VERSIONS))})")
         stored_len, raw_len, crc, fversion, end = FOOTER.unpack_from(self.buf, self.size - FOOTER.size)
         if end != END_MAGIC:
             self._fail("truncated or damaged: end marker missing")
-        if fversion != version:
+        if fversion != number:
             self._fail("preamble and footer disagree on the format version")
         if stored_len > self.size - PREAMBLE.size - FOOTER.size:
             self._fail("header length out of range")
@@ -133,8 +138,9 @@ class DeltaReader:
         except (ValueError, RecursionError) as e:
             self._fail(f"header is not JSON: {e}")
         self.raw_header = header
+        self.version = number  # which digests the chunks carry (codec/versions.py)
         try:
-            return parse_header(header, start)
+            return parse_header(header, start, VERSIONS[number])
         except DeltaFormatError as e:
             self._fail(str(e))
 

@@ -18,7 +18,9 @@ import torch
 from nemo_dcr.codec import chunk as _c
 from nemo_dcr.codec import classes as _cl
 from nemo_dcr.codec import positions as _p
+from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS, Version
 from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.state.digest import algo_of
 from nemo_dcr.state.dtypes import DTYPES
 from nemo_dcr.state.index_map import ShardSpec
 
@@ -65,6 +67,9 @@ class ChunkEntry:
     pre: str
     post: str
     cls: tuple | None = None  # the classes table: rows of 6 ints (classes coding only)
+    # what ``pre``/``post`` are made with (``state.digest.values_digest``): the delta's format
+    # version says, not the entry (codec/versions.py)
+    values_algo: str = _c.VALUES_ALGO
 
     @property
     def end(self) -> int:
@@ -76,7 +81,7 @@ class ChunkEntry:
 
     @classmethod
     def parse(cls, c, where: str, *, w: int, dtype: torch.dtype, kind: TensorKind, numel: int,
-              chunk_elems: int, payload_end: int) -> ChunkEntry:
+              chunk_elems: int, payload_end: int, values_algo: str) -> ChunkEntry:
         from nemo_dcr.codec.format import PREAMBLE  # (format imports this module)
 
         _need(isinstance(c, dict), f"{where}: chunk entry is not an object")
@@ -114,7 +119,17 @@ class ChunkEntry:
             _need(c["vz"] or c["vlen"] == c["vraw"], f"{where}: stored value stream length")
         return cls(start=start, n=n, k=k, enc=enc, pos=pos, off=c["off"], plen=c["plen"], vlen=c["vlen"],
                    praw=c["praw"], vraw=c["vraw"], pz=c["pz"], vz=c["vz"], crc=c["crc"], pre=c["pre"],
-                   post=c["post"], cls=rows)
+                   post=c["post"], cls=rows, values_algo=values_algo)
+
+
+def _check_algo(digest, where: str) -> None:
+    """A tensor digest in an algorithm this build does not know cannot be checked: refused with
+    the header, before anything is planned or written (``state.digest.algo_of``)."""
+    if isinstance(digest, str) and digest:
+        try:
+            algo_of(digest)
+        except ValueError as e:
+            _need(False, f"{where}: {e}")
 
 
 @dataclass(frozen=True)
@@ -146,17 +161,19 @@ class TensorEntry:
         return self.region.numel if self.region is not None else 0
 
     @classmethod
-    def parse(cls, t, *, chunk_elems: int, payload_end: int) -> TensorEntry:
+    def parse(cls, t, *, chunk_elems: int, payload_end: int, version: Version) -> TensorEntry:
         _need(isinstance(t, dict) and isinstance(t.get("name"), str), "tensor entry")
         name = t["name"]
         _need(t.get("kind") in [k.value for k in TensorKind], f"{name}: kind")
         kind = TensorKind(t["kind"])
         bd = t.get("base_digest")
         _need(bd is None or isinstance(bd, str), f"{name}: base_digest")
+        _check_algo(bd, f"{name}: base_digest")
         if kind == TensorKind.REMOVED:
             return cls(name=name, kind=kind, base_digest=bd or None)
         _need(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, f"{name}: dtype")
         _need(isinstance(t.get("target_digest"), str), f"{name}: target_digest")
+        _check_algo(t["target_digest"], f"{name}: target_digest")
         _need(kind != TensorKind.DELTA or isinstance(bd, str), f"{name}: base_digest")
         shape = t.get("shape")
         _need(isinstance(shape, list) and len(shape) <= MAX_DIMS
@@ -175,7 +192,8 @@ class TensorEntry:
         chunks, end = [], 0
         for c in t["chunks"]:
             ch = ChunkEntry.parse(c, name, w=w, dtype=dtype, kind=kind, numel=region.numel,
-                                  chunk_elems=chunk_elems, payload_end=payload_end)
+                                  chunk_elems=chunk_elems, payload_end=payload_end,
+                                  values_algo=version.values_digest)
             if kind == TensorKind.FULL:
                 _need(ch.start == end and ch.k == ch.n, f"{name}: full tensor chunks must be dense and contiguous")
             _need(ch.start >= end, f"{name}: chunk range")
@@ -211,12 +229,12 @@ class DeltaHeader:
         return [t.name for t in self.tensors]
 
 
-def parse_header(h, payload_end: int) -> DeltaHeader:
-    """Type- and range-check the JSON header and return it typed; ``DeltaFormatError`` otherwise."""
-    from nemo_dcr.codec.format import FORMAT_VERSION
-
+def parse_header(h, payload_end: int, version: Version = VERSIONS[FORMAT_VERSION]) -> DeltaHeader:
+    """Type- and range-check the JSON header of a delta of format ``version`` (the container's)
+    and return it typed; ``DeltaFormatError`` otherwise."""
     _need(isinstance(h, dict), "not an object")
-    _need(h.get("format") == FORMAT_VERSION, "format field")
+    _need(h.get("format") == version.number and not isinstance(h.get("format"), bool),
+          f"format field (the container says version {version.number})")
     _need(isinstance(h.get("tensors"), list), "tensors is not a list")
     ce = h.get("chunk_elems", MAX_CHUNK_ELEMS)
     _need(_int(ce, 1, MAX_CHUNK_ELEMS), f"chunk_elems must be an integer in [1, {MAX_CHUNK_ELEMS}]")
@@ -228,7 +246,7 @@ def parse_header(h, payload_end: int) -> DeltaHeader:
           "created")
     tensors, seen = [], set()
     for t in h["tensors"]:
-        e = TensorEntry.parse(t, chunk_elems=ce, payload_end=payload_end)
+        e = TensorEntry.parse(t, chunk_elems=ce, payload_end=payload_end, version=version)
         _need(e.name not in seen, f"duplicate tensor {e.name!r}")
         seen.add(e.name)
         tensors.append(e)

@@ -144,7 +144,7 @@ def _locate(t: _Target, c: ChunkEntry, idx: torch.Tensor, vals: torch.Tensor):
 
 def _check(t: _Target, c: ChunkEntry, cur: torch.Tensor, in_journal: bool) -> bool:
     """True when the chunk is applied already; raises when what is held is not its base."""
-    d = values_digest(cur)
+    d = values_digest(cur, c.values_algo)
     if d == c.post or (d != c.pre and in_journal):
         return True  # (a classes chunk's post-image is not always recognisable)
     if d != c.pre:

@@ -20,9 +20,10 @@ from nemo_dcr.codec.chunk import AUTO, CHOICES, EncodedChunk, encode_chunk
 from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
 from nemo_dcr.codec.names import DEFAULT_LEVEL  # re-exported by nemo_dcr.delta
+from nemo_dcr.codec.versions import Version, version
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
-from nemo_dcr.state.digest import state_digest, tensor_digest
+from nemo_dcr.state.digest import algo_of, state_digest, tensor_digest
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
@@ -41,7 +42,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
          out: BinaryIO | None = None, progress: bool | None = None,
          on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None,
-         chunker: Chunker | None = None):
+         chunker: Chunker | None = None, format_version: int = FORMAT_VERSION):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -58,7 +59,13 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     tensor in delta (same dtype and shape) found elsewhere, the same ``EncodedChunk``s the
     reference would make (the device path, ``nemo_dcr/device/trainer.py``), or None to let the
     reference encode that tensor.
+    ``format_version``: the delta's format version (``codec/versions.py``): 2 (default) digests
+    with BLAKE3; 1 with SHA-256 and BLAKE2b-64, for receivers older than version 2. A known base
+    digest of another algorithm than the version's is not reused (the base is hashed).
     """
+    fv = version(format_version)
+    if fv.number != FORMAT_VERSION:
+        chunker = None  # the device path makes the default version's chunk digests; the reference, any
     if encoding not in CHOICES:
         raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
     if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
@@ -66,26 +73,26 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     shards = shards or {}
     base_shards = shards if base_shards is None else base_shards
     buf = io.BytesIO()
-    w = DeltaWriter(out if out is not None else buf)
+    w = DeltaWriter(out if out is not None else buf, fv.number)
     names = sorted(set(base.keys()) | set(target.keys()))
     total = getattr(target, "total_bytes", None)
     if total is None and isinstance(target, dict):
         total = sum(t.numel() * t.element_size() for t in target.values())
     total = total or 0
-    known = dict(base_digests or {})
+    known = {k: d for k, d in (base_digests or {}).items() if _algo(d) == fv.tensor_digest}
     entries, base_digests, target_digests = [], {}, {}
     bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
     with bar:
         for name in names:
             entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
-                                   chunk_elems, workers, bar, on_change, known.get(name), chunker)
+                                   chunk_elems, workers, bar, on_change, known.get(name), chunker, fv)
             entries.append(entry)
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
             if entry["kind"] != "removed":
                 target_digests[name] = entry["target_digest"]
     header = {
-        "format": FORMAT_VERSION,
+        "format": fv.number,
         "tool": f"nemo-dcr {__version__}",
         "created": round(time.time(), 3),
         "byte_order": "little",
@@ -101,13 +108,20 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     return header if out is not None else buf.getvalue()
 
 
+def _algo(digest: str) -> str | None:
+    try:
+        return algo_of(digest)
+    except ValueError:
+        return None  # not reusable: hashed
+
+
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
-                   on_change: OnChange | None = None, known_base: str | None = None,
-                   chunker: Chunker | None = None) -> dict:
+                   on_change: OnChange | None, known_base: str | None, chunker: Chunker | None,
+                   fv: Version) -> dict:
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)
-        return {"name": name, "kind": "removed", "base_digest": known_base or tensor_digest(old)}
+        return {"name": name, "kind": "removed", "base_digest": known_base or tensor_digest(old, fv.tensor_digest)}
     new = target[name]
     dtype_name(new.dtype)
     if spec is None:
@@ -131,9 +145,10 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     digests = {"base": known_base} if old is not None and known_base else {}
 
     def job(r):
-        # the two whole-tensor digests hash beside the chunks (hashlib drops the GIL)
+        # the two whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one
+        # thread each: the chunk jobs keep the other workers busy (state/digest.py, THREADS)
         if isinstance(r, tuple) and r[0] == "digest":
-            digests[r[1]] = tensor_digest(new if r[1] == "target" else old)
+            digests[r[1]] = tensor_digest(new if r[1] == "target" else old, fv.tensor_digest, threads=1)
             return None, 0
         c: EncodedChunk | None
         if isinstance(r, EncodedChunk):  # found by the chunker
@@ -142,7 +157,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
             s, e = r
             c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
                              keep_changes=on_change is not None, is_float=new.dtype.is_floating_point,
-                             dtype=new.dtype)
+                             dtype=new.dtype, values_algo=fv.values_digest)
         if c is not None and on_change is not None:
             # keep_changes=True (and the chunker is told the same): every chunk carries its changes
             assert c.changes is not None and region_map is not None

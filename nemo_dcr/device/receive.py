@@ -80,7 +80,7 @@ def _plan(reader: DeltaReader, tensors: MutableMapping[str, torch.Tensor], devic
             idx, vals = decode_chunk(c, reader.payload(c), t.element_size(), base=base, dtype=t.dtype)
             pos = (idx + c.start).to(t.device)
             cur = tb[pos]
-            if values_digest(cur.cpu()) != c.pre:
+            if values_digest(cur.cpu(), c.values_algo) != c.pre:
                 raise BaseMismatchError(f"{e.name}: chunk at element {c.start} does not match its base")
             new = new_bits(e.name, c, t.dtype, cur, vals.to(t.device))
             out.append((e, pos, cur, new))

@@ -33,7 +33,9 @@ require("lightning.pytorch", "lightning", "DeltaPublishCallback")
 from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
+from nemo_dcr.codec import versions as format_versions  # noqa: E402
 from nemo_dcr.codec.names import CHOICES  # noqa: E402
+from nemo_dcr.codec.versions import FORMAT_VERSION  # noqa: E402
 from nemo_dcr.delta import DEFAULT_CHUNK  # noqa: E402
 from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
 
@@ -93,13 +95,16 @@ class DeltaPublishCallback(Callback):
         chunk_elems: elements per delta chunk.
         workers: threads for encoding (None: the library's default).
         slow_publish_s: publishes taking longer than this are reported at INFO level.
+        format_version: delta format version (2, BLAKE3 digests; 1 while receivers older than
+            version 2 follow the store).
     """
 
     def __init__(self, store: str, every_n_steps: int = 1, keyframe_every: int = 0, encoding: str = "auto",
                  level: int = 3, retain: int | None = None, on_skipped_step: str = "skip",
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
-                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0):
+                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
+                 format_version: int = FORMAT_VERSION):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, not {every_n_steps}")
         if on_skipped_step not in SKIP_MODES:
@@ -111,6 +116,7 @@ class DeltaPublishCallback(Callback):
         if retain is not None and int(retain) < 0:
             raise ValueError(f"retain must be >= 0 or None, not {retain}")
         parse_dtype(dtype)  # fail at construction on a bad name
+        self.format_version = format_versions.version(format_version).number
         self.store = store
         self.every_n_steps = int(every_n_steps)
         self.keyframe_every = int(keyframe_every)
@@ -197,7 +203,7 @@ class DeltaPublishCallback(Callback):
         if self._publishes:
             self.publisher = Publisher(self.store, keyframe_every=self.keyframe_every, encoding=self.encoding,
                                        level=self.level, chunk_elems=self.chunk_elems, workers=self.workers,
-                                       retain=self.retain, group=self._group)
+                                       retain=self.retain, group=self._group, format_version=self.format_version)
             if self.background:
                 self._queue = queue.Queue(maxsize=self.max_pending)
                 self._thread = threading.Thread(target=self._worker, name="nemo-dcr-publish", daemon=True)

@@ -1,26 +1,44 @@
 """Digests of raw tensor bits.
 
-* ``tensor_digest`` -- ``"sha256:"`` + the first 128 bits (hex) of SHA-256 over dtype name,
-  shape and the little-endian bytes of the tensor in row-major order, hashed one bounded range
-  at a time (non-contiguous tensors are never copied whole). SHA-256 runs on the CPU's SHA
-  instructions (2.6x BLAKE2b on the bench machine). Digests without a prefix are the earlier
-  BLAKE2b-128 ones; ``tensor_digest_like`` computes a digest in the algorithm of a given one, so
-  old deltas still verify.
-* ``values_digest`` -- BLAKE2b-64 of a 1-D bit tensor; the per-chunk pre/post image checks.
-* ``state_digest`` -- BLAKE2b-128 over the sorted (name, tensor digest) list of a whole state.
+* ``tensor_digest`` -- ``"blake3:"`` + the first 128 bits (hex) of BLAKE3 over dtype name, shape
+  and the little-endian bytes of the tensor in row-major order, hashed one bounded range at a
+  time (non-contiguous tensors are never copied whole). A digest names the algorithm it was made
+  with, and ``tensor_digest_like`` computes one in the algorithm of a given one, so deltas written
+  earlier still verify: ``"sha256:"`` (SHA-256, format version 1) and no prefix (BLAKE2b-128, the
+  first deltas), over the same bytes. BLAKE3 is ~3x SHA-256 on one core (SIMD over 1 KiB
+  chunks, where SHA-256 is one sequential chain) and splits a large range over threads
+  (``THREADS``); it is a 256-bit cryptographic hash like SHA-256, so the check is as strong.
+* ``values_digest`` -- 64 bits of BLAKE3 (format version 2) or BLAKE2b-64 (version 1) of a 1-D bit
+  tensor: the per-chunk pre/post image checks. The delta's format version says which
+  (``codec/versions.py``); a chunk entry carries it as ``values_algo``.
+* ``state_digest`` -- BLAKE2b-128 over the sorted (name, tensor digest) list of a whole state
+  (O(tensors), not O(elements)).
 """
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Any, Protocol
 
+import blake3
 import torch
 
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 
 HASH_RANGE = 1 << 22  # elements hashed per update
+TENSOR_ALGOS = ("blake3", "sha256", "blake2b")  # what a tensor digest may be made with
+VALUES_ALGOS = ("blake3", "blake2b")  # what a chunk's pre/post image digest may be made with
+_PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": ""}
+#: BLAKE3 threads (``max_threads``) for a tensor digest that is a pass of its own (``tensor_digest``:
+#: a receiver's base check before the first write, a verification): 2 threads hash a large range
+#: ~1.8-2x faster than one on idle cores (docs/results.md, "BLAKE3 digests"). Digests that run
+#: beside the chunk work (``diff``'s digest jobs on the worker pool, ``apply``'s ``RunningDigest``
+#: beside the chunk writers) hash on one thread: the cores are busy already, and measured there
+#: a second thread gained nothing. A threaded hasher starts its own pool (~60 us), so tensors
+#: under THREADED_MIN bytes are hashed on one thread.
+THREADS = 2
+THREADED_MIN = 4 << 20
 
 
 def _bytes(bits: torch.Tensor):
@@ -29,7 +47,7 @@ def _bytes(bits: torch.Tensor):
 
 
 class _Hasher(Protocol):
-    def update(self, data: bytes | memoryview, /) -> None: ...
+    def update(self, data: bytes | memoryview, /) -> Any: ...  # (blake3's returns the hasher)
 
     def hexdigest(self) -> str: ...
 
@@ -39,16 +57,21 @@ class RunningDigest:
     to ``end`` (those must be final by then), ``hexdigest()`` the rest and returns the digest.
     ``apply`` hashes each range as soon as the chunks before it are written, on the calling
     thread while the workers apply the next chunks: the target check then overlaps the writes
-    instead of being a second pass after them (same bytes hashed, same digest)."""
+    instead of being a second pass after them (same bytes hashed, same digest). ``threads``:
+    BLAKE3's, for a large tensor (one by default: the workers keep the cores busy)."""
 
-    def __init__(self, t: torch.Tensor, algo: str = "sha256"):
-        self._h: _Hasher  # sha256 and blake2b share no base class, only these two methods
-        if algo == "sha256":
-            self._h, self._prefix = hashlib.sha256(), "sha256:"
+    def __init__(self, t: torch.Tensor, algo: str = "blake3", threads: int = 1):
+        self._h: _Hasher  # the hashers share no base class, only these two methods
+        if algo == "blake3":
+            big = t.numel() * t.element_size() >= THREADED_MIN
+            self._h = blake3.blake3(max_threads=max(1, threads) if big else 1)
+        elif algo == "sha256":
+            self._h = hashlib.sha256()
         elif algo == "blake2b":
-            self._h, self._prefix = hashlib.blake2b(digest_size=16), ""
+            self._h = hashlib.blake2b(digest_size=16)
         else:
-            raise ValueError(f"unknown tensor digest {algo!r}")
+            raise ValueError(f"unknown tensor digest algorithm {algo!r} (known: {', '.join(TENSOR_ALGOS)})")
+        self._prefix = _PREFIX[algo]
         self._h.update(f"{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
         self._fa = FlatAccess(t)
         self._done = 0
@@ -65,12 +88,22 @@ class RunningDigest:
 
 
 def algo_of(ref: str) -> str:
-    """The algorithm a stored tensor digest was made with (no prefix: the earlier BLAKE2b)."""
-    return "sha256" if ref.startswith("sha256:") else "blake2b"
+    """The algorithm a stored tensor digest was made with (no prefix: the earlier BLAKE2b).
+    ``ValueError`` for a prefix this build does not know: such a digest cannot be checked, and
+    guessing would report a wrong base where the delta is only newer than the reader."""
+    if ref.startswith("blake3:"):
+        return "blake3"
+    if ref.startswith("sha256:"):
+        return "sha256"
+    if ":" not in ref:
+        return "blake2b"
+    raise ValueError(f"unknown tensor digest algorithm {ref.split(':', 1)[0]!r} in {ref!r} "
+                     f"(this build checks {', '.join(TENSOR_ALGOS)})")
 
 
-def tensor_digest(t: torch.Tensor, algo: str = "sha256") -> str:
-    return RunningDigest(t, algo).hexdigest()
+def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = None) -> str:
+    """The digest of ``t`` in one pass; ``threads``: BLAKE3's (default ``THREADS``)."""
+    return RunningDigest(t, algo, THREADS if threads is None else threads).hexdigest()
 
 
 def tensor_digest_like(t: torch.Tensor, ref: str) -> str:
@@ -78,8 +111,15 @@ def tensor_digest_like(t: torch.Tensor, ref: str) -> str:
     return tensor_digest(t, algo_of(ref))
 
 
-def values_digest(bits: torch.Tensor) -> str:
-    return hashlib.blake2b(_bytes(bits), digest_size=8).hexdigest()
+def values_digest(bits: torch.Tensor, algo: str = "blake3") -> str:
+    """64 bits (hex) of ``algo`` over the bytes of ``bits``; ``algo`` as the delta's format
+    version says (``ChunkEntry.values_algo``). One chunk's values: hashed on the calling thread
+    (the chunks of a tensor are on the worker threads already)."""
+    if algo == "blake3":
+        return blake3.blake3(_bytes(bits)).hexdigest(length=8)
+    if algo == "blake2b":
+        return hashlib.blake2b(_bytes(bits), digest_size=8).hexdigest()
+    raise ValueError(f"unknown values digest algorithm {algo!r} (known: {', '.join(VALUES_ALGOS)})")
 
 
 def state_digest(digests: Mapping[str, str]) -> str:

@@ -172,9 +172,9 @@ def _decode(p: Plan, c: ChunkEntry, payload, base: torch.Tensor, where: str) -> 
         idx, new = decode_chunk(c, payload, dtype.itemsize, base=base, dtype=dtype)
     except DeltaFormatError:  # checksum-valid, so: not coded against these bits
         idx, new = None, None
-    if idx is None or values_digest(base[idx]) != c.pre:
+    if idx is None or values_digest(base[idx], c.values_algo) != c.pre:
         raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base ({where})")
-    if values_digest(new) != c.post:
+    if values_digest(new, c.values_algo) != c.post:
         raise DeltaFormatError(f"{p.name}: chunk at element {c.start} decodes to values that do not match its "
                                "post-image digest")
     return Decoded(idx, base[idx], new)

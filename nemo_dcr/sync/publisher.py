@@ -3,11 +3,12 @@
     pub = Publisher("s3://bucket/run1", keyframe_every=50)
     pub.publish(local_tensors, shards)          # every rank of the trainer's group calls it
 
-Each call snapshots (copies) the rank's tensors, diffs them against the last *published*
-snapshot (so publishing every N steps sends the changes of N steps), uploads one part per rank,
+Each call diffs the rank's tensors against a private copy of the last *published* state (so
+publishing every N steps sends the changes of N steps), uploads one part per rank,
 gathers the parts' receipts over the trainer's own process group, and rank 0 commits the version
 once every part is durable. A rank that fails or dies before its receipt is gathered leaves no
-visible version.
+visible version. The private copy is made once; after each committed version it takes the
+changes the diff found (O(changes), ``_Changes``), and a failed publish leaves it as it was.
 
 Pipelined: a rank's delta part uploads on a background thread while its keyframe part is
 encoded; the commit still comes after every upload of every rank returned.
@@ -25,11 +26,15 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nemo_dcr.codec import versions as format_versions
 from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
+from nemo_dcr.delta.changes import OnChange
 from nemo_dcr.delta.stats import inspect
 from nemo_dcr.errors import CommitConflict, ManifestError, PublishError, VersionNotFound
-from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.state.flat import FlatAccess
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
 from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
@@ -89,7 +94,7 @@ class Publisher:
                  level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
                  retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
-                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4):
+                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4, format_version: int = FORMAT_VERSION):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing). ``signer``: a
@@ -102,7 +107,9 @@ class Publisher:
         ``part_bytes``: a rank's delta (and keyframe) is split into objects of whole tensors,
         about this many dense bytes each, so that part j+1 encodes while part j uploads and a
         receiver applies part j while part j+1 downloads (0: one object per rank).
-        ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded)."""
+        ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
+        ``format_version``: of every delta and keyframe part (``codec/versions.py``; 1 while
+        receivers older than format version 2 still follow the store)."""
         from nemo_dcr.stores import open_store
         from nemo_dcr.sync.signing import resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
@@ -111,6 +118,7 @@ class Publisher:
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
         self.part_bytes, self.max_uploads = int(part_bytes), max(1, int(max_uploads))
+        self.format_version = format_versions.version(format_version).number
         self.group = Group(group)
         self._base: dict | None = None        # the last published snapshot (this rank's tensors)
         self._shards: dict | None = None
@@ -136,7 +144,8 @@ class Publisher:
     @property
     def published(self) -> tuple[dict, dict] | None:
         """``(tensors, shards)``: this rank's copy of the last published state (None before the
-        first publish). Read-only: it is the base of the next delta."""
+        first publish). Read-only: it is the base of the next delta, and each publish updates
+        these tensors in place (by the changes) where it can."""
         if self._base is None:
             return None
         assert self._shards is not None  # set together with _base
@@ -145,7 +154,8 @@ class Publisher:
     # ------------------------------------------------------------------ publish
     def publish(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] | None = None, *,
                 keyframe: bool = False, step: int | None = None, meta: dict | None = None) -> PublishResult:
-        """Publish the next version. ``keyframe=True`` also stores the full state; if the last
+        """Publish the next version. ``tensors`` are read during this call only (the caller may
+        change them once it returns). ``keyframe=True`` also stores the full state; if the last
         published state cannot then be rebuilt from the store (a restarted trainer whose base is
         lost or corrupt), the version is a keyframe alone, without a delta part.
 
@@ -161,10 +171,16 @@ class Publisher:
         local: dict[str, Any] = {}  # what upload() leaves behind: snapshot, shards, digests
 
         dev = self._device_path(tensors)
+        # the host path diffs the caller's tensors in place against its snapshot and brings the
+        # snapshot to them after the commit, by the changes (O(changes)), where it can: same
+        # tensors (names, dtypes, shapes, shards) on the CPU, continuing from its own last version
+        keep = _Changes(self._base) if not dev and self._base is not None and self._continues(tensors, shards, head) \
+            else None
 
         def upload():
             # the device path keeps its own snapshot and diffs the live tensors against it
-            local["snap"], local["shards"] = dict(tensors) if dev else snapshot(tensors), dict(shards or {})
+            local["snap"] = {k: v.detach() for k, v in tensors.items()} if dev or keep else snapshot(tensors)
+            local["shards"] = dict(shards or {})
             if head is not None and not _same_head(self._head, head):
                 try:  # fresh publisher, or the store moved on; every rank fails alike (Group.run)
                     g.run(lambda: self._restore(head, local["snap"], local["shards"]),
@@ -179,7 +195,7 @@ class Publisher:
                     self._base = self._shards = self._head = self._manifest = self._digest = None
                     self._tensor_digests = {}
             receipt, local["digest"], local["tensor_digests"] = self._upload(
-                local["snap"], local["shards"], head, version, publish_id, kf, spans)
+                local["snap"], local["shards"], head, version, publish_id, kf, spans, keep)
             return receipt
 
         receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
@@ -191,6 +207,10 @@ class Publisher:
         if dev:  # the snapshot becomes what was published: O(changes) where the device pass ran
             dev.commit(local["snap"]) if self._base is dev.tensors else dev.reset(local["snap"])
             local["snap"] = dev.tensors
+        elif keep is not None:  # likewise on the host: committed, so the changes go into the snapshot
+            assert self._base is not None  # keep is made only for a publisher with a snapshot
+            keep.commit(self._base, self._shards or {}, local["snap"])
+            local["snap"] = self._base
         spans.add("commit", f"version {version}", t)
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
         self._manifest = manifest
@@ -226,11 +246,22 @@ class Publisher:
             self.signer.check_continues(head)
         return head, tag, new_publish_id(), 0 if head is None else head.version + 1
 
-    def _upload(self, snap, shards, head, version, publish_id, kf, spans: Spans) -> tuple[dict, StateDigest, dict]:
+    def _continues(self, tensors: Mapping[str, torch.Tensor], shards, head: Head | None) -> bool:
+        """Whether this version's delta is against this publisher's own snapshot, of the same
+        CPU tensors (names, dtypes, shapes, shards): then the snapshot follows by the changes."""
+        base = self._base
+        if base is None or head is None or not _same_head(self._head, head) or dict(shards or {}) != self._shards:
+            return False
+        return set(tensors) == set(base) and all(
+            t.device.type == "cpu" and t.dtype == base[k].dtype and t.shape == base[k].shape
+            for k, t in tensors.items())
+
+    def _upload(self, snap, shards, head, version, publish_id, kf, spans: Spans,
+                keep: _Changes | None = None) -> tuple[dict, StateDigest, dict]:
         """Upload this rank's objects -> (receipt, this rank's partial digest of ``snap``, the
         tensor digests of ``snap`` the deltas hold). Each object uploads on a background thread
         while the next one is encoded; every upload has returned (or raised here) before this
-        does."""
+        does. ``keep``: also given every change the deltas carry."""
         rank = self.group.rank
         d = version_dir(version, publish_id)
         out: dict[str, Any] = {"parts": [], "keyframe_parts": []}
@@ -247,14 +278,15 @@ class Publisher:
         try:
             if head is not None and self._base is not None:
                 change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
+                on_change = change if keep is None else keep.also(change)
                 base, target = dev.views(snap) if dev else (self._base, snap)
                 for j, names in enumerate(groups):
                     t = time.perf_counter()
                     blob = diff(_only(base, names), _only(target, names), shards=shards,
                                 base_shards=self._shards, encoding=self.encoding, level=self.level,
                                 chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                on_change=change, progress=False, base_digests=self._tensor_digests,
-                                chunker=dev.chunker if dev else None)
+                                on_change=on_change, progress=False, base_digests=self._tensor_digests,
+                                chunker=dev.chunker if dev else None, format_version=self.format_version)
                     spans.add("encode", f"delta part {j}", t)
                     uploads.start(out["parts"], f"{d}/{_part_name('part', rank, j)}", blob, j)
                     digests.update(target_digests(blob))  # the next version's base digests, known now
@@ -267,7 +299,7 @@ class Publisher:
                     t = time.perf_counter()
                     blob = diff({}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
                                 chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                progress=False)
+                                progress=False, format_version=self.format_version)
                     spans.add("encode", f"keyframe part {j}", t)
                     uploads.start(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", blob, j)
                     digests.update(target_digests(blob))
@@ -359,6 +391,51 @@ class Publisher:
             tensors = self._dev.tensors
         self._base, self._shards, self._head, self._manifest = tensors, shards, head, f.manifest
         self._tensor_digests = {}  # rebuilt, not published from here: hashed by the next diff
+
+
+class _Changes:
+    """The changes of one version's diff (its ``on_change`` calls, from the worker threads),
+    kept until the version is committed and then written into the publisher's snapshot: the
+    snapshot becomes the published state in O(changes) instead of a copy of the model. A failed
+    publish drops them, leaving the snapshot the base of the next delta. Past ``MAX_SHARE`` of
+    the snapshot's elements (a version that changed most of them: the changes would take more
+    memory than the copy) they are dropped as they come and the snapshot is copied whole from
+    the published tensors instead."""
+
+    MAX_SHARE = 1 / 8  # an int64 index and the bits per change: 10 bytes against 2 of a BF16 copy
+
+    def __init__(self, base: Mapping[str, torch.Tensor]):
+        self.limit = int(sum(t.numel() for t in base.values()) * self.MAX_SHARE)
+        self.kept: list = []
+        self.count = 0
+        self.whole = False  # copy the snapshot whole at the commit
+        self._lock = threading.Lock()
+
+    def also(self, then: OnChange) -> OnChange:
+        def both(name, dtype, global_shape, global_idx, old, new):
+            then(name, dtype, global_shape, global_idx, old, new)
+            self(name, global_idx, new)
+        return both
+
+    def __call__(self, name: str, global_idx: torch.Tensor, new: torch.Tensor | None) -> None:
+        with self._lock:
+            self.count += int(global_idx.numel())
+            if self.whole or new is None or self.count > self.limit:
+                self.whole, self.kept = True, []  # (None: only a removed or re-typed tensor; not here)
+            else:
+                self.kept.append((name, global_idx, new))  # (the diff's gathered copies, not views)
+
+    def commit(self, base: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec],
+               published: Mapping[str, torch.Tensor]) -> None:
+        """Bring ``base`` (the snapshot) to the version just committed from ``published``."""
+        if self.whole:
+            for name, t in base.items():
+                t.copy_(published[name])
+            return
+        for name, global_idx, new in self.kept:
+            spec = shards.get(name)
+            local = global_idx if spec is None else IndexMap(spec).to_local(global_idx)[0]
+            FlatAccess(base[name]).scatter(local, new)
 
 
 def target_digests(blob: bytes) -> dict:

@@ -1,10 +1,13 @@
 """Write the golden inputs and deltas in tests/data/golden/ (checked by tests/test_golden.py).
 
-    python tests/data/make_golden.py          # rewrite them from the current code
+    python tests/data/make_golden.py --version 2   # the deltas of format version 2 (golden_v2/)
+    python tests/data/make_golden.py --version 1   # the inputs and version 1 deltas (golden/)
 
-Run it only when the format is meant to change (a new format version): the point of the files is
-that the bytes of every encoding stay what they were. The inputs are seeded, and the header's
-``created`` time is pinned (CREATED), so running this twice on the same code writes the same bytes.
+Run it only for a new format version, once: the point of the files is that the bytes of every
+encoding of every version stay what they were. Version 1's deltas are in ``golden/`` with the
+inputs; each later version's in ``golden_v<N>/``, encoded from the same inputs (``golden/``). The
+inputs are seeded, and the header's ``created`` time is pinned (CREATED), so running this twice on
+the same code writes the same bytes.
 
 What is written (a few KB each):
 
@@ -30,7 +33,13 @@ import torch
 from safetensors.torch import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-OUT = os.path.join(HERE, "golden")
+OUT = os.path.join(HERE, "golden")  # the inputs, and the deltas of format version 1
+VERSIONS = (1, 2)  # format versions with golden deltas
+
+
+def deltas_dir(version: int) -> str:
+    """Where the golden deltas of format ``version`` are."""
+    return OUT if version == 1 else os.path.join(HERE, f"golden_v{version}")
 ENCODINGS = ("auto", "portable", "classes", "xor", "add", "overwrite")
 CHUNK = 256  # elements per chunk: the bigger tensors span several chunks
 SHARD_CHUNK = 64
@@ -163,9 +172,9 @@ def load_inputs(d: str = OUT):
     return tuple(load_file(os.path.join(d, f"{n}.safetensors")) for n in names)
 
 
-def encode_all(inputs_dir: str, scratch: str, workers: int | None = 1) -> dict:
-    """Every golden delta encoded again from the inputs in ``inputs_dir``: {file name: bytes}.
-    ``scratch``: a directory for the CLI's output."""
+def encode_all(inputs_dir: str, scratch: str, workers: int | None = 1, version: int = 1) -> dict:
+    """Every golden delta of format ``version`` encoded again from the inputs in ``inputs_dir``:
+    {file name: bytes}. ``scratch``: a directory for the CLI's output."""
     from nemo_dcr import ShardSpec, diff
     from nemo_dcr.cli import main as cli_main
 
@@ -173,15 +182,16 @@ def encode_all(inputs_dir: str, scratch: str, workers: int | None = 1) -> dict:
     out = {}
     with pinned_clock():
         for enc in ENCODINGS:
-            out[f"{enc}.dcr"] = diff(base, target, encoding=enc, level=LEVEL, chunk_elems=CHUNK, workers=workers)
+            out[f"{enc}.dcr"] = diff(base, target, encoding=enc, level=LEVEL, chunk_elems=CHUNK, workers=workers,
+                                     format_version=version)
         for r, (off, rows) in enumerate(SHARD_ROWS):
             spec = ShardSpec.of(tuple(sb["big"].shape), (off, 0), (rows, sb["big"].shape[1]))
             out[f"shard{r}.dcr"] = diff({"big": sb["big"][off:off + rows]}, {"big": st["big"][off:off + rows]},
                                         encoding="portable", level=LEVEL, chunk_elems=SHARD_CHUNK, shards={"big": spec},
-                                        workers=workers)
+                                        workers=workers, format_version=version)
         cli_out = os.path.join(scratch, "cli_diff.dcr")
         argv = ["diff", os.path.join(inputs_dir, "base.safetensors"), os.path.join(inputs_dir, "target.safetensors"),
-                "-o", cli_out, "--level", str(LEVEL)]
+                "-o", cli_out, "--level", str(LEVEL), "--format-version", str(version)]
         if cli_main(argv + (["--workers", str(workers)] if workers else [])) != 0:
             raise RuntimeError("nemo-dcr diff failed")
         with open(cli_out, "rb") as f:
@@ -189,21 +199,26 @@ def encode_all(inputs_dir: str, scratch: str, workers: int | None = 1) -> dict:
     return out
 
 
-def main() -> None:
-    os.makedirs(OUT, exist_ok=True)
-    base, target = states()
-    save_file(base, os.path.join(OUT, "base.safetensors"))
-    save_file(target, os.path.join(OUT, "target.safetensors"))
-    sb, st = shard_states()
-    save_file(sb, os.path.join(OUT, "shard_base.safetensors"))
-    save_file(st, os.path.join(OUT, "shard_target.safetensors"))
-    for name, blob in encode_all(OUT, OUT).items():
-        with open(os.path.join(OUT, name), "wb") as f:
+def main(version: int) -> None:
+    out = deltas_dir(version)
+    os.makedirs(out, exist_ok=True)
+    if version == 1:  # the inputs go with the first version; later ones reuse them
+        base, target = states()
+        save_file(base, os.path.join(OUT, "base.safetensors"))
+        save_file(target, os.path.join(OUT, "target.safetensors"))
+        sb, st = shard_states()
+        save_file(sb, os.path.join(OUT, "shard_base.safetensors"))
+        save_file(st, os.path.join(OUT, "shard_target.safetensors"))
+    for name, blob in encode_all(OUT, out, version=version).items():
+        with open(os.path.join(out, name), "wb") as f:
             f.write(blob)
-    for name in sorted(os.listdir(OUT)):
-        print(f"{os.path.getsize(os.path.join(OUT, name)):>7} {name}")
+    for name in sorted(os.listdir(out)):
+        print(f"{os.path.getsize(os.path.join(out, name)):>7} {name}")
 
 
 if __name__ == "__main__":
+    import argparse
     sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository root, when run as a script
-    main()
+    ap = argparse.ArgumentParser(description="write the golden deltas of one format version")
+    ap.add_argument("--version", type=int, choices=VERSIONS, required=True)
+    main(ap.parse_args().version)

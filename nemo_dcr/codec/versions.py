@@ -1,0 +1,40 @@
+"""Delta format versions: what each one's digests are (docs/format.md, "Versioning").
+
+A version changes only what a reader must know to check a delta; the container, header and chunk
+codings are the same in both:
+
+* version 1: tensor digests ``"sha256:"`` (or, earlier, bare BLAKE2b-128), chunk ``pre``/``post``
+  BLAKE2b-64;
+* version 2: tensor digests ``"blake3:"``, chunk ``pre``/``post`` the first 64 bits of BLAKE3.
+
+Tensor digests name their algorithm, so a reader checks any it knows in either version. The
+chunk digests carry no name (16 hex digits each, one pair per chunk), so the version says which
+they are; a reader of version 1 refuses a version 2 delta as a version it does not know, rather
+than report every chunk as a wrong base. ``diff(..., format_version=1)`` still writes version 1,
+for receivers older than version 2.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nemo_dcr.errors import DcrError
+
+
+@dataclass(frozen=True)
+class Version:
+    number: int
+    tensor_digest: str  # the algorithm a writer of this version hashes tensors with (state/digest.py)
+    values_digest: str  # the algorithm of every chunk's pre/post image digest
+
+
+VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3")}
+FORMAT_VERSION = 2  # what a writer writes unless asked for another
+
+
+def version(number: int) -> Version:
+    """The version ``number``; ``DcrError`` for one this build does not know (to write)."""
+    v = VERSIONS.get(number) if isinstance(number, int) and not isinstance(number, bool) else None
+    if v is None:
+        raise DcrError(f"format version {number!r} is not supported "
+                         f"(this build reads and writes {', '.join(map(str, VERSIONS))})")
+    return v

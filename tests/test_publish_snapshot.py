@@ -1,0 +1,158 @@
+"""The publisher's host snapshot (its private copy of the last published state) follows each
+committed version by the changes the diff found, instead of a copy of the model per version
+(``sync/publisher.py``, ``_Changes``). It must stay a private copy holding exactly what was
+published (NaN payloads, -0.0, strided and sharded tensors included), and a failed publish must
+leave it the base of the next delta."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dcr_testing import assert_state, zeros_like
+from nemo_dcr import Follower, Publisher, ShardSpec
+from nemo_dcr.errors import CommitConflict, PublishError
+from nemo_dcr.stores.local import LocalStore
+from nemo_dcr.sync import publisher as publisher_mod
+
+
+def _states(n=3, seed=0):
+    """``n`` versions: a bf16 matrix with special values, a strided fp32 view, an int64 counter."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(96, 40, generator=g).to(torch.bfloat16)
+    w.view(torch.int16).view(-1)[:4] = torch.tensor([0x7FC1, -0x8000, 0x0001, 0x7F80], dtype=torch.int16)
+    big = torch.randn(50, 64, generator=g)
+    out = [{"w": w, "b": big[:, ::2], "step": torch.zeros(3, dtype=torch.int64)}]
+    for i in range(1, n):
+        s = {k: v.clone() for k, v in out[-1].items()}
+        s["w"].view(-1)[i::53] = torch.randn(s["w"].numel() // 53 + (1 if i < s["w"].numel() % 53 else 0),
+                                             generator=g).to(torch.bfloat16)
+        s["w"].view(torch.int16).view(-1)[4 + i] = 0x7FC0 + i  # a NaN payload
+        s["b"][i, 3] = -0.0
+        s["step"] += 1
+        s["b"] = torch.cat([s["b"], s["b"]], 1)[:, ::2]  # still strided
+        out.append(s)
+    return out
+
+
+def test_the_snapshot_follows_in_place_and_stays_private(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store, chunk_elems=512)
+    seq = _states(4)
+    live = {k: v.clone() for k, v in seq[0].items()}
+    pub.publish(live)
+    snap = dict(pub.published[0])
+    assert not {t.data_ptr() for t in snap.values()} & {t.data_ptr() for t in live.values()}
+    copies = []
+    real = publisher_mod.snapshot
+    monkeypatch.setattr(publisher_mod, "snapshot", lambda t: copies.append(1) or real(t))
+    recv = zeros_like(seq[0])
+    fol = Follower(store, recv)
+    fol.sync()
+    for s in seq[1:]:
+        for k in live:  # the trainer's tensors change in place between versions
+            live[k].copy_(s[k])
+        pub.publish(live)
+        assert all(pub.published[0][k] is snap[k] for k in snap)  # the same tensors, updated
+        assert_state(pub.published[0], s)
+        fol.sync()
+        assert_state(recv, s)
+    assert copies == []  # no copy of the model after the first version
+    live["w"].view(-1)[:10] = 7.0  # the caller's tensors are the caller's
+    assert_state(pub.published[0], seq[-1])
+
+
+def test_a_failed_publish_leaves_the_snapshot_the_base(tmp_path):
+    class Failing(LocalStore):
+        fail = False
+
+        def put(self, key, data):
+            if self.fail and key.endswith(".dcr"):
+                raise OSError("injected: upload failed")
+            return super().put(key, data)
+
+    store = Failing(tmp_path / "s")
+    seq = _states(3)
+    pub = Publisher(store, chunk_elems=512)
+    pub.publish(seq[0])
+    store.fail = True
+    with pytest.raises(PublishError, match="injected"):
+        pub.publish(seq[1])
+    assert_state(pub.published[0], seq[0])  # nothing of the failed version reached the snapshot
+    store.fail = False
+    r = pub.publish(seq[2])  # a delta against version 0, the last one committed
+    assert r.version == 1 and r.manifest.base_version == 0
+    assert_state(pub.published[0], seq[2])
+    recv = zeros_like(seq[0])
+    Follower(LocalStore(tmp_path / "s"), recv).sync()
+    assert_state(recv, seq[2])
+
+
+def test_a_lost_commit_race_leaves_the_snapshot_and_the_next_publish_rebuilds(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    seq = _states(3)
+    pub = Publisher(store, chunk_elems=512)
+    pub.publish(seq[0])
+    other = Publisher(store, chunk_elems=512)
+    real = pub._commit
+
+    def racing(*a, **k):  # another publisher commits first, between our upload and our commit
+        other.publish(seq[2])
+        return real(*a, **k)
+    pub._commit = racing
+    with pytest.raises(CommitConflict):
+        pub.publish(seq[1])
+    assert_state(pub.published[0], seq[0])
+    pub._commit = real
+    pub.publish(seq[1])  # the store moved on: rebuilt from it, then a delta (not the in-place path)
+    recv = zeros_like(seq[0])
+    Follower(store, recv).sync()
+    assert_state(recv, seq[1])
+    assert_state(pub.published[0], seq[1])
+
+
+def test_a_version_that_changes_most_elements_copies_the_snapshot_whole(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    seq = _states(1)
+    dense = {k: (v + 1 if v.dtype == torch.int64 else (v.float() * 1.5 + 0.25).to(v.dtype)) for k, v in seq[0].items()}
+    pub = Publisher(store, chunk_elems=512)
+    pub.publish(seq[0])
+    snap = dict(pub.published[0])
+    pub.publish(dense)
+    assert all(pub.published[0][k] is snap[k] for k in snap)
+    assert_state(pub.published[0], dense)
+    recv = zeros_like(seq[0])
+    Follower(store, recv).sync()
+    assert_state(recv, dense)
+
+
+def test_a_sharded_snapshot_follows_its_shard(tmp_path):
+    """A rank's row shard of a global tensor: the changes come as global indices and go into the
+    shard at its local ones."""
+    g = torch.Generator().manual_seed(5)
+    full = [torch.randn(40, 24, generator=g).to(torch.bfloat16)]
+    nxt = full[0].clone()
+    nxt.view(-1)[::7] += 1
+    full.append(nxt)
+    spec = ShardSpec.of((40, 24), (16, 0), (12, 24))
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store, chunk_elems=64)
+    for f in full:
+        pub.publish({"w": f[16:28].clone()}, {"w": spec})
+        assert_state(pub.published[0], {"w": f[16:28]})
+    recv = {"w": torch.zeros(12, 24, dtype=torch.bfloat16)}
+    Follower(store, recv, {"w": spec}).sync()
+    assert_state(recv, {"w": full[1][16:28]})
+
+
+def test_a_schema_change_takes_a_fresh_copy(tmp_path):
+    store = LocalStore(tmp_path / "s")
+    seq = _states(2)
+    pub = Publisher(store, chunk_elems=512)
+    pub.publish(seq[0])
+    grown = {**seq[1], "extra": torch.arange(5, dtype=torch.int32)}
+    pub.publish(grown)
+    assert_state(pub.published[0], grown)
+    assert not {t.data_ptr() for t in pub.published[0].values()} & {t.data_ptr() for t in grown.values()}
+    recv = zeros_like(seq[0])
+    Follower(store, recv).sync()
+    assert_state(recv, grown)
