@@ -106,9 +106,10 @@ def _target_of(plan: Plan) -> _Target:
 # ----------------------------------------------------------------------------- the four steps
 
 def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
-    """Positions (relative to the chunk) and values of chunk ``c``."""
+    """Positions (relative to the chunk), values of chunk ``c``, and the bits held at those
+    positions where the decode read them already (``classes`` chunks; else None)."""
     if c.enc != CLASSES:
-        return decode_chunk(c, reader.payload(c), t.w)
+        return decode_chunk(c, reader.payload(c), t.w, with_old=True)
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
         raise undecodable(t.plan.name, c)
@@ -118,11 +119,11 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
         local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end)))
         base = t.fa.gather(local)
     try:
-        return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype)
+        return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True)
     except DeltaFormatError:
         # a checksum-valid chunk that does not decode against what is held: not this base (or
         # applied already); the pre-image check that follows reports it
-        return torch.empty(0, dtype=torch.int64), base[:0]
+        return torch.empty(0, dtype=torch.int64), base[:0], base[:0]
 
 
 def undecodable(name: str, c: ChunkEntry) -> DcrError:
@@ -207,10 +208,18 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         if journal is not None:
             journal.add(key)
         return out
-    idx, vals = _decode(reader, t, c)
+    idx, vals, held = _decode(reader, t, c)
     glob, local, vals = _locate(t, c, idx, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
-    cur = t.fa.gather(local) if need_cur else None
+    if not need_cur:
+        cur = None
+    elif held is not None and held.numel() == local.numel():
+        # the bits at local, as the decode read them from this tensor (a classes chunk decodes
+        # against the whole chunk held, so every position is held) with nothing written since:
+        # no second gather
+        cur = held
+    else:
+        cur = t.fa.gather(local)
     if check:
         assert cur is not None  # checks_chunks implies xor_ok, so cur was gathered
         if _check(t, c, cur, in_journal):
