@@ -82,10 +82,11 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
  * into a byte buffer (L1-resident). Then, per live class, one pass over the buffer counts its
  * members block by block (cum: members in the blocks before each), and each of the class's
  * changes that falls in the segment is placed without a branch: its block by counting the
- * entries of cum not above its rank (BLOCK_OF: a few vector compares), its bit by NTH. Last, the segment's change marks give each change its place
- * in position order. The only unpredictable branch is the end of a class's changes in a segment
- * (walking block by block with a "does this block hold the change" test, as before, cost three
- * mispredictions per change and most of the decode's time). */
+ * entries of cum not above its rank (BLOCK_OF: a few vector compares), its bit by NTH. Last,
+ * the segment's change marks give each change its place in position order. The only
+ * unpredictable branch is the end of a class's changes in a segment (walking block by block
+ * with a "does this block hold the change" test, as before, cost about three mispredictions
+ * per change and most of the decode's time). */
 #ifndef DSEG
 #define DSEG 4096
 #endif
@@ -95,8 +96,8 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     if (ntab > MAXA) return -2;
     const uint64_t mask = 0xFFFF, sign = 0x8000;
     /* the live classes, compacted (a class leaves when its last change is out): its class, its
-     * members before the current segment (before: the scalar tail's count still to skip), and
-     * where its changes are */
+     * members in the segments done (in the scalar tail: its members still to skip before its
+     * next change), and where its changes are */
     ACT_T vact[MAXA];
     int cls[MAXA];
     uint64_t before[MAXA];
