@@ -85,3 +85,47 @@ def test_on_change_reports_global_positions_and_bits():
     local, mask = IndexMap(recv_spec).to_local(gidx)
     assert bool(mask.all())
     assert_bits_equal(recv["w"], target[2:5])
+
+
+def test_entries_stream_over_the_workers_with_the_one_worker_outcome():
+    """All entries' chunks go to the workers as one stream (run_plans): with several workers the
+    tensors, the report (counts, added/removed in entry order) and the state digest moved by the
+    changes are those of one worker; an entry whose chunk fails its pre-image check stops the
+    apply as a PartialApplyError once an entry before it was written, and a resume finishes."""
+    import pytest
+
+    from nemo_dcr.errors import PartialApplyError
+    from nemo_dcr.state.statedigest import ChangeDigest, state_contrib
+
+    g = torch.Generator().manual_seed(3)
+    base = {f"t{i}": (torch.randn(300 + 37 * i, generator=g) * 0.02).bfloat16() for i in range(9)}
+    base["gone"] = torch.randn(10, generator=g).bfloat16()
+    target = {k: v.clone() for k, v in base.items() if k != "gone"}
+    for i, k in enumerate(sorted(target)):
+        flat = target[k].view(torch.int16).view(-1)
+        flat[i::7] ^= 1
+    target["new"] = torch.randn(50, generator=g).bfloat16()
+    blob = diff(base, target, chunk_elems=64)
+    outs = []
+    for workers in (1, 2, 3):
+        recv = {k: v.clone() for k, v in base.items()}
+        change = ChangeDigest()
+        rep = apply(recv, blob, workers=workers, on_change=change)
+        assert sorted(recv) == sorted(target)
+        for k in target:
+            assert_bits_equal(recv[k], target[k], k)
+        assert state_contrib(base) + change.total == state_contrib(target)
+        outs.append((rep.tensors_changed, rep.chunks_applied, rep.elements_changed, rep.tensors_added,
+                     rep.tensors_removed, rep.tensors_skipped))
+    assert outs[0] == outs[1] == outs[2]
+
+    recv = {k: v.clone() for k, v in base.items()}
+    last = sorted(k for k in base if k.startswith("t"))[-1]
+    at = int(torch.nonzero(base[last].view(torch.int16) != target[last].view(torch.int16)).max())
+    recv[last].view(torch.int16)[at] ^= 4  # not the base at a changed position: its last chunk fails
+    with pytest.raises(PartialApplyError):
+        apply(recv, blob, workers=2, verify=False)
+    recv[last].view(torch.int16)[at] ^= 4  # repaired: a resume finishes what was left
+    apply(recv, blob, workers=2, resume=True)
+    for k in target:
+        assert_bits_equal(recv[k], target[k], k)

@@ -276,9 +276,11 @@ def test_reference_decoder_is_used_without_the_kernel(monkeypatch):
 @needs_native
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_vector_and_scalar_scans_agree(dtype):
-    """The kernel's AVX-512 scans (2-byte dtypes, where the CPU has them) and its scalar scans
-    give the same bytes and the same decode, including chunk tails that are not a whole block
-    and more active classes than the vector path takes."""
+    """The kernel's vector scans (2-byte dtypes: AVX-512 where the CPU has it, and AVX2, which
+    ``dcr_set_simd(2)`` forces there) and its scalar scans give the same bytes and the same
+    decode, including the base bits at the changes, chunk tails that are not a whole block,
+    chunks over several of the decoder's 4096-element segments, changes at a segment's first and
+    last element, and more active classes than the vector path takes."""
     lib = native.lib()
     mant = classes.MANTISSA[dtype]
     cases = [_pair(dtype, n, p, seed=n) for n, p in [(1, 1.0), (63, 0.2), (64, 0.2), (65, 0.2), (1000, 0.05),
@@ -286,15 +288,20 @@ def test_vector_and_scalar_scans_agree(dtype):
     g = torch.Generator().manual_seed(9)
     wild = torch.randint(-32768, 32768, (20000,), generator=g).to(torch.int16)  # ~all exponents active
     cases.append((wild, wild ^ (torch.rand(20000, generator=g) < 0.3).to(torch.int16)))
+    old, new = _pair(dtype, 3 * 4096 + 77, 0.02, seed=4)
+    edge = torch.tensor([0, 4095, 4096, 8191, 8192, 3 * 4096 + 76])  # segment ends, the last element
+    new[edge] = old[edge] ^ 1
+    cases.append((old, new))
     try:
         for old, new in cases:
             out = []
-            for simd in (1, 0):
+            for simd in (1, 2, 0):
                 lib.dcr_set_simd(simd)
                 k, rows, pos, val, idx = classes.encode(old, new, mant, with_idx=True)
-                didx, dval = classes.decode(old, rows, pos, val, k, mant)
-                out.append((k, rows, pos, val, idx.tolist(), didx.tolist(), dval.tolist()))
-            assert out[0] == out[1]
+                didx, dval, dold = classes.decode(old, rows, pos, val, k, mant, with_old=True)
+                assert torch.equal(didx, idx) and torch.equal(dval, new[idx]) and torch.equal(dold, old[idx])
+                out.append((k, rows, pos, val, idx.tolist(), didx.tolist(), dval.tolist(), dold.tolist()))
+            assert out[0] == out[1] == out[2]
             assert out[0][:4] == classes.encode_reference(old, new, mant)
     finally:
         lib.dcr_set_simd(1)

@@ -236,11 +236,13 @@ def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx, valu
 
 
 def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = None,
-                 dtype: torch.dtype | None = None):
+                 dtype: torch.dtype | None = None, with_old: bool = False):
     """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
 
     A ``classes`` chunk also needs ``base`` (the receiver's bits of the whole chunk, 1-D integer
-    view) and ``dtype``; its values are the new bits, not a difference."""
+    view) and ``dtype``; its values are the new bits, not a difference. ``with_old``: a third
+    item, the base bits at the positions where the decode read them (``classes`` chunks), else
+    None (the caller gathers them)."""
     if zlib.crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     p = memoryview(payload)
@@ -255,11 +257,11 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
         val_raw = bytes(p[h.plen:])
         if len(pos_raw) != h.praw or len(val_raw) != h.vraw:
             raise DeltaFormatError("classes chunk stream lengths differ from the header")
-        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, classes.MANTISSA[dtype])
+        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, classes.MANTISSA[dtype], with_old=with_old)
     if h.vraw != h.k * w:  # what planes.join would allocate: never more than the header's k allows
         raise DeltaFormatError(f"value stream of {h.vraw} bytes for {h.k} changes of {w} bytes")
     pos_raw = unpack(p[: h.plen], h.pz, h.praw)
     val_raw = unpack(p[h.plen:], h.vz, h.vraw)
     idx = positions.decode(h.pos, pos_raw, h.n, h.k)
     vals = planes.join(val_raw, h.k, w)
-    return idx, vals
+    return (idx, vals, None) if with_old else (idx, vals)

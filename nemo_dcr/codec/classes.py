@@ -359,21 +359,27 @@ def encode_ranked(c_ch: torch.Tensor, rank: torch.Tensor, uo: torch.Tensor, un: 
     return k, table[: ntab.value * ROW].reshape(-1, ROW).tolist(), pos, val
 
 
-def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, use_native: bool | None = None):
-    """As ``decode_reference``, with the C kernel when it is available."""
+def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, use_native: bool | None = None,
+           with_old: bool = False):
+    """As ``decode_reference``, with the C kernel when it is available. ``with_old``: the base
+    bits at the changed positions come back too, as a third item (what a receiver's pre-image
+    check hashes; the kernel's scan reads them anyway, so the caller need not gather them)."""
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
             raise DcrError(f"C kernels unavailable: {native.build_error}")
-        return decode_reference(old, rows, pos, val, k, mant)
+        idx, new = decode_reference(old, rows, pos, val, k, mant)
+        return (idx, new, old[idx]) if with_old else (idx, new)
     w = old.element_size()
     _check_table(rows, w, mant, k)
     old = old.contiguous()
     table = torch.tensor(rows, dtype=torch.int64).reshape(-1) if rows else torch.empty(0, dtype=torch.int64)
     idx = torch.empty(k, dtype=torch.int64)
     out = torch.empty(k, dtype=old.dtype)
-    rc = lib.dcr_cls_decode(_ptr(old), old.numel(), w, mant, _ptr(table), len(rows), bytes(pos), len(pos),
-                            bytes(val), len(val), k, _ptr(idx), _ptr(out))  # the kernel only reads the streams
+    held = torch.empty(k, dtype=old.dtype) if with_old else None
+    rc = lib.dcr_cls_decode_old(_ptr(old), old.numel(), w, mant, _ptr(table), len(rows), bytes(pos), len(pos),
+                                bytes(val), len(val), k, _ptr(idx), _ptr(out),
+                                _ptr(held) if held is not None else None)  # the kernel only reads the streams
     if rc:
         raise DeltaFormatError(f"classes chunk does not decode: {_ERRORS.get(rc, rc)}")
-    return idx, out
+    return (idx, out, held) if held is not None else (idx, out)

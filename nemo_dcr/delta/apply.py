@@ -106,9 +106,10 @@ def _target_of(plan: Plan) -> _Target:
 # ----------------------------------------------------------------------------- the four steps
 
 def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
-    """Positions (relative to the chunk) and values of chunk ``c``."""
+    """Positions (relative to the chunk), values of chunk ``c``, and the bits held at those
+    positions where the decode read them already (``classes`` chunks; else None)."""
     if c.enc != CLASSES:
-        return decode_chunk(c, reader.payload(c), t.w)
+        return decode_chunk(c, reader.payload(c), t.w, with_old=True)
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
         raise undecodable(t.plan.name, c)
@@ -118,11 +119,11 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
         local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end)))
         base = t.fa.gather(local)
     try:
-        return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype)
+        return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True)
     except DeltaFormatError:
         # a checksum-valid chunk that does not decode against what is held: not this base (or
         # applied already); the pre-image check that follows reports it
-        return torch.empty(0, dtype=torch.int64), base[:0]
+        return torch.empty(0, dtype=torch.int64), base[:0], base[:0]
 
 
 def undecodable(name: str, c: ChunkEntry) -> DcrError:
@@ -207,10 +208,18 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         if journal is not None:
             journal.add(key)
         return out
-    idx, vals = _decode(reader, t, c)
+    idx, vals, held = _decode(reader, t, c)
     glob, local, vals = _locate(t, c, idx, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
-    cur = t.fa.gather(local) if need_cur else None
+    if not need_cur:
+        cur = None
+    elif held is not None and held.numel() == local.numel():
+        # the bits at local, as the decode read them from this tensor (a classes chunk decodes
+        # against the whole chunk held, so every position is held) with nothing written since:
+        # no second gather
+        cur = held
+    else:
+        cur = t.fa.gather(local)
     if check:
         assert cur is not None  # checks_chunks implies xor_ok, so cur was gathered
         if _check(t, c, cur, in_journal):
@@ -238,33 +247,49 @@ def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int 
     off it. ``decoded``: ``classes`` chunks of entries the receiver holds only part of, decoded
     already (see the module doc).
     """
-    entry = plan.entry
+    out: list = []
+    run_plans(reader, [plan], report, workers, bar, journal, on_change, verify, decoded,
+              done=lambda _, tensor: out.append(tensor))
+    return out[0]
+
+
+@dataclass
+class _Run:
+    """One planned entry on its way: where it writes (None: nothing to write), the tensor it
+    ends with, its running target digest, and its chunks still out."""
+
+    plan: Plan
+    t: _Target | None
+    tensor: torch.Tensor | None
+    running: RunningDigest | None = None
+    left: int = 0
+
+
+def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: bool) -> _Run:
+    """What ``run_plan`` does for an entry before its chunks (all of it, for one without any)."""
     if plan.action == Action.IGNORE:
-        return plan.tensor
+        return _Run(plan, None, plan.tensor)
     if plan.action == Action.REMOVE:
         report_gone(plan.name, plan.held, plan.recv, on_change)
-        return plan.tensor
-    if plan.action == Action.SKIP or (plan.action != Action.CREATE and not entry.chunks):
+        return _Run(plan, None, plan.tensor)
+    if plan.action == Action.SKIP or (plan.action != Action.CREATE and not plan.entry.chunks):
         report.tensors_skipped += 1
         if verify:
             verify_plan(plan, plan.held)
-        return plan.tensor
+        return _Run(plan, None, plan.tensor)
     t = _target_of(plan)
     if plan.replaces:
         report_gone(plan.name, plan.held, plan.recv, on_change)
     running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target)) \
         if verify and _verifies(plan) else None
-    def one(c):
-        return _apply_chunk(reader, t, c, journal, on_change, decoded)
+    return _Run(plan, t, t.tensor, running, len(plan.entry.chunks))
 
-    for c, (status, k) in zip(entry.chunks, ordered_map(one, entry.chunks, workers)):
-        if running is not None:  # every chunk up to c is written, and later ones write past its end
-            running.advance(c.start + c.n)
-        if status == "applied":
-            report.chunks_applied += 1
-            report.elements_changed += k
-        else:
-            report.chunks_already_applied += 1
+
+def _finish(r: _Run, report: ApplyReport, bar) -> None:
+    """What ``run_plan`` does for an entry once its chunks are written."""
+    plan = r.plan
+    if r.t is None:
+        return
     if bar:
         bar.update(1)
     if plan.action == Action.CREATE:
@@ -273,9 +298,50 @@ def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int 
         report.tensors_changed += 1
     if plan.action == Action.UNVERIFIED or (plan.action == Action.OVERWRITE and not plan.covered):
         report.unverified.append(plan.name)
-    if running is not None:
-        verify_plan(plan, t.tensor, digest=running.hexdigest())
-    return t.tensor
+    if r.running is not None:
+        verify_plan(plan, r.t.tensor, digest=r.running.hexdigest())
+
+
+def run_plans(reader: DeltaReader, plans: Sequence[Plan], report: ApplyReport, workers: int | None = None,
+              bar=None, journal: set | None = None, on_change: OnChange | None = None, verify: bool = False,
+              decoded: DecodedChunks | None = None, done=None, reached: list | None = None) -> None:
+    """``run_plan`` for each of ``plans``, their chunks in one stream over the workers: the
+    workers go on to the next entry's chunks while the last ones of an entry are written (an
+    entry of a chunk or three kept one of two workers idle half the time, when each entry was a
+    map of its own). Entries start and finish in order: ``done(plan, tensor)`` is called for
+    each as it finishes, after its target digest checked out; ``reached`` gets each plan as it
+    starts (a plan that writes, reached: the receiver may have changed)."""
+
+    def items():
+        for p in plans:
+            if reached is not None:
+                reached.append(p)
+            r = _start(p, report, on_change, verify)
+            if r.t is None or not p.entry.chunks:
+                yield r, None
+            else:
+                for c in p.entry.chunks:
+                    yield r, c
+
+    def one(item):
+        r, c = item
+        return r, c, (None if c is None else _apply_chunk(reader, r.t, c, journal, on_change, decoded))
+
+    for r, c, res in ordered_map(one, items(), workers):
+        if c is not None:
+            status, k = res
+            if r.running is not None:  # every chunk up to c is written, and later ones write past its end
+                r.running.advance(c.start + c.n)
+            if status == "applied":
+                report.chunks_applied += 1
+                report.elements_changed += k
+            else:
+                report.chunks_already_applied += 1
+            r.left -= 1
+        if r.left == 0:
+            _finish(r, report, bar)
+            if done is not None:
+                done(r.plan, r.tensor)
 
 
 def _verifies(plan: Plan) -> bool:
@@ -326,20 +392,21 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
                                                   resume=resume), entries, workers))
     _refuse_undecodable(plans, journal, decoded)
     report = ApplyReport()
-    started = False
+    reached: list[Plan] = []
+
+    def done(p: Plan, out):
+        if p.action == Action.CREATE:
+            tensors[p.name] = out
+        elif p.action == Action.REMOVE:
+            del tensors[p.name]
+            report.tensors_removed.append(p.name)
+
     try:
         with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
-            for p in plans:
-                started = started or p.action.writes or p.action == Action.REMOVE
-                out = run_plan(reader, p, report, workers, bar, journal=journal, on_change=on_change, verify=verify,
-                               decoded=decoded)
-                if p.action == Action.CREATE:
-                    tensors[p.name] = out
-                elif p.action == Action.REMOVE:
-                    del tensors[p.name]
-                    report.tensors_removed.append(p.name)
+            run_plans(reader, plans, report, workers, bar, journal, on_change, verify, decoded, done=done,
+                      reached=reached)
     except DcrError as e:
-        if started:
+        if any(p.action.writes or p.action == Action.REMOVE for p in reached):
             raise PartialApplyError(f"apply stopped after changing tensors in place: {e}. "
                                     "Call apply again with resume=True to finish, or reload the base.") from e
         raise

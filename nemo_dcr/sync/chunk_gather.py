@@ -199,7 +199,7 @@ def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return int_view(torch.empty(0, dtype=dtype)).dtype
 
 
-def decode_partial(blobs: Sequence[bytes], tensors: Mapping, shards: Mapping, group: Group) -> Gathered:
+def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shards: Mapping, group: Group) -> Gathered:
     """Decode, before anything is written, every ``classes`` chunk of ``blobs`` (the parts of one
     version, the same on every rank) in entries this rank holds only part of. Collective: every
     rank of ``group`` calls it with the same parts."""

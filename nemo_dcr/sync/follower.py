@@ -45,6 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta import apply, remove_absent
 from nemo_dcr.errors import (
     BaseMismatchError,
@@ -357,6 +358,13 @@ class Follower:
         pend = self._pending
         on_change = pend["change"] if kind == "delta" else None  # a keyframe's digest is recomputed whole
         decoded = pend.setdefault("decoded", {})  # part key -> classes chunks decoded over the group
+        opened: dict = {}  # id(blob) -> its DeltaReader: the header parsed once, for gather and apply
+
+        def reader(blob) -> DeltaReader:
+            r = opened.get(id(blob))
+            if r is None:
+                r = opened[id(blob)] = DeltaReader.open(blob)
+            return r
 
         def gather(ps, bs):
             # classes chunks of tensors held here only in part: decoded with the whole base chunk
@@ -365,7 +373,7 @@ class Follower:
             if kind != "delta" or all(p.key in decoded for p in ps):
                 return
             t = time.perf_counter()
-            got = decode_partial(bs, self.tensors, self.shards, g)
+            got = decode_partial([reader(b) for b in bs], self.tensors, self.shards, g)
             decoded.update({p.key: d for p, d in zip(ps, got.decoded)})
             res.gathered += got.received
             res.spans.add("gather", f"version {m.version}", t)
@@ -375,7 +383,7 @@ class Follower:
             # counted in the state digest, by exactly one rank): the rest are other ranks' to
             # apply. A tensor no rank holds still fails the group's digest check.
             t = time.perf_counter()
-            r = apply(self.tensors, blob, shards=self.shards, verify=False, resume=True,
+            r = apply(self.tensors, reader(blob), shards=self.shards, verify=False, resume=True,
                       workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
                       on_change=on_change, progress=False, held_only=g.active, decoded=decoded.get(p.key))
             res.spans.add("apply", p.key, t)
@@ -385,7 +393,7 @@ class Follower:
             for p, blob in zip(parts, blobs):
                 apply_part(p, blob)
             if kind == "keyframe":  # the keyframe names every tensor of the version: drop the rest
-                remove_absent(self.tensors, blobs, shards=self.shards)
+                remove_absent(self.tensors, [reader(b) for b in blobs], shards=self.shards)
 
         if not stream:
             try:
@@ -402,7 +410,7 @@ class Follower:
                 gather([p], blobs[-1:])
                 apply_part(p, blobs[-1])
             if kind == "keyframe":
-                remove_absent(self.tensors, blobs, shards=self.shards)
+                remove_absent(self.tensors, [reader(b) for b in blobs], shards=self.shards)
         else:
             g.run(apply_parts, f"apply version {m.version}")
         res.bytes += sum(len(b) for b in blobs)

@@ -73,18 +73,37 @@ static int choose_k_gen(const uint64_t *vals, int64_t count) {
 typedef struct { const uint8_t *p, *end; uint64_t acc; int nbits; int64_t used; int err; } reader;
 
 static void r_init(reader *r, const uint8_t *p, int64_t len) { r->p = p; r->end = p + len; r->acc = 0; r->nbits = 0; r->used = 0; r->err = 0; }
-static void r_fill(reader *r) { while (r->nbits <= 56 && r->p < r->end) { r->acc |= (uint64_t)(*r->p++) << r->nbits; r->nbits += 8; } }
-static uint64_t r_get(reader *r, int len) { /* len <= 56 */
+/* Tops the accumulator up to 56..63 bits (never 64: shifts by nbits stay defined). Eight bytes
+ * or more ahead: one unaligned load, of which the whole bytes that fit are taken, without a
+ * branch on nbits (taking none when full); the bits above nbits are then the next bytes of the
+ * stream at their own places, so the next load ORs the same bits there (readers mask to nbits).
+ * Near the end, byte by byte, never past it. */
+static inline void r_fill(reader *r) {
+    if (__builtin_expect(r->end - r->p >= 8, 1)) {
+        uint64_t v; memcpy(&v, r->p, 8);
+        r->acc |= v << r->nbits;
+        int take = (63 - r->nbits) >> 3;
+        r->p += take; r->nbits += 8 * take;
+        return;
+    }
+    while (r->nbits <= 55 && r->p < r->end) { r->acc |= (uint64_t)(*r->p++) << r->nbits; r->nbits += 8; }
+}
+static inline uint64_t r_get(reader *r, int len) { /* len <= 56 */
     if (!len) return 0;
     r_fill(r);
     if (r->nbits < len) { r->err = 1; return 0; }
     uint64_t v = r->acc & ((1ULL << len) - 1); r->acc >>= len; r->nbits -= len; r->used += len; return v;
 }
-static uint64_t r_rice(reader *r, int k) {
+static inline uint64_t r_rice(reader *r, int k) {
     r_fill(r);
-    uint64_t low = r->nbits >= 64 ? r->acc : (r->acc & ((1ULL << r->nbits) - 1));
-    if (low & ((1ULL << QMAX) - 1)) {
-        int q = __builtin_ctzll(low);
+    uint64_t low = r->acc & ((1ULL << r->nbits) - 1);  /* nbits < 64 */
+    if (__builtin_expect((low & ((1ULL << QMAX) - 1)) != 0, 1)) {
+        int q = __builtin_ctzll(low), len = q + 1 + k;
+        if (__builtin_expect(len <= r->nbits, 1)) {  /* the whole code is in the accumulator */
+            uint64_t v = (r->acc >> (q + 1)) & ((1ULL << k) - 1);
+            r->acc >>= len; r->nbits -= len; r->used += len;
+            return ((uint64_t)q << k) | v;
+        }
         r->acc >>= q + 1; r->nbits -= q + 1; r->used += q + 1;
         return ((uint64_t)q << k) | r_get(r, k);
     }
@@ -97,7 +116,7 @@ static int r_done(reader *r, int64_t len) {
     if (r->err) return E_STREAM;
     if ((r->used + 7) / 8 != len) return E_TRAILING;
     r_fill(r);
-    return (r->nbits && r->acc) ? E_TRAILING : 0;
+    return (r->acc & ((1ULL << r->nbits) - 1)) ? E_TRAILING : 0;  /* nbits < 64 */
 }
 
 /* ------------------------------------------------------------------ monotone order */
@@ -111,8 +130,15 @@ static inline void store_u(void *p, int64_t i, int w, uint64_t v) {
     else if (w == 4) ((uint32_t *)p)[i] = (uint32_t)v;
     else ((uint8_t *)p)[i] = (uint8_t)v;
 }
-static inline uint64_t key_of(uint64_t u, uint64_t mask, uint64_t sign) { return (u & sign) ? mask - u : (u | sign); }
-static inline uint64_t unkey(uint64_t k, uint64_t mask, uint64_t sign) { return (k & sign) ? k - sign : mask - k; }
+/* key: negative values (sign set) count down, flipped whole (mask - u = u ^ mask); others up,
+ * sign set (u | sign = u ^ sign). Written as xors with a mask of the sign bit, without a branch:
+ * the decoder's scans run them once per change, and the signs of changed values are random. */
+static inline uint64_t key_of(uint64_t u, uint64_t mask, uint64_t sign) {
+    return u ^ (sign | ((0 - (uint64_t)((u & sign) != 0)) & (mask ^ sign)));
+}
+static inline uint64_t unkey(uint64_t k, uint64_t mask, uint64_t sign) {
+    return k ^ (sign | ((0 - (uint64_t)((k & sign) == 0)) & (mask ^ sign)));
+}
 
 /* append a changed position (and its rank) to the growing arrays; nonzero when out of memory */
 static int push_change(int64_t **cidx, uint64_t **rank, int64_t *cap, int64_t *k, int64_t i, uint64_t r) {
@@ -167,7 +193,8 @@ static inline __attribute__((always_inline)) void rank_scalar(
 /* the decoder's scan: the element whose class count reaches the class's next rank is changed */
 static inline __attribute__((always_inline)) int64_t scan_decode(
         const void *oldp, int64_t n, const int w, int mant, int lo, int hi, uint32_t *cnt, uint32_t *want,
-        int64_t *next, const int64_t *endc, const uint64_t *rk, const uint64_t *dv, int64_t *idx_out, void *new_out) {
+        int64_t *next, const int64_t *endc, const uint64_t *rk, const uint64_t *dv, int64_t *idx_out, void *new_out,
+        void *old_out) {
     const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
     const uint64_t absmask = sign - 1;
     int64_t out = 0;
@@ -179,6 +206,7 @@ static inline __attribute__((always_inline)) int64_t scan_decode(
             want[c] = next[c] < endc[c] ? (uint32_t)rk[next[c]] : UINT32_MAX;
             idx_out[out] = i;
             store_u(new_out, out, w, unkey((key_of(u, mask, sign) + dv[j]) & mask, mask, sign));
+            if (old_out) store_u(old_out, out, w, u);
             out++;
         }
     }
@@ -192,18 +220,19 @@ static inline __attribute__((always_inline)) int64_t scan_decode(
  * more than MAXA active classes, and dcr_set_simd(0) take the scalar scans above. */
 #define MAXA 64
 static int simd_enabled = 1;
+/* 1: the best the CPU has (the default), 0: the scalar scans, 2: AVX2 at most (the classes scans) */
 void dcr_set_simd(int on) { simd_enabled = on; }
 
 #ifdef DCR_X86
 /* 2: AVX-512BW (+BMI2 for pdep), 1: AVX2, 0: neither (or dcr_set_simd(0)) */
 static int simd_isa(void) {
-    static int v = -1;
+    static int v = -1;  /* (dcr_set_simd(2): AVX2 at most, so the tests reach that path here too) */
     if (v < 0) {
         __builtin_cpu_init();
         v = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt") ? 2
             : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt") ? 1 : 0;
     }
-    return simd_enabled ? v : 0;
+    return simd_enabled == 2 && v > 1 ? 1 : (simd_enabled ? v : 0);
 }
 
 /* AVX-512BW: a block's classes are one vector of 64 bytes */
@@ -227,6 +256,12 @@ static inline uint64_t neq_avx512(const uint16_t *o, const uint16_t *nw) {
     __m512i b0 = _mm512_loadu_si512((const void *)nw), b1 = _mm512_loadu_si512((const void *)(nw + 32));
     return (uint64_t)_mm512_cmpneq_epi16_mask(a0, b0) | ((uint64_t)_mm512_cmpneq_epi16_mask(a1, b1) << 32);
 }
+__attribute__((target("avx512f,avx512bw,popcnt")))
+static inline int block_of_avx512(const int16_t *cum, uint32_t r) {
+    __m512i v = _mm512_set1_epi16((short)r);
+    return __builtin_popcountll((uint64_t)_mm512_cmple_epi16_mask(_mm512_loadu_si512((const void *)cum), v))
+         + __builtin_popcountll((uint64_t)_mm512_cmple_epi16_mask(_mm512_loadu_si512((const void *)(cum + 32)), v));
+}
 #define SFX _avx512
 #define TGT __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
 #define CTX_T ctx512
@@ -236,6 +271,9 @@ static inline uint64_t neq_avx512(const uint16_t *o, const uint16_t *nw) {
 #define ACT_T __m512i
 #define ACT(c) _mm512_set1_epi8((char)(c))
 #define EQ(cb, a) ((uint64_t)_mm512_cmpeq_epi8_mask(cb, a))
+#define LDB(p) _mm512_load_si512((const void *)(p))
+#define BLOCK_OF(cum, r) block_of_avx512(cum, r)
+#define STB(p, cb) _mm512_store_si512((void *)(p), cb)
 #define NEQ(o, nw) neq_avx512(o, nw)
 #define NTH(e, at) __builtin_ctzll(_pdep_u64(1ULL << (at), e))
 #include "dcr_simd_scans.h"  /* which undefines the parameters above */
@@ -279,6 +317,26 @@ __attribute__((target("avx2")))
 static inline uint64_t neq_avx2(const uint16_t *o, const uint16_t *nw) {
     return ~((uint64_t)eq32_avx2(o, nw) | ((uint64_t)eq32_avx2(o + 32, nw + 32) << 32));
 }
+__attribute__((target("avx2")))
+static inline blk256 ld_avx2(const uint8_t *p) {
+    blk256 r = {_mm256_load_si256((const __m256i *)p), _mm256_load_si256((const __m256i *)(p + 32))};
+    return r;
+}
+__attribute__((target("avx2")))
+static inline void st_avx2(uint8_t *p, blk256 cb) {
+    _mm256_store_si256((__m256i *)p, cb.a);
+    _mm256_store_si256((__m256i *)(p + 32), cb.b);
+}
+/* cmpgt(cum, r) bytes are 2 per entry: the entries above r, twice, from 64 */
+__attribute__((target("avx2,popcnt")))
+static inline int block_of_avx2(const int16_t *cum, uint32_t r) {
+    __m256i v = _mm256_set1_epi16((short)r);
+    uint64_t gt = 0;
+    for (int q = 0; q < 4; q++)
+        gt += (uint64_t)__builtin_popcount((uint32_t)_mm256_movemask_epi8(
+            _mm256_cmpgt_epi16(_mm256_loadu_si256((const __m256i *)(cum + 16 * q)), v)));
+    return 64 - (int)(gt / 2);
+}
 static inline int nth_bit(uint64_t e, uint64_t at) {
     for (; at; at--) e &= e - 1;
     return __builtin_ctzll(e);
@@ -292,6 +350,9 @@ static inline int nth_bit(uint64_t e, uint64_t at) {
 #define ACT_T __m256i
 #define ACT(c) _mm256_set1_epi8((char)(c))
 #define EQ(cb, a) eq_avx2(cb, a)
+#define LDB(p) ld_avx2(p)
+#define BLOCK_OF(cum, r) block_of_avx2(cum, r)
+#define STB(p, cb) st_avx2(p, cb)
 #define NEQ(o, nw) neq_avx2(o, nw)
 #define NTH(e, at) nth_bit(e, at)
 #include "dcr_simd_scans.h"  /* which undefines the parameters above */
@@ -459,11 +520,12 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
 }
 
 /* ------------------------------------------------------------------ decode */
-/* old: the base chunk (n elements). Writes the k changed positions (increasing) to idx_out and
- * their new bits to new_out. Returns 0 or a negative error. */
-int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
-                   const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
-                   int64_t *idx_out, void *new_out) {
+/* old: the base chunk (n elements). Writes the k changed positions (increasing) to idx_out,
+ * their new bits to new_out and, when old_out is not NULL, their base bits to old_out (what the
+ * receiver's pre-image check hashes: the scan reads them anyway). Returns 0 or a negative error. */
+int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                       const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                       int64_t *idx_out, void *new_out, void *old_out) {
     if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32) || k < 0 || k > n) return E_ARGS;
     int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
     const int nc = 1 << ebits;
@@ -482,17 +544,23 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
     uint8_t *ng = (uint8_t *)malloc((size_t)(k ? k : 1));          /* difference < 0 */
     if (!rk || !mg || !ng) { free(rk); free(mg); free(ng); return E_NOMEM; }
     reader pr, vr; r_init(&pr, pos, plen); r_init(&vr, val, vlen);
-    for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)r_get(&vr, 1);
+    if (k <= 8 * vlen) {  /* the k sign bits open the (byte-aligned) stream: read them in place */
+        for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)((val[j >> 3] >> (j & 7)) & 1);
+        r_init(&vr, val + (k >> 3), vlen - (k >> 3));
+        vr.used = 8 * (k >> 3);
+        r_get(&vr, (int)(k & 7));
+    } else {
+        for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)r_get(&vr, 1);
+    }
     int rc = 0;
     for (int64_t r = 0; r < ntab && !rc; r++) {
         const int64_t *row = table + TAB * r;
         int64_t a = start[row[0]], kc = row[1], bc = row[3];
-        uint64_t acc = 0;
-        for (int64_t j = 0; j < kc && !rc; j++) {
-            uint64_t g = r_rice(&pr, (int)row[2]);
-            if (g >= (uint64_t)n) { rc = E_RANK; break; }
-            acc = (j ? acc + 1 : 0) + g;
-            if (acc >= (uint64_t)n) rc = E_RANK;
+        const int kp = (int)row[2];
+        uint64_t acc = (uint64_t)-1;  /* rank = previous rank + 1 + gap; a gap is < 2^48: no overflow */
+        for (int64_t j = 0; j < kc; j++) {
+            acc += 1 + r_rice(&pr, kp);
+            if (acc >= (uint64_t)n) { rc = E_RANK; break; }
             rk[a + j] = acc;
             mg[a + j] = 1;
         }
@@ -514,7 +582,10 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
     if (!rc) rc = r_done(&pr, plen);
     if (!rc) rc = r_done(&vr, vlen);
     if (rc) { free(rk); free(mg); free(ng); return rc; }
-    for (int64_t j = 0; j < k; j++) mg[j] = ng[j] ? ((mask + 1 - mg[j]) & mask) : mg[j];
+    for (int64_t j = 0; j < k; j++) {  /* the signed difference, mod 2^(8w); no branch: signs are random */
+        uint64_t s = -(uint64_t)ng[j];
+        mg[j] = ((mg[j] ^ s) - s) & mask;
+    }
     free(ng);
     uint64_t *dv = mg;
     int64_t next[256], endc[256]; uint32_t want[256], cnt[256];
@@ -530,19 +601,26 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
     int isa = w == 2 ? simd_isa() : 0;
     if (isa == 2)
         out = scan_decode_avx512((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
-                                 (uint16_t *)new_out);
+                                 (uint16_t *)new_out, (uint16_t *)old_out);
     else if (isa == 1)
         out = scan_decode_avx2((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
-                               (uint16_t *)new_out);
+                               (uint16_t *)new_out, (uint16_t *)old_out);
 #endif
     if (out != -2) scalar = 0;
-    else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out)
-            : w == 4 ? scan_decode(oldp, n, 4, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out)
-            : scan_decode(oldp, n, 1, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out);
+    else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out)
+            : w == 4 ? scan_decode(oldp, n, 4, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out)
+            : scan_decode(oldp, n, 1, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out);
     if (out == -3) { free(rk); free(dv); return E_RANK; }
     free(rk); free(dv);
     if (scalar) for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
     return out == k ? 0 : E_RANK;
+}
+
+/* dcr_cls_decode_old without the base bits */
+int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                   const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                   int64_t *idx_out, void *new_out) {
+    return dcr_cls_decode_old(oldp, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, NULL);
 }
 
 /* ------------------------------------------------------------------ state digest

@@ -12,6 +12,8 @@
  *   BLK_T, CLASSES   the classes of one block: CLASSES(&ctx, p), clamped to lo..hi
  *   ACT_T, ACT       one class to compare with: ACT(c)
  *   EQ(cb, act)      mask of the block's members of that class (bit b: element b)
+ *   LDB(p), STB(p,cb) load / store a block's classes as 64 bytes at p (64-byte aligned)
+ *   BLOCK_OF(cum, r) how many of the 64 int16 cum[0..63] (nondecreasing, < 0x7FFF) are <= r
  *   NEQ(o, nw)       mask of the 64 elements that differ between o and nw
  *   NTH(e, at)       the index of bit number `at` (from 0) among the set bits of e
  * and undefines them at its end, so the next inclusion starts from nothing.
@@ -74,70 +76,107 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
 
 /* the decoder's scan. table: the active classes (table order), start: where each class's
  * changes begin in the class-ordered rk/dv. Returns the number of changes written, -2 (use the
- * scalar scan) or -3 (a rank past its class). */
+ * scalar scan) or -3 (a rank past its class).
+ *
+ * Segment by segment (DSEG elements, whole blocks): the segment's classes are computed once
+ * into a byte buffer (L1-resident). Then, per live class, one pass over the buffer counts its
+ * members block by block (cum: members in the blocks before each), and each of the class's
+ * changes that falls in the segment is placed without a branch: its block by counting the
+ * entries of cum not above its rank (BLOCK_OF: a few vector compares), its bit by NTH. Last,
+ * the segment's change marks give each change its place in position order. The only
+ * unpredictable branch is the end of a class's changes in a segment (walking block by block
+ * with a "does this block hold the change" test, as before, cost about three mispredictions
+ * per change and most of the decode's time). */
+#ifndef DSEG
+#define DSEG 4096
+#endif
 TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *table,
                                   int64_t ntab, const int64_t *start, const uint64_t *rk, const uint64_t *dv,
-                                  int64_t *idx_out, uint16_t *new_out) {
+                                  int64_t *idx_out, uint16_t *new_out, uint16_t *old_out) {
     if (ntab > MAXA) return -2;
     const uint64_t mask = 0xFFFF, sign = 0x8000;
-    /* the live classes, compacted (a class leaves when its last change is out): its class, how
-     * many of its members to skip before its next change, and where its changes are */
+    /* the live classes, compacted (a class leaves when its last change is out): its class, its
+     * members in the segments done (in the scalar tail: its members still to skip before its
+     * next change), and where its changes are */
     ACT_T vact[MAXA];
     int cls[MAXA];
-    uint64_t rem[MAXA];
+    uint64_t before[MAXA];
     int64_t next[MAXA], endc[MAXA];
     int L = (int)ntab;
     for (int a = 0; a < L; a++) {
         int c = (int)table[TAB * a];
         cls[a] = c; vact[a] = ACT(c);
-        next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; rem[a] = rk[next[a]];
+        next[a] = start[c]; endc[a] = start[c] + table[TAB * a + 1]; before[a] = 0;
     }
     const CTX_T ctx = CTX(mant, lo, hi);
-    int64_t out = 0, i;
-#define DCR_DROP(x) do { L--; cls[x] = cls[L]; vact[x] = vact[L]; rem[x] = rem[L]; next[x] = next[L]; endc[x] = endc[L]; } while (0)
-    for (i = 0; i + 64 <= n && L; i += 64) {
-        BLK_T cb = CLASSES(&ctx, o + i);
-        int64_t first = out;
+    uint8_t cb[DSEG] __attribute__((aligned(64)));  /* the segment's classes */
+    /* a class's members before each block: cum[b] for block b; cum + 1 is what BLOCK_OF reads */
+    int16_t cum[DSEG / 64 + 1] __attribute__((aligned(64)));
+    uint64_t marks[DSEG / 64];                      /* the segment's changes */
+    uint32_t pre[DSEG / 64];                        /* changes before each block */
+    uint16_t sp[DSEG], sv[DSEG];                    /* the segment's changes: place, new bits */
+    int64_t out = 0, i = 0;
+#define DCR_DROP(x) do { L--; cls[x] = cls[L]; vact[x] = vact[L]; before[x] = before[L]; next[x] = next[L]; endc[x] = endc[L]; } while (0)
+    while (i + 64 <= n && L) {
+        const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
+        const uint16_t *os = o + i;
+        for (int b = 0; b < nb; b++) STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
+        memset(marks, 0, (size_t)nb * 8);
+        for (int b = nb + 1; b <= DSEG / 64; b++) cum[b] = 0x7FFF;  /* past the segment: never <= a rank */
+        int ns = 0;
         for (int x = 0; x < L; x++) {
-            uint64_t e = EQ(cb, vact[x]);
-            uint64_t pc = (uint64_t)__builtin_popcountll(e);
-            if (__builtin_expect(pc <= rem[x], 1)) { rem[x] -= pc; continue; }
-            uint64_t at = rem[x];  /* index among the class's members in this block */
-            for (;;) {
-                int b = NTH(e, at);
-                int64_t jj = next[x]++;
-                uint64_t u = o[i + b];
-                idx_out[out] = i + b;
-                new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
-                out++;
-                if (next[x] == endc[x]) break;
-                at += 1 + (rk[next[x]] - rk[jj] - 1);
-                if (at >= pc) { rem[x] = at - pc; break; }
+            const ACT_T a = vact[x];
+            uint32_t t = 0;
+            cum[0] = 0;
+            for (int b = 0; b < nb; b++) cum[b + 1] = (int16_t)(t += (uint32_t)__builtin_popcountll(EQ(LDB(cb + 64 * b), a)));
+            int64_t j = next[x];
+            const int64_t e = endc[x];
+            const uint64_t base = before[x];
+            while (j < e && rk[j] - base < t) {
+                uint32_t r = (uint32_t)(rk[j] - base);  /* the change is the class's r-th member here */
+                int b = BLOCK_OF(cum + 1, r);
+                int p = 64 * b + NTH(EQ(LDB(cb + 64 * b), a), r - cum[b]);
+                marks[b] |= 1ULL << (p & 63);
+                sp[ns] = (uint16_t)p;
+                sv[ns++] = (uint16_t)unkey((key_of(os[p], mask, sign) + dv[j]) & mask, mask, sign);
+                j++;
             }
-            if (next[x] == endc[x]) {  /* done: stop counting it */
+            next[x] = j;
+            before[x] = base + t;
+            if (j == e) {  /* its last change is out: stop counting it */
                 DCR_DROP(x);
                 x--;
             }
         }
-        /* the block's changes came class by class: put them in position order */
-        for (int64_t p = first + 1; p < out; p++) {
-            int64_t ix = idx_out[p]; uint16_t v = new_out[p]; int64_t q = p - 1;
-            while (q >= first && idx_out[q] > ix) { idx_out[q + 1] = idx_out[q]; new_out[q + 1] = new_out[q]; q--; }
-            idx_out[q + 1] = ix; new_out[q + 1] = v;
+        uint32_t c = 0;
+        for (int b = 0; b < nb; b++) { pre[b] = c; c += (uint32_t)__builtin_popcountll(marks[b]); }
+        for (int q = 0; q < ns; q++) {  /* each change to its place in position order */
+            int p = sp[q], b = p >> 6;
+            int64_t at = out + pre[b] + __builtin_popcountll(marks[b] & ((1ULL << (p & 63)) - 1));
+            idx_out[at] = i + p;
+            new_out[at] = sv[q];
+            if (old_out) old_out[at] = os[p];
         }
+        out += ns;
+        i += 64 * (int64_t)nb;
+    }
+    for (int x = 0; x < L; x++) {  /* the tail's state: members to skip before the next change */
+        if (rk[next[x]] < before[x]) return -3;  /* (cannot happen: a change found earlier) */
+        before[x] = rk[next[x]] - before[x];
     }
     for (; i < n && L; i++) {  /* the tail, scalar */
         uint64_t u = o[i];
         int c = class_of(u, 0x7FFF, mant, lo, hi);
         for (int x = 0; x < L; x++) {
             if (cls[x] != c) continue;
-            if (rem[x]) { rem[x]--; break; }
+            if (before[x]) { before[x]--; break; }
             int64_t jj = next[x]++;
             idx_out[out] = i;
             new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
+            if (old_out) old_out[out] = (uint16_t)u;
             out++;
             if (next[x] == endc[x]) DCR_DROP(x);
-            else rem[x] = rk[next[x]] - rk[jj] - 1;
+            else before[x] = rk[next[x]] - rk[jj] - 1;
             break;
         }
     }
@@ -159,3 +198,6 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
 #undef EQ
 #undef NEQ
 #undef NTH
+#undef LDB
+#undef STB
+#undef BLOCK_OF
