@@ -15,8 +15,12 @@ from __future__ import annotations
 import abc
 import os
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 from nemo_dcr.errors import NotFound, PreconditionFailed, StoreError  # re-exported: defined with every other error
+
+if TYPE_CHECKING:
+    from .writer import ObjectWriter
 
 __all__ = ["Store", "StoreError", "NotFound", "PreconditionFailed", "check_key", "check_prefix"]
 
@@ -122,6 +126,20 @@ class Store(abc.ABC):
     def put_file(self, key: str, path: str | os.PathLike) -> None:
         """Create or overwrite the object from the file ``path``, streaming (multipart and
         parallel where the backend supports it); atomic like :meth:`put`."""
+
+    def open_writer(self, key: str) -> ObjectWriter:
+        """A writer of the object ``key`` as a stream of bytes (``stores/writer.py``): nothing is
+        visible until its ``commit``, then the whole object, as after :meth:`put`. This default
+        holds the bytes and calls :meth:`put` at commit; stores that can stream override it
+        (and fall back to this default in a subclass that overrides ``put``, so that a wrapped
+        ``put`` stays the one write path)."""
+        from .writer import BufferedWriter
+        check_key(key)
+        return BufferedWriter(self, key)
+
+    def _put_overridden(self, own: type) -> bool:
+        """Whether a subclass of ``own`` (the class defining the streaming writer) replaced ``put``."""
+        return type(self).put is not own.put  # type: ignore[attr-defined]
 
     @abc.abstractmethod
     def put_if_absent(self, key: str, data: bytes) -> None:

@@ -137,6 +137,9 @@ class ReadOnlyStore(Store):
     def put_file(self, key: str, path: str | os.PathLike) -> None:
         self._read_only("put_file", key)
 
+    def open_writer(self, key: str) -> NoReturn:
+        self._read_only("open_writer", key)
+
     def put_if_absent(self, key: str, data: bytes) -> None:
         self._read_only("put_if_absent", key)
 

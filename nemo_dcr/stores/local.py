@@ -32,9 +32,10 @@ import shutil
 import stat
 from collections.abc import Iterator
 
-from nemo_dcr.util.atomic import fsync_dir, install, remove_quiet, write_temp
+from nemo_dcr.util.atomic import fsync_dir, install, open_temp, remove_quiet, write_temp
 
 from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
+from .writer import ObjectWriter
 
 __all__ = ["LocalStore"]
 
@@ -237,6 +238,13 @@ class LocalStore(Store):
         tmp = self._temp_for("put", key, final, lambda f: f.write(data))
         self._replace("put", key, tmp, final)
 
+    def open_writer(self, key: str) -> ObjectWriter:
+        """Streams into a hidden temporary next to the object; ``commit`` fsyncs it and renames
+        it into place (as :meth:`put` does with its bytes), ``abort`` removes it."""
+        if self._put_overridden(LocalStore):
+            return super().open_writer(key)
+        return _LocalWriter(self, key)
+
     def put_file(self, key: str, path: str | os.PathLike) -> None:
         final = self._path(key)
         src = os.fspath(path)
@@ -310,3 +318,36 @@ class LocalStore(Store):
             except OSError:
                 break
             parent = os.path.dirname(parent)
+
+
+class _LocalWriter(ObjectWriter):
+    def __init__(self, store: LocalStore, key: str):
+        super().__init__(key)
+        self.store = store
+        self.final = store._path(key)
+        try:
+            self.tmp, fd = open_temp(self.final, make_dir=store._ensure_dir)
+        except OSError as e:
+            raise store._io_error("open_writer", key, e) from e
+        self.f = os.fdopen(fd, "wb", buffering=0)  # payloads come in large pieces: no second copy
+
+    def _write(self, mv: memoryview) -> None:
+        try:
+            while mv:
+                mv = mv[self.f.write(mv):]
+        except OSError as e:
+            raise self.store._io_error("write", self.key, e) from e
+
+    def _commit(self) -> None:
+        try:
+            os.fsync(self.f.fileno())
+            self.f.close()
+        except OSError as e:
+            raise self.store._io_error("commit", self.key, e) from e
+        self.store._replace("commit", self.key, self.tmp, self.final)
+
+    def _abort(self) -> None:
+        try:
+            self.f.close()
+        finally:
+            remove_quiet(self.tmp)

@@ -7,6 +7,11 @@ The object ``a/b`` of ``S3Store("bkt", "runs/7")`` is ``s3://bkt/runs/7/a/b``.
   (``upload_file``/``download_file`` with a :class:`boto3.s3.transfer.TransferConfig`):
   multipart, parts in parallel. Downloads land in a hidden temporary file next to the
   destination and are renamed into place only when complete.
+* ``open_writer`` streams: the bytes go up as the parts of a multipart upload while the
+  writer is still being written (at most ``max_concurrency`` parts in flight), and
+  ``CompleteMultipartUpload`` at ``commit`` makes the object appear whole; an object smaller
+  than ``multipart_threshold`` is one ``PutObject`` at commit; ``abort`` (or a failed part)
+  aborts the upload, so no part is left billed.
 * ``put_if_absent`` is ``PutObject`` with ``If-None-Match: *``, ``put_if_match`` is
   ``PutObject`` with ``If-Match: <etag>``; the tag is the ETag. 412 ``PreconditionFailed``
   becomes :class:`PreconditionFailed`; 409 ``ConditionalRequestConflict`` (another
@@ -36,12 +41,14 @@ import os
 import random
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TypeVar
 
 from nemo_dcr.util.atomic import replacing
 from nemo_dcr.util.extras import require
 
 from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
+from .writer import ObjectWriter
 
 __all__ = ["S3Store"]
 
@@ -149,6 +156,8 @@ class S3Store(Store):
         except TypeError:  # older boto3
             self._transfer = TransferConfig(**tc)
         self._multipart_threshold = int(multipart_threshold)
+        self._part_size = tc["multipart_chunksize"]
+        self._max_concurrency = max(1, int(max_concurrency))
 
     # -- keys ------------------------------------------------------------------------------
 
@@ -352,6 +361,11 @@ class S3Store(Store):
             self._call("put", key, lambda: self.client.put_object(
                 Bucket=self.bucket, Key=full, Body=data))
 
+    def open_writer(self, key: str) -> ObjectWriter:
+        if self._put_overridden(S3Store):
+            return super().open_writer(key)
+        return _S3Writer(self, key)
+
     def put_file(self, key: str, path: str | os.PathLike) -> None:
         full = self._full(key)
         src = os.fspath(path)
@@ -407,3 +421,73 @@ class S3Store(Store):
                 Bucket=self.bucket, Key=full))
         except NotFound:
             pass
+
+
+class _S3Writer(ObjectWriter):
+    """A multipart upload fed as the bytes come (see the module docstring)."""
+
+    def __init__(self, store: S3Store, key: str):
+        super().__init__(key)
+        self.store, self.full = store, store._full(key)
+        self._buf = bytearray()
+        self._upload_id: str | None = None
+        self._parts: list[Future] = []
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _write(self, mv: memoryview) -> None:
+        self._buf += mv
+        threshold = max(self.store._multipart_threshold, self.store._part_size)
+        while len(self._buf) >= (self.store._part_size if self._upload_id else threshold):
+            self._send(bytes(self._buf[:self.store._part_size]))
+            del self._buf[:self.store._part_size]
+
+    def _send(self, data: bytes) -> None:
+        st = self.store
+        if self._upload_id is None:
+            r = st._call("open_writer", self.key, lambda: st.client.create_multipart_upload(
+                Bucket=st.bucket, Key=self.full))
+            self._upload_id = r["UploadId"]
+            self._pool = ThreadPoolExecutor(st._max_concurrency, thread_name_prefix="nemo-dcr-s3-part")
+        assert self._pool is not None
+        while len([f for f in self._parts if not f.done()]) >= st._max_concurrency:
+            next(f for f in self._parts if not f.done()).result()  # bounded memory: wait for room
+        for f in self._parts:
+            if f.done() and f.exception() is not None:
+                raise f.exception()  # type: ignore[misc]
+        number, upload_id = len(self._parts) + 1, self._upload_id
+        self._parts.append(self._pool.submit(lambda: {"PartNumber": number, "ETag": st._call(
+            "write", self.key, lambda: st.client.upload_part(
+                Bucket=st.bucket, Key=self.full, UploadId=upload_id, PartNumber=number, Body=data))["ETag"]}))
+
+    def _flush(self) -> None:
+        for f in self._parts:
+            f.result()
+
+    def _commit(self) -> None:
+        st = self.store
+        if self._upload_id is None:  # small: one PutObject
+            data = bytes(self._buf)
+            self._buf = bytearray()
+            st._call("put", self.key, lambda: st.client.put_object(Bucket=st.bucket, Key=self.full, Body=data))
+            return
+        if self._buf or not self._parts:
+            self._send(bytes(self._buf))  # the last part may be smaller than a part
+            self._buf = bytearray()
+        parts = [f.result() for f in self._parts]
+        upload_id = self._upload_id
+        st._call("commit", self.key, lambda: st.client.complete_multipart_upload(
+            Bucket=st.bucket, Key=self.full, UploadId=upload_id, MultipartUpload={"Parts": parts}))
+        self._close_pool()
+
+    def _abort(self) -> None:
+        self._buf = bytearray()
+        self._close_pool()
+        if self._upload_id is not None:
+            st, upload_id = self.store, self._upload_id
+            st._call("abort", self.key, lambda: st.client.abort_multipart_upload(
+                Bucket=st.bucket, Key=self.full, UploadId=upload_id))
+
+    def _close_pool(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
+            self._pool = None

@@ -61,21 +61,27 @@ def temp_name(final: str) -> str:
     return os.path.join(d, f".{base}.tmp-{uuid.uuid4().hex}")
 
 
-def write_temp(final: str, fill: Callable, *, make_dir: Callable[[str], None] | None = None) -> str:
-    """Create a temporary next to ``final``, fill it with ``fill(f)``, fsync it, return its path.
-    ``make_dir`` (re)creates the directory first, and again if it vanished under us (a local
-    store prunes empty directories concurrently). On failure nothing is left behind."""
+def open_temp(final: str, *, make_dir: Callable[[str], None] | None = None) -> tuple[str, int]:
+    """``(path, fd)`` of a new, empty temporary next to ``final``, open for writing. ``make_dir``
+    (re)creates the directory first, and again if it vanished under us (a local store prunes
+    empty directories concurrently)."""
     d = os.path.dirname(final)
     for attempt in range(1000):
         if make_dir is not None:
             make_dir(d)
         tmp = temp_name(final)
         try:
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode
-            break
+            return tmp, os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask decides the mode
         except FileNotFoundError:
             if make_dir is None or attempt == 999:
                 raise
+    raise AssertionError("unreachable")  # the last attempt raises
+
+
+def write_temp(final: str, fill: Callable, *, make_dir: Callable[[str], None] | None = None) -> str:
+    """Create a temporary next to ``final`` (``open_temp``), fill it with ``fill(f)``, fsync it,
+    return its path. On failure nothing is left behind."""
+    tmp, fd = open_temp(final, make_dir=make_dir)
     try:
         with os.fdopen(fd, "wb") as f:
             fill(f)
