@@ -1,10 +1,11 @@
 """What is inside a delta: sizes by stream and by encoding, change rate, bytes per change."""
 from __future__ import annotations
 
+import math
 from collections import Counter
 
 from nemo_dcr.codec.format import DeltaReader
-from nemo_dcr.state.dtypes import itemsize
+from nemo_dcr.state.dtypes import dtype_from_name, itemsize
 
 
 def inspect(delta, *, check: bool = True) -> dict:
@@ -62,6 +63,19 @@ def inspect(delta, *, check: bool = True) -> dict:
         "target_digest": h.target_digest,
         "per_tensor": tensors,
     }
+
+
+def totals(header: dict) -> tuple[int, int, int]:
+    """``(elements, changed, dense_bytes)`` of the delta whose header ``diff(..., out=f)``
+    returned: what :func:`inspect` counts, for a delta streamed away and not read back."""
+    elements = changed = dense = 0
+    for t in header["tensors"]:
+        if t["kind"] != "removed":
+            n = math.prod(t["region"]["shape"])
+            elements += n
+            changed += sum(c["k"] for c in t["chunks"])
+            dense += n * itemsize(dtype_from_name(t["dtype"]))
+    return elements, changed, dense
 
 
 def format_text(s: dict) -> str:

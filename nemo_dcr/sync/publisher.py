@@ -16,7 +16,6 @@ encoded; the commit still comes after every upload of every rank returned.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import threading
 import time
@@ -27,11 +26,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_dcr.codec import versions as format_versions
-from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.changes import OnChange
-from nemo_dcr.delta.stats import inspect
+from nemo_dcr.delta.stats import totals
 from nemo_dcr.errors import CommitConflict, ManifestError, PublishError, VersionNotFound
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
@@ -56,6 +54,7 @@ if TYPE_CHECKING:
 
     from nemo_dcr.device.trainer import DeviceSnapshot
     from nemo_dcr.stores.base import Store
+    from nemo_dcr.stores.writer import ObjectWriter
 
 # dense bytes per object of a rank's delta/keyframe: big enough that a part's header and request
 # are noise, small enough that encode, upload, download and apply of neighbouring parts overlap
@@ -281,28 +280,31 @@ class Publisher:
                 on_change = change if keep is None else keep.also(change)
                 base, target = dev.views(snap) if dev else (self._base, snap)
                 for j, names in enumerate(groups):
-                    t = time.perf_counter()
-                    blob = diff(_only(base, names), _only(target, names), shards=shards,
-                                base_shards=self._shards, encoding=self.encoding, level=self.level,
-                                chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                on_change=on_change, progress=False, base_digests=self._tensor_digests,
-                                chunker=dev.chunker if dev else None, format_version=self.format_version)
-                    spans.add("encode", f"delta part {j}", t)
-                    uploads.start(out["parts"], f"{d}/{_part_name('part', rank, j)}", blob, j)
-                    digests.update(target_digests(blob))  # the next version's base digests, known now
+                    uploads.encode(out["parts"], f"{d}/{_part_name('part', rank, j)}", f"delta part {j}", j,
+                                   lambda w, names=names, j=j: diff(
+                                       _only(base, names), _only(target, names), shards=shards,
+                                       base_shards=self._shards, encoding=self.encoding, level=self.level,
+                                       chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
+                                       on_change=on_change, progress=False, base_digests=self._tensor_digests,
+                                       chunker=dev.chunker if dev else None, format_version=self.format_version,
+                                       out=w), digests)
                 assert self._digest is not None  # set together with _base
                 new_digest = self._digest + change.total
             else:
-                new_digest = state_contrib(host, shards)
+                new_digest = None  # the first version's O(model) digest: after the encode, beside its uploads
             if kf:
                 for j, names in enumerate(split_parts({}, snap, self.part_bytes)):
-                    t = time.perf_counter()
-                    blob = diff({}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
-                                chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                progress=False, format_version=self.format_version)
-                    spans.add("encode", f"keyframe part {j}", t)
-                    uploads.start(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", blob, j)
-                    digests.update(target_digests(blob))
+                    uploads.encode(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", f"keyframe part {j}",
+                                   j, lambda w, names=names, j=j: diff(
+                                       {}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
+                                       chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
+                                       progress=False, format_version=self.format_version, out=w), digests)
+            if new_digest is None:
+                # the last objects are still being made durable (fsync, CompleteMultipartUpload)
+                # on their threads: this pass over the model runs meanwhile
+                t = time.perf_counter()
+                new_digest = state_contrib(host, shards)
+                spans.add("digest", f"version {version}", t)
         except BaseException:
             uploads.join(quiet=True)  # no upload left running past a failed publish
             raise
@@ -312,14 +314,13 @@ class Publisher:
         out["digest"] = new_digest.hex()
         return out, new_digest, digests
 
-    def _put(self, key: str, blob: bytes, spans: Spans | None = None) -> dict:
-        s = inspect(blob, check=False)  # just encoded here: no need to re-read every payload
-        t = time.perf_counter()
-        self.store.put(key, blob)
-        if spans is not None:
-            spans.add("upload", key, t)
-        return Part(rank=self.group.rank, key=key, size=len(blob), sha256=hashlib.sha256(blob).hexdigest(),
-                    changed=s["changed"], elements=s["elements"], dense_bytes=s["dense_bytes"]).__dict__
+    def _finish(self, w: ObjectWriter, header: dict) -> dict:
+        """Make an encoded object durable in the store; its receipt, from the writer's count and
+        hash of the bytes written and the header's counts (nothing is read back)."""
+        w.commit()
+        elements, changed, dense = totals(header)
+        return Part(rank=self.group.rank, key=w.key, size=w.size, sha256=w.sha256,
+                    changed=changed, elements=elements, dense_bytes=dense).__dict__
 
     def _commit(self, results, head, tag, version, publish_id, step, meta=None) -> tuple[Manifest, Head]:
         """Rank 0: the manifest from every rank's receipt, then HEAD by compare-and-set."""
@@ -438,14 +439,17 @@ class _Changes:
             FlatAccess(base[name]).scatter(local, new)
 
 
-def target_digests(blob: bytes) -> dict:
-    """name -> target tensor digest of every tensor a delta leaves in place."""
-    return {e.name: e.target_digest for e in DeltaReader.open(blob).header.tensors if not e.removed}
+def target_digests(header: dict) -> dict:
+    """name -> target tensor digest of every tensor a delta (its header, as ``diff`` returned
+    it) leaves in place."""
+    return {e["name"]: e["target_digest"] for e in header["tensors"] if e["kind"] != "removed"}
 
 
 class _Uploads:
-    """This rank's uploads, each on its own thread so the next object encodes meanwhile; at most
-    ``Publisher.max_uploads`` at once (``start`` waits for room: the encoded bytes wait in memory)."""
+    """This rank's objects: each encoded straight into its store object (``open_writer``: a
+    local temporary, an S3 multipart upload, streaming while the encode runs), then made durable
+    on a thread of its own while the next one encodes; at most ``Publisher.max_uploads`` objects
+    written or finishing at once (a store that cannot stream holds their bytes in memory)."""
 
     def __init__(self, pub: Publisher, spans: Spans):
         self.pub, self.spans = pub, spans
@@ -453,22 +457,42 @@ class _Uploads:
         self.errors: list[BaseException] = []
         self.room = threading.BoundedSemaphore(pub.max_uploads)
 
-    def start(self, into: list, key: str, blob: bytes, order: int = 0) -> None:
-        def run():
-            try:
-                into.append((order, self.pub._put(key, blob, self.spans)))
-            except BaseException as e:  # raised by join() on the publishing thread
-                self.errors.append(e)
-            finally:
-                self.room.release()
-
+    def encode(self, into: list, key: str, what: str, order: int, encode, digests: dict) -> None:
+        """``encode(writer) -> header`` into the object ``key``, then its upload finished on a
+        thread (its receipt into ``into``); the target digests the header names into ``digests``."""
+        from nemo_dcr.stores.writer import open_writer
         self.room.acquire()
         if self.errors:  # an upload failed: encode no more
             self.room.release()
             raise self.errors[0]
-        t = threading.Thread(target=run, name="nemo-dcr-upload", daemon=True)
-        t.start()
-        self.threads.append(t)
+        t = time.perf_counter()
+        try:
+            w = open_writer(self.pub.store, key)
+        except BaseException:
+            self.room.release()
+            raise
+        try:
+            header = encode(w)
+        except BaseException:
+            w.abort()
+            self.room.release()
+            raise
+        self.spans.add("encode", what, t)
+        digests.update(target_digests(header))  # the next version's base digests, known now
+
+        def run():
+            try:
+                into.append((order, self.pub._finish(w, header)))
+                self.spans.add("upload", key, t)  # streamed from the encode's start to durable
+            except BaseException as e:  # raised by join() on the publishing thread
+                w.abort()
+                self.errors.append(e)
+            finally:
+                self.room.release()
+
+        th = threading.Thread(target=run, name="nemo-dcr-upload", daemon=True)
+        th.start()
+        self.threads.append(th)
 
     def join(self, quiet: bool = False) -> None:
         for t in self.threads:
