@@ -10,9 +10,10 @@ object that stays corrupt is an error naming it); the receiver's digest is check
 version's base digest; parts are applied in place with per-chunk pre-image checks; the state
 digest is updated from the changed elements alone and checked against the version's target digest.
 
-Pipelined: one background thread streams the objects of the whole path (``store.get_stream``,
-sha256 computed as the bytes arrive), at most ``prefetch`` objects ahead of the apply, so version
-k+1 downloads while version k is applied and verified. ``stream=True`` (a single receiver, not a
+Pipelined: background threads stream the objects of the whole path (``store.get_stream``,
+sha256 computed as the bytes arrive), up to ``prefetch`` objects at once ahead of the apply, so
+their requests' round trips overlap, and version k+1 downloads while version k is applied and
+verified. ``stream=True`` (a single receiver, not a
 group) also applies each part of a version as soon as that part checked out, while the next part
 downloads: the first write then comes before the later parts of the version were checked (see
 docs/design.md "Streaming pipeline" for what is checked before it). ``SyncResult.spans`` records
@@ -36,12 +37,11 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import queue
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -142,14 +142,15 @@ class Follower:
                  shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None,
                  group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
-                 max_fallbacks: int = 8, prefetch: int = 2, stream: bool = False, verifier="env"):
+                 max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env"):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``shards``: the receiver's ShardSpec per tensor name (a name missing from it is a whole
         tensor). The mapping is used as given and consulted at every step, so a view that
         resolves names lazily (the rollout loader's) stays live. ``max_fallbacks``: paths given
         up on missing or corrupt objects before a sync fails. ``prefetch``: objects downloaded
-        ahead of the apply (their bytes are held in memory; 0: no background download).
+        ahead of the apply, that many at once (their bytes are held in memory; 0: no background
+        download).
         ``stream``: apply each part of a version once it checked out, before the version's
         later parts arrived (ignored in a group, where every rank applies only after every
         part checked out on every rank). ``verifier``: a
@@ -515,54 +516,77 @@ def _parts(kind: str, m: Manifest) -> list:
 
 
 class _Feed:
-    """The objects of a path's steps, downloaded in order on one background thread and handed
-    over in that order, at most ``Follower.prefetch`` finished objects ahead of the consumer
-    (prefetch 0: each object downloaded when it is taken). A download that fails stops the
-    thread; its error is raised by ``take`` of that object."""
+    """The objects of a path's steps, downloaded in the background and handed over in the plan's
+    order. Up to ``Follower.prefetch`` objects are downloading or downloaded, not yet taken, at
+    once, on that many threads: a request's round trip overlaps the other downloads instead of
+    adding to them (prefetch 0: each object downloaded when it is taken). A download that fails
+    stops further downloads; its error is raised by ``take`` of that object."""
 
     def __init__(self, follower: Follower, steps: list, spans: Spans):
         self._fetch = lambda p: follower._fetch(p, spans)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
-        self._stop = threading.Event()
-        self._thread = None
-        if follower.prefetch > 0 and self._parts:
-            self._q: queue.Queue = queue.Queue(maxsize=follower.prefetch)
-            self._thread = threading.Thread(target=self._run, name="nemo-dcr-fetch", daemon=True)
-            self._thread.start()
+        self._ahead = min(follower.prefetch, len(self._parts))
+        self._done: dict[int, tuple[bytes | None, Exception | None]] = {}
+        self._next = 0    # the next object to start downloading
+        self._taken = 0   # the next object the consumer takes
+        self._failed: Exception | None = None
+        self._stop = False
+        self._cond = threading.Condition()
+        self._threads = [threading.Thread(target=self._run, name="nemo-dcr-fetch", daemon=True)
+                         for _ in range(self._ahead)]
+        for t in self._threads:
+            t.start()
 
     def _run(self) -> None:
-        for p in self._parts:
-            if self._stop.is_set():
-                return
-            item: tuple[Any, bytes | None, Exception | None]
+        while True:
+            with self._cond:
+                while not (self._stop or self._failed) and self._next < len(self._parts) \
+                        and self._next - self._taken >= self._ahead:
+                    self._cond.wait()  # as many ahead as allowed: wait for the consumer
+                if self._stop or self._failed or self._next >= len(self._parts):
+                    return
+                i = self._next
+                self._next += 1
+            item: tuple[bytes | None, Exception | None]
             try:
-                item = (p, self._fetch(p), None)
+                item = (self._fetch(self._parts[i]), None)
             except Exception as e:  # handed to the consumer, raised there
-                item = (p, None, e)
-            self._q.put(item)  # blocks while ``prefetch`` objects wait; close() drains
-            if item[2] is not None:
-                return
+                item = (None, e)
+            with self._cond:
+                self._done[i] = item
+                if item[1] is not None and self._failed is None:
+                    self._failed = item[1]
+                self._cond.notify_all()
 
     def take(self, part) -> bytes:
-        if self._thread is None:
+        if not self._threads:
             return self._fetch(part)
-        p, data, err = self._q.get()
-        if p is not part:  # the consumer follows the plan's order: anything else is a bug here
-            raise RuntimeError(f"fetch order broken: expected {part.key}, got {p.key}")
+        with self._cond:
+            i = self._taken
+            if i >= len(self._parts) or self._parts[i] is not part:
+                # the consumer follows the plan's order: anything else is a bug here
+                raise RuntimeError(f"fetch order broken: expected {self._parts[min(i, len(self._parts) - 1)].key}, "
+                                   f"got {part.key}")
+            while i not in self._done:
+                if self._failed is not None and i >= self._next:
+                    raise self._failed  # never started: an earlier download failed
+                self._cond.wait()
+            data, err = self._done.pop(i)
+            self._taken += 1
+            self._cond.notify_all()
         if err is not None:
             raise err
+        assert data is not None
         return data
 
     def close(self) -> None:
-        if self._thread is None:
-            return
-        self._stop.set()
-        while self._thread.is_alive():  # unblock a put() waiting for room
-            try:
-                self._q.get(timeout=0.05)
-            except queue.Empty:
-                pass
-        self._thread.join()
+        with self._cond:
+            self._stop = True
+            self._done.clear()
+            self._cond.notify_all()
+        for t in self._threads:  # a download under way finishes (bounded by the store's timeouts)
+            t.join()
+        self._done.clear()
 
 
 class _Fallback(str):
