@@ -104,11 +104,12 @@ def extrapolate(res: dict, workers: int) -> list:
 
 
 def run(args) -> dict:
-    res, kind, note = ne.with_s3_in_trainer_region(args.shaping, lambda region, ep: measure(region, ep, args))
+    res, kind, note = ne.with_s3_in_trainer_region(args.shaping, lambda region, ep: measure(region, ep, args),
+                                                   args.rtt_ms / 1e3)
     derive(res)
     res["notes"] = [note] if note else []
     res["config"] = {"receivers": args.receivers, "fanouts": args.fanouts, "quick": args.quick,
-                     "shaping": kind, "receiver_workers_assumed": args.workers}
+                     "shaping": kind, "rtt_added_ms": args.rtt_ms, "receiver_workers_assumed": args.workers}
     res["machine"] = ne.machine()
     res["targets"] = {"fanout_over_one": ne.TARGETS["fanout_over_one"]}
     res["extrapolated"] = extrapolate(res, args.workers)

@@ -22,9 +22,11 @@ Nothing here talks to anything but these namespaces and loopback.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import json
 import math
 import os
+import queue
 import shutil
 import socket
 import statistics
@@ -240,10 +242,12 @@ class _Bucket:
 
 
 class _Proxy:
-    """127.0.0.1:port -> target, both directions paced by ``bucket``; counts bytes toward us."""
+    """127.0.0.1:port -> target, both directions paced by ``bucket`` and held back ``delay``
+    seconds each (half the round trip added: propagation delay, in user space since this kernel's
+    tc has no netem); counts bytes toward us."""
 
-    def __init__(self, target: tuple, up: _Bucket, down: _Bucket, counter: list):
-        self.target, self.up, self.down, self.counter = target, up, down, counter
+    def __init__(self, target: tuple, up: _Bucket, down: _Bucket, counter: list, delay: float = 0.0):
+        self.target, self.up, self.down, self.counter, self.delay = target, up, down, counter, delay
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True, name="bench-proxy").start()
@@ -261,24 +265,52 @@ class _Proxy:
                 continue
             for a in (c, s):
                 a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            threading.Thread(target=self._pump, args=(c, s, self.up, None), daemon=True).start()
-            threading.Thread(target=self._pump, args=(s, c, self.down, self.counter), daemon=True).start()
+            threading.Thread(target=self._pump, args=(c, s, self.up, None, self.delay), daemon=True).start()
+            threading.Thread(target=self._pump, args=(s, c, self.down, self.counter, self.delay), daemon=True).start()
 
     @staticmethod
-    def _pump(src, dst, bucket, counter) -> None:
+    def _pump(src, dst, bucket, counter, delay: float = 0.0) -> None:
+        # with a delay, what arrives is queued with the time it may leave, and a sender thread
+        # sends it then: the link's rate is kept (the pacing is on arrival), each byte is late
+        # by ``delay``
+        late: queue.SimpleQueue | None = queue.SimpleQueue() if delay > 0 else None
+
+        def send_late():
+            while True:
+                due, data = late.get()
+                if data is None:
+                    break
+                wait = due - time.monotonic()
+                if wait > 0:
+                    time.sleep(wait)
+                try:
+                    dst.sendall(data)
+                except OSError:
+                    break
+            with contextlib.suppress(OSError):
+                dst.shutdown(socket.SHUT_WR)
+
+        sender = threading.Thread(target=send_late, daemon=True) if late is not None else None
+        if sender is not None:
+            sender.start()
         try:
             while True:
                 data = src.recv(64 * 1024)
                 if not data:
                     break
                 bucket.take(len(data))
-                dst.sendall(data)
+                if late is not None:
+                    late.put((time.monotonic() + delay, data))
+                else:
+                    dst.sendall(data)
                 if counter is not None:
                     counter[0] += len(data)
         except OSError:
             pass
         finally:
-            for s, how in ((dst, socket.SHUT_WR), (src, socket.SHUT_RD)):
+            if late is not None:
+                late.put((0.0, None))  # the sender shuts dst's write side once the rest is out
+            for s, how in (((dst, socket.SHUT_WR),) if late is None else ()) + ((src, socket.SHUT_RD),):
                 try:
                     s.shutdown(how)
                 except OSError:
@@ -294,8 +326,10 @@ class Region:
     rate (None: unshaped, e.g. while publishing inside the trainer region), ``slow_bytes()``
     the bytes that crossed the link toward the rollout region so far."""
 
-    def __init__(self, shaping: str = "auto"):
+    def __init__(self, shaping: str = "auto", rtt: float = 0.0):
         self.kind, self.note, self.mbit, self._link = None, None, None, None
+        self.rtt = max(0.0, float(rtt))  # seconds added to every round trip across the link
+        self._proxies: list = []
         if shaping in ("auto", "netns"):
             try:
                 self._link = _Veth()
@@ -306,7 +340,9 @@ class Region:
                 self.note = f"network namespaces unavailable ({e}); in-process rate limiter used instead"
         if self._link is None:
             self.kind = "in-process rate limiter (TCP proxy on loopback)"
-            self._up, self._down, self._count, self._proxies = _Bucket(), _Bucket(), [0], []
+        self._up, self._down, self._count = _Bucket(), _Bucket(), [0]  # (the proxies' pacing: no veth)
+        if self.rtt:
+            self.kind += f", +{self.rtt * 1e3:g} ms round trip (user-space delaying proxy)"
         atexit.register(self.close)
 
     @property
@@ -318,13 +354,15 @@ class Region:
         return ["ip", "netns", "exec", self._link.ns] if self._link else []
 
     def reach(self, url: str) -> str:
-        """``http://host:port/...`` of a trainer-region service -> the URL the rollout region uses."""
-        if self._link:
+        """``http://host:port/...`` of a trainer-region service -> the URL the rollout region uses
+        (through a proxy in the rollout region where the link is emulated in user space: its rate
+        without namespaces, its added round trip with ``rtt``)."""
+        if self._link and not self.rtt:
             return url
         head, rest = url.split("://", 1)
         hostport, _, path = rest.partition("/")
         host, port = hostport.rsplit(":", 1)
-        p = _Proxy((host, int(port)), self._up, self._down, self._count)
+        p = _Proxy((host, int(port)), self._up, self._down, self._count, self.rtt / 2)
         self._proxies.append(p)
         return f"{head}://127.0.0.1:{p.port}" + (f"/{path}" if path else "")
 
@@ -342,9 +380,9 @@ class Region:
         if self._link:
             self._link.close()
             self._link = None
-        else:
-            for p in getattr(self, "_proxies", []):
-                p.close()
+        for p in self._proxies:
+            p.close()
+        self._proxies = []
 
 
 class _Veth:
@@ -546,11 +584,12 @@ class Receivers:
         stop_all(self.procs)
 
 
-def with_s3_in_trainer_region(shaping: str, measure) -> tuple:
-    """Make the regions, start the S3 server in the trainer region, run ``measure(region,
-    endpoint)`` (endpoint: how the rollout region reaches the server) and tear everything down
-    -> (its result, a description of the link emulation, a note or None)."""
-    region = Region(shaping)
+def with_s3_in_trainer_region(shaping: str, measure, rtt: float = 0.0) -> tuple:
+    """Make the regions (``rtt`` seconds added to each round trip across the link), start the S3
+    server in the trainer region, run ``measure(region, endpoint)`` (endpoint: how the rollout
+    region reaches the server) and tear everything down -> (its result, a description of the link
+    emulation, a note or None)."""
+    region = Region(shaping, rtt)
     s3 = None
     try:
         s3 = s3_server(region.prefix, region.host)
@@ -571,6 +610,8 @@ def parser(doc: str):
                     help="netns+veth+tbf (root), the in-process limiter, or auto (netns where possible); "
                          "default: auto, --quick: proxy")
     ap.add_argument("--workers", type=int, default=8, help="receiver workers assumed by the extrapolation")
+    ap.add_argument("--rtt-ms", type=float, default=0.0,
+                    help="round trip added across the link, in user space (a delaying proxy; tc here has no netem)")
     return ap
 
 

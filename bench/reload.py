@@ -157,11 +157,13 @@ def extrapolate(rows: list, workers: int) -> list:
 
 
 def run(args) -> dict:
-    res, kind, note = ne.with_s3_in_trainer_region(args.shaping, lambda region, ep: measure(region, ep, args))
+    res, kind, note = ne.with_s3_in_trainer_region(args.shaping, lambda region, ep: measure(region, ep, args),
+                                                   args.rtt_ms / 1e3)
     if note:
         res["notes"].append(note)
     res["config"] = {"sizes": args.sizes, "changes": args.changes, "rates_mbit": args.rates, "reps": args.reps,
-                     "quick": args.quick, "shaping": kind, "receiver_workers_assumed": args.workers,
+                     "quick": args.quick, "shaping": kind, "rtt_added_ms": args.rtt_ms,
+                     "receiver_workers_assumed": args.workers,
                      "changes_kind": "injected (random positions, relative nudges), not an optimizer's"}
     res["machine"] = ne.machine()
     res["targets"] = ne.TARGETS
