@@ -12,7 +12,15 @@ from nemo_dcr import ShardSpec
 from nemo_dcr.codec import native
 from nemo_dcr.state import statedigest as sd
 from nemo_dcr.state.dtypes import DTYPES, dtype_name, int_view
-from nemo_dcr.state.statedigest import P, StateDigest, changes_contrib, state_contrib, tensor_contrib
+from nemo_dcr.state.statedigest import (
+    ChangeDigest,
+    P,
+    StateDigest,
+    change_contrib,
+    changes_contrib,
+    state_contrib,
+    tensor_contrib,
+)
 
 pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.build_error}")
 
@@ -99,6 +107,46 @@ def test_changes_past_2_pow_32_equal_reference(dtype, simd, reference):
     spec = ShardSpec.of(shape, ((1 << 20) + 5, 0), (2, 1 << 12))
     t = special_tensor(dtype, spec.numel, seed=10).reshape(spec.shape)
     assert tensor_contrib("big", t, spec) == reference(tensor_contrib, "big", t, spec)
+
+
+@pytest.fixture(params=[1, 2, 0], ids=["simd", "avx2", "scalar"])
+def any_simd(request):
+    native.lib().dcr_set_simd(request.param)
+    yield request.param
+    native.lib().dcr_set_simd(1)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+@pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 9000])  # around the kernel's reduction block
+def test_change_in_one_pass_equals_the_two_sides(dtype, n, any_simd, reference):
+    """``change_contrib`` (``dcr_sd_change``: each index weighed once for old and new) is exactly
+    ``contrib(new) - contrib(old)``, in C and in the torch reference, special values included."""
+    shape = (n + 17, 3)
+    g = torch.Generator().manual_seed(n)
+    idx = torch.randperm(shape[0] * shape[1], generator=g)[:n]
+    old, new = special_tensor(dtype, n, seed=1), special_tensor(dtype, n, seed=2)
+    two = changes_contrib("w", dtype, shape, idx, new) - changes_contrib("w", dtype, shape, idx, old)
+    assert change_contrib("w", dtype, shape, idx, old, new) == two
+    assert reference(change_contrib, "w", dtype, shape, idx, old, new) == two
+    assert change_contrib("w", dtype, shape, idx, old, old) == StateDigest.zero()
+
+
+def test_change_digest_moves_a_state_digest_to_the_new_state(any_simd):
+    """A ChangeDigest fed changes (old and new bits), arrivals (old None) and departures (new
+    None) takes the whole digest of the old state to that of the new one."""
+    g = torch.Generator().manual_seed(5)
+    a = special_tensor(torch.bfloat16, 50_000, seed=5)
+    b = a.clone()
+    idx = torch.randperm(a.numel(), generator=g)[:700]
+    b[idx] = special_tensor(torch.bfloat16, 700, seed=6)
+    gone = special_tensor(torch.float32, 33, seed=7)
+    came = torch.arange(9, dtype=torch.int64)
+    d = ChangeDigest()
+    d("a", torch.bfloat16, (50_000,), idx, a[idx], b[idx])
+    d("gone", torch.float32, (33,), torch.arange(33), gone, None)
+    d("came", torch.int64, (9,), torch.arange(9), None, came)
+    before = state_contrib({"a": a, "gone": gone})
+    assert before + d.total == state_contrib({"a": b, "came": came})
 
 
 # ----------------------------------------------------------------------------- the clamp's edges

@@ -70,6 +70,8 @@ def _declare(lib) -> None:
     lib.dcr_set_simd.argtypes = [ctypes.c_int]
     lib.dcr_sd_contrib.restype = ctypes.c_int
     lib.dcr_sd_contrib.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p, p]
+    lib.dcr_sd_change.restype = ctypes.c_int
+    lib.dcr_sd_change.argtypes = [p, p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p]
 
 
 def lib():

@@ -646,67 +646,96 @@ static inline uint32_t sd_weight(uint32_t u, uint32_t t) {
 static inline uint64_t sd_mod(uint64_t x) { return x % SD_P; }
 
 /* The element loop, written so that compilers vectorise it: 32-bit index mixing, 32x32->64-bit
- * products, one accumulator per lane and limb. IDX is the canonical index of element i. */
-#define SD_LANE(l, NLIMB, LIMB)                                                               \
-    { uint64_t r = sd_weight(u, t##l); s##l##0 += r;                                          \
-      if (NLIMB > 0) s##l##1 += r * (uint64_t)(LIMB(0));                                      \
-      if (NLIMB > 1) s##l##2 += r * (uint64_t)(LIMB(1));                                      \
-      if (NLIMB > 2) s##l##3 += r * (uint64_t)(LIMB(2));                                      \
-      if (NLIMB > 3) s##l##4 += r * (uint64_t)(LIMB(3)); }
-#define SD_LOOP(NLIMB, LIMB, IDX)                                                             \
+ * products, one accumulator per lane and limb. IDX is the canonical index of element i. With
+ * OLD (the change variant), a second array y of old bits is summed beside x against the same
+ * weights (s: new limbs, d: old limbs): the index mixing, most of the work, is done once for
+ * both sides of a change. */
+#define SD_LIMB(l, j, NLIMB, LIMB, OLD)                                                       \
+    if (NLIMB > j) { s##l##j##_ += r * (uint64_t)(LIMB(x, j)); if (OLD) d##l##j##_ += r * (uint64_t)(LIMB(y, j)); }
+#define SD_LANE(l, NLIMB, LIMB, OLD)                                                          \
+    { uint64_t r = sd_weight(u, t##l); s##l##r_ += r;                                         \
+      SD_LIMB(l, 0, NLIMB, LIMB, OLD) SD_LIMB(l, 1, NLIMB, LIMB, OLD)                         \
+      SD_LIMB(l, 2, NLIMB, LIMB, OLD) SD_LIMB(l, 3, NLIMB, LIMB, OLD) }
+#define SD_ACC(l)                                                                             \
+    uint64_t s##l##r_ = 0, s##l##0_ = 0, s##l##1_ = 0, s##l##2_ = 0, s##l##3_ = 0;            \
+    uint64_t d##l##0_ = 0, d##l##1_ = 0, d##l##2_ = 0, d##l##3_ = 0;
+#define SD_FOLD(l, OLD)                                                                       \
+    { uint64_t sv[5] = {s##l##r_, s##l##0_, s##l##1_, s##l##2_, s##l##3_};                    \
+      uint64_t dv[5] = {0, d##l##0_, d##l##1_, d##l##2_, d##l##3_};                           \
+      for (int j = 0; j < 5; j++) {                                                           \
+          acc[l][j] = sd_mod(acc[l][j] + sd_mod(sv[j]));                                      \
+          if (OLD) old[l][j] = sd_mod(old[l][j] + sd_mod(dv[j]));                             \
+      } }
+#define SD_LOOP(NLIMB, LIMB, IDX, OLD)                                                        \
     for (int64_t b0 = 0; b0 < n; b0 += SD_BLOCK) {                                            \
         int64_t b1 = b0 + SD_BLOCK < n ? b0 + SD_BLOCK : n;                                   \
-        uint64_t s00 = 0, s01 = 0, s02 = 0, s03 = 0, s04 = 0, s10 = 0, s11 = 0, s12 = 0, s13 = 0, s14 = 0; \
-        uint64_t s20 = 0, s21 = 0, s22 = 0, s23 = 0, s24 = 0, s30 = 0, s31 = 0, s32 = 0, s33 = 0, s34 = 0; \
+        SD_ACC(0) SD_ACC(1) SD_ACC(2) SD_ACC(3)                                               \
         for (int64_t i = b0; i < b1; i++) {                                                   \
             uint64_t g = (IDX);                                                               \
             uint32_t u = sd_mix(sd_mix((uint32_t)g ^ s1) ^ s2 ^ (uint32_t)(g >> 32));         \
-            SD_LANE(0, NLIMB, LIMB) SD_LANE(1, NLIMB, LIMB) SD_LANE(2, NLIMB, LIMB) SD_LANE(3, NLIMB, LIMB) \
+            SD_LANE(0, NLIMB, LIMB, OLD) SD_LANE(1, NLIMB, LIMB, OLD)                         \
+            SD_LANE(2, NLIMB, LIMB, OLD) SD_LANE(3, NLIMB, LIMB, OLD)                         \
         }                                                                                     \
-        uint64_t s[4][5] = {{s00, s01, s02, s03, s04}, {s10, s11, s12, s13, s14},             \
-                            {s20, s21, s22, s23, s24}, {s30, s31, s32, s33, s34}};            \
-        for (int l = 0; l < 4; l++)                                                           \
-            for (int j = 0; j < 5; j++) acc[l][j] = sd_mod(acc[l][j] + sd_mod(s[l][j]));      \
+        SD_FOLD(0, OLD) SD_FOLD(1, OLD) SD_FOLD(2, OLD) SD_FOLD(3, OLD)                       \
     }
-#define SD_FN(NAME, ATTR, T, NLIMB, LIMB)                                                     \
-    ATTR static void NAME(const T *x, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1, \
-                          uint32_t s2, const uint32_t *t, uint64_t acc[4][5]) {               \
+#define SD_FN(NAME, ATTR, T, NLIMB, LIMB, OLD)                                                \
+    ATTR static void NAME(const T *x, const T *y, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1, \
+                          uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5]) { \
         uint32_t t0 = t[0], t1 = t[1], t2 = t[2], t3 = t[3];                                  \
-        if (gidx) { SD_LOOP(NLIMB, LIMB, (uint64_t)gidx[i]) }                                 \
-        else { SD_LOOP(NLIMB, LIMB, (uint64_t)(start + i)) }                                  \
+        (void)y; (void)old;                                                                   \
+        if (gidx) { SD_LOOP(NLIMB, LIMB, (uint64_t)gidx[i], OLD) }                            \
+        else { SD_LOOP(NLIMB, LIMB, (uint64_t)(start + i), OLD) }                             \
     }
-#define L_W1(j) x[i]
-#define L_W2(j) x[i]
-#define L_W4(j) (((uint64_t)x[i] >> (16 * (j))) & 0xFFFFu)
-#define L_W8(j) ((x[i] >> (16 * (j))) & 0xFFFFu)
-typedef void (*sd_fn)(const void *, const int64_t *, int64_t, int64_t, uint32_t, uint32_t, const uint32_t *,
-                      uint64_t acc[4][5]);
+/* limb j (from 0) of element i of the array a */
+#define L_W1(a, j) a[i]
+#define L_W2(a, j) a[i]
+#define L_W4(a, j) (((uint64_t)a[i] >> (16 * (j))) & 0xFFFFu)
+#define L_W8(a, j) ((a[i] >> (16 * (j))) & 0xFFFFu)
+typedef void (*sd_fn)(const void *, const void *, const int64_t *, int64_t, int64_t, uint32_t, uint32_t,
+                      const uint32_t *, uint64_t acc[4][5], uint64_t old[4][5]);
 /* one plain build per width, and on x86-64 an AVX2 and an AVX-512 one (512-bit vectors: the
- * compiler's default for AVX-512 code is 256), chosen at run time like the classes scans */
-#define SD_ALL(SUFFIX, ATTR)                                   \
-    SD_FN(sd_w1##SUFFIX, ATTR, uint8_t, 1, L_W1)               \
-    SD_FN(sd_w2##SUFFIX, ATTR, uint16_t, 1, L_W2)              \
-    SD_FN(sd_w4##SUFFIX, ATTR, uint32_t, 2, L_W4)              \
-    SD_FN(sd_w8##SUFFIX, ATTR, uint64_t, 4, L_W8)              \
-    static const sd_fn sd_table##SUFFIX[4] = {(sd_fn)sd_w1##SUFFIX, (sd_fn)sd_w2##SUFFIX, (sd_fn)sd_w4##SUFFIX, \
-                                              (sd_fn)sd_w8##SUFFIX};
+ * compiler's default for AVX-512 code is 256), chosen at run time like the classes scans; each
+ * width in the one-side variant (sd_) and the change variant (sdc_: new and old bits) */
+#define SD_ALL1(V, SUFFIX, ATTR, OLD)                                                         \
+    SD_FN(V##_w1##SUFFIX, ATTR, uint8_t, 1, L_W1, OLD)                                        \
+    SD_FN(V##_w2##SUFFIX, ATTR, uint16_t, 1, L_W2, OLD)                                       \
+    SD_FN(V##_w4##SUFFIX, ATTR, uint32_t, 2, L_W4, OLD)                                       \
+    SD_FN(V##_w8##SUFFIX, ATTR, uint64_t, 4, L_W8, OLD)                                       \
+    static const sd_fn V##_table##SUFFIX[4] = {(sd_fn)V##_w1##SUFFIX, (sd_fn)V##_w2##SUFFIX,  \
+                                               (sd_fn)V##_w4##SUFFIX, (sd_fn)V##_w8##SUFFIX};
+#define SD_ALL(SUFFIX, ATTR) SD_ALL1(sd, SUFFIX, ATTR, 0) SD_ALL1(sdc, SUFFIX, ATTR, 1)
 SD_ALL(_plain, )
 #ifdef DCR_X86
 SD_ALL(_avx2, __attribute__((target("avx2"))))
 SD_ALL(_avx512, __attribute__((target("avx512f,avx512bw,prefer-vector-width=512"))))
-static const sd_fn *sd_table(void) {
-    static const sd_fn *simd = NULL;
-    if (!simd_enabled) return sd_table_plain;  /* dcr_set_simd(0): the tests check both */
-    if (!simd) {
+static int sd_isa(void) {  /* 2: AVX-512, 1: AVX2, 0: plain */
+    static int isa = -1;
+    if (isa < 0) {
         __builtin_cpu_init();
-        simd = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? sd_table_avx512
-             : __builtin_cpu_supports("avx2") ? sd_table_avx2 : sd_table_plain;
+        isa = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") ? 2
+            : __builtin_cpu_supports("avx2") ? 1 : 0;
     }
-    return simd;
+    return isa;
+}
+static const sd_fn *sd_table(int change) {
+    int isa = simd_enabled ? sd_isa() : 0;  /* dcr_set_simd(0): the plain build (the tests check both) */
+    if (isa == 2) return change ? sdc_table_avx512 : sd_table_avx512;
+    if (isa == 1) return change ? sdc_table_avx2 : sd_table_avx2;
+    return change ? sdc_table_plain : sd_table_plain;
 }
 #else
-static const sd_fn *sd_table(void) { return sd_table_plain; }
+static const sd_fn *sd_table(int change) { return change ? sdc_table_plain : sd_table_plain; }
 #endif
+
+/* the element loop of width w over x (and y: the change variant) -> the sums, m the limbs */
+static int sd_run(const void *x, const void *y, int w, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
+                  uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5], int *m) {
+    int k = w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : w == 8 ? 3 : -1;
+    if (n < 0 || start < 0 || k < 0) return E_ARGS;
+    sd_table(y != NULL)[k](x, y, gidx, start, n, s1, s2, t, acc, old);
+    *m = w == 8 ? 4 : w == 4 ? 2 : 1;
+    return 0;
+}
 
 /* bits: n elements of w bytes (1, 2, 4, 8), contiguous. Canonical indices: gidx[i] when gidx is
  * not NULL, else start + i. keys: s1, s2, t[4], kpow[4][4] (K_l^j mod P), c[4] (C_l).
@@ -714,18 +743,30 @@ static const sd_fn *sd_table(void) { return sd_table_plain; }
 int dcr_sd_contrib(const void *bits, int w, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
                    uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
     uint64_t acc[4][5] = {{0}};
-    int m;
-    if (n < 0 || start < 0) return E_ARGS;
-    switch (w) {
-        case 1: sd_table()[0](bits, gidx, start, n, s1, s2, t, acc); m = 1; break;
-        case 2: sd_table()[1](bits, gidx, start, n, s1, s2, t, acc); m = 1; break;
-        case 4: sd_table()[2](bits, gidx, start, n, s1, s2, t, acc); m = 2; break;
-        case 8: sd_table()[3](bits, gidx, start, n, s1, s2, t, acc); m = 4; break;
-        default: return E_ARGS;
-    }
+    int m, rc = sd_run(bits, NULL, w, gidx, start, n, s1, s2, t, acc, NULL, &m);
+    if (rc) return rc;
     for (int l = 0; l < 4; l++) {
         uint64_t v = sd_mod(sd_mod(c[l]) * acc[l][0]);  /* both < 2^31: product < 2^62 */
         for (int j = 0; j < m; j++) v = sd_mod(v + sd_mod(kpow[4 * l + j]) * acc[l][j + 1]);
+        out[l] = v;
+    }
+    return 0;
+}
+
+/* The change of the state digest when the n elements at those canonical indices go from the
+ * bits old_bits to new_bits: out[l] = (contrib_l(new) - contrib_l(old)) mod P, what two
+ * dcr_sd_contrib calls and a subtraction give, with each index mixed once instead of twice.
+ * The C_l term is the same on both sides and cancels. Returns 0, or E_ARGS. */
+int dcr_sd_change(const void *new_bits, const void *old_bits, int w, const int64_t *gidx, int64_t start, int64_t n,
+                  uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *out) {
+    uint64_t acc[4][5] = {{0}}, old[4][5] = {{0}};
+    if (old_bits == NULL) return E_ARGS;
+    int m, rc = sd_run(new_bits, old_bits, w, gidx, start, n, s1, s2, t, acc, old, &m);
+    if (rc) return rc;
+    for (int l = 0; l < 4; l++) {
+        uint64_t v = 0;
+        for (int j = 0; j < m; j++)  /* each limb sum's new - old, in [0, P): the product < 2^62 */
+            v = sd_mod(v + sd_mod(kpow[4 * l + j]) * ((acc[l][j + 1] + SD_P - old[l][j + 1]) % SD_P));
         out[l] = v;
     }
     return 0;
