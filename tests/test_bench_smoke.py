@@ -300,3 +300,41 @@ def test_kernels_bench_device_hook_rows_join_the_table():
     assert seen == [(1 << 16, 1 << 16, 0.01)]
     fused = [r for r in rows if r["device"] == "cuda"]
     assert fused and fused[0]["x_memcpy"] == 0.5 and fused[0]["h2d_bytes"] == 5
+
+
+def test_added_round_trip_holds_each_exchange_back_and_keeps_the_bytes():
+    """``--rtt-ms`` (bench/netenv.py): a request through the region's proxy waits out the added
+    round trip, and large bodies arrive intact and in order in both directions."""
+    import http.server
+    import threading
+    import time
+    import urllib.request
+
+    body = bytes(range(256)) * 4096  # 1 MiB
+
+    class Echo(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):
+            data = self.rfile.read(int(self.headers["Content-Length"]))
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[::-1])
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    ne = _load_bench("netenv")
+    region = ne.Region("proxy", rtt=0.05)
+    try:
+        url = region.reach(f"http://127.0.0.1:{srv.server_address[1]}/x")
+        assert url != f"http://127.0.0.1:{srv.server_address[1]}/x" and "+50 ms" in region.kind
+        t = time.perf_counter()
+        got = urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=30).read()
+        took = time.perf_counter() - t
+        assert got == body[::-1]
+        assert took >= 0.05  # at least the added round trip (the request and its answer each held back)
+    finally:
+        region.close()
+        srv.shutdown()
