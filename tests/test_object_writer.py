@@ -229,3 +229,36 @@ def test_a_full_disk_mid_publish_commits_nothing_and_leaves_no_temporaries(small
     Follower(store, tensors, verifier=None).sync()
     for k, v in seq[1].items():
         assert torch.equal(tensors[k].view(torch.int16), v.view(torch.int16))
+
+
+def test_retention_drops_what_writers_killed_mid_object_left(store):
+    """A writer that never commits nor aborts (its process killed mid-object) leaves a hidden
+    temporary or an incomplete multipart upload that no listing shows; retention drops those of
+    versions below its cutoff, and leaves the unfinished writes of newer versions alone."""
+    seq = _states(4)
+    pub = Publisher(store, keyframe_every=2, retain=0, signer=None)
+    pub.publish(seq[0])
+    old_key, new_key = "versions/000000000000/dead-1/part-00000.dcr", "versions/000000000009/live-1/part-00000.dcr"
+    killed = []
+    for key in (old_key, new_key):
+        w = store.open_writer(key)
+        w.write(_pieces(7, [10 * MiB])[0])  # past S3's multipart threshold (8 MiB): an upload is open
+        w.flush()
+        killed.append(w)  # neither committed nor aborted, as after a SIGKILL
+
+    def unfinished():
+        if isinstance(store, LocalStore):
+            return sorted(os.path.relpath(p, store.root) for p in _leftovers(store.root))
+        return sorted(u["Key"][len(store.prefix) + 1:] for u in _uploads(store))
+
+    assert len(unfinished()) == 2
+    for s in seq[1:]:
+        pub.publish(s)  # version 2 is a keyframe: the cutoff passes version 0
+    left = unfinished()
+    assert len(left) == 1 and "000000000009" in left[0], left
+    assert not any(k.startswith("versions/000000000000/") for k in store.list("versions/"))
+    tensors = {}
+    Follower(store, tensors, verifier=None).sync()
+    for k, v in seq[-1].items():
+        assert torch.equal(tensors[k].view(torch.int16), v.view(torch.int16))
+    killed[1].abort()

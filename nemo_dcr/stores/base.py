@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import abc
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from nemo_dcr.errors import NotFound, PreconditionFailed, StoreError  # re-exported: defined with every other error
@@ -136,6 +136,13 @@ class Store(abc.ABC):
         from .writer import BufferedWriter
         check_key(key)
         return BufferedWriter(self, key)
+
+    def drop_unfinished(self, prefix: str, stale: Callable[[str], bool]) -> int:
+        """Drop the unfinished writes under ``prefix`` whose key ``stale(key)`` says no writer can
+        still finish: what a writer killed mid-object (``open_writer``) leaves behind, invisible
+        to :meth:`list` (a local store's hidden temporaries, S3's incomplete multipart uploads).
+        Returns how many were dropped; this default has none to drop."""
+        return 0
 
     def _put_overridden(self, own: type) -> bool:
         """Whether a subclass of ``own`` (the class defining the streaming writer) replaced ``put``."""

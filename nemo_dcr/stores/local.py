@@ -30,9 +30,9 @@ import hashlib
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
-from nemo_dcr.util.atomic import fsync_dir, install, open_temp, remove_quiet, write_temp
+from nemo_dcr.util.atomic import TEMP_RE, fsync_dir, install, open_temp, remove_quiet, write_temp
 
 from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
 from .writer import ObjectWriter
@@ -296,6 +296,32 @@ class LocalStore(Store):
             remove_quiet(tmp)  # no-op after a successful replace
         fsync_dir(os.path.dirname(final))
         return _tag_of(data)
+
+    def drop_unfinished(self, prefix: str, stale: Callable[[str], bool]) -> int:
+        """Removes the hidden temporaries (``.<name>.tmp-<hex>``) under ``prefix`` of the keys
+        ``stale`` names, then the directories that leaves empty."""
+        check_prefix(prefix)
+        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = os.path.join(self.root, *head.split("/")) if head else self.root
+        dropped, dirs = 0, []
+        for dirpath, dirnames, filenames in os.walk(start):
+            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
+            rel = os.path.relpath(dirpath, self.root)
+            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
+            for name in filenames:
+                m = TEMP_RE.match(name)
+                if m and (rel + m.group("base")).startswith(prefix) and stale(rel + m.group("base")):
+                    remove_quiet(os.path.join(dirpath, name))
+                    dropped += 1
+                    dirs.append(dirpath)
+        for d in dirs:  # prune what that left empty, as delete() does
+            while d != self.root:
+                try:
+                    os.rmdir(d)
+                except OSError:
+                    break
+                d = os.path.dirname(d)
+        return dropped
 
     def delete(self, key: str) -> None:
         final = self._path(key)

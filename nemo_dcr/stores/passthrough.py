@@ -50,6 +50,9 @@ class PassThroughStore(Store):
     def delete(self, key: str) -> None:
         self.inner.delete(key)
 
+    def drop_unfinished(self, prefix: str, stale) -> int:
+        return self.inner.drop_unfinished(prefix, stale)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 

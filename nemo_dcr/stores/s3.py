@@ -361,6 +361,27 @@ class S3Store(Store):
             self._call("put", key, lambda: self.client.put_object(
                 Bucket=self.bucket, Key=full, Body=data))
 
+    def drop_unfinished(self, prefix: str, stale: Callable[[str], bool]) -> int:
+        """Aborts the incomplete multipart uploads under ``prefix`` of the keys ``stale`` names
+        (their parts are stored, and billed, until then)."""
+        check_prefix(prefix)
+        full = f"{self.prefix}/{prefix}" if self.prefix else prefix
+        cut = len(self.prefix) + 1 if self.prefix else 0
+        uploads, kw = [], {"Bucket": self.bucket, "Prefix": full}
+        while True:
+            r = self._call("list", prefix, lambda kw=kw: self.client.list_multipart_uploads(**kw))
+            uploads += [(u["Key"], u["UploadId"]) for u in r.get("Uploads", [])]
+            if not r.get("IsTruncated"):
+                break
+            kw = {**kw, "KeyMarker": r["NextKeyMarker"], "UploadIdMarker": r["NextUploadIdMarker"]}
+        dropped = 0
+        for k, uid in uploads:
+            if stale(k[cut:]):
+                self._call("abort", k[cut:], lambda k=k, uid=uid: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=k, UploadId=uid))
+                dropped += 1
+        return dropped
+
     def open_writer(self, key: str) -> ObjectWriter:
         if self._put_overridden(S3Store):
             return super().open_writer(key)

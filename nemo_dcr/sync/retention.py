@@ -3,7 +3,9 @@
 Kept: the newest keyframe and every version after it, the newest ``keep`` versions, and
 anything at a version newer than HEAD (a publish may be in flight there). Removed: older
 versions, and at versions up to HEAD, objects of publishes that never committed (orphans of a
-lost race or of a rank that died mid-upload).
+lost race or of a rank that died mid-upload); below the cutoff also the unfinished writes of
+writers killed mid-object (``Store.drop_unfinished``: hidden temporaries, incomplete multipart
+uploads), which no listing shows.
 """
 from __future__ import annotations
 
@@ -42,4 +44,15 @@ def prune(store: Store, head: Head, keep: int = 0) -> list:
         if v < cutoff or committed.get(v) != pid:
             store.delete(key)
             deleted.append(key)
+    # what writers killed mid-object left (invisible to list): below the cutoff no publish can
+    # still commit, so nobody is still writing there
+    drop = getattr(type(store), "drop_unfinished", None)
+    if drop is not None:
+        def below(key: str) -> bool:
+            v = key_version(key)[0]
+            return v is not None and v < cutoff
+
+        n = drop(store, "versions/", below)
+        if n:
+            log.info("nemo-dcr: retention dropped %d unfinished object write(s) below version %d", n, cutoff)
     return deleted
