@@ -36,6 +36,7 @@ The object ``a/b`` of ``S3Store("bkt", "runs/7")`` is ``s3://bkt/runs/7/a/b``.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import random
@@ -367,20 +368,25 @@ class S3Store(Store):
         check_prefix(prefix)
         full = f"{self.prefix}/{prefix}" if self.prefix else prefix
         cut = len(self.prefix) + 1 if self.prefix else 0
-        uploads, kw = [], {"Bucket": self.bucket, "Prefix": full}
+        uploads: list[tuple[str, str]] = []
+        kw: dict = {"Bucket": self.bucket, "Prefix": full}
         while True:
-            r = self._call("list", prefix, lambda kw=kw: self.client.list_multipart_uploads(**kw))
+            r = self._call("list", prefix, functools.partial(self.client.list_multipart_uploads, **kw))
             uploads += [(u["Key"], u["UploadId"]) for u in r.get("Uploads", [])]
             if not r.get("IsTruncated"):
                 break
-            kw = {**kw, "KeyMarker": r["NextKeyMarker"], "UploadIdMarker": r["NextUploadIdMarker"]}
+            kw.update(KeyMarker=r["NextKeyMarker"], UploadIdMarker=r["NextUploadIdMarker"])
         dropped = 0
         for k, uid in uploads:
             if stale(k[cut:]):
-                self._call("abort", k[cut:], lambda k=k, uid=uid: self.client.abort_multipart_upload(
-                    Bucket=self.bucket, Key=k, UploadId=uid))
+                self._abort_upload(k, uid)
                 dropped += 1
         return dropped
+
+    def _abort_upload(self, full_key: str, upload_id: str) -> None:
+        key = full_key[len(self.prefix) + 1:] if self.prefix else full_key
+        self._call("abort", key, lambda: self.client.abort_multipart_upload(
+            Bucket=self.bucket, Key=full_key, UploadId=upload_id))
 
     def open_writer(self, key: str) -> ObjectWriter:
         if self._put_overridden(S3Store):
@@ -512,9 +518,7 @@ class _S3Writer(ObjectWriter):
         upload, self._upload = self._upload, None
         self._close_pool()
         if upload is not None and not upload.cancelled() and upload.exception() is None:  # (done: pool shut down)
-            st, upload_id = self.store, upload.result()
-            st._call("abort", self.key, lambda: st.client.abort_multipart_upload(
-                Bucket=st.bucket, Key=self.full, UploadId=upload_id))
+            self.store._abort_upload(self.full, upload.result())
 
     def _close_pool(self) -> None:
         if self._pool is not None:
