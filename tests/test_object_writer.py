@@ -105,6 +105,7 @@ def test_s3_a_lost_upload_fails_the_commit_and_leaves_no_object(moto_s3, request
     store = make_s3_store(moto_s3, request, multipart_threshold=5 * MiB)
     w = store.open_writer("v/lost.dcr")
     w.write(_pieces(2, [11 * MiB])[0])
+    w.flush()  # the upload is created, and its first part sent, on the writer's threads
     up = next(u for u in _uploads(store) if u["Key"].endswith("v/lost.dcr"))
     # the server forgets the upload (as an expiry or another client's abort would)
     store.client.abort_multipart_upload(Bucket=store.bucket, Key=up["Key"], UploadId=up["UploadId"])
