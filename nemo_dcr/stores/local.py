@@ -202,27 +202,24 @@ class LocalStore(Store):
             raise NotFound(key, self.url)
         return st.st_size
 
-    def list(self, prefix: str = "") -> list[str]:
+    def _walk(self, prefix: str) -> Iterator[tuple[str, str, list[str]]]:
+        """``(dirpath, its key prefix "a/b/", file names)`` of the directories that can hold keys
+        starting with ``prefix``: only the deepest directory the prefix pins down is walked (S3
+        semantics: "v1" matches "v1/x" and "v10/x"; the caller filters by string prefix), and
+        the store's own hidden directories are skipped."""
         check_prefix(prefix)
-        # Walk only the deepest directory the prefix pins down, then filter by string prefix
-        # (S3 semantics: "v1" matches "v1/x" and "v10/x").
         head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
         start = os.path.join(self.root, *head.split("/")) if head else self.root
-        out: list[str] = []
         if not os.path.isdir(start):
-            return out
+            return
         for dirpath, dirnames, filenames in os.walk(start):
             dirnames[:] = [d for d in dirnames if not d.startswith(".")]
             rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            for name in filenames:
-                if name.startswith("."):
-                    continue
-                k = rel + name
-                if k.startswith(prefix):
-                    out.append(k)
-        out.sort()
-        return out
+            yield dirpath, "" if rel == "." else rel.replace(os.sep, "/") + "/", filenames
+
+    def list(self, prefix: str = "") -> list[str]:
+        return sorted(rel + name for _, rel, names in self._walk(prefix) for name in names
+                      if not name.startswith(".") and (rel + name).startswith(prefix))
 
     # -- writes ----------------------------------------------------------------------------
 
@@ -300,28 +297,25 @@ class LocalStore(Store):
     def drop_unfinished(self, prefix: str, stale: Callable[[str], bool]) -> int:
         """Removes the hidden temporaries (``.<name>.tmp-<hex>``) under ``prefix`` of the keys
         ``stale`` names, then the directories that leaves empty."""
-        check_prefix(prefix)
-        head = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = os.path.join(self.root, *head.split("/")) if head else self.root
-        dropped, dirs = 0, []
-        for dirpath, dirnames, filenames in os.walk(start):
-            dirnames[:] = [d for d in dirnames if not d.startswith(".")]
-            rel = os.path.relpath(dirpath, self.root)
-            rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
-            for name in filenames:
+        dropped = 0
+        for dirpath, rel, names in list(self._walk(prefix)):
+            for name in names:
                 m = TEMP_RE.match(name)
                 if m and (rel + m.group("base")).startswith(prefix) and stale(rel + m.group("base")):
                     remove_quiet(os.path.join(dirpath, name))
                     dropped += 1
-                    dirs.append(dirpath)
-        for d in dirs:  # prune what that left empty, as delete() does
-            while d != self.root:
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
-                d = os.path.dirname(d)
+                    self._prune(dirpath)
         return dropped
+
+    def _prune(self, d: str) -> None:
+        """Remove ``d`` and its parents while they are empty, so that the key 'a' can be written
+        after 'a/b' was deleted. A put racing with this re-creates the directory (_write_temp)."""
+        while d != self.root:
+            try:
+                os.rmdir(d)
+            except OSError:
+                break
+            d = os.path.dirname(d)
 
     def delete(self, key: str) -> None:
         final = self._path(key)
@@ -336,14 +330,7 @@ class LocalStore(Store):
             raise self._io_error("delete", key, e) from e
         parent = os.path.dirname(final)
         fsync_dir(parent)
-        # Prune directories left empty, so that the key 'a' can be written after 'a/b' was
-        # deleted. A put racing with this re-creates the directory (see _write_temp).
-        while parent != self.root:
-            try:
-                os.rmdir(parent)
-            except OSError:
-                break
-            parent = os.path.dirname(parent)
+        self._prune(parent)
 
 
 class _LocalWriter(ObjectWriter):
