@@ -10,8 +10,10 @@ once every part is durable. A rank that fails or dies before its receipt is gath
 visible version. The private copy is made once; after each committed version it takes the
 changes the diff found (O(changes), ``_Changes``), and a failed publish leaves it as it was.
 
-Pipelined: a rank's delta part uploads on a background thread while its keyframe part is
-encoded; the commit still comes after every upload of every rank returned.
+Pipelined: each object is encoded straight into the store (``Store.open_writer``: S3 parts go
+up while the encode runs) and made durable on a background thread while the next one (a
+further delta part, the keyframe) is encoded; the commit still comes after every object of
+every rank is durable.
 ``PublishResult.spans`` records each stage (encode, upload, commit) with its start and end.
 """
 from __future__ import annotations
