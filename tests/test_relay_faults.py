@@ -110,12 +110,16 @@ def test_relay_never_keeps_a_corrupt_object(tmp_path):
         f = Follower(s, zeros_like(state), retries=1, backoff=0)
         with pytest.raises(CorruptObjectError):
             f.sync()
+        # the relay checks a download against its manifest after the last byte went out: the
+        # child may have rejected the second copy before the relay counted it (bounded wait)
+        wait_until(lambda: s.stats()["bad_objects"] >= 2, "the relay to check the second copy")
         st = s.stats()
         assert st["upstream_fetches_by_key"][part] == 2 and st["bad_objects"] == 2
         assert st["cache_entries"] == 1  # the manifest only
         path.write_bytes(good)
         assert f.sync().version == 0
         assert_state(f.tensors, state)
+        wait_until(lambda: s.stats()["cache_entries"] >= 2, "the relay to keep the repaired copy")
         st = s.stats()
         assert st["upstream_fetches_by_key"][part] == 3 and st["cache_entries"] == 2
     finally:

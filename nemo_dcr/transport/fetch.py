@@ -42,6 +42,7 @@ class Fetch:
         self.error: BaseException | None = None
         self.sha256: str | None = None
         self._changed = asyncio.Event()
+        self.decided = asyncio.Event()  # set once the download is kept or dropped
 
     def update(self, *, size=None, written=None, done=False, error=None, sha256=None) -> None:
         if size is not None:
@@ -98,8 +99,14 @@ class Fetcher:
         self._inflight: dict = {}
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
 
-    def open(self, key: str) -> Reader:
-        """A reader on ``key``: the cached copy, the download in flight, or a new download."""
+    async def open(self, key: str) -> Reader:
+        """A reader on ``key``: the cached copy, the download in flight, or a new download. A
+        download that has ended but is not yet checked against its manifest is waited out, not
+        joined: a child retrying a corrupt object the moment it saw the last byte would get
+        those same bytes again, and a good one is in the cache by then."""
+        f = self._inflight.get(key)
+        if f is not None and (f.done or f.error is not None or (f.size is not None and f.written >= f.size)):
+            await f.decided.wait()
         e = self.cache.lookup(key)
         if e is not None:
             try:
@@ -171,6 +178,7 @@ class Fetcher:
                     os.unlink(f.path)
                 except OSError:
                     pass
+            f.decided.set()
 
     async def _keep(self, f: Fetch) -> bool:
         """Cache ``f`` if it is what its manifest declares (a manifest: if it parses and names
@@ -219,7 +227,7 @@ class Fetcher:
         m = self._manifests.get(key)
         if m is not None:
             return m
-        r = self.open(key)
+        r = await self.open(key)
         try:
             size = await r.wait_size()
             if size > _MAX_MANIFEST:

@@ -197,7 +197,7 @@ class Relay:
 
     async def _object(self, request, key: str):
         web = _aiohttp()
-        r = self.fetcher.open(key)
+        r = await self.fetcher.open(key)
         try:
             size = await r.wait_size()
             start, end = 0, size - 1
