@@ -124,10 +124,16 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
         memset(marks, 0, (size_t)nb * 8);
         for (int b = nb + 1; b <= DSEG / 64; b++) cum[b] = 0x7FFF;  /* past the segment: never <= a rank */
         int ns = 0;
+        /* the next segment's base bits are fetched while this one is counted: the scan is
+         * otherwise a burst of DRAM reads, then L1-only work with no read in flight */
+        const char *nxt = (const char *)(os + DSEG);
+        const int pf = (n - i - DSEG) * 2 > 0 ? (int)((n - i - DSEG) * 2 < DSEG * 2 ? (n - i - DSEG) * 2 : DSEG * 2) : 0;
         for (int x = 0; x < L; x++) {
             const ACT_T a = vact[x];
             uint32_t t = 0;
             cum[0] = 0;
+            if (x == 0)
+                for (int q = 0; q < pf; q += 64) __builtin_prefetch(nxt + q, 0, 0);
             for (int b = 0; b < nb; b++) cum[b + 1] = (int16_t)(t += (uint32_t)__builtin_popcountll(EQ(LDB(cb + 64 * b), a)));
             int64_t j = next[x];
             const int64_t e = endc[x];
