@@ -297,7 +297,9 @@ def test_vector_and_scalar_scans_agree(dtype):
             out = []
             for simd in (1, 2, 0):
                 lib.dcr_set_simd(simd)
-                k, rows, pos, val, idx = classes.encode(old, new, mant, with_idx=True)
+                k, rows, pos, val, idx, eold, enew = classes.encode(old, new, mant, with_changes=True)
+                assert torch.equal(idx, torch.nonzero(old != new).squeeze(1))
+                assert torch.equal(eold, old[idx]) and torch.equal(enew, new[idx])  # gathered by the scan
                 didx, dval, dold = classes.decode(old, rows, pos, val, k, mant, with_old=True)
                 assert torch.equal(didx, idx) and torch.equal(dval, new[idx]) and torch.equal(dold, old[idx])
                 out.append((k, rows, pos, val, idx.tolist(), didx.tolist(), dval.tolist(), dold.tolist()))

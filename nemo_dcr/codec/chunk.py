@@ -151,18 +151,17 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     digests' algorithm, as the delta's format version says (codec/versions.py)."""
     n = new.numel()
     encoding, use_classes = plan_encoding(encoding, old is not None, dtype)
-    cls_try, cidx = None, None
+    cls_try = None
     if use_classes:
         assert old is not None and dtype is not None  # plan_encoding tries classes only with both
-        k, rows, pbytes, vbytes, cidx = classes.encode(old, new, classes.MANTISSA[dtype], with_idx=True)
+        k, rows, pbytes, vbytes, idx, prev, newv = classes.encode(old, new, classes.MANTISSA[dtype],
+                                                                 with_changes=True)
         if k == 0:
             return None
         cls_try = (k, rows, pbytes, vbytes)
-    if old is None:
+    elif old is None:
         idx = torch.arange(n, dtype=torch.int64)
         newv, prev = new, None
-    elif cidx is not None:  # the classes kernel found the changes already
-        idx, prev, newv = cidx, old[cidx], new[cidx]
     else:
         x = torch.bitwise_xor(old, new)
         idx = torch.nonzero(x).squeeze(1)

@@ -296,36 +296,45 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | None = None, with_idx: bool = False):
-    """As ``encode_reference``, with the C kernel when it is available. ``with_idx``: the
-    changed positions (increasing) come back too, as a fifth item."""
+def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | None = None,
+           with_changes: bool = False):
+    """As ``encode_reference``, with the C kernel when it is available. ``with_changes``: the
+    changes come back too, as three more items: their positions (increasing), old and new bits
+    (the kernel gathers them while its scan has them in cache)."""
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
             raise DcrError(f"C kernels unavailable: {native.build_error}")
         out = encode_reference(old, new, mant)
-        return out + (torch.nonzero(old != new).squeeze(1),) if with_idx else out
+        if not with_changes:
+            return out
+        idx = torch.nonzero(old != new).squeeze(1)
+        return out + (idx, old[idx], new[idx])
     old, new = old.contiguous(), new.contiguous()
     w = new.element_size()
     table = torch.empty(256 * ROW, dtype=torch.int64)
     ntab, plen, vlen = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
-    pp, vp, ip = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
+    pp, vp, ip, op, np_ = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
     k = lib.dcr_cls_encode(_ptr(old), _ptr(new), new.numel(), w, mant, _ptr(table), ctypes.byref(ntab),
-                           ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp), ctypes.byref(vlen), ctypes.byref(ip))
+                           ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp), ctypes.byref(vlen), ctypes.byref(ip),
+                           ctypes.byref(op), ctypes.byref(np_))
     if k < 0:
         raise DcrError(f"classes encode failed in the C kernel: {_ERRORS.get(k, k)}")
     try:
         pos = ctypes.string_at(pp, plen.value) if plen.value else b""
         val = ctypes.string_at(vp, vlen.value) if vlen.value else b""
-        idx = torch.empty(k, dtype=torch.int64)
-        if k:
-            ctypes.memmove(idx.data_ptr(), ip, 8 * k)
+        if with_changes:
+            idx = torch.empty(k, dtype=torch.int64)
+            ov, nv = torch.empty(k, dtype=new.dtype), torch.empty(k, dtype=new.dtype)
+            if k:
+                ctypes.memmove(idx.data_ptr(), ip, 8 * k)
+                ctypes.memmove(ov.data_ptr(), op, w * k)
+                ctypes.memmove(nv.data_ptr(), np_, w * k)
     finally:
-        lib.dcr_free(pp)
-        lib.dcr_free(vp)
-        lib.dcr_free(ip)
+        for ptr in (pp, vp, ip, op, np_):
+            lib.dcr_free(ptr)
     rows = table[: ntab.value * ROW].reshape(-1, ROW).tolist()
-    return (int(k), rows, pos, val, idx) if with_idx else (int(k), rows, pos, val)
+    return (int(k), rows, pos, val, idx, ov, nv) if with_changes else (int(k), rows, pos, val)
 
 
 def encode_ranked(c_ch: torch.Tensor, rank: torch.Tensor, uo: torch.Tensor, un: torch.Tensor, w: int,

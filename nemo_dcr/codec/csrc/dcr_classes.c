@@ -25,31 +25,49 @@
 enum { E_TABLE = -1, E_STREAM = -2, E_TRAILING = -3, E_RANK = -4, E_VALUE = -5, E_NOMEM = -6, E_ARGS = -7 };
 
 /* ------------------------------------------------------------------ bit writer (LSB first) */
+/* The buffer always has 8 bytes of room past len (w_room): a put stores the whole accumulator
+ * with one unaligned 8-byte store and advances len by the whole bytes in it; the bytes past len
+ * are scratch, rewritten by the next put. One capacity check per code instead of one per byte. */
 typedef struct { uint8_t *buf; int64_t len, cap; uint64_t acc; int nbits; int oom; } writer;
 
 static void w_init(writer *w, int64_t cap) {
     w->cap = cap < 64 ? 64 : cap; w->len = 0; w->acc = 0; w->nbits = 0;
     w->buf = (uint8_t *)malloc((size_t)w->cap); w->oom = w->buf == NULL;
 }
-static void w_put(writer *w, uint64_t v, int len) { /* len <= 56 */
-    if (w->oom) return;
-    if (len < 64) v &= (len ? ((1ULL << len) - 1) : 0);
-    w->acc |= v << w->nbits; w->nbits += len;
-    while (w->nbits >= 8) {
-        if (w->len == w->cap) {
-            int64_t nc = w->cap * 2; uint8_t *nb = (uint8_t *)realloc(w->buf, (size_t)nc);
-            if (!nb) { w->oom = 1; return; }
-            w->buf = nb; w->cap = nc;
-        }
-        w->buf[w->len++] = (uint8_t)w->acc; w->acc >>= 8; w->nbits -= 8;
+/* room for `bytes` more bytes plus the 8-byte store; 0 when out of memory */
+static inline int w_room(writer *w, int64_t bytes) {
+    if (__builtin_expect(w->oom, 0)) return 0;
+    if (__builtin_expect(w->cap - w->len < bytes + 8, 0)) {
+        int64_t nc = w->cap * 2 > w->len + bytes + 64 ? w->cap * 2 : w->len + bytes + 64;
+        uint8_t *nb = (uint8_t *)realloc(w->buf, (size_t)nc);
+        if (!nb) { w->oom = 1; return 0; }
+        w->buf = nb; w->cap = nc;
     }
+    return 1;
+}
+/* len <= 56, and w_room for (len + 7) / 8 bytes done */
+static inline void w_put_r(writer *w, uint64_t v, int len) {
+    if (len < 64) v &= (len ? ((1ULL << len) - 1) : 0);
+    w->acc |= v << w->nbits; w->nbits += len;  /* nbits <= 7 before: < 64 after */
+    memcpy(w->buf + w->len, &w->acc, 8);
+    int nb = w->nbits >> 3;
+    w->len += nb; w->nbits &= 7;
+    w->acc = nb ? w->acc >> (8 * nb) : w->acc;  /* nb <= 7: a defined shift */
+}
+static void w_put(writer *w, uint64_t v, int len) { /* len <= 56 */
+    if (w_room(w, 8)) w_put_r(w, v, len);
 }
 static void w_finish(writer *w) { if (w->nbits) w_put(w, 0, 8 - w->nbits); }
 
-static void w_rice(writer *w, uint64_t v, int k) {
+static inline void w_rice(writer *w, uint64_t v, int k) {
+    if (!w_room(w, 16)) return;  /* a code is at most QMAX + ESC_BITS = 80 bits */
     uint64_t q = v >> k;
-    if (q < QMAX) { w_put(w, 1ULL << q, (int)q + 1); if (k) w_put(w, v, k); }
-    else { w_put(w, 0, QMAX); w_put(w, v, ESC_BITS); }
+    if (q < QMAX) {
+        int len = (int)q + 1 + k;
+        if (len <= 56) { w_put_r(w, (1ULL << q) | ((v & ((1ULL << k) - 1)) << (q + 1)), len); return; }
+        w_put_r(w, 1ULL << q, (int)q + 1);
+        if (k) w_put_r(w, v, k);
+    } else { w_put_r(w, 0, QMAX); w_put_r(w, v, ESC_BITS); }
 }
 
 static uint64_t rice_cost(uint64_t v, int k) { uint64_t q = v >> k; return q < QMAX ? q + 1 + (uint64_t)k : QMAX + ESC_BITS; }
@@ -57,14 +75,23 @@ static uint64_t rice_cost(uint64_t v, int k) { uint64_t q = v >> k; return q < Q
 static int bitlength(uint64_t m) { int b = 0; while (m) { b++; m >>= 1; } return b; }
 
 /* the Rice parameter: the cheapest of bitlength(mean)-2 .. bitlength(mean)+1 within [0, 31],
- * the smallest on a tie. vals[i * stride] for i < count, count >= 1 */
+ * the smallest on a tie. vals[i] for i < count, count >= 1. The four candidates' costs are
+ * summed in one pass (a candidate outside [0, 31] is costed as 0 and skipped). */
 static int choose_k_gen(const uint64_t *vals, int64_t count) {
     uint64_t s = 0; for (int64_t i = 0; i < count; i++) s += vals[i];
-    int k0 = bitlength(s / (uint64_t)count), best = -1; uint64_t bestc = 0;
-    for (int k = k0 - 2; k <= k0 + 1; k++) {
+    const int k0 = bitlength(s / (uint64_t)count);
+    int ks[4]; for (int d = 0; d < 4; d++) { int k = k0 - 2 + d; ks[d] = k < 0 ? 0 : (k > 31 ? 31 : k); }
+    uint64_t c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+    for (int64_t i = 0; i < count; i++) {
+        uint64_t v = vals[i];
+        c0 += rice_cost(v, ks[0]); c1 += rice_cost(v, ks[1]); c2 += rice_cost(v, ks[2]); c3 += rice_cost(v, ks[3]);
+    }
+    const uint64_t c[4] = {c0, c1, c2, c3};
+    int best = -1; uint64_t bestc = 0;
+    for (int d = 0; d < 4; d++) {
+        int k = k0 - 2 + d;
         if (k < 0 || k > 31) continue;
-        uint64_t c = 0; for (int64_t i = 0; i < count; i++) c += rice_cost(vals[i], k);
-        if (best < 0 || c < bestc) { best = k; bestc = c; }
+        if (best < 0 || c[d] < bestc) { best = k; bestc = c[d]; }
     }
     return best;
 }
@@ -140,20 +167,37 @@ static inline uint64_t unkey(uint64_t k, uint64_t mask, uint64_t sign) {
     return k ^ (sign | ((0 - (uint64_t)((k & sign) == 0)) & (mask ^ sign)));
 }
 
-/* append a changed position (and its rank) to the growing arrays; nonzero when out of memory */
-static int push_change(int64_t **cidx, uint64_t **rank, int64_t *cap, int64_t *k, int64_t i, uint64_t r) {
-    if (*k == *cap) {
-        int64_t nc2 = *cap * 2;
-        int64_t *a = (int64_t *)realloc(*cidx, (size_t)nc2 * 8);
-        if (a) *cidx = a;
-        uint64_t *b = (uint64_t *)realloc(*rank, (size_t)nc2 * 8);
-        if (b) *rank = b;
-        if (!a || !b) return 1;
-        *cap = nc2;
+/* The changes pass A finds: positions, and their old and new bits (w bytes each), gathered while
+ * the scan has them in L1 (read later at scattered positions, they would miss the cache: the
+ * chunk is larger than L2 and pass B streams the base again). Grown by doubling. */
+typedef struct { int64_t *idx; uint8_t *ov, *nv; int64_t k, cap; int w; } found_t;
+
+static int found_init(found_t *f, int w) {
+    f->k = 0; f->cap = 1024; f->w = w;
+    f->idx = (int64_t *)malloc((size_t)f->cap * 8);
+    f->ov = (uint8_t *)malloc((size_t)f->cap * (size_t)w);
+    f->nv = (uint8_t *)malloc((size_t)f->cap * (size_t)w);
+    return f->idx && f->ov && f->nv ? 0 : -1;
+}
+static void found_free(found_t *f) { free(f->idx); free(f->ov); free(f->nv); f->idx = NULL; f->ov = f->nv = NULL; }
+
+/* append change i (old bits uo, new bits un); nonzero when out of memory */
+static inline int push_change(found_t *f, int64_t i, uint64_t uo, uint64_t un) {
+    if (__builtin_expect(f->k == f->cap, 0)) {
+        int64_t nc2 = f->cap * 2;
+        int64_t *a = (int64_t *)realloc(f->idx, (size_t)nc2 * 8);
+        if (a) f->idx = a;
+        uint8_t *o = (uint8_t *)realloc(f->ov, (size_t)nc2 * (size_t)f->w);
+        if (o) f->ov = o;
+        uint8_t *v = (uint8_t *)realloc(f->nv, (size_t)nc2 * (size_t)f->w);
+        if (v) f->nv = v;
+        if (!a || !o || !v) return 1;
+        f->cap = nc2;
     }
-    (*cidx)[*k] = i;
-    (*rank)[*k] = r;
-    (*k)++;
+    f->idx[f->k] = i;
+    store_u(f->ov, f->k, f->w, uo);
+    store_u(f->nv, f->k, f->w, un);
+    f->k++;
     return 0;
 }
 
@@ -163,14 +207,14 @@ static inline int class_of(uint64_t u, uint64_t absmask, int mant, int lo, int h
     return c < lo ? lo : (c > hi ? hi : c);
 }
 
-/* pass A of the encoder, scalar: the changed positions */
+/* pass A of the encoder, scalar: the changes */
 static inline __attribute__((always_inline)) int64_t find_changes(
-        const void *oldp, const void *newp, int64_t n, const int w, int64_t **cidx, uint64_t **rank, int64_t *cap) {
-    int64_t k = 0;
-    for (int64_t i = 0; i < n; i++)
-        if (__builtin_expect(load_u(oldp, i, w) != load_u(newp, i, w), 0) && push_change(cidx, rank, cap, &k, i, 0))
-            return -1;
-    return k;
+        const void *oldp, const void *newp, int64_t n, const int w, found_t *f) {
+    for (int64_t i = 0; i < n; i++) {
+        uint64_t uo = load_u(oldp, i, w), un = load_u(newp, i, w);
+        if (__builtin_expect(uo != un, 0) && push_change(f, i, uo, un)) return -1;
+    }
+    return f->k;
 }
 
 /* pass B of the encoder, scalar: each change's rank among the elements of its class. The
@@ -360,11 +404,10 @@ static inline int nth_bit(uint64_t e, uint64_t at) {
 
 /* ------------------------------------------------------------------ encode, once placed */
 /* The coding of k changes once each is placed: ex[j] its class (< nc), rank[j] its rank among
- * the chunk's elements of that class, its old and new bits at element at(j) of oldp/newp, where
- * at(j) = cidx[j] (whole chunks) or j (cidx NULL: the changes' bits alone, compact); position
- * order. What dcr_cls_encode ends with, and all the device path leaves to the host. */
+ * the chunk's elements of that class, oldv[j]/newv[j] its old and new bits (w bytes each);
+ * position order. What dcr_cls_encode ends with, and all the device path leaves to the host. */
 static int encode_placed(int64_t k, int nc, int w, const uint8_t *ex, const uint64_t *rank,
-                         const void *oldp, const void *newp, const int64_t *cidx,
+                         const void *oldv, const void *newv,
                          int64_t *table, int64_t *ntab, uint8_t **pos_out, int64_t *plen,
                          uint8_t **val_out, int64_t *vlen) {
     const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
@@ -379,8 +422,7 @@ static int encode_placed(int64_t k, int nc, int w, const uint8_t *ex, const uint
     uint64_t *tmp = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
     if (!gap || !mag || !neg || !tmp) { free(gap); free(mag); free(neg); free(tmp); return E_NOMEM; }
     for (int64_t j = 0; j < k; j++) {
-        int64_t i = cidx ? cidx[j] : j;
-        uint64_t uo = load_u(oldp, i, w), un = load_u(newp, i, w);
+        uint64_t uo = load_u(oldv, j, w), un = load_u(newv, j, w);
         int64_t at = fill[ex[j]]++;
         uint64_t d = (key_of(un, mask, sign) - key_of(uo, mask, sign)) & mask;
         if (d & sign) { neg[at] = 1; mag[at] = mask + 1 - d; } else { neg[at] = 0; mag[at] = d; }
@@ -442,7 +484,7 @@ int64_t dcr_cls_encode_ranked(const int64_t *cls, const int64_t *rank, const voi
         if (cls[j] < 0 || cls[j] >= nc || rank[j] < 0) { free(ex); return E_ARGS; }
         ex[j] = (uint8_t)cls[j];
     }
-    int e = encode_placed(k, nc, w, ex, (const uint64_t *)rank, oldv, newv, NULL, table, ntab, pos_out, plen,
+    int e = encode_placed(k, nc, w, ex, (const uint64_t *)rank, oldv, newv, table, ntab, pos_out, plen,
                           val_out, vlen);
     free(ex);
     return e < 0 ? e : k;
@@ -452,45 +494,46 @@ int64_t dcr_cls_encode_ranked(const int64_t *cls, const int64_t *rank, const voi
 void dcr_free(void *p) { free(p); }
 
 /* old/new: n elements of w bytes (1, 2, 4); mant: mantissa bits. Writes the table
- * (ntab rows of TAB int64) and mallocs the two streams and the changed positions (k int64,
- * increasing); free them with dcr_free.
+ * (ntab rows of TAB int64) and mallocs the two streams, the changed positions (k int64,
+ * increasing) and the changes' old and new bits (k elements of w bytes each); free them with
+ * dcr_free.
  * Returns the number of changed elements, or a negative error. */
 int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int mant,
                        int64_t *table, int64_t *ntab, uint8_t **pos_out, int64_t *plen,
-                       uint8_t **val_out, int64_t *vlen, int64_t **idx_out) {
+                       uint8_t **val_out, int64_t *vlen, int64_t **idx_out, void **old_out, void **new_out) {
     if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32)) return E_ARGS;
     int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
     const int nc = 1 << ebits;
     const uint64_t sign = 1ULL << (8 * w - 1);
     const uint64_t absmask = sign - 1;
-    int64_t cap = 1024, k = 0;
-    int64_t *cidx = (int64_t *)malloc((size_t)cap * 8);
-    uint64_t *rank = (uint64_t *)malloc((size_t)cap * 8);
-    if (!cidx || !rank) { free(cidx); free(rank); return E_NOMEM; }
+    found_t f;
+    if (found_init(&f, w)) { found_free(&f); return E_NOMEM; }
     int simd = 0;
 #ifdef DCR_X86
     simd = w == 2 ? simd_isa() : 0;
 #endif
-    /* pass A: the changed positions */
+    /* pass A: the changes */
     int64_t got;
 #ifdef DCR_X86
-    if (simd == 2) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, &cidx, &rank, &cap);
-    else if (simd == 1) got = find_changes_avx2((const uint16_t *)oldp, (const uint16_t *)newp, n, &cidx, &rank, &cap);
+    if (simd == 2) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, &f);
+    else if (simd == 1) got = find_changes_avx2((const uint16_t *)oldp, (const uint16_t *)newp, n, &f);
     else
 #endif
-    got = w == 2 ? find_changes(oldp, newp, n, 2, &cidx, &rank, &cap)
-        : w == 4 ? find_changes(oldp, newp, n, 4, &cidx, &rank, &cap)
-        : find_changes(oldp, newp, n, 1, &cidx, &rank, &cap);
-    if (got < 0) { free(cidx); free(rank); return E_NOMEM; }
-    k = got;
+    got = w == 2 ? find_changes(oldp, newp, n, 2, &f)
+        : w == 4 ? find_changes(oldp, newp, n, 4, &f)
+        : find_changes(oldp, newp, n, 1, &f);
+    if (got < 0) { found_free(&f); return E_NOMEM; }
+    const int64_t k = got;
+    const int64_t *cidx = f.idx;
+    uint64_t *rank = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
+    uint8_t *ex = (uint8_t *)malloc((size_t)(k ? k : 1));  /* each change's exponent */
+    if (!rank || !ex) { free(rank); free(ex); found_free(&f); return E_NOMEM; }
     /* the class range: exponents with fewer than max(4, k/256) changes at either end are merged
      * into the nearest one with more (fewer classes to count, almost no bytes lost) */
     int lo = 0, hi = 0;
-    uint8_t *ex = (uint8_t *)malloc((size_t)(k ? k : 1));  /* each change's exponent, read once */
-    if (!ex) { free(cidx); free(rank); return E_NOMEM; }
     {
         int64_t ke[256]; memset(ke, 0, sizeof ke);
-        for (int64_t j = 0; j < k; j++) ke[ex[j] = (uint8_t)((load_u(oldp, cidx[j], w) & absmask) >> mant)]++;
+        for (int64_t j = 0; j < k; j++) ke[ex[j] = (uint8_t)((load_u(f.ov, j, w) & absmask) >> mant)]++;
         int64_t t = k >> 8 > 4 ? k >> 8 : 4;
         int first = -1, last = -1, sfirst = -1, slast = -1;
         for (int c = 0; c < nc; c++) {
@@ -512,10 +555,10 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
         else if (w == 4) rank_scalar(oldp, n, 4, mant, lo, hi, cidx, k, rank);
         else rank_scalar(oldp, n, 1, mant, lo, hi, cidx, k, rank);
     }
-    int e = encode_placed(k, nc, w, ex, rank, oldp, newp, cidx, table, ntab, pos_out, plen, val_out, vlen);
+    int e = encode_placed(k, nc, w, ex, rank, f.ov, f.nv, table, ntab, pos_out, plen, val_out, vlen);
     free(rank); free(ex);
-    if (e < 0) { free(cidx); return e; }
-    *idx_out = cidx;
+    if (e < 0) { found_free(&f); return e; }
+    *idx_out = f.idx; *old_out = f.ov; *new_out = f.nv;
     return k;
 }
 

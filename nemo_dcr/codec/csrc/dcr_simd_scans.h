@@ -22,10 +22,8 @@
 #define DCR_CAT(a, b) DCR_CAT2(a, b)
 #define F(name) DCR_CAT(name, SFX)
 
-/* pass A of the encoder: the changed positions */
-TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_t n,
-                                   int64_t **cidx, uint64_t **rank, int64_t *cap) {
-    int64_t k = 0;
+/* pass A of the encoder: the changes (found_t: positions, old and new bits) */
+TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_t n, found_t *f) {
     for (int64_t i = 0; i < n; i += 64) {
         uint64_t m;
         if (i + 64 <= n) {
@@ -35,11 +33,12 @@ TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_
             for (int64_t j = i; j < n; j++) if (o[j] != nw[j]) m |= 1ULL << (j - i);
         }
         while (m) {
-            if (push_change(cidx, rank, cap, &k, i + __builtin_ctzll(m), 0)) return -1;
+            const int64_t at = i + __builtin_ctzll(m);
+            if (push_change(f, at, o[at], nw[at])) return -1;
             m &= m - 1;
         }
     }
-    return k;
+    return f->k;
 }
 
 /* pass B of the encoder (cls: each change's class). Returns 0, or -2 when more than MAXA
