@@ -40,7 +40,9 @@ class FlatAccess:
 
     def gather(self, idx: torch.Tensor) -> torch.Tensor:
         if self._flat is not None:
-            return self._flat[idx]
+            # index_select, not self._flat[idx]: advanced indexing costs ~3x more per element
+            # on CPU (bench/kernels.py's applies gather and scatter ~1 % of a shard)
+            return self._flat.index_select(0, idx) if idx.dim() == 1 else self._flat[idx]
         if self.bits.dim() == 0:
             return self.bits.reshape(1)[idx]
         return self.bits[self._unravel(idx)]
@@ -48,7 +50,13 @@ class FlatAccess:
     def scatter(self, idx: torch.Tensor, values: torch.Tensor) -> None:
         """Write ``values`` at flat ``idx`` in place."""
         if self._flat is not None:
-            self._flat[idx] = values
+            if idx.dim() == 1 and idx.dtype == torch.int64 and values.dtype == self._flat.dtype \
+                    and values.shape == idx.shape:
+                # scatter_, not self._flat[idx] = values (index_put_): ~4x less per element on CPU;
+                # the positions written are distinct, so which duplicate wins never arises
+                self._flat.scatter_(0, idx, values)
+            else:
+                self._flat[idx] = values
         elif self.bits.dim() == 0:
             if idx.numel():
                 self.bits.fill_(values[-1])
