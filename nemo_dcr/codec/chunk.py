@@ -45,13 +45,33 @@ VALUES_ALGO = VERSIONS[FORMAT_VERSION].values_digest  # the pre/post digests a w
 _tls = threading.local()
 
 
-def _compressor(level: int) -> zstandard.ZstdCompressor:
+#: streams of at least this many bytes get ``_LARGE`` parameters at level 1 (see ``_compressor``)
+LARGE_STREAM = 128 * 1024
+
+
+def _large_params(level: int) -> zstandard.ZstdCompressionParameters:
+    """Level 1 for large streams: zstd's fast strategy with a 64-entry hash table and 7-byte
+    matches. Byte planes of weights are nearly all literals (entropy-coded bytes, few repeats),
+    so level 1's 64 KiB match table is mostly cache misses for nothing: measured on BF16, FP16 and
+    FP32 keyframe planes (2 MiB) these frames are 0-2 % smaller and 1.3-2.3x faster to make
+    (docs/results.md, "Keyframe publish"). Standard frames: any zstd decodes them."""
+    return zstandard.ZstdCompressionParameters(compression_level=level, strategy=zstandard.STRATEGY_FAST,
+                                               window_log=17, hash_log=6, chain_log=6, search_log=1,
+                                               min_match=7, target_length=0, write_content_size=True)
+
+
+def _compressor(level: int, large: bool = False) -> zstandard.ZstdCompressor:
+    """A per-thread compressor. ``large``: the stream is at least ``LARGE_STREAM`` bytes; at
+    level 1 (the default) it then gets ``_large_params`` (zstd itself picks its parameters by
+    source size in the same way); other levels are zstd's own."""
     cache = getattr(_tls, "c", None)
     if cache is None:
         cache = _tls.c = {}
-    if level not in cache:
-        cache[level] = zstandard.ZstdCompressor(level=level)
-    return cache[level]
+    key = (level, large and level == 1)
+    if key not in cache:
+        cache[key] = zstandard.ZstdCompressor(compression_params=_large_params(level)) if key[1] \
+            else zstandard.ZstdCompressor(level=level)
+    return cache[key]
 
 
 def _decompressor() -> zstandard.ZstdDecompressor:
@@ -65,7 +85,7 @@ def pack(raw: bytes, level: int):
     """(stored bytes, zstd?) -- zstd only when it is smaller."""
     if not raw:
         return b"", False
-    z = _compressor(level).compress(raw)
+    z = _compressor(level, len(raw) >= LARGE_STREAM).compress(raw)
     return (z, True) if len(z) < len(raw) else (raw, False)
 
 
@@ -119,6 +139,11 @@ class EncodedChunk:
     changes: tuple | None = None  # (positions, old bits or None, new bits) when asked for
     cls: list | None = None  # the classes table (classes coding only)
     values_algo: str = VALUES_ALGO  # what pre/post are made with (not in the header: the format version says)
+    crc: int | None = None  # of the payload; computed with the chunk (on the encoding thread) when None
+
+    def __post_init__(self):
+        if self.crc is None:
+            self.crc = zlib.crc32(self.val_bytes, zlib.crc32(self.pos_bytes))
 
     def entry(self, offset: int) -> ChunkEntry:
         """The typed entry a reader would parse from ``header(offset)``."""
@@ -133,7 +158,7 @@ class EncodedChunk:
             "start": self.start, "n": self.n, "k": self.k, "enc": self.enc, "pos": self.pos,
             "off": offset, "plen": len(self.pos_bytes), "vlen": len(self.val_bytes),
             "praw": self.pos_raw, "vraw": self.val_raw, "pz": self.pos_z, "vz": self.val_z,
-            "crc": zlib.crc32(self.val_bytes, zlib.crc32(self.pos_bytes)),
+            "crc": self.crc,
             "pre": self.pre, "post": self.post,
         }
 
@@ -160,7 +185,8 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
             return None
         cls_try = (k, rows, pbytes, vbytes)
     elif old is None:
-        idx = torch.arange(n, dtype=torch.int64)
+        # every element is sent (dense positions): the indices only for callers that keep changes
+        idx = torch.arange(n, dtype=torch.int64) if keep_changes else None
         newv, prev = new, None
     else:
         x = torch.bitwise_xor(old, new)
@@ -180,11 +206,12 @@ def plan_encoding(encoding: str, has_base: bool, dtype: torch.dtype | None) -> t
     return encoding, use_classes
 
 
-def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Tensor, n: int, start: int,
+def encode_changes(idx: torch.Tensor | None, prev: torch.Tensor | None, newv: torch.Tensor, n: int, start: int,
                    encoding: str, level: int = 3, keep_changes: bool = False, is_float: bool = True,
                    cls_try: tuple | None = None, values_algo: str = VALUES_ALGO) -> EncodedChunk:
     """The chunk from its changes alone (O(changes)): ``idx`` their positions in the chunk
-    (increasing), ``prev``/``newv`` their old (None: no base, every element sent) and new bits,
+    (increasing; None: all ``n``, a chunk sent whole), ``prev``/``newv`` their old (None: no
+    base, every element sent) and new bits,
     ``cls_try`` the ``classes`` coding of the chunk (k, rows, position bytes, value bytes) where
     ``plan_encoding`` says to try it. What ``encode_chunk`` ends with, and what the device path
     (``nemo_dcr/device``) calls with the compact change stream, so both give the same bytes."""
@@ -195,8 +222,8 @@ def encode_changes(idx: torch.Tensor, prev: torch.Tensor | None, newv: torch.Ten
             return _classes_chunk(prev, newv, start, n, cls_try, {CLASSES: cost}, keep_changes, idx, values_algo)
     w = newv.element_size()
     xorv = None if prev is None else torch.bitwise_xor(prev, newv)
-    k = idx.numel()
-    pos_coding, pos_raw = positions.encode(idx, n)
+    k = n if idx is None else idx.numel()
+    pos_coding, pos_raw = (positions.DENSE, b"") if idx is None else positions.encode(idx, n)
     pos_bytes, pos_z = pack(pos_raw, level)
     tried = {}
     mixed = encoding in (AUTO, PORTABLE)
