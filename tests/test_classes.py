@@ -10,7 +10,7 @@ import torch
 from dcr_testing import assert_bits_equal
 from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, diff
 from nemo_dcr.codec import classes, native
-from nemo_dcr.codec.ordered import unsigned
+from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.state.index_map import ShardSpec
 
@@ -56,10 +56,16 @@ def _check(old, new, mant, native_too=True):
     k, rows, pos, val = ref
     want = torch.nonzero(old != new).squeeze(1)
     assert k == want.numel()
-    for use in ([False, True] if native_too and native.lib() is not None else [False]):
+    w, uses = old.element_size(), ([False, True] if native_too and native.lib() is not None else [False])
+    for use in uses:
         idx, vals = classes.decode(old, rows, pos, val, k, mant, use_native=use)
         assert torch.equal(idx, want)
         assert torch.equal(vals, new[want])
+        # the device receiver's split: the streams without the base, then located against it
+        cls, rank, d = classes.decode_streams(rows, pos, val, k, old.numel(), w, mant, use_native=use)
+        assert cls.dtype == rank.dtype == d.dtype == torch.int64 and cls.numel() == rank.numel() == d.numel() == k
+        lidx, lnew = classes.locate(unsigned(old), rows, cls, rank, d, w, mant)
+        assert torch.equal(lidx, want) and torch.equal(lnew, unsigned(new[want]))
     return ref
 
 
@@ -134,6 +140,13 @@ def _outcome(fn):
         return ("error",)
 
 
+def _located(old, rows, pos, val, k, mant, use_native):
+    w = old.element_size()
+    cls, rank, d = classes.decode_streams(rows, pos, val, k, old.numel(), w, mant, use_native=use_native)
+    idx, un = classes.locate(unsigned(old), rows, cls, rank, d, w, mant)
+    return idx, to_bits(un, w).view(old.dtype)
+
+
 @needs_native
 def test_malformed_streams_are_refused_the_same_way():
     """Flipped, truncated and inserted bytes in either stream, and bad table rows: the kernel and
@@ -149,6 +162,11 @@ def test_malformed_streams_are_refused_the_same_way():
             b = _outcome(lambda p=p, v=v: classes.decode(old, rows, p, v, k, mant, use_native=False))
             assert a == b
             refused += a[0] == "error"
+            # the base-free stream decode: the kernel and the reference agree too, and what the
+            # whole decode refuses it refuses or the locate does (a rank past its class)
+            s1 = _outcome(lambda p=p, v=v: _located(old, rows, p, v, k, mant, True))
+            s2 = _outcome(lambda p=p, v=v: _located(old, rows, p, v, k, mant, False))
+            assert s1 == s2 == a
     assert refused > 60
     bad_tables = [rows[::-1], [r[:5] for r in rows], [[r[0], r[1] + 1] + r[2:] for r in rows],
                   [[999] + r[1:] for r in rows], [[r[0], r[1], 40] + r[3:] for r in rows], rows[:-1]]
@@ -156,6 +174,8 @@ def test_malformed_streams_are_refused_the_same_way():
         for use in (True, False):
             with pytest.raises(DeltaFormatError):
                 classes.decode(old, t, pos, val, k, mant, use_native=use)
+            with pytest.raises(DeltaFormatError):
+                _located(old, t, pos, val, k, mant, use)
 
 
 # ----------------------------------------------------------------------------- through diff/apply

@@ -149,6 +149,33 @@ def test_device_apply_checks_every_chunk_before_the_first_write():
         apply_delta_({"w": v0["w"][:10].clone(), "x": v0["x"], "i": v0["i"]}, blob)
 
 
+@pytest.mark.parametrize("how", ["classes moved", "one class emptied"])
+def test_device_apply_locates_classes_changes_against_the_held_base(how):
+    """A ``classes`` chunk's streams are decoded on the host and its positions located against the
+    base where it is held: a base whose classes differ (unchanged elements moved to another
+    exponent, or a class emptied so that ranks run past it) is refused, nothing written."""
+    v0, v1 = _states()
+    keep = ("w", "x", "i")
+    v0, v1 = {k: v0[k] for k in keep}, {k: v1[k] for k in keep}
+    blob = diff(v0, v1, chunk_elems=CHUNK, encoding="classes", progress=False)
+    assert {c.enc for e in DeltaReader.open(blob).header.tensors if e.name == "w" for c in e.chunks} == {"classes"}
+    recv = {k: v.clone() for k, v in v0.items()}
+    d = apply_delta_(recv, blob)  # the held base: every chunk located and applied
+    assert_state(recv, {k: v.contiguous() for k, v in v1.items()})
+    assert state_contrib(v0) + d == state_contrib(v1)
+    recv = {k: v.clone() for k, v in v0.items()}
+    wb = recv["w"].view(torch.int16)
+    same = torch.nonzero(v0["w"].view(torch.int16) == v1["w"].view(torch.int16)).squeeze(1)
+    if how == "classes moved":
+        wb[same[::7]] ^= 0x0080  # the lowest exponent bit of unchanged elements
+    else:
+        wb.copy_(torch.where(wb != v1["w"].view(torch.int16), wb, torch.zeros_like(wb)))  # only the changed stay
+    held = {k: v.clone() for k, v in recv.items()}
+    with pytest.raises(BaseMismatchError, match="w: chunk at element"):
+        apply_delta_(recv, blob)
+    assert_state(recv, held)
+
+
 def test_choosing_the_path():
     with pytest.raises(DcrError, match="'off', 'on' or 'auto'"):
         choose("gpu", {})

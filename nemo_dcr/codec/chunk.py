@@ -261,6 +261,20 @@ def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx, valu
     )
 
 
+def _classes_payload(h: ChunkEntry, payload, w: int, dtype: torch.dtype | None) -> tuple[bytes, bytes, int]:
+    """A ``classes`` chunk's two streams, checked against its entry -> (positions, values, mantissa bits)."""
+    if h.enc != h.pos or h.pz or h.vz or h.cls is None:
+        raise DeltaFormatError("malformed classes chunk entry")
+    if dtype is None or not classes.applicable(dtype) or w != dtype.itemsize:
+        raise DeltaFormatError(f"a classes chunk for dtype {dtype}")
+    p = memoryview(payload)
+    pos_raw = bytes(p[: h.plen])
+    val_raw = bytes(p[h.plen:])
+    if len(pos_raw) != h.praw or len(val_raw) != h.vraw:
+        raise DeltaFormatError("classes chunk stream lengths differ from the header")
+    return pos_raw, val_raw, classes.MANTISSA[dtype]
+
+
 def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None, with_old: bool = False):
     """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
@@ -273,17 +287,10 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
         raise DeltaFormatError("chunk checksum mismatch")
     p = memoryview(payload)
     if h.enc == CLASSES or h.pos == CLASSES:
-        if h.enc != h.pos or h.pz or h.vz or h.cls is None:
-            raise DeltaFormatError("malformed classes chunk entry")
-        if dtype is None or not classes.applicable(dtype) or w != dtype.itemsize:
-            raise DeltaFormatError(f"a classes chunk for dtype {dtype}")
+        pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
         if base is None or base.numel() != h.n:
             raise DeltaFormatError("a classes chunk decodes only against the whole base chunk")
-        pos_raw = bytes(p[: h.plen])
-        val_raw = bytes(p[h.plen:])
-        if len(pos_raw) != h.praw or len(val_raw) != h.vraw:
-            raise DeltaFormatError("classes chunk stream lengths differ from the header")
-        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, classes.MANTISSA[dtype], with_old=with_old)
+        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, mant, with_old=with_old)
     if h.vraw != h.k * w:  # what planes.join would allocate: never more than the header's k allows
         raise DeltaFormatError(f"value stream of {h.vraw} bytes for {h.k} changes of {w} bytes")
     pos_raw = unpack(p[: h.plen], h.pz, h.praw)
@@ -291,3 +298,13 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
     idx = positions.decode(h.pos, pos_raw, h.n, h.k)
     vals = planes.join(val_raw, h.k, w)
     return (idx, vals, None) if with_old else (idx, vals)
+
+
+def decode_classes_streams(h: ChunkEntry, payload, w: int, dtype: torch.dtype):
+    """A ``classes`` chunk's streams decoded without its base (host, O(changes)) -> (class, rank,
+    difference) per change, int64, class order: what ``classes.locate`` turns into positions and
+    new bits against the base where the base lives (the device receiver)."""
+    if zlib.crc32(payload) != h.crc:
+        raise DeltaFormatError("chunk checksum mismatch")
+    pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
+    return classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant)

@@ -145,6 +145,14 @@ class _Reader:
 
 # ----------------------------------------------------------------------------- reference codec
 
+def _by_class(ec: torch.Tensor, lo: int, hi: int):
+    """``ec``: each element's class, clamped to [lo, hi] -> (the elements sorted by class, in index
+    order within one: a stable sort; where each class lo..hi+1 starts in that order). The
+    coding's ranks are places in this order, counted from the class's start."""
+    members = torch.argsort(ec, stable=True)
+    return members, torch.searchsorted(ec[members], torch.arange(lo, hi + 2, device=ec.device))
+
+
 def place(old: torch.Tensor, new: torch.Tensor, mant: int):
     """Where each change of a chunk sits in the coding: -> (positions, their clamped classes,
     their ranks among the chunk's elements of that class), or None when nothing changed."""
@@ -158,11 +166,10 @@ def place(old: torch.Tensor, new: torch.Tensor, mant: int):
         return None
     lo, hi = class_range(exp[idx], k)
     cls = exp.clamp(lo, hi)
-    order = torch.argsort(cls, stable=True)
+    order, first = _by_class(cls, lo, hi)
     inv = torch.empty(n, dtype=torch.int64)
     inv[order] = torch.arange(n)
-    first = torch.searchsorted(cls[order], torch.arange(int(cls.max()) + 1))
-    return idx, cls[idx], inv[idx] - first[cls[idx]]
+    return idx, cls[idx], inv[idx] - first[cls[idx] - lo]
 
 
 def encode_reference(old: torch.Tensor, new: torch.Tensor, mant: int):
@@ -238,24 +245,24 @@ def _check_table(rows, w: int, mant: int, k: int):
         raise DeltaFormatError(f"classes table holds {total} changes, header says {k}")
 
 
-def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int):
-    """-> (positions in the chunk, increasing; new bits at them)."""
-    w = old.element_size()
+def decode_streams_reference(rows, pos: bytes, val: bytes, k: int, n: int, w: int, mant: int):
+    """The two streams of a classes chunk of ``n`` elements, decoded without the base: -> (each
+    change's class, its rank among the chunk's elements of that class, its difference
+    ``key(new) - key(old)`` mod 2**(8w)), int64, in class order (the table's rows in turn, each
+    class's changes by rank). Everything is checked but whether each rank is below its class's
+    member count, which needs the base (``locate`` does it)."""
     mask, sign = (1 << (8 * w)) - 1, 1 << (8 * w - 1)
     _check_table(rows, w, mant, k)
-    uo = unsigned(old)
-    n = uo.numel()
     pr, vr = _Reader(pos, "position"), _Reader(val, "value")
     neg = [vr.get(1) for _ in range(k)]
-    cls = _classes(uo, w, mant).clamp(rows[0][0], rows[-1][0]) if rows else _classes(uo, w, mant)
-    out_idx, out_d, a = [], [], 0
+    out_c, out_r, out_d, a = [], [], [], 0
     for c, kc, kp, bc, kb, ke in rows:
-        ranks, acc = [], -1
+        acc = -1
         for _ in range(kc):
             acc += 1 + pr.rice(kp)
             if acc >= n:
                 raise DeltaFormatError("classes position rank out of range")
-            ranks.append(acc)
+            out_r.append(acc)
         mags = [1] * kc
         at = -1
         bigs = []
@@ -270,24 +277,61 @@ def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, ma
             if m > sign or (not neg[a + j] and m == sign):
                 raise DeltaFormatError("classes value out of range")
             mags[j] = m
-        members = torch.nonzero(cls == c).squeeze(1)
-        r = torch.tensor(ranks, dtype=torch.int64)
-        if kc and int(r[-1]) >= members.numel():
-            raise DeltaFormatError("classes position rank out of range")
-        out_idx.append(members[r])
-        mg = torch.tensor(mags, dtype=torch.int64)
-        ng = torch.tensor(neg[a:a + kc], dtype=torch.bool)
-        out_d.append(torch.where(ng, (mask + 1 - mg) & mask, mg))
+        out_d += [(mask + 1 - m) & mask if neg[a + j] else m for j, m in enumerate(mags)]
+        out_c += [c] * kc
         a += kc
     pr.done()
     vr.done()
-    if not out_idx:
-        return torch.empty(0, dtype=torch.int64), old[:0].clone()
-    idx, d = torch.cat(out_idx), torch.cat(out_d)
+    return (torch.tensor(out_c, dtype=torch.int64), torch.tensor(out_r, dtype=torch.int64),
+            torch.tensor(out_d, dtype=torch.int64))
+
+
+def locate(uo: torch.Tensor, rows, cls: torch.Tensor, rank: torch.Tensor, d: torch.Tensor, w: int, mant: int):
+    """``place``'s inverse: decoded streams (``decode_streams``) against the base chunk's
+    unsigned bits ``uo`` -> (positions, increasing; new unsigned bits at them). Torch ops on
+    whatever device the tensors are (the device receiver's path too): each change is the
+    ``rank``-th member of its class in ``_by_class``'s order."""
+    mask = (1 << (8 * w)) - 1
+    if rank.numel() == 0:
+        return torch.empty(0, dtype=torch.int64, device=uo.device), uo[:0].clone()
+    lo, hi = rows[0][0], rows[-1][0]
+    members, first = _by_class(_classes(uo, w, mant).clamp(lo, hi), lo, hi)
+    at = first[cls - lo] + rank
+    if bool((at >= first[cls - lo + 1]).any()):
+        raise DeltaFormatError("classes position rank out of range")
+    idx = members[at]
     o = torch.argsort(idx)
     idx, d = idx[o], d[o]
-    newk = (key(uo[idx], w, True) + d) & mask
-    return idx, to_bits(unkey(newk, w, True), w).view(old.dtype)
+    return idx, unkey((key(uo[idx], w, True) + d) & mask, w, True)
+
+
+def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int):
+    """-> (positions in the chunk, increasing; new bits at them)."""
+    w = old.element_size()
+    uo = unsigned(old)
+    cls, rank, d = decode_streams_reference(rows, pos, val, k, uo.numel(), w, mant)
+    if k == 0:
+        return torch.empty(0, dtype=torch.int64), old[:0].clone()
+    idx, un = locate(uo, rows, cls, rank, d, w, mant)
+    return idx, to_bits(un, w).view(old.dtype)
+
+
+def decode_streams(rows, pos: bytes, val: bytes, k: int, n: int, w: int, mant: int,
+                   use_native: bool | None = None):
+    """As ``decode_streams_reference``, with the C kernel when it is available."""
+    lib = native.lib() if use_native is not False else None
+    if lib is None:
+        if use_native:
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
+        return decode_streams_reference(rows, pos, val, k, n, w, mant)
+    _check_table(rows, w, mant, k)
+    table = torch.tensor(rows, dtype=torch.int64).reshape(-1) if rows else torch.empty(0, dtype=torch.int64)
+    out = [torch.empty(k, dtype=torch.int64) for _ in range(3)]
+    rc = lib.dcr_cls_decode_streams(n, w, mant, _ptr(table), len(rows), bytes(pos), len(pos), bytes(val), len(val), k,
+                                    *(_ptr(t) for t in out))
+    if rc:
+        raise DeltaFormatError(f"classes chunk does not decode: {_ERRORS.get(rc, rc)}")
+    return tuple(out)
 
 
 # ----------------------------------------------------------------------------- dispatch

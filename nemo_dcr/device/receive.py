@@ -11,12 +11,16 @@ that does not hold the delta's base is refused with nothing changed; then ``appl
 scatters the new bits in place (its own pre-image check on raw bits comes free). The return
 value is the state-digest change (``apply.digest_change``), computed from the changes alone.
 
+A ``classes`` chunk decodes against the whole base chunk. Its two streams are decoded on the
+host without the base (``chunk.decode_classes_streams``: each change's class, rank within the
+class and difference, O(changes)); those go to the device, where ``classes.locate`` turns ranks
+back into positions against the base bits held there (each element's class, a stable sort by
+class, a gather: torch ops, so the same code runs on the CPU in the tests). No base bits cross
+to the host; the pre-image check hashes the bits at the changes (O(changes)).
+
 A tensor sent whole (``full``: new, re-typed or reshaped) is decoded on the host and built on
 the device (it is O(tensor) bytes in the delta anyway); a removed one is dropped. Scope (the
-rest goes through the reference ``delta.apply``): whole tensors, held whole. A ``classes``
-chunk decodes against the whole base chunk, so that chunk's base bits come to the host
-(O(chunk)): the per-class select that turns ranks back into positions is not a device kernel
-yet.
+rest goes through the reference ``delta.apply``): whole tensors, held whole.
 """
 from __future__ import annotations
 
@@ -24,13 +28,15 @@ from collections.abc import MutableMapping
 
 import torch
 
-from nemo_dcr.codec.chunk import CLASSES, decode_chunk
+from nemo_dcr.codec import classes
+from nemo_dcr.codec.chunk import CLASSES, decode_chunk, decode_classes_streams
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import TensorKind
+from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.delta.apply import new_bits
 from nemo_dcr.device.apply import apply_, digest_change
 from nemo_dcr.device.diff import bits
-from nemo_dcr.errors import BaseMismatchError, DcrError
+from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError
 from nemo_dcr.state.digest import values_digest
 from nemo_dcr.state.statedigest import StateDigest, changes_contrib
 
@@ -45,6 +51,19 @@ def _whole(reader: DeltaReader, e, device) -> torch.Tensor:
         idx, vals = decode_chunk(c, reader.payload(c), t.element_size(), dtype=t.dtype)
         tb[idx + c.start] = vals
     return t.to(device)
+
+
+def _place(name: str, c, payload, tb: torch.Tensor, dtype: torch.dtype):
+    """A ``classes`` chunk's changes against the base held in ``tb`` (where it is) -> (tensor
+    positions, new bits), both on ``tb``'s device; only the decoded streams cross to it."""
+    w = tb.element_size()
+    cls, rank, d = (x.to(tb.device) for x in decode_classes_streams(c, payload, w, dtype))  # host, O(changes)
+    try:
+        idx, un = classes.locate(unsigned(tb[c.start:c.end]), c.cls, cls, rank, d, w, classes.MANTISSA[dtype])
+    except DeltaFormatError:
+        # checksum-valid streams whose ranks do not fit what is held: not this base
+        raise BaseMismatchError(f"{name}: chunk at element {c.start} does not match its base") from None
+    return idx + c.start, to_bits(un, w)
 
 
 def _all(name, t: torch.Tensor) -> StateDigest:
@@ -75,14 +94,18 @@ def _plan(reader: DeltaReader, tensors: MutableMapping[str, torch.Tensor], devic
         if not t.is_contiguous():
             raise DcrError(f"{e.name}: the device apply needs a contiguous tensor")
         tb = bits(t)
+        w = t.element_size()
         for c in e.chunks:
-            base = tb[c.start:c.end].cpu() if c.enc == CLASSES else None  # O(chunk): see the module note
-            idx, vals = decode_chunk(c, reader.payload(c), t.element_size(), base=base, dtype=t.dtype)
-            pos = (idx + c.start).to(t.device)
-            cur = tb[pos]
-            if values_digest(cur.cpu(), c.values_algo) != c.pre:
+            if c.enc == CLASSES:
+                pos, new = _place(e.name, c, reader.payload(c), tb, t.dtype)
+                cur = tb[pos]
+            else:
+                idx, vals = decode_chunk(c, reader.payload(c), w)
+                pos = (idx + c.start).to(t.device)
+                cur = tb[pos]
+                new = new_bits(e.name, c, t.dtype, cur, vals.to(t.device))
+            if values_digest(cur.cpu(), c.values_algo) != c.pre:  # O(changes) to the host
                 raise BaseMismatchError(f"{e.name}: chunk at element {c.start} does not match its base")
-            new = new_bits(e.name, c, t.dtype, cur, vals.to(t.device))
             out.append((e, pos, cur, new))
     return out, whole
 

@@ -566,14 +566,19 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
 /* old: the base chunk (n elements). Writes the k changed positions (increasing) to idx_out,
  * their new bits to new_out and, when old_out is not NULL, their base bits to old_out (what the
  * receiver's pre-image check hashes: the scan reads them anyway). Returns 0 or a negative error. */
-int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
-                       const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
-                       int64_t *idx_out, void *new_out, void *old_out) {
+/* The two streams of a classes chunk of n elements decoded, without the base: each change's rank
+ * among the chunk's elements of its class (rk) and its difference key(new) - key(old) mod 2^(8w)
+ * (dv), both in class order (the table's rows in turn, each class's changes by rank); start[c]:
+ * where class c's changes begin (-1 for a class without). Everything but "is each rank below
+ * its class's member count" (that needs the base) is checked. rk and dv: k entries each. */
+static int decode_streams(int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                          const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                          int64_t *start, uint64_t *rk, uint64_t *dv) {
     if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || n < 0 || n >= (1LL << 32) || k < 0 || k > n) return E_ARGS;
     int ebits = 8 * w - 1 - mant; if (ebits > 8) return E_ARGS;
     const int nc = 1 << ebits;
     const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
-    int64_t start[257], total = 0; int prev = -1;
+    int64_t total = 0; int prev = -1;
     for (int c = 0; c <= nc; c++) start[c] = -1;
     for (int64_t r = 0; r < ntab; r++) {
         const int64_t *row = table + TAB * r;
@@ -582,10 +587,9 @@ int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64
         prev = (int)row[0]; start[prev] = total; total += row[1];
     }
     if (total != k) return E_TABLE;
-    uint64_t *rk = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* ranks, class order */
-    uint64_t *mg = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* |difference| */
+    uint64_t *mg = dv;                                              /* |difference|, then the difference */
     uint8_t *ng = (uint8_t *)malloc((size_t)(k ? k : 1));          /* difference < 0 */
-    if (!rk || !mg || !ng) { free(rk); free(mg); free(ng); return E_NOMEM; }
+    if (!ng) return E_NOMEM;
     reader pr, vr; r_init(&pr, pos, plen); r_init(&vr, val, vlen);
     if (k <= 8 * vlen) {  /* the k sign bits open the (byte-aligned) stream: read them in place */
         for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)((val[j >> 3] >> (j & 7)) & 1);
@@ -624,13 +628,43 @@ int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64
     if (!rc) rc = pr.err || vr.err ? E_STREAM : 0;
     if (!rc) rc = r_done(&pr, plen);
     if (!rc) rc = r_done(&vr, vlen);
-    if (rc) { free(rk); free(mg); free(ng); return rc; }
-    for (int64_t j = 0; j < k; j++) {  /* the signed difference, mod 2^(8w); no branch: signs are random */
-        uint64_t s = -(uint64_t)ng[j];
-        mg[j] = ((mg[j] ^ s) - s) & mask;
-    }
+    if (!rc)
+        for (int64_t j = 0; j < k; j++) {  /* the signed difference, mod 2^(8w); no branch: signs are random */
+            uint64_t sg = -(uint64_t)ng[j];
+            mg[j] = ((mg[j] ^ sg) - sg) & mask;
+        }
     free(ng);
-    uint64_t *dv = mg;
+    return rc;
+}
+
+/* decode_streams for a caller that places the changes itself (the device receiver): cls_out,
+ * rank_out, d_out get each change's class, rank within the class and difference, class order. */
+int dcr_cls_decode_streams(int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                           const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                           int64_t *cls_out, int64_t *rank_out, int64_t *d_out) {
+    int64_t start[257];
+    int rc = decode_streams(n, w, mant, table, ntab, pos, plen, val, vlen, k, start,
+                            (uint64_t *)rank_out, (uint64_t *)d_out);
+    if (rc) return rc;
+    for (int64_t r = 0; r < ntab; r++) {
+        const int64_t *row = table + TAB * r;
+        for (int64_t j = start[row[0]]; j < start[row[0]] + row[1]; j++) cls_out[j] = row[0];
+    }
+    return 0;
+}
+
+int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                       const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                       int64_t *idx_out, void *new_out, void *old_out) {
+    if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || k < 0) return E_ARGS;
+    if (8 * w - 1 - mant > 8) return E_ARGS;
+    const int nc = 1 << (8 * w - 1 - mant);
+    int64_t start[257];
+    uint64_t *rk = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* ranks, class order */
+    uint64_t *dv = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* differences, class order */
+    if (!rk || !dv) { free(rk); free(dv); return E_NOMEM; }
+    int rc = decode_streams(n, w, mant, table, ntab, pos, plen, val, vlen, k, start, rk, dv);
+    if (rc) { free(rk); free(dv); return rc; }
     int64_t next[256], endc[256]; uint32_t want[256], cnt[256];
     for (int c = 0; c < nc; c++) { cnt[c] = 0; next[c] = endc[c] = 0; want[c] = UINT32_MAX; }
     for (int64_t r = 0; r < ntab; r++) {
