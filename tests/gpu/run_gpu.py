@@ -123,6 +123,32 @@ def eq_bits(a, b, what):
         raise AssertionError(f"{what}: bits differ")
 
 
+class Traffic(torch.overrides.TorchFunctionMode):
+    """Counts the bytes that cross between host and device inside it: ``.to``/``.cpu``/``.cuda``
+    results on another device type than their source, and ``copy_`` between two. (Under
+    ``--interpret`` everything is on the CPU and it counts nothing.)"""
+
+    def __init__(self):
+        super().__init__()
+        self.h2d = self.d2h = 0
+
+    def _count(self, src, dst):
+        if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type != dst.device.type:
+            n = dst.numel() * dst.element_size()
+            if dst.device.type == "cpu":
+                self.d2h += n
+            else:
+                self.h2d += n
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda) and args:
+            self._count(args[0], out)
+        elif func is torch.Tensor.copy_ and len(args) > 1:
+            self._count(args[1], args[0])
+        return out
+
+
 def _header(c):
     return c.header(0), c.pos_bytes, c.val_bytes, c.alt_val_len
 
@@ -236,7 +262,17 @@ def e2e(keep: str):
                 digest = StateDigest.from_hex(b.manifest.target_digest)
                 continue
             for p in b.manifest.parts:  # host decode, device apply, O(changes) digest update
-                digest = digest + apply_delta_(recv, pub.store.get(p.key), device=DEV)
+                blob = pub.store.get(p.key)
+                with Traffic() as moved:
+                    digest = digest + apply_delta_(recv, blob, device=DEV)
+                changed = sum(c.k for e in DeltaReader.open(blob).header.tensors for c in e.chunks
+                              if e.kind == "delta")
+                whole = sum(t.numel() * t.element_size() for k, t in state.items() if k in ("new", "retyped"))
+                # per change: positions and new bits (or the decoded streams) down, pre-image
+                # bits up; tensors sent whole go down whole
+                if moved.d2h > 16 * changed + 4096 or moved.h2d > 32 * changed + whole + 4096:
+                    raise AssertionError(f"version {v}: the device receiver moved {moved.d2h} B up and "
+                                         f"{moved.h2d} B down for {changed} changes: not O(changes)")
             if digest.hex() != b.manifest.target_digest:
                 raise AssertionError(f"version {v}: the device receiver's state digest differs")
         for k, t in versions[-1].items():
@@ -307,8 +343,9 @@ def bench_section():
                     chunker=lambda *a, chunks=chunks: chunks)
         target = base.clone()
         t0 = time.perf_counter()
-        apply_delta_({"w": target}, blob)
-        sync()
+        with Traffic() as moved:
+            apply_delta_({"w": target}, blob)
+            sync()
         t_recv = time.perf_counter() - t0
         eq_bits(target, live, "bench receiver")
         row = {
@@ -319,9 +356,9 @@ def bench_section():
             "fused_vs_memcpy_bw": (2 * nbytes / t_fused) / (2 * nbytes / t_memcpy),
             "snapshot_update_s": t_update, "stream_d2h_s": t_stream_d2h, "host_code_s": t_host_code,
             "delta_bytes": len(blob), "receiver_decode_apply_s": t_recv,
-            # trainer: the compact stream comes up; receiver: positions + new bits go down, the
-            # pre-image bits come up for the chunk digests (classes chunks: the base chunk too)
-            "device_path_d2h_bytes": ch.nbytes(), "receiver_h2d_bytes": ch.k * (8 + 2),
+            # trainer: the compact stream comes up; receiver (counted by Traffic): the decoded
+            # classes streams go down, the pre-image bits come up for the chunk digests
+            "device_path_d2h_bytes": ch.nbytes(), "receiver_h2d_bytes": moved.h2d, "receiver_d2h_bytes": moved.d2h,
             "reference_path_d2h_bytes": nbytes, "reference_d2h_s": t_d2h,
         }
         RESULTS["bench"].append(row)
