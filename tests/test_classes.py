@@ -4,15 +4,18 @@ and the delta-level rules hold (auto picks it where it pays, re-delivery, wrong 
 that hold only part of a chunk)."""
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
 from dcr_testing import assert_bits_equal
-from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, apply, diff
+from nemo_dcr import BaseMismatchError, DcrError, DeltaFormatError, DeltaReader, PartialApplyError, apply, diff
 from nemo_dcr.codec import classes, native
 from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.state.statedigest import ChangeDigest, state_contrib
 
 DTYPES = list(classes.MANTISSA)
 needs_native = pytest.mark.skipif(native.lib() is None, reason=f"C kernels unavailable: {native.build_error}")
@@ -190,6 +193,24 @@ def _model(seed=0, p=0.02):
     return {k: v[0] for k, v in ts.items()}, {k: v[1] for k, v in ts.items()}
 
 
+@pytest.fixture(params=["scan", "located"])
+def decode_route(request, monkeypatch):
+    """Both ways ``apply`` decodes a chunk: on the host with the fused C scan (tensors in host
+    memory), and as on a GPU, the payload decoded without the base and the changes located
+    where the tensor is (``delta/apply._decode``). Here the second is chosen for CPU tensors
+    too: the same code that runs for a tensor on a device, on tensors a test can read."""
+    if request.param == "scan":
+        yield request.param
+        return
+    monkeypatch.setattr(sys.modules["nemo_dcr.delta.apply"], "_on_host", lambda t: False)
+    calls = []
+    real = classes.locate
+    monkeypatch.setattr(classes, "locate", lambda *a: calls.append(1) or real(*a))
+    yield request.param
+    assert calls, "no classes chunk went through classes.locate"
+
+
+@pytest.mark.usefixtures("decode_route")
 def test_auto_picks_classes_where_it_pays_and_round_trips():
     base, target = _model()
     blob = diff(base, target, chunk_elems=4096, workers=2)
@@ -204,6 +225,11 @@ def test_auto_picks_classes_where_it_pays_and_round_trips():
     again = apply(recv, blob)
     assert again.chunks_applied == 0 and again.tensors_skipped == len(target)
     assert rep.elements_changed == sum(int((_bits(base[k]) != _bits(target[k])).sum()) for k in base)
+    # the follower's O(changes) digest update sees the same changes either way
+    recv = {k: v.clone() for k, v in base.items()}
+    change = ChangeDigest()
+    apply(recv, blob, verify=False, on_change=change)
+    assert state_contrib(base) + change.total == state_contrib(target)
 
 
 def test_auto_falls_back_when_classes_does_not_pay():
@@ -220,6 +246,7 @@ def test_auto_falls_back_when_classes_does_not_pay():
     assert_bits_equal(recv["x"], target["x"])
 
 
+@pytest.mark.usefixtures("decode_route")
 def test_wrong_base_is_refused_untouched():
     base, target = _model(seed=1)
     blob = diff(base, target, encoding="classes", chunk_elems=4096)
@@ -229,8 +256,17 @@ def test_wrong_base_is_refused_untouched():
         apply(recv, blob)
     for k in other:
         assert_bits_equal(recv[k], other[k])
+    # without the base digests (a follower's apply): each chunk is decoded against what is held
+    # and refused by its pre-image, or, located, by a rank past its class; apply says it may have
+    # written (the entry was reached), and nothing was
+    with pytest.raises(PartialApplyError) as e:
+        apply(recv, blob, verify=False, workers=1)
+    assert isinstance(e.value.__cause__, BaseMismatchError)
+    for k in other:
+        assert_bits_equal(recv[k], other[k])
 
 
+@pytest.mark.usefixtures("decode_route")
 def test_resume_after_a_partial_apply():
     """Half the chunks of a tensor applied: a retry with the journal of the first attempt
     finishes it; a classes chunk that was applied is recognised by its post-image when none of
@@ -259,6 +295,21 @@ def test_resume_after_a_partial_apply():
         assert "journal" in str(e)
         changed = _bits(recv2) != _bits(snapshot)
         assert torch.equal(_bits(recv2)[changed], _bits(target[name])[changed])  # only real target bits written
+
+
+def test_the_c_kernels_never_get_a_device_pointer():
+    """A tensor off the host (here a meta tensor; a CUDA one alike) is refused by the kernels'
+    wrappers with a clear error, never dereferenced on the host."""
+    old, new = _pair(torch.bfloat16, 1000, 0.05, seed=9)
+    mant = classes.MANTISSA[torch.bfloat16]
+    k, rows, pos, val = classes.encode_reference(old, new, mant)
+    if native.lib() is None:
+        pytest.skip("no C kernels here")
+    meta = old.to("meta")
+    with pytest.raises(DcrError, match="host memory"):
+        classes.decode(meta, rows, pos, val, k, mant, use_native=True)
+    with pytest.raises(DcrError, match="host memory"):
+        classes.encode(meta, new.to("meta"), mant, use_native=True)
 
 
 def test_receiver_holding_part_of_a_chunk_gets_a_clear_error():

@@ -337,6 +337,10 @@ def decode_streams(rows, pos: bytes, val: bytes, k: int, n: int, w: int, mant: i
 # ----------------------------------------------------------------------------- dispatch
 
 def _ptr(t: torch.Tensor) -> int:
+    # the C kernel dereferences this on the host: a device pointer must never reach it
+    if t.device.type != "cpu":
+        raise DcrError(f"the classes C kernel reads host memory; got a tensor on {t.device} "
+                       "(decode_streams + locate run where the tensor is)")
     return t.data_ptr()
 
 

@@ -6,6 +6,10 @@ Per entry, ``plan_entry`` (plan.py) decides what to do before anything is writte
 then runs each chunk through four steps: decode (the chunk's positions and values), locate (the
 receiver's local indices), check (the pre-image of what is held) and write.
 
+Tensors may live on a device (a GPU): a chunk is decoded on the host from its payload, and
+only its changes cross (``_decode``); the writes, checks and digest updates are torch ops where
+the tensor is, and the pre-image digests hash the O(changes) bits at the changes.
+
 A ``classes`` chunk decodes only against the whole base chunk. A receiver holding part of an
 entry's region decodes none of them itself: the caller hands in each one decoded already
 (``Decoded``, decoded with the receiver group's help and checked against the chunk's pre-image:
@@ -19,10 +23,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nemo_dcr.codec import ordered
-from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk
+from nemo_dcr.codec import classes, ordered
+from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, decode_classes_streams
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry
+from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
@@ -105,25 +110,40 @@ def _target_of(plan: Plan) -> _Target:
 
 # ----------------------------------------------------------------------------- the four steps
 
+def _on_host(t: torch.Tensor) -> bool:
+    """Whether the C kernels can read ``t``'s memory. Elsewhere (a GPU) a chunk is decoded on the
+    host from its payload alone and only its changes go where ``t`` is (``_decode``)."""
+    return t.device.type == "cpu"
+
+
 def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     """Positions (relative to the chunk), values of chunk ``c``, and the bits held at those
-    positions where the decode read them already (``classes`` chunks; else None)."""
+    positions where the decode read them already (``classes`` chunks; else None), all where the
+    receiver's tensor is. On a device only O(changes) crosses: positions and values of the
+    other codings, and a ``classes`` chunk's decoded streams, which ``classes.locate`` turns
+    into positions against the base held there."""
+    dev = t.tensor.device
     if c.enc != CLASSES:
-        return decode_chunk(c, reader.payload(c), t.w, with_old=True)
+        idx, vals, _ = decode_chunk(c, reader.payload(c), t.w, with_old=True)
+        return idx.to(dev), vals.to(dev), None
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
         raise undecodable(t.plan.name, c)
     if t.identity:
         base = t.fa.read(c.start, c.end)
     else:
-        local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end)))
+        local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end, device=dev)))
         base = t.fa.gather(local)
     try:
-        return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True)
+        if _on_host(base):
+            return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True)
+        cls, rank, d = (x.to(dev) for x in decode_classes_streams(c, reader.payload(c), t.w, t.dtype))
+        idx, un = classes.locate(unsigned(base), c.cls, cls, rank, d, t.w, classes.MANTISSA[t.dtype])
+        return idx, to_bits(un, t.w).view(base.dtype), base[idx]
     except DeltaFormatError:
         # a checksum-valid chunk that does not decode against what is held: not this base (or
         # applied already); the pre-image check that follows reports it
-        return torch.empty(0, dtype=torch.int64), base[:0], base[:0]
+        return torch.empty(0, dtype=torch.int64, device=dev), base[:0], base[:0]
 
 
 def undecodable(name: str, c: ChunkEntry) -> DcrError:

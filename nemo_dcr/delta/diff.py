@@ -155,7 +155,9 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
             c, s = r, r.start
         else:
             s, e = r
-            c = encode_chunk(of.read(s, e) if of is not None else None, nf.read(s, e), s, encoding, level,
+            # .cpu(): the encoder's kernels read host memory; a tensor on a device is brought
+            # over one chunk at a time (the device path, nemo_dcr/device, avoids even that)
+            c = encode_chunk(of.read(s, e).cpu() if of is not None else None, nf.read(s, e).cpu(), s, encoding, level,
                              keep_changes=on_change is not None, is_float=new.dtype.is_floating_point,
                              dtype=new.dtype, values_algo=fv.values_digest)
         if c is not None and on_change is not None:
