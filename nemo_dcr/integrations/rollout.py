@@ -16,10 +16,14 @@ same model class. ``name_map`` maps *published* names to the receiver's names wh
 (a dict, or a callable returning the receiver's name or None for "not held here"). Tensors the
 receiver holds that the trainer does not publish are left alone.
 
-Tensors on a GPU: the codec applies deltas to CPU tensors, so the loader keeps a CPU copy of the
-receiver's tensors (pinned when CUDA is available), applies each version to it and copies the
-tensors that changed to the device. That costs host memory of one copy of the weights held by
-this process.
+Tensors on a GPU: by default (``staging="auto"``) the loader keeps a CPU copy of the receiver's
+tensors (pinned when CUDA is available), applies each version to it and copies the tensors that
+changed to the device: host memory of one copy of the weights, and each changed tensor's whole
+bytes to the device per version. ``staging=False`` applies in place on the device instead:
+each chunk is decoded on the host and only its changes cross (``delta/apply.py``), the checks
+and the state-digest update run where the tensors are. It takes whole tensors (a sharded
+engine's group decodes ``classes`` chunks with the whole base gathered on the host, so it keeps
+staging) and is checked on CPU tensors by the tests and on a GPU by ``tests/gpu/run_gpu.py``.
 """
 from __future__ import annotations
 
@@ -213,7 +217,8 @@ class RolloutLoader:
         on_update: ``fn(version, sync_result)`` called after each update that changed the
             weights, inside the update lock (e.g. to reset an engine's prefix cache).
         staging: keep a CPU copy to apply to (see the module doc). "auto": when any tensor is
-            not on the CPU.
+            not on the CPU. False with tensors on a device: applied there in place, only the
+            changes cross (not for a sharded engine's group).
     """
 
     def __init__(self, store: Store | str, model_or_tensors, shards: Mapping[str, ShardSpec] | None = None,
@@ -244,6 +249,9 @@ class RolloutLoader:
         if staging == "auto":
             staging = any(t.device.type != "cpu" for t in live.values())
         self.staging = bool(staging)
+        if not self.staging and self.group.active and any(t.device.type != "cpu" for t in live.values()):
+            raise DcrError("staging=False with tensors on a device takes a receiver of whole tensors: a "
+                           "sharded engine's group decodes classes chunks over the host; use staging=True")
         if self.staging:
             pin = torch.cuda.is_available()
             with self._writing():
