@@ -715,10 +715,12 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
 static inline uint32_t sd_mix(uint32_t h) {
     h ^= h >> 16; h *= 0x7FEB352Du; h ^= h >> 15; h *= 0x31848BABu; h ^= h >> 16; return h;
 }
+/* mix >> 1 is at most P: clamping it to [1, P - 1] moves 0 to 1 and P to P - 1 and nothing
+ * else, as min/max (one vector instruction each) */
 static inline uint32_t sd_weight(uint32_t u, uint32_t t) {
     uint32_t r = sd_mix(u ^ t) >> 1;
-    r = r == 0 ? 1u : r;
-    return r == (uint32_t)SD_P ? (uint32_t)SD_P - 1 : r;
+    r = r < 1u ? 1u : r;
+    return r > (uint32_t)SD_P - 1 ? (uint32_t)SD_P - 1 : r;
 }
 static inline uint64_t sd_mod(uint64_t x) { return x % SD_P; }
 
@@ -728,9 +730,10 @@ static inline uint64_t sd_mod(uint64_t x) { return x % SD_P; }
  * weights (s: new limbs, d: old limbs): the index mixing, most of the work, is done once for
  * both sides of a change. */
 #define SD_LIMB(l, j, NLIMB, LIMB, OLD)                                                       \
-    if (NLIMB > j) { s##l##j##_ += r * (uint64_t)(LIMB(x, j)); if (OLD) d##l##j##_ += r * (uint64_t)(LIMB(y, j)); }
+    if (NLIMB > j) { s##l##j##_ += (uint64_t)r * (uint32_t)(LIMB(x, j));                      \
+                     if (OLD) d##l##j##_ += (uint64_t)r * (uint32_t)(LIMB(y, j)); }
 #define SD_LANE(l, NLIMB, LIMB, OLD)                                                          \
-    { uint64_t r = sd_weight(u, t##l); s##l##r_ += r;                                         \
+    { uint32_t r = sd_weight(u, t##l); s##l##r_ += r;                                         \
       SD_LIMB(l, 0, NLIMB, LIMB, OLD) SD_LIMB(l, 1, NLIMB, LIMB, OLD)                         \
       SD_LIMB(l, 2, NLIMB, LIMB, OLD) SD_LIMB(l, 3, NLIMB, LIMB, OLD) }
 #define SD_ACC(l)                                                                             \
