@@ -107,6 +107,11 @@ def test_changes_past_2_pow_32_equal_reference(dtype, simd, reference):
     spec = ShardSpec.of(shape, ((1 << 20) + 5, 0), (2, 1 << 12))
     t = special_tensor(dtype, spec.numel, seed=10).reshape(spec.shape)
     assert tensor_contrib("big", t, spec) == reference(tensor_contrib, "big", t, spec)
+    # a run that crosses 2**32 inside a vector of the kernel: it starts at 2**32 - 37
+    rows = ((1 << 32) - 37) // 3  # exactly: 2**32 - 37 is divisible by 3
+    spec = ShardSpec.of((rows + 100, 3), (rows, 0), (50, 3))
+    t = special_tensor(dtype, spec.numel, seed=11).reshape(spec.shape)
+    assert tensor_contrib("big", t, spec) == reference(tensor_contrib, "big", t, spec)
 
 
 @pytest.fixture(params=[1, 2, 0], ids=["simd", "avx2", "scalar"])
