@@ -25,6 +25,7 @@ is used when it builds (``native.py``). Only floating-point dtypes of 1, 2 or 4 
 """
 from __future__ import annotations
 
+import array
 import ctypes
 
 import numpy as np
@@ -232,13 +233,18 @@ def class_range(changed_exp: torch.Tensor, k: int):
 
 
 def _check_table(rows, w: int, mant: int, k: int):
+    # (no generator expressions: this runs for every chunk of every apply, on the GIL)
     nc = 1 << (8 * w - 1 - mant)
     prev, total = -1, 0
     for row in rows:
-        if not isinstance(row, (list, tuple)) or len(row) != ROW or not all(isinstance(x, int) for x in row):
+        if type(row) not in (list, tuple) or len(row) != ROW:
             raise DeltaFormatError("classes table row is not 6 integers")
         c, kc, kp, bc, kb, ke = row
-        if not (prev < c < nc and 1 <= kc <= k - total and 0 <= bc <= kc and all(0 <= x <= 31 for x in (kp, kb, ke))):
+        if type(c) is not int or type(kc) is not int or type(kp) is not int or type(bc) is not int \
+                or type(kb) is not int or type(ke) is not int:
+            raise DeltaFormatError("classes table row is not 6 integers")
+        if not (prev < c < nc and 1 <= kc <= k - total and 0 <= bc <= kc and 0 <= kp <= 31 and 0 <= kb <= 31
+                and 0 <= ke <= 31):
             raise DeltaFormatError(f"bad classes table row {row}")
         prev, total = c, total + kc
     if total != k:
@@ -325,9 +331,9 @@ def decode_streams(rows, pos: bytes, val: bytes, k: int, n: int, w: int, mant: i
             raise DcrError(f"C kernels unavailable: {native.build_error}")
         return decode_streams_reference(rows, pos, val, k, n, w, mant)
     _check_table(rows, w, mant, k)
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1) if rows else torch.empty(0, dtype=torch.int64)
+    table = _table(rows)
     out = [torch.empty(k, dtype=torch.int64) for _ in range(3)]
-    rc = lib.dcr_cls_decode_streams(n, w, mant, _ptr(table), len(rows), bytes(pos), len(pos), bytes(val), len(val), k,
+    rc = lib.dcr_cls_decode_streams(n, w, mant, _addr(table), len(rows), bytes(pos), len(pos), bytes(val), len(val), k,
                                     *(_ptr(t) for t in out))
     if rc:
         raise DeltaFormatError(f"classes chunk does not decode: {_ERRORS.get(rc, rc)}")
@@ -335,6 +341,17 @@ def decode_streams(rows, pos: bytes, val: bytes, k: int, n: int, w: int, mant: i
 
 
 # ----------------------------------------------------------------------------- dispatch
+
+def _table(rows) -> array.array:
+    """The class table as the int64 array the kernels read (pass ``_addr`` of it; the caller
+    keeps it alive): an ``array`` costs a quarter of a torch tensor of the same 6 x rows to
+    make, once per chunk."""
+    return array.array("q", [v for row in rows for v in row] or [0])
+
+
+def _addr(a: array.array) -> int:
+    return a.buffer_info()[0]
+
 
 def _ptr(t: torch.Tensor) -> int:
     # the C kernel dereferences this on the host: a device pointer must never reach it
@@ -430,11 +447,11 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
     w = old.element_size()
     _check_table(rows, w, mant, k)
     old = old.contiguous()
-    table = torch.tensor(rows, dtype=torch.int64).reshape(-1) if rows else torch.empty(0, dtype=torch.int64)
+    table = _table(rows)
     idx = torch.empty(k, dtype=torch.int64)
     out = torch.empty(k, dtype=old.dtype)
     held = torch.empty(k, dtype=old.dtype) if with_old else None
-    rc = lib.dcr_cls_decode_old(_ptr(old), old.numel(), w, mant, _ptr(table), len(rows), bytes(pos), len(pos),
+    rc = lib.dcr_cls_decode_old(_ptr(old), old.numel(), w, mant, _addr(table), len(rows), bytes(pos), len(pos),
                                 bytes(val), len(val), k, _ptr(idx), _ptr(out),
                                 _ptr(held) if held is not None else None)  # the kernel only reads the streams
     if rc:

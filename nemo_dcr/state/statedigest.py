@@ -310,6 +310,11 @@ def state_contrib(tensors: Mapping[str, torch.Tensor],
     return d
 
 
+def _out_of_range(idx: torch.Tensor, numel: int) -> bool:
+    lo, hi = torch.aminmax(idx)  # one pass and one host sync, where min() and max() were two each
+    return bool((lo < 0) | (hi >= numel))
+
+
 def _checked(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], global_idx: torch.Tensor,
              *bits: torch.Tensor) -> tuple:
     """-> (keys, int64 indices, integer-view bits...) of ``changes_contrib``'s arguments, checked."""
@@ -327,7 +332,7 @@ def _checked(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], g
         if b.numel() != idx.numel():
             raise DcrError(f"{name}: {idx.numel()} indices but {b.numel()} values")
         out.append(b)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= numel):
+    if idx.numel() and _out_of_range(idx, numel):
         raise DcrError(f"{name}: global index out of range for shape {list(shape)}")
     return (_keys(name, dname, shape), idx, *out)
 
