@@ -27,7 +27,7 @@ from nemo_dcr.state.digest import algo_of, state_digest, tensor_digest
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.util.parallel import ordered_map
+from nemo_dcr.util.parallel import background, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
 
 DEFAULT_CHUNK = 1 << 20  # elements per chunk: bounds encode/apply scratch
@@ -144,12 +144,10 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     region_map = IndexMap(spec) if on_change is not None else None
     digests = {"base": known_base} if old is not None and known_base else {}
 
+    def digest(which):
+        digests[which] = tensor_digest(new if which == "target" else old, fv.tensor_digest, threads=1)
+
     def job(r):
-        # the two whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one
-        # thread each: the chunk jobs keep the other workers busy (state/digest.py, THREADS)
-        if isinstance(r, tuple) and r[0] == "digest":
-            digests[r[1]] = tensor_digest(new if r[1] == "target" else old, fv.tensor_digest, threads=1)
-            return None, 0
         c: EncodedChunk | None
         if isinstance(r, EncodedChunk):  # found by the chunker
             c, s = r, r.start
@@ -169,13 +167,21 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
         return c, (r.n if isinstance(r, EncodedChunk) else e - s) * new.element_size()
 
     chunks = []
-    jobs = [("digest", "target")] + ([("digest", "base")] if old is not None and "base" not in digests else []) \
-        + (ranges if found is None else found)
-    for c, nbytes in ordered_map(job, jobs, workers):
-        bar.update(nbytes)
-        if c is not None:
-            off = w.add_payload(c.pos_bytes, c.val_bytes)
-            chunks.append(c.header(off))
+    # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
+    # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
+    hashing = [background(lambda which=which: digest(which), workers)
+               for which in ["target"] + (["base"] if old is not None and "base" not in digests else [])]
+    try:
+        for c, nbytes in ordered_map(job, ranges if found is None else found, workers):
+            bar.update(nbytes)
+            if c is not None:
+                off = w.add_payload(c.pos_bytes, c.val_bytes)
+                chunks.append(c.header(off))
+    finally:
+        for f in hashing:  # nothing of this call runs on past it; the first error is raised below
+            f.exception()
+    for f in hashing:
+        f.result()
     entry = {
         "name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
         "region": spec.to_json(), "target_digest": digests["target"], "chunks": chunks,

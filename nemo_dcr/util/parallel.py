@@ -59,3 +59,20 @@ def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, windo
                     f.result()
                 except BaseException:
                     pass
+
+
+def background(fn: Callable, workers: int | None = None) -> Future:
+    """``fn()`` on the shared pool beside an ``ordered_map`` of the same ``workers``, outside its
+    ordered window: a long job first in an ordered stream holds back every result behind it,
+    and with them the window, so the other workers idled until it was done. Run inline (a
+    completed future) where ``ordered_map`` would be (one worker, or called from a pool thread:
+    a pool thread waiting on a job queued behind it could wait forever)."""
+    workers = workers or default_workers()
+    if workers <= 1 or threading.current_thread().name.startswith(_PREFIX):
+        f: Future = Future()
+        try:
+            f.set_result(fn())
+        except BaseException as e:  # noqa: BLE001 - handed to the caller by result()
+            f.set_exception(e)
+        return f
+    return _pool(workers).submit(fn)
