@@ -46,7 +46,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return dtype.itemsize  # (torch >= 2.1; making an empty tensor to ask cost ~2 us per call)
 
 
 def int_view(t: torch.Tensor) -> torch.Tensor:

@@ -86,15 +86,23 @@ class StateDigest:
     def zero(cls) -> StateDigest:
         return cls((0,) * LANES)
 
+    @classmethod
+    def _of(cls, lanes: tuple) -> StateDigest:
+        """Lanes known to be LANES Python ints in [0, P) (reduced here, or the C kernel's output),
+        unchecked: the follower sums one of these per applied chunk."""
+        d = object.__new__(cls)
+        object.__setattr__(d, "lanes", lanes)
+        return d
+
     def __add__(self, other: StateDigest) -> StateDigest:
         if not isinstance(other, StateDigest):
             return NotImplemented
-        return StateDigest(tuple((a + b) % P for a, b in zip(self.lanes, other.lanes)))
+        return StateDigest._of(tuple([(a + b) % P for a, b in zip(self.lanes, other.lanes)]))
 
     def __sub__(self, other: StateDigest) -> StateDigest:
         if not isinstance(other, StateDigest):
             return NotImplemented
-        return StateDigest(tuple((a - b) % P for a, b in zip(self.lanes, other.lanes)))
+        return StateDigest._of(tuple([(a - b) % P for a, b in zip(self.lanes, other.lanes)]))
 
     def __neg__(self) -> StateDigest:
         return StateDigest(tuple((-a) % P for a in self.lanes))
@@ -311,8 +319,8 @@ def state_contrib(tensors: Mapping[str, torch.Tensor],
 
 
 def _out_of_range(idx: torch.Tensor, numel: int) -> bool:
-    lo, hi = torch.aminmax(idx)  # one pass and one host sync, where min() and max() were two each
-    return bool((lo < 0) | (hi >= numel))
+    lo, hi = torch.aminmax(idx)  # one pass, where min() and max() were two
+    return int(lo) < 0 or int(hi) >= numel
 
 
 def _checked(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], global_idx: torch.Tensor,
@@ -376,7 +384,7 @@ def change_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[i
                            keys.s1, keys.s2, t, kp, out)
     if rc != 0:
         raise DcrError(f"state digest kernel failed ({rc})")
-    return StateDigest(tuple(out))
+    return StateDigest._of(tuple(out))  # the kernel's lanes are in [0, P)
 
 
 class ChangeDigest:
