@@ -1,0 +1,74 @@
+"""util/parallel: the ordered map's order and window, and ``background`` beside it (outside the
+window, inline where a wait could deadlock), as ``diff`` uses them for its whole-tensor digests."""
+from __future__ import annotations
+
+import sys
+import threading
+
+import pytest
+import torch
+
+from nemo_dcr import DcrError, diff
+from nemo_dcr.util.parallel import background, ordered_map
+
+
+def test_ordered_map_keeps_order_and_bounds_the_window():
+    """Results in input order, and never more than ``window`` items taken ahead of what the
+    caller has consumed (memory proportional to the window, not to the input)."""
+    pulled, got, ahead = [0], [0], []
+
+    def items():
+        for x in range(100):
+            pulled[0] += 1
+            ahead.append(pulled[0] - got[0])
+            yield x
+
+    out = []
+    for r in ordered_map(lambda x: x * x, items(), workers=2, window=3):
+        out.append(r)
+        got[0] += 1
+    assert out == [x * x for x in range(100)]
+    assert max(ahead) == 3  # the window is used, and not exceeded
+
+
+def test_background_runs_beside_the_ordered_stream():
+    """A background job that can only finish once every item of the map is out: it must not
+    hold the map's window (it would wait for itself) nor run before it."""
+    mapped = threading.Event()
+
+    def long_job():
+        if not mapped.wait(timeout=30):
+            raise AssertionError("the ordered map did not get past the background job")
+        return "done"
+
+    f = background(long_job, workers=2)
+    assert list(ordered_map(lambda x: x + 1, range(50), workers=2)) == list(range(1, 51))
+    mapped.set()
+    assert f.result(timeout=30) == "done"
+
+
+def test_background_runs_inline_in_a_pool_thread_and_hands_back_errors():
+    def inner(x):
+        f = background(lambda: threading.current_thread().name, workers=2)
+        assert f.done()  # inline: a pool thread never waits on a job queued behind it
+        bad = background(lambda: 1 // 0, workers=2)
+        with pytest.raises(ZeroDivisionError):
+            bad.result()
+        return f.result()
+
+    names = list(ordered_map(inner, range(4), workers=2))
+    assert all(n.startswith("nemo-dcr") for n in names)
+    with pytest.raises(ZeroDivisionError):
+        background(lambda: 1 // 0, workers=2).result(timeout=30)
+
+
+def test_diff_raises_what_its_digest_job_raised(monkeypatch):
+    def broken(*a, **k):
+        raise DcrError("digest failed")
+
+    monkeypatch.setattr(sys.modules["nemo_dcr.delta.diff"], "tensor_digest", broken)
+    a = torch.randn(5000).bfloat16()
+    b = a.clone()
+    b[::7] = b[::7] * 1.01
+    with pytest.raises(DcrError, match="digest failed"):
+        diff({"w": a}, {"w": b}, workers=2, chunk_elems=1024)
