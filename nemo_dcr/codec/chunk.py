@@ -30,6 +30,7 @@ from nemo_dcr.codec import classes, ordered, planes, positions
 
 # the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
 from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
+from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DeltaFormatError
 from nemo_dcr.state.digest import values_digest
@@ -300,11 +301,17 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
     return (idx, vals, None) if with_old else (idx, vals)
 
 
-def decode_classes_streams(h: ChunkEntry, payload, w: int, dtype: torch.dtype):
-    """A ``classes`` chunk's streams decoded without its base (host, O(changes)) -> (class, rank,
-    difference) per change, int64, class order: what ``classes.locate`` turns into positions and
-    new bits against the base where the base lives (the device receiver)."""
+def locate_chunk(h: ChunkEntry, payload, base: torch.Tensor, dtype: torch.dtype):
+    """A ``classes`` chunk decoded against ``base`` (its whole base chunk, an integer view) held
+    anywhere, a GPU included -> (positions relative to the chunk, new bits), both where ``base``
+    is. The streams are decoded on the host without the base (``classes.decode_streams``,
+    O(changes)); only they cross, and ``classes.locate`` places them against ``base`` there.
+    ``classes.RankPastClass`` (a ``DeltaFormatError``): the streams do not fit ``base``. What
+    ``decode_chunk`` does with the fused C scan, for a base the C kernel cannot read."""
     if zlib.crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
-    pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
-    return classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant)
+    pos_raw, val_raw, mant = _classes_payload(h, payload, base.element_size(), dtype)
+    w = base.element_size()
+    cls, rank, d = (x.to(base.device) for x in classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant))
+    idx, un = classes.locate(unsigned(base), h.cls, cls, rank, d, w, mant)
+    return idx, to_bits(un, w).view(base.dtype)

@@ -42,6 +42,11 @@ _ERRORS = {-1: "bad class table", -2: "stream truncated or malformed", -3: "stre
            -4: "position rank out of range", -5: "value out of range", -6: "out of memory", -7: "bad arguments"}
 
 
+class RankPastClass(DeltaFormatError):
+    """Streams that decode, but a rank runs past its class's members in the base they are
+    located against (``locate``): for a checksum-valid chunk, the base held is not its base."""
+
+
 def applicable(dtype: torch.dtype) -> bool:
     return dtype in MANTISSA
 
@@ -304,7 +309,7 @@ def locate(uo: torch.Tensor, rows, cls: torch.Tensor, rank: torch.Tensor, d: tor
     members, first = _by_class(_classes(uo, w, mant).clamp(lo, hi), lo, hi)
     at = first[cls - lo] + rank
     if bool((at >= first[cls - lo + 1]).any()):
-        raise DeltaFormatError("classes position rank out of range")
+        raise RankPastClass("classes position rank out of range")
     idx = members[at]
     o = torch.argsort(idx)
     idx, d = idx[o], d[o]

@@ -23,11 +23,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from nemo_dcr.codec import classes, ordered
-from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, decode_classes_streams
+from nemo_dcr.codec import ordered
+from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry
-from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
@@ -120,8 +119,8 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     """Positions (relative to the chunk), values of chunk ``c``, and the bits held at those
     positions where the decode read them already (``classes`` chunks; else None), all where the
     receiver's tensor is. On a device only O(changes) crosses: positions and values of the
-    other codings, and a ``classes`` chunk's decoded streams, which ``classes.locate`` turns
-    into positions against the base held there."""
+    other codings, and a ``classes`` chunk's decoded streams, which ``chunk.locate_chunk`` places
+    against the base held there."""
     dev = t.tensor.device
     if c.enc != CLASSES:
         idx, vals, _ = decode_chunk(c, reader.payload(c), t.w, with_old=True)
@@ -137,9 +136,8 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     try:
         if _on_host(base):
             return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True)
-        cls, rank, d = (x.to(dev) for x in decode_classes_streams(c, reader.payload(c), t.w, t.dtype))
-        idx, un = classes.locate(unsigned(base), c.cls, cls, rank, d, t.w, classes.MANTISSA[t.dtype])
-        return idx, to_bits(un, t.w).view(base.dtype), base[idx]
+        idx, vals = locate_chunk(c, reader.payload(c), base, t.dtype)
+        return idx, vals, base[idx]
     except DeltaFormatError:
         # a checksum-valid chunk that does not decode against what is held: not this base (or
         # applied already); the pre-image check that follows reports it

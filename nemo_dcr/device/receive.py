@@ -12,8 +12,8 @@ scatters the new bits in place (its own pre-image check on raw bits comes free).
 value is the state-digest change (``apply.digest_change``), computed from the changes alone.
 
 A ``classes`` chunk decodes against the whole base chunk. Its two streams are decoded on the
-host without the base (``chunk.decode_classes_streams``: each change's class, rank within the
-class and difference, O(changes)); those go to the device, where ``classes.locate`` turns ranks
+host without the base (``chunk.locate_chunk``: each change's class, rank within the class and
+difference, O(changes)); those go to the device, where ``classes.locate`` turns ranks
 back into positions against the base bits held there (each element's class, a stable sort by
 class, a gather: torch ops, so the same code runs on the CPU in the tests). No base bits cross
 to the host; the pre-image check hashes the bits at the changes (O(changes)).
@@ -29,14 +29,13 @@ from collections.abc import MutableMapping
 import torch
 
 from nemo_dcr.codec import classes
-from nemo_dcr.codec.chunk import CLASSES, decode_chunk, decode_classes_streams
+from nemo_dcr.codec.chunk import CLASSES, decode_chunk, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import TensorKind
-from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.delta.apply import new_bits
 from nemo_dcr.device.apply import apply_, digest_change
 from nemo_dcr.device.diff import bits
-from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError
+from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.state.digest import values_digest
 from nemo_dcr.state.statedigest import StateDigest, changes_contrib
 
@@ -56,14 +55,12 @@ def _whole(reader: DeltaReader, e, device) -> torch.Tensor:
 def _place(name: str, c, payload, tb: torch.Tensor, dtype: torch.dtype):
     """A ``classes`` chunk's changes against the base held in ``tb`` (where it is) -> (tensor
     positions, new bits), both on ``tb``'s device; only the decoded streams cross to it."""
-    w = tb.element_size()
-    cls, rank, d = (x.to(tb.device) for x in decode_classes_streams(c, payload, w, dtype))  # host, O(changes)
     try:
-        idx, un = classes.locate(unsigned(tb[c.start:c.end]), c.cls, cls, rank, d, w, classes.MANTISSA[dtype])
-    except DeltaFormatError:
+        idx, new = locate_chunk(c, payload, tb[c.start:c.end], dtype)
+    except classes.RankPastClass:
         # checksum-valid streams whose ranks do not fit what is held: not this base
         raise BaseMismatchError(f"{name}: chunk at element {c.start} does not match its base") from None
-    return idx + c.start, to_bits(un, w)
+    return idx + c.start, new
 
 
 def _all(name, t: torch.Tensor) -> StateDigest:
