@@ -310,8 +310,8 @@ def locate_chunk(h: ChunkEntry, payload, base: torch.Tensor, dtype: torch.dtype)
     ``decode_chunk`` does with the fused C scan, for a base the C kernel cannot read."""
     if zlib.crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
-    pos_raw, val_raw, mant = _classes_payload(h, payload, base.element_size(), dtype)
     w = base.element_size()
+    pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
     cls, rank, d = (x.to(base.device) for x in classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant))
     idx, un = classes.locate(unsigned(base), h.cls, cls, rank, d, w, mant)
     return idx, to_bits(un, w).view(base.dtype)

@@ -499,10 +499,10 @@ class _S3Writer(ObjectWriter):
 
     def _commit(self) -> None:
         st = self.store
-        if self._upload is None:  # small: one PutObject
+        if self._upload is None:  # under the threshold: the store's own put (one PutObject)
             data = bytes(self._buf)
             self._buf = bytearray()
-            st._call("put", self.key, lambda: st.client.put_object(Bucket=st.bucket, Key=self.full, Body=data))
+            S3Store.put(st, self.key, data)
             return
         if self._buf or not self._parts:
             self._send(bytes(self._buf))  # the last part may be smaller than a part

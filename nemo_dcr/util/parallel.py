@@ -34,9 +34,15 @@ def _pool(workers: int) -> ThreadPoolExecutor:
         return p
 
 
+def _inline(workers: int) -> bool:
+    """Run on the calling thread: one worker, or a pool thread already (a pool thread waiting on
+    a job queued behind it could wait forever)."""
+    return workers <= 1 or threading.current_thread().name.startswith(_PREFIX)
+
+
 def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, window: int | None = None) -> Iterator:
     workers = workers or default_workers()
-    if workers <= 1 or threading.current_thread().name.startswith(_PREFIX):
+    if _inline(workers):
         for it in items:
             yield fn(it)
         return
@@ -65,10 +71,9 @@ def background(fn: Callable, workers: int | None = None) -> Future:
     """``fn()`` on the shared pool beside an ``ordered_map`` of the same ``workers``, outside its
     ordered window: a long job first in an ordered stream holds back every result behind it,
     and with them the window, so the other workers idled until it was done. Run inline (a
-    completed future) where ``ordered_map`` would be (one worker, or called from a pool thread:
-    a pool thread waiting on a job queued behind it could wait forever)."""
+    completed future) where ``ordered_map`` runs inline (``_inline``)."""
     workers = workers or default_workers()
-    if workers <= 1 or threading.current_thread().name.startswith(_PREFIX):
+    if _inline(workers):
         f: Future = Future()
         try:
             f.set_result(fn())
