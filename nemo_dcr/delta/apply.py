@@ -370,7 +370,7 @@ def _verified_view(plan: Plan, tensor: torch.Tensor) -> torch.Tensor:
     if plan.action == Action.CREATE:
         return tensor
     assert plan.recv is not None  # plan_entry: every held tensor has its shard spec
-    return tensor[plan.recv.slices_of(plan.sent)]
+    return plan.recv.view_of(tensor, plan.sent)
 
 
 def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> None:

@@ -105,10 +105,10 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
         raise BaseMismatchError(f"{name}: receiver's global shape {recv.global_shape} but the delta's is "
                                 f"{region.global_shape}")
     covered = recv.contains(region)
-    if not covered and not _overlaps(recv, region):
+    if not covered and not recv.overlaps(region):
         return Plan(entry, tensor, recv, region, False, Action.IGNORE)
     if entry.kind == TensorKind.FULL:  # the region's whole content, written over whatever is there
-        if covered and verify and tensor_digest_like(tensor[recv.slices_of(region)], target) == target:
+        if covered and verify and tensor_digest_like(recv.view_of(tensor, region), target) == target:
             return Plan(entry, tensor, recv, region, True, Action.SKIP)
         return Plan(entry, tensor, recv, region, covered, Action.OVERWRITE)
     if not covered:
@@ -116,7 +116,7 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
     if not verify:
         return Plan(entry, tensor, recv, region, True, Action.RESUME)
     assert entry.base_digest is not None  # TensorEntry.parse: a delta entry has one (full ones returned above)
-    d = tensor_digest_like(tensor[recv.slices_of(region)], entry.base_digest)
+    d = tensor_digest_like(recv.view_of(tensor, region), entry.base_digest)
     if d == entry.base_digest:
         action = Action.APPLY if entry.chunks else Action.SKIP
     elif d == entry.target_digest:
@@ -128,7 +128,3 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
                                 f"(digest {d}, expected {entry.base_digest})")
     return Plan(entry, tensor, recv, region, True, action)
 
-
-def _overlaps(a: ShardSpec, b: ShardSpec) -> bool:
-    return all(ao < bo + bs and bo < ao + as_ for ao, as_, bo, bs in zip(a.offsets, a.shape, b.offsets, b.shape)) \
-        and a.numel > 0 and b.numel > 0

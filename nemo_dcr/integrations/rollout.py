@@ -349,7 +349,7 @@ class RolloutLoader:
         holding it applies the deltas to it and broadcasts it to the others after each update."""
         def region(name, t):
             spec = shards.get(name) or ShardSpec.full(t.shape)
-            return tuple(spec.global_shape), tuple(spec.offsets), tuple(spec.shape), str(t.dtype)
+            return tuple(spec.global_shape), tuple(spec.offsets), tuple(spec.shape), spec.index_shape, str(t.dtype)
 
         mine = {name: region(name, t) for name, t in self.recv.items()}
         every = self.group.all_gather(mine)

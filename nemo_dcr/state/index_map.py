@@ -22,11 +22,20 @@ from nemo_dcr.errors import DcrError
 
 @dataclass(frozen=True)
 class ShardSpec:
-    """Where a local tensor sits in its canonical (global) tensor."""
+    """Where a local tensor sits in its canonical (global) tensor.
+
+    ``global_shape`` is the canonical tensor's shape (what the publisher published). ``offsets``
+    and ``shape`` are a box in ``index_shape`` when given, else in ``global_shape``. An index
+    shape is another shape of the same number of elements read in the same row-major order: a
+    receiver whose part of the tensor is a box only in a finer view of it (a vLLM worker holding
+    the query rows of every head of a fused, head-interleaved QKV weight: rows split as
+    ``(heads, 3, head_dim)``) describes it there. Canonical flat positions are the same in every
+    index shape, so the index maps, the state digest and the deltas never see the difference."""
 
     global_shape: tuple
     offsets: tuple
     shape: tuple
+    index_shape: tuple | None = None
 
     @classmethod
     def full(cls, shape: Sequence[int]) -> ShardSpec:
@@ -34,16 +43,25 @@ class ShardSpec:
         return cls(shape, (0,) * len(shape), shape)
 
     @classmethod
-    def of(cls, global_shape, offsets=None, shape=None) -> ShardSpec:
+    def of(cls, global_shape, offsets=None, shape=None, index_shape=None) -> ShardSpec:
         g = tuple(int(s) for s in global_shape)
-        o = tuple(int(s) for s in offsets) if offsets is not None else (0,) * len(g)
-        s = tuple(int(x) for x in shape) if shape is not None else g
-        spec = cls(g, o, s)
+        box = tuple(int(s) for s in index_shape) if index_shape is not None else g
+        o = tuple(int(s) for s in offsets) if offsets is not None else (0,) * len(box)
+        s = tuple(int(x) for x in shape) if shape is not None else box
+        spec = cls(g, o, s, None if box == g else box)
         spec.validate()
         return spec
 
+    @property
+    def box_shape(self) -> tuple:
+        """The shape ``offsets`` and ``shape`` are a box of (``index_shape`` or ``global_shape``)."""
+        return self.index_shape if self.index_shape is not None else self.global_shape
+
     def validate(self) -> None:
-        g, o, s = self.global_shape, self.offsets, self.shape
+        g, o, s = self.box_shape, self.offsets, self.shape
+        if self.index_shape is not None and math.prod(self.index_shape) != math.prod(self.global_shape):
+            raise DcrError(f"index shape {self.index_shape} does not hold the {math.prod(self.global_shape)} "
+                           f"elements of global shape {self.global_shape}")
         if not (len(g) == len(o) == len(s)):
             raise DcrError(f"shard rank mismatch: global {g}, offsets {o}, shape {s}")
         for gi, oi, si in zip(g, o, s):
@@ -56,22 +74,154 @@ class ShardSpec:
 
     @property
     def is_full(self) -> bool:
-        return self.shape == self.global_shape
+        return self.shape == self.box_shape
+
+    def in_shape(self, box_shape: Sequence[int]) -> ShardSpec | None:
+        """The same elements as a box of ``box_shape`` (same canonical tensor), or None where they
+        are no box there."""
+        box_shape = tuple(int(x) for x in box_shape)
+        if box_shape == self.box_shape:
+            return self
+        if math.prod(box_shape) != math.prod(self.global_shape):
+            return None
+        if self.is_full:
+            return ShardSpec(self.global_shape, (0,) * len(box_shape), box_shape,
+                             None if box_shape == self.global_shape else box_shape)
+        moved = reshape_box(self.box_shape, self.offsets, self.shape, box_shape)
+        if moved is None:
+            return None
+        return ShardSpec(self.global_shape, moved[0], moved[1], None if box_shape == self.global_shape else box_shape)
 
     def contains(self, other: ShardSpec) -> bool:
-        return self.global_shape == other.global_shape and all(
+        if self.global_shape != other.global_shape:
+            return False
+        if self.is_full:
+            return True
+        o = other.in_shape(self.box_shape)
+        return o is not None and all(
             so <= oo and oo + os_ <= so + ss
-            for so, ss, oo, os_ in zip(self.offsets, self.shape, other.offsets, other.shape)
+            for so, ss, oo, os_ in zip(self.offsets, self.shape, o.offsets, o.shape)
         )
+
+    def overlaps(self, other: ShardSpec) -> bool:
+        """Whether the two hold a common element (when one is no box in the other's index shape:
+        assumed, the element-wise maps sort it out)."""
+        if self.numel == 0 or other.numel == 0:
+            return False
+        o = other.in_shape(self.box_shape)
+        if o is None:
+            return True
+        return all(ao < bo + bs and bo < ao + as_
+                   for ao, as_, bo, bs in zip(self.offsets, self.shape, o.offsets, o.shape))
 
     def slices_of(self, inner: ShardSpec) -> tuple:
         """Slices that cut ``inner`` out of a local tensor laid out as ``self``."""
         if not self.contains(inner):
             raise DcrError(f"{inner} is not inside {self}")
-        return tuple(slice(io - so, io - so + isz) for so, io, isz in zip(self.offsets, inner.offsets, inner.shape))
+        i = inner.in_shape(self.box_shape)
+        assert i is not None  # contains() moved it already
+        return tuple(slice(io - so, io - so + isz) for so, io, isz in zip(self.offsets, i.offsets, i.shape))
+
+    def view_of(self, tensor: torch.Tensor, inner: ShardSpec) -> torch.Tensor:
+        """``inner``'s elements of a local ``tensor`` laid out as ``self``, shaped as ``inner``
+        (a copy where the index shapes differ: the row-major order is the same)."""
+        part = tensor[self.slices_of(inner)]
+        return part if tuple(part.shape) == tuple(inner.shape) else part.reshape(inner.shape)
 
     def to_json(self) -> dict:
         return {"offsets": list(self.offsets), "shape": list(self.shape)}
+
+
+def reshape_box(shape: Sequence[int], offsets: Sequence[int], size: Sequence[int],
+                new_shape: Sequence[int]) -> tuple[tuple, tuple] | None:
+    """A box of ``shape`` as a box of ``new_shape`` (same element count, row-major): (offsets,
+    size) there, or None where its elements are no box of ``new_shape``.
+
+    Both shapes are refined to their common refinement (every dimension boundary of either), the
+    box is split there (a range splits when it lies inside one outer step or covers whole inner
+    runs), then merged into ``new_shape``'s dimensions (a range merges when the inner ones are
+    whole or the outer one is a single step)."""
+    shape, new_shape = tuple(int(x) for x in shape), tuple(int(x) for x in new_shape)
+    n = math.prod(shape)
+    if n != math.prod(new_shape) or n == 0:
+        return None
+    if any(int(x) == 0 for x in size):  # no element: the empty box
+        return (0,) * len(new_shape), (0,) * len(new_shape)
+    # strides of each dimension; the refinement's strides are the union of both shapes'
+    def strides(sh):
+        out, acc = [], 1
+        for d in reversed(sh):
+            out.append(acc)
+            acc *= d
+        return list(reversed(out))
+    a, b = strides(shape), strides(new_shape)
+    marks = sorted(set(a) | set(b) | {n}, reverse=True)  # n: the outermost boundary
+    for hi, lo in zip(marks, marks[1:]):
+        if hi % lo:
+            return None  # no common refinement (e.g. (2, 3) and (3, 2))
+    fine = [marks[i] // marks[i + 1] for i in range(len(marks) - 1)]  # sizes, outer first
+    fstr = marks[1:]
+    # split: each dim of ``shape`` covers the fine dims whose strides lie in [its stride, its extent)
+    fo: list[int] = []
+    fs: list[int] = []
+    for d, st in enumerate(a):
+        ext = st * shape[d]
+        dims = [i for i, s in enumerate(fstr) if st <= s < ext]
+        o, s = int(offsets[d]), int(size[d])
+        if not dims:  # a dimension of size 1
+            continue
+        sizes = [fine[i] for i in dims]
+        parts = _split_range(o, s, sizes)
+        if parts is None:
+            return None
+        for po, ps in parts:
+            fo.append(po)
+            fs.append(ps)
+    # merge into ``new_shape``'s dims
+    out_o, out_s = [], []
+    for d, st in enumerate(b):
+        ext = st * new_shape[d]
+        dims = [i for i, s in enumerate(fstr) if st <= s < ext]
+        if not dims:  # a dimension of size 1
+            out_o.append(0)
+            out_s.append(1)
+            continue
+        merged = _merge_ranges([(fo[i], fs[i]) for i in dims], [fine[i] for i in dims])
+        if merged is None:
+            return None
+        out_o.append(merged[0])
+        out_s.append(merged[1])
+    return tuple(out_o), tuple(out_s)
+
+
+def _split_range(o: int, s: int, sizes: list[int]) -> list[tuple[int, int]] | None:
+    """Range [o, o+s) of a dimension of ``prod(sizes)`` as one range per sub-dimension (outer
+    first), or None."""
+    if len(sizes) == 1:
+        return [(o, s)]
+    inner = math.prod(sizes[1:])
+    if s == 0:
+        return [(0, 0)] * len(sizes)
+    if o // inner == (o + s - 1) // inner:  # inside one step of the outer sub-dimension
+        rest = _split_range(o % inner, s, sizes[1:])
+        return None if rest is None else [(o // inner, 1)] + rest
+    if o % inner == 0 and s % inner == 0:  # whole steps
+        return [(o // inner, s // inner)] + [(0, x) for x in sizes[1:]]
+    return None
+
+
+def _merge_ranges(parts: list[tuple[int, int]], sizes: list[int]) -> tuple[int, int] | None:
+    """Ranges of sub-dimensions (outer first) as one range of their product, or None."""
+    o, s = parts[-1]
+    inner = sizes[-1]
+    for (po, ps), size in zip(reversed(parts[:-1]), reversed(sizes[:-1])):
+        if ps == 0 or s == 0:
+            return 0, 0
+        if s != inner and ps != 1:  # the inner part is not whole: only one outer step may be taken
+            return None
+        o, s = po * inner + o, ps * s if s == inner else s
+        inner *= size
+    return o, s
 
 
 def _collapse(g, o, s):
@@ -100,7 +250,7 @@ class IndexMap:
         spec.validate()
         self.spec = spec
         self.numel = spec.numel
-        g, o, s = _collapse(spec.global_shape, spec.offsets, spec.shape)
+        g, o, s = _collapse(spec.box_shape, spec.offsets, spec.shape)
         self._g, self._o, self._s = g, o, s
         self.identity = spec.is_full or (len(s) <= 1 and (not o or o[0] == 0) and s == g)
         # A shard whose collapsed form is 1-D is a single contiguous run of the canonical tensor.

@@ -208,7 +208,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
 
     def layout():
         plans.update(_my_plans(readers, tensors, shards))
-        return {k: (p.recv.global_shape, p.recv.offsets, p.recv.shape) for k, p in plans.items()}
+        return {k: (p.recv.global_shape, p.recv.offsets, p.recv.shape, p.recv.index_shape) for k, p in plans.items()}
 
     layouts = group.run(layout, "list the classes chunks held in part", gather=True)
     shares = group.run(lambda: _shares(readers, layouts), "find the classes chunks to decode together")
