@@ -329,3 +329,117 @@ def test_sharded_sender_to_mismatched_global_shape_is_rejected():
     with pytest.raises(BaseMismatchError):
         apply(recv, blob, shards={"w": wrong})
     assert int(int_view(recv["w"]).abs().sum()) == 0
+
+
+# ----------------------------------------------------------------------------- index shapes
+
+def _shapes_of(n, dims=3):
+    import itertools
+    return [s for k in range(1, dims + 1) for s in itertools.product(range(1, n + 1), repeat=k) if math.prod(s) == n]
+
+
+def _flat(shape, offsets, size):
+    g = torch.arange(math.prod(shape)).reshape(shape)
+    return g[tuple(slice(o, o + s) for o, s in zip(offsets, size))].reshape(-1)
+
+
+def _is_box(shape, flat):
+    coords = [(flat // math.prod(shape[d + 1:])) % shape[d] for d in range(len(shape))]
+    lo, hi = [int(c.min()) for c in coords], [int(c.max()) for c in coords]
+    return math.prod(h - lo_ + 1 for lo_, h in zip(lo, hi)) == flat.numel()
+
+
+def _strides_of(shape):
+    return {math.prod(shape[d + 1:]) for d in range(len(shape))}
+
+
+@pytest.mark.parametrize("n", [12, 16])
+def test_reshape_box_moves_boxes_exactly_between_index_shapes(n):
+    """Every box moved between two shapes of the same elements holds the same elements there, and
+    where one shape refines the other a box that is one there is always found."""
+    import random
+
+    from nemo_dcr.state.index_map import reshape_box
+    rng = random.Random(n)
+    moved = 0
+    for a in _shapes_of(n):
+        for _ in range(12):
+            o = [rng.randrange(d) for d in a]
+            s = [rng.randint(1, d - oo) for d, oo in zip(a, o)]
+            want = _flat(a, o, s)
+            for b in _shapes_of(n):
+                r = reshape_box(a, o, s, b)
+                if r is not None:
+                    moved += 1
+                    assert torch.equal(_flat(b, *r), want), (a, o, s, b, r)
+                elif _strides_of(a) <= _strides_of(b) or _strides_of(b) <= _strides_of(a):
+                    assert not _is_box(b, want), (a, o, s, b)
+    assert moved > 1000
+
+
+def test_a_spec_in_an_index_shape_contains_and_views_the_canonical_regions():
+    """A receiver holding the query rows of every head of a head-interleaved fused weight
+    ((heads, 3, head_dim) rows) is a box only in that index shape: it contains the regions the
+    publisher sends in the canonical shape that lie inside it, and views them in canonical order."""
+    heads, hd, cols = 4, 2, 3
+    g = (heads * 3 * hd, cols)
+    idx = (heads, 3, hd * cols)
+    spec = ShardSpec.of(g, (0, 0, 0), (heads, 1, hd * cols), index_shape=idx)  # every head's q rows
+    whole = torch.arange(math.prod(g)).reshape(g)
+    local = whole.reshape(idx)[:, 0:1, :].contiguous()
+    assert spec.box_shape == idx and not spec.is_full
+    head1_q = ShardSpec.of(g, (3 * hd, 0), (hd, cols))  # head 1's q rows, as the publisher's region
+    assert spec.contains(head1_q) and spec.overlaps(head1_q)
+    assert torch.equal(spec.view_of(local, head1_q), whole[3 * hd:4 * hd])
+    head1_k = ShardSpec.of(g, (4 * hd, 0), (hd, cols))
+    assert not spec.contains(head1_k) and not spec.overlaps(head1_k)
+    imap = IndexMap(spec)
+    assert torch.equal(imap.to_global(torch.arange(spec.numel)), local.reshape(-1))
+    loc, mask = imap.to_local(whole.reshape(-1))
+    assert torch.equal(whole.reshape(-1)[mask], local.reshape(-1)) and torch.equal(loc, torch.arange(spec.numel))
+
+
+# ----------------------------------------------------------------------------- strided parts
+
+def _factor_case(global_shape, storage_shape, place):
+    """Place canonical element numbers into a storage with ``place(storage, canonical)``; factor the
+    pairs and check the view's elements are the spec's canonical elements in row-major order."""
+    from nemo_dcr.state.strided import factor
+    canon = torch.arange(math.prod(global_shape)).reshape(global_shape)
+    storage = torch.full(storage_shape, -1, dtype=torch.int64)
+    place(storage, canon)
+    held = storage.reshape(-1) >= 0
+    part = factor(storage.reshape(-1)[held], held.nonzero()[:, 0], global_shape)
+    assert part is not None
+    view = part.view(storage)
+    assert tuple(view.shape) == part.spec.shape and part.spec.global_shape == tuple(global_shape)
+    assert torch.equal(view.reshape(-1), IndexMap(part.spec).to_global(torch.arange(part.spec.numel)))
+    return part
+
+
+def test_factor_finds_the_layouts_engines_load_into():
+    def tp_transposed(storage, canon):  # GPT-2's Conv1D c_attn at TP=2, rank 0: q, k, v column blocks
+        t = canon.T
+        storage[0:4], storage[4:8], storage[8:12] = t[0:4], t[8:12], t[16:20]
+    cases = [
+        ((8, 24), (24, 8), lambda s, c: s.copy_(c.T)),                                  # transposed
+        ((4, 6), (10, 6), lambda s, c: s[3:7].copy_(c)),                                # a fused layer's rows
+        ((8, 24), (12, 8), tp_transposed),
+        ((24, 4), (24, 4), lambda s, c: s.copy_(c.reshape(4, 3, 2, 4).transpose(0, 1).reshape(24, 4))),  # heads
+        ((10, 4), (16, 4), lambda s, c: s[:10].copy_(c)),                               # padded vocabulary
+        ((6,), (6,), lambda s, c: s.copy_(c)),
+        ((1,), (1,), lambda s, c: s.copy_(c)),
+    ]
+    specs = [_factor_case(*c).spec for c in cases]
+    assert specs[0].is_full and specs[0].index_shape is None  # a transpose is a view of the canonical shape
+    assert specs[2].index_shape is not None and not specs[2].is_full  # three column blocks: a box only finer
+    assert specs[3].is_full
+
+
+def test_factor_refuses_maps_no_strided_view_holds():
+    from nemo_dcr.state.strided import factor
+    g = torch.Generator().manual_seed(3)
+    perm = torch.randperm(24, generator=g)
+    assert factor(perm, torch.arange(24), (6, 4)) is None
+    assert factor(torch.tensor([0, 1, 3]), torch.tensor([0, 1, 2]), (4,)) is None  # a hole
+    assert factor(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64), (4,)) is None
