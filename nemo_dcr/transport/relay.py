@@ -81,6 +81,10 @@ class Relay:
                                  upstream_wait=upstream_wait, on_new_version=self._new_version)
         self._pruning = False
 
+    def close(self) -> None:
+        """Release the cache directory (after the server stopped)."""
+        self.cache.close()
+
     # -- application -----------------------------------------------------------------------
 
     def app(self):
@@ -299,5 +303,6 @@ async def serve(upstream: Store, listen: str, *, cache_dir: str | None = None,
         await stop.wait()
     finally:
         await runner.cleanup()
+        relay.close()
         if own_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)
