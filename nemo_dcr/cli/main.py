@@ -197,7 +197,7 @@ def _cmd_relay(a):
     up_token = read_token_file(a.upstream_token_file) if a.upstream_token_file else token
     http = [u for u in a.upstream if u.lower().startswith(("http://", "https://"))]
     upstream = open_store([open_store(u, token=up_token) if u in http else u for u in a.upstream])
-    asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, mount=a.prefix,
+    asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, secrets=[up_token or ""], mount=a.prefix,
                       cache_max_bytes=a.cache_max_bytes, poll_interval=a.poll_interval,
                       ready=lambda url: print(f"nemo-dcr relay: serving {' -> '.join(a.upstream)} at {url}",
                                               flush=True)))
