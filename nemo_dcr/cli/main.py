@@ -198,6 +198,7 @@ def _cmd_relay(a):
     http = [u for u in a.upstream if u.lower().startswith(("http://", "https://"))]
     upstream = open_store([open_store(u, token=up_token) if u in http else u for u in a.upstream])
     asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, secrets=[up_token or ""], mount=a.prefix,
+                      verifier=_verifier(a),
                       cache_max_bytes=a.cache_max_bytes, poll_interval=a.poll_interval,
                       ready=lambda url: print(f"nemo-dcr relay: serving {' -> '.join(a.upstream)} at {url}",
                                               flush=True)))
@@ -324,6 +325,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefix", default="", help="serve under http://HOST:PORT/PREFIX")
     r.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between HEAD reads of a store that cannot long-poll, while children wait")
+    r.add_argument("--trusted-key", action="append", default=[],
+                   help="keep (cache) only versions signed by this key (a .pub file or ed25519:...); repeat for "
+                        "rotation (default: $NEMO_DCR_TRUSTED_KEYS(_FILE); none: what HEAD's digests vouch for). "
+                        "Children still verify for themselves")
+    r.add_argument("--namespace", default=None,
+                   help="with --trusted-key: the run the signed versions belong to (default: $NEMO_DCR_NAMESPACE)")
     r.set_defaults(func=_cmd_relay)
 
     ch = sub.add_parser("chaos", help="fault campaign: randomized end-to-end runs with injected faults, "

@@ -97,6 +97,13 @@ class ObjectCache:
         except OSError:
             pass
 
+    def discard_prefix(self, prefix: str) -> int:
+        """Drop every object whose key starts with ``prefix`` (a version's directory)."""
+        gone = [k for k in self._entries if k.startswith(prefix)]
+        for k in gone:
+            self.discard(k)
+        return len(gone)
+
     def evict_older_than(self, version: int) -> int:
         old = [k for k, e in self._entries.items() if e.version < version]
         for k in old:

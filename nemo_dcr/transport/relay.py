@@ -83,7 +83,11 @@ def parse_listen(text: str) -> tuple:
 class Relay:
     def __init__(self, upstream: Store, *, cache_dir: str, cache_max_bytes: int = 8 << 30,
                  token: str | None = None, mount: str = "", poll_interval: float = 0.5,
-                 upstream_wait: float = 20.0, workers: int = 16, stall_after: int | None = None):
+                 upstream_wait: float = 20.0, workers: int = 16, stall_after: int | None = None,
+                 verifier=None):
+        """``verifier``: a :class:`~nemo_dcr.sync.signing.Verifier`: keep only manifests (and
+        their parts) signed by a trusted key, vouched for by a HEAD signed by one. Children
+        verify for themselves either way; this decides what the relay keeps."""
         self.upstream, self.mount = upstream, mount.strip("/")
         if self.mount:
             check_key(self.mount)
@@ -93,13 +97,15 @@ class Relay:
             "requests": 0, "refused": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0,
             "upstream_fetches": 0, "upstream_fetches_by_key": {}, "upstream_errors": 0,
             "bad_objects": 0, "upstream_head_reads": 0, "upstream_head_polls": 0, "head_waits": 0,
-            "evicted_old_versions": 0,
+            "evicted_old_versions": 0, "withdrawn_objects": 0,
         }
         self.cache = ObjectCache(cache_dir, cache_max_bytes)
         self.workers = Workers(workers, "relay-fetch")
-        self.fetcher = Fetcher(upstream, self.cache, self.workers, self.stats)
+        self.fetcher = Fetcher(upstream, self.cache, self.workers, self.stats, verifier=verifier,
+                               refresh_head=lambda: self.heads.fresh())
         self.heads = HeadWatcher(upstream, self.workers, self.stats, poll_interval=poll_interval,
-                                 upstream_wait=upstream_wait, on_new_version=self._new_version)
+                                 upstream_wait=upstream_wait, on_new_version=self._new_version,
+                                 on_head=self.fetcher.ids.observe_head)
         self._pruning = False
 
     def close(self) -> None:
