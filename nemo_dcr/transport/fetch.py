@@ -16,6 +16,7 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
@@ -98,10 +99,13 @@ class Reader:
 
 class Fetcher:
     def __init__(self, upstream: Store, cache: ObjectCache, workers: Workers, stats: dict,
-                 verifier=None, refresh_head: Callable[[], Awaitable] | None = None):
+                 verifier=None, refresh_head: Callable[[], Awaitable] | None = None,
+                 observe: Callable[[float], None] | None = None):
         """``verifier``: a Verifier, when only signed manifests may be kept; ``refresh_head``:
-        read the upstream's HEAD now (the reader passes each HEAD it reads to ``ids``)."""
+        read the upstream's HEAD now (the reader passes each HEAD it reads to ``ids``);
+        ``observe``: called with the seconds each successful download took."""
         self.upstream, self.cache, self.workers, self.stats = upstream, cache, workers, stats
+        self.observe = observe
         self.ids = Identities(verifier, on_withdraw=self.withdraw)
         self.refresh_head = refresh_head
         self._inflight: dict = {}
@@ -165,9 +169,12 @@ class Fetcher:
     async def _run(self, f: Fetch) -> None:
         loop = asyncio.get_running_loop()
         kept = False
+        t0 = time.perf_counter()
         try:
             try:
                 await self.workers.run(self._download, f, loop)
+                if self.observe is not None:
+                    self.observe(time.perf_counter() - t0)
             except NotFound as e:
                 f.update(error=e)
                 return

@@ -55,13 +55,13 @@ def _parse(res) -> HeadState | None:
 class HeadWatcher:
     def __init__(self, upstream: Store, workers: Workers, stats: dict, *, poll_interval: float = 0.5,
                  upstream_wait: float = 20.0, on_new_version: Callable[[int], None] | None = None,
-                 on_head: Callable[[Head], None] | None = None):
+                 on_head: Callable[[Head], None] | None = None, observe: Callable[[float], None] | None = None):
         """``on_head``: called with each HEAD read from the upstream that differs from the last
         (what it records vouches for the manifests the relay keeps); ``on_new_version`` when its
-        version changed."""
+        version changed; ``observe`` with the seconds each plain HEAD read of the upstream took."""
         self.upstream, self.workers, self.stats = upstream, workers, stats
         self.poll_interval, self.upstream_wait = float(poll_interval), float(upstream_wait)
-        self.on_new_version, self.on_head = on_new_version, on_head
+        self.on_new_version, self.on_head, self.observe = on_new_version, on_head, observe
         self.current: HeadState | None = None
         self.waiters = 0
         self._read_task: asyncio.Task | None = None
@@ -101,10 +101,14 @@ class HeadWatcher:
 
     def _read(self):
         self.stats["upstream_head_reads"] += 1
+        t0 = time.perf_counter()
         try:
             return self.upstream.get_with_tag(HEAD_PATH)
         except NotFound:
             return None
+        finally:
+            if self.observe is not None:
+                self.observe(time.perf_counter() - t0)
 
     async def _read_now(self) -> HeadState | None:
         try:

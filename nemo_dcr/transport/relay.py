@@ -23,13 +23,16 @@ from collections.abc import Sequence
 from typing import Any
 
 from nemo_dcr.errors import DcrError
+from nemo_dcr.metrics import RelayMetrics
+from nemo_dcr.metrics import available as metrics_available
 from nemo_dcr.stores.base import NotFound, Store, StoreError, check_key, check_prefix
-from nemo_dcr.stores.http import HEAD_PATH
+from nemo_dcr.stores.http import HEAD_PATH, RECEIVER_HEADER, VERSION_HEADER
 from nemo_dcr.sync.versions import is_store_key
 from nemo_dcr.transport.cache import ObjectCache
 from nemo_dcr.transport.fetch import Fetcher
 from nemo_dcr.transport.head import HeadWatcher
 from nemo_dcr.transport.keys import BadPath, parse_path
+from nemo_dcr.transport.receivers import Receivers
 from nemo_dcr.transport.redact import redacting
 from nemo_dcr.transport.workers import Workers
 
@@ -99,13 +102,17 @@ class Relay:
             "bad_objects": 0, "upstream_head_reads": 0, "upstream_head_polls": 0, "head_waits": 0,
             "evicted_old_versions": 0, "withdrawn_objects": 0,
         }
+        self.receivers = Receivers()
+        self.metrics = RelayMetrics(self._stats) if metrics_available() else None  # else /metrics: 501
         self.cache = ObjectCache(cache_dir, cache_max_bytes)
         self.workers = Workers(workers, "relay-fetch")
         self.fetcher = Fetcher(upstream, self.cache, self.workers, self.stats, verifier=verifier,
-                               refresh_head=lambda: self.heads.fresh())
+                               refresh_head=lambda: self.heads.fresh(),
+                               observe=self.metrics.fetch_seconds.observe if self.metrics else None)
         self.heads = HeadWatcher(upstream, self.workers, self.stats, poll_interval=poll_interval,
                                  upstream_wait=upstream_wait, on_new_version=self._new_version,
-                                 on_head=self.fetcher.ids.observe_head)
+                                 on_head=self.fetcher.ids.observe_head,
+                                 observe=self.metrics.head_read_seconds.observe if self.metrics else None)
         self._pruning = False
 
     def close(self) -> None:
@@ -169,7 +176,7 @@ class Relay:
             if what == "stats":
                 return self._json(self._stats())
             if what == "metrics":
-                return self._error(501, "metrics are not available")
+                return self._metrics()
             if what == "healthz":
                 return await self._healthz()
             if what == "list":
@@ -203,6 +210,15 @@ class Relay:
         v = st.version if st is not None else None
         return self._error(200, f"ok: upstream head version {v if v is not None else 'none'}")
 
+    def _metrics(self):
+        web = _aiohttp()
+        if self.metrics is None:
+            return self._error(501, 'metrics need prometheus_client: pip install "nemo-dcr[relay]"')
+        body, ctype = self.metrics.render()
+        resp = web.Response(body=body, headers={"Cache-Control": "no-store"})
+        resp.headers["Content-Type"] = ctype
+        return resp
+
     def _json(self, obj):
         web = _aiohttp()
         return web.Response(body=json.dumps(obj).encode(), content_type="application/json",
@@ -213,14 +229,19 @@ class Relay:
         s["upstream_fetches_by_key"] = dict(self.stats["upstream_fetches_by_key"])
         s.update(cache_bytes=self.cache.bytes, cache_entries=len(self.cache),
                  cache_max_bytes=self.cache.max_bytes, cache_evicted=self.cache.evicted,
-                 head_waiters=self.heads.waiters,
-                 head_version=self.heads.current.version if self.heads.current else None)
+                 head_waiters=self.heads.waiters, head_version=self._head_version(),
+                 receivers=self.receivers.snapshot(self._head_version()))
         return s
+
+    def _head_version(self) -> int | None:
+        return self.heads.current.version if self.heads.current else None
 
     # -- HEAD ------------------------------------------------------------------------------
 
     async def _head(self, request):
         web = _aiohttp()
+        self.receivers.report(request.headers.get(RECEIVER_HEADER), request.headers.get(VERSION_HEADER),
+                              request.remote)
         q = request.query
         try:
             newer_than = int(q["newer_than"]) if "newer_than" in q else None
