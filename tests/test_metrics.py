@@ -173,3 +173,16 @@ def test_metrics_need_the_token_health_does_not(tmp_path):
         assert health(base)[0] == 200
     finally:
         r.stop()
+
+
+def test_a_followers_default_name_is_a_valid_receiver_name_whatever_the_host_is_called(tmp_path, monkeypatch):
+    import os
+    import socket
+    store = open_store(tmp_path / "store")
+    Publisher(store).publish(model())
+    for host in ("_weird host!", "", "node_1.cluster"):
+        monkeypatch.setattr(socket, "gethostname", lambda h=host: h)
+        f = Follower(store, zeros_like(model()), verifier=None)
+        assert f.name.endswith(f"-{os.getpid()}") and " " not in f.name and not f.name.startswith(("_", "-"))
+    with pytest.raises(StoreError, match="receiver name"):
+        Follower(store, zeros_like(model()), name="bad name", verifier=None)

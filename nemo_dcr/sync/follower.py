@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -169,7 +170,7 @@ class Follower:
         from nemo_dcr.stores.http import check_receiver_name
         from nemo_dcr.sync.signing import verifying
         self.store = verifying(open_store(store) if isinstance(store, str) else store, verifier)
-        self.name = check_receiver_name(name if name is not None else f"{socket.gethostname()}-{os.getpid()}")
+        self.name = check_receiver_name(name if name is not None else _default_name())
         self.metrics, self.metrics_server = metrics, None
         if metrics_port is not None:
             from nemo_dcr.metrics import FollowerMetrics, serve
@@ -543,6 +544,12 @@ class Follower:
     def _full_digest(self) -> StateDigest:
         d = state_contrib(self.tensors, self.shards)
         return allreduce_digest(d, self.group.group) if self.group.active else d
+
+
+def _default_name() -> str:
+    """``<host>-<pid>``, in the characters a receiver's name may have."""
+    host = re.sub(r"[^A-Za-z0-9._:@/+-]", "-", socket.gethostname()).strip("-._:@/+")[:100] or "receiver"
+    return f"{host}-{os.getpid()}"
 
 
 def _open_stream(store, key: str):
