@@ -124,7 +124,16 @@ def _claim(root: str) -> int:
                 raise StoreError(f"relay cache directory {root} is not empty and was not made by a relay "
                                  f"(it holds {shown}; no {MARKER} file): nothing was removed. Give a new or "
                                  "empty directory, which the relay then owns")
-        fd = os.open(marker, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+        try:
+            w = os.open(marker, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            pass
+        else:
+            with os.fdopen(w, "wb") as f:
+                f.write(b"nemo-dcr relay cache: objects/ and tmp/ here are removed when a relay starts\n")
+        # locked through a read-only descriptor: a file held open for writing would keep the
+        # file system from being remounted read-only
+        fd = os.open(marker, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         raise StoreError(f"relay cache directory {root}: {e.strerror or e}") from None
     try:
@@ -133,6 +142,4 @@ def _claim(root: str) -> int:
         os.close(fd)
         raise StoreError(f"relay cache directory {root} is in use by another relay (it holds the lock on "
                          f"{MARKER}); give each relay its own directory") from None
-    os.ftruncate(fd, 0)
-    os.write(fd, b"nemo-dcr relay cache: objects/ and tmp/ here are removed when a relay starts\n")
     return fd
