@@ -35,7 +35,12 @@ def _tree(tmp_path, *relay_args, signer=None):
     pub.publish(state)
     parent = RelayProc(store.url)
     liar = LyingParent(parent.url)
-    child = RelayProc(liar.url, *relay_args)
+    try:
+        child = RelayProc(liar.url, *relay_args)
+    except BaseException:  # leave no process behind
+        liar.stop()
+        parent.stop()
+        raise
     return store, state, parent, liar, child
 
 
