@@ -26,6 +26,19 @@ def _forge(store, head: Head) -> tuple[str, bytes]:
     return head.manifest, m.to_bytes()
 
 
+def _forge_head_and_manifest(store, liar, child):
+    """A consistent forgery: HEAD's manifest altered and a HEAD recording its identity (a signed
+    HEAD's signature no longer matches). The child serves both, twice; -> (child, key)."""
+    head, _ = read_head(store)
+    key, fake = _forge(store, head)
+    bad_head = Head(**{**head.__dict__, "manifest_sha256": Manifest.from_bytes(fake, key).sha256})
+    liar.forged.update({key: fake, "HEAD": bad_head.to_bytes()})
+    sc = HttpStore(child.url)
+    assert sc.get_with_tag("HEAD")[0] == bad_head.to_bytes()
+    assert sc.get(key) == fake and sc.get(key) == fake
+    return sc, key
+
+
 def _tree(tmp_path, *relay_args, signer=None):
     store = open_store(tmp_path / "store")
     state = model()
@@ -72,13 +85,7 @@ def test_a_forged_head_vouches_only_until_an_honest_head_records_another_identit
     an honest HEAD that records another identity for that key."""
     store, state, parent, liar, child = _tree(tmp_path, "--poll-interval", "0.05")
     try:
-        head, _ = read_head(store)
-        key, fake = _forge(store, head)
-        bad_head = Head(**{**head.__dict__, "manifest_sha256": Manifest.from_bytes(fake, key).sha256})
-        liar.forged.update({key: fake, "HEAD": bad_head.to_bytes()})
-        sc = HttpStore(child.url)
-        assert sc.get_with_tag("HEAD")[0] == bad_head.to_bytes()
-        assert sc.get(key) == fake and sc.get(key) == fake
+        sc, key = _forge_head_and_manifest(store, liar, child)
         assert liar.served[key] == 1  # kept: the (forged) HEAD vouched for it
         liar.forged.clear()  # honest again
         f = Follower(FallbackStore([sc, store], retry_after=0), zeros_like(state), verifier=None)
@@ -100,14 +107,7 @@ def test_with_trusted_keys_the_relay_keeps_only_signed_versions(tmp_path):
         tmp_path, "--trusted-key", public_key_text(key_.public_key()), "--namespace", "run1",
         signer=Signer(key_, "run1"))
     try:
-        head, _ = read_head(store)
-        key, fake = _forge(store, head)
-        # a consistent forgery: HEAD records the forged manifest (its signature no longer matches)
-        bad_head = Head(**{**head.__dict__, "manifest_sha256": Manifest.from_bytes(fake, key).sha256})
-        liar.forged.update({key: fake, "HEAD": bad_head.to_bytes()})
-        sc = HttpStore(child.url)
-        assert sc.get_with_tag("HEAD")[0] == bad_head.to_bytes()
-        assert sc.get(key) == fake and sc.get(key) == fake
+        sc, key = _forge_head_and_manifest(store, liar, child)
         assert liar.served[key] == 2  # not kept: nothing signed vouched for it
         f = Follower(sc, zeros_like(state), verifier=Verifier([key_.public_key()], namespace="run1"))
         with pytest.raises(DcrError):
