@@ -133,17 +133,19 @@ def test_help_and_relay_run_without_torch(tmp_path):
     """)], capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": ROOT}, cwd=str(tmp_path))
     assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout + r.stderr
 
-    from dcr_testing.relay import RelayProc
+    from dcr_testing.relay import RelayProc, model
     from nemo_dcr.stores import HttpStore, open_store
+    from nemo_dcr.sync.publisher import Publisher
 
     store = open_store(str(tmp_path / "store"))
-    store.put("run/blob.bin", os.urandom(1000) * 3)
+    Publisher(store).publish(model())  # here, with torch; the relay below has none
+    part = [k for k in store.list("versions/") if k.endswith(".dcr")][0]
     (tmp_path / "blocker").mkdir()
     (tmp_path / "blocker" / "sitecustomize.py").write_text(BLOCKER)
     env = {"BLOCK_MODULES": "torch", "PYTHONPATH": os.pathsep.join([str(tmp_path / "blocker"), ROOT])}
     relay = RelayProc(store.url, env=env)
     try:
-        assert HttpStore(relay.url).get("run/blob.bin") == store.get("run/blob.bin")
+        assert HttpStore(relay.url).get(part) == store.get(part)
     finally:
         relay.stop()
     assert "ModuleNotFoundError" not in relay.output(), relay.output()

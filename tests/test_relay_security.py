@@ -5,7 +5,7 @@ import socket
 
 import pytest
 
-from dcr_testing.relay import RelayProc, model
+from dcr_testing.relay import RelayProc, model, raw_get
 from nemo_dcr.stores import HttpStore, StoreError, open_store
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
@@ -13,22 +13,6 @@ from nemo_dcr.sync.publisher import Publisher
 pytest.importorskip("aiohttp")
 
 TOKEN = "s3cr3t-Token-7f9c2a"
-
-
-def raw_get(port, path, headers=()):
-    """-> (status, body) for ``GET path`` sent byte for byte."""
-    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
-        req = f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + \
-              "".join(f"{h}\r\n" for h in headers) + "\r\n"
-        s.sendall(req.encode("latin-1"))
-        data = b""
-        while True:
-            b = s.recv(65536)
-            if not b:
-                break
-            data += b
-    head, _, body = data.partition(b"\r\n\r\n")
-    return int(head.split(b" ", 2)[1]), body
 
 
 def test_token_required_refused_and_never_shown(tmp_path, monkeypatch):
@@ -82,9 +66,12 @@ def test_nothing_outside_the_namespace_is_served(tmp_path):
     (tmp_path / "store" / ".locks" / "000.lock").write_bytes(secret)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "ok").write_bytes(secret)
+    store = open_store(tmp_path / "store")
+    Publisher(store).publish(model())
     r = RelayProc(str(tmp_path / "store"), "--prefix", "ns")
     try:
-        assert raw_get(r.port, "/ns/run1/ok") == (200, b"fine")
+        assert raw_get(r.port, "/ns/HEAD") == (200, store.get("HEAD"))
+        assert raw_get(r.port, "/ns/run1/ok")[0] == 404  # in the store, but not of its layout: not forwarded
         bad = [
             "/ns/../secret.txt", "/ns/run1/../../secret.txt", "/ns/%2e%2e/secret.txt",
             "/ns/%2E%2E/%2e%2e/secret.txt", "/ns/run1/..%2f..%2fsecret.txt", "/ns/..%5csecret.txt",
@@ -99,7 +86,8 @@ def test_nothing_outside_the_namespace_is_served(tmp_path):
             assert secret not in body, path
         status, body = raw_get(r.port, "/ns/.list?prefix=../")
         assert status == 400 and secret not in body
-        assert HttpStore(r.url).list() == ["run1/ok"]
+        assert HttpStore(r.url).list() == [k for k in store.list() if k == "HEAD" or k.startswith("versions/")]
+        assert "run1/ok" in store.list()
         assert HttpStore(r.url).stats()["refused"] >= len(bad)
         for method in ("PUT", "POST", "DELETE"):  # a relay serves reads only
             with socket.create_connection(("127.0.0.1", r.port), timeout=30) as s:

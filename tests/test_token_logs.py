@@ -72,3 +72,44 @@ def test_tokens_never_appear_in_logs_messages_or_reprs(tmp_path, caplog):
     clean(caplog.text, "the client's log")
     for m in messages:
         clean(m, f"message {m[:80]!r}")
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_malformed_authorization_header_is_never_logged(tmp_path, debug):
+    """aiohttp logs a request it cannot parse with the raw header line in its traceback: a control
+    character after the real token (or a near miss of it) put the token in the relay's log."""
+    import os
+    import socket
+
+    from dcr_testing.relay import raw_get
+    store = LocalStore(tmp_path / "s")
+    Publisher(store, signer=None).publish(model())
+    (tmp_path / "root").write_text(ROOT_TOKEN + "\n")
+    env = {}
+    if debug:
+        site = tmp_path / "site"
+        site.mkdir()
+        (site / "sitecustomize.py").write_text("import logging\nlogging.basicConfig(level=logging.DEBUG)\n")
+        env = {"PYTHONPATH": f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    r = RelayProc(store.url, "--token-file", tmp_path / "root", env=env)
+    near = ROOT_TOKEN[:-1] + ("X" if ROOT_TOKEN[-1] != "X" else "Y")
+    try:
+        for tok in (ROOT_TOKEN, near):
+            for tail in ("\x01", "\x00", "\x7f", "\x0b x", "\x1b[0m", "\x08"):
+                for header in (f"Authorization: Bearer {tok}{tail}", f"authorization:Bearer {tail}{tok}",
+                               f"Authorization: {tok}{tail}", f"X-Token: {tok}{tail}"):
+                    with socket.create_connection(("127.0.0.1", r.port), timeout=30) as s:
+                        s.sendall(f"GET /HEAD HTTP/1.1\r\nHost: x\r\n{header}\r\nConnection: close\r\n\r\n"
+                                  .encode("latin-1"))
+                        answer = b""
+                        while chunk := s.recv(65536):
+                            answer += chunk
+                    assert answer.split(b" ", 2)[1] == b"400", answer[:200]
+        assert raw_get(r.port, "/HEAD", [f"Authorization: Bearer {ROOT_TOKEN}"]) == (200, store.get("HEAD"))
+    finally:
+        r.stop()
+    out = r.output()
+    for t in (ROOT_TOKEN, near):
+        assert t not in out and t[:12] not in out, out[-3000:]
+    assert "Traceback" not in out
+    assert "malformed request" in out  # the refusals were logged, as one line each

@@ -116,25 +116,27 @@ def _cmd_pull(a):
 
 def _cmd_log(a):
     from nemo_dcr.checkpoint.sync import history
+    from nemo_dcr.cli.status import when
     ms = history(_verified_store(a), limit=a.limit)
     rows = []
     for m in ms:
         rows.append({"version": m.version, "base": m.base_version, "kind": m.kind, "delta_bytes": m.delta_bytes(),
                      "keyframe_bytes": m.keyframe_bytes(), "change_rate": m.change_rate,
                      "parts": len(m.parts) or len(m.keyframe_parts), "step": m.step, "created": m.created,
-                     "digest": m.target_digest})
+                     "committed": when(m.created), "digest": m.target_digest})
     if a.json:
         print(json.dumps(rows, indent=2))
         return
     if not rows:
         print("no versions")
         return
-    print(f"{'version':>8} {'base':>6} {'kind':<15} {'delta B':>12} {'keyframe B':>12} {'change %':>9} {'parts':>5}")
+    print(f"{'version':>8} {'base':>6} {'committed (UTC)':<20} {'kind':<15} {'delta B':>12} {'keyframe B':>12} "
+          f"{'change %':>9} {'parts':>5}")
     for r in rows:
         cr = f"{100 * r['change_rate']:.4f}" if r["change_rate"] is not None else "-"
         base = r["base"] if r["base"] is not None else "-"
-        print(f"{r['version']:>8} {base:>6} {r['kind']:<15} {r['delta_bytes']:>12,} {r['keyframe_bytes']:>12,} "
-              f"{cr:>9} {r['parts']:>5}")
+        print(f"{r['version']:>8} {base:>6} {r['committed']:<20} {r['kind']:<15} {r['delta_bytes']:>12,} "
+              f"{r['keyframe_bytes']:>12,} {cr:>9} {r['parts']:>5}")
 
 
 def _cmd_verify(a):
@@ -197,7 +199,8 @@ def _cmd_relay(a):
     up_token = read_token_file(a.upstream_token_file) if a.upstream_token_file else token
     http = [u for u in a.upstream if u.lower().startswith(("http://", "https://"))]
     upstream = open_store([open_store(u, token=up_token) if u in http else u for u in a.upstream])
-    asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, mount=a.prefix,
+    asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, secrets=[up_token or ""], mount=a.prefix,
+                      verifier=_verifier(a),
                       cache_max_bytes=a.cache_max_bytes, poll_interval=a.poll_interval,
                       ready=lambda url: print(f"nemo-dcr relay: serving {' -> '.join(a.upstream)} at {url}",
                                               flush=True)))
@@ -309,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
     _signing_args(vf)
     vf.set_defaults(func=_cmd_verify)
 
+    from nemo_dcr.cli.status import register as register_status
+    register_status(sub, _signing_args, _verified_store)
+
     kg = sub.add_parser("keygen", help="make an Ed25519 signing key (OUT) and its public key (OUT.pub)")
     kg.add_argument("output", help="private key file to write (never overwritten); the public key goes to OUT.pub")
     kg.set_defaults(func=_cmd_keygen)
@@ -324,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefix", default="", help="serve under http://HOST:PORT/PREFIX")
     r.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between HEAD reads of a store that cannot long-poll, while children wait")
+    r.add_argument("--trusted-key", action="append", default=[],
+                   help="keep (cache) only versions signed by this key (a .pub file or ed25519:...); repeat for "
+                        "rotation (default: $NEMO_DCR_TRUSTED_KEYS(_FILE); none: what HEAD's digests vouch for). "
+                        "Children still verify for themselves")
+    r.add_argument("--namespace", default=None,
+                   help="with --trusted-key: the run the signed versions belong to (default: $NEMO_DCR_NAMESPACE)")
     r.set_defaults(func=_cmd_relay)
 
     ch = sub.add_parser("chaos", help="fault campaign: randomized end-to-end runs with injected faults, "

@@ -219,13 +219,16 @@ class RolloutLoader:
         staging: keep a CPU copy to apply to (see the module doc). "auto": when any tensor is
             not on the CPU. False with tensors on a device: applied there in place, only the
             changes cross (not for a sharded engine's group).
+        follower_options: further :class:`~nemo_dcr.sync.follower.Follower` options, e.g.
+            ``{"name": "rollout-3", "metrics_port": 9464}`` (how it reports itself to relays;
+            Prometheus ``/metrics`` and ``/healthz``).
     """
 
     def __init__(self, store: Store | str, model_or_tensors, shards: Mapping[str, ShardSpec] | None = None,
                  group: ProcessGroup | None = None,
                  name_map: NameMap = None, check_every: int = 0, *, version: int | None = None,
                  verify_initial: bool = True, on_update: Callable[[int | None, SyncResult], None] | None = None,
-                 workers: int | None = None, staging: str | bool = "auto"):
+                 workers: int | None = None, staging: str | bool = "auto", follower_options: dict | None = None):
         from nemo_dcr.sync.follower import Follower
         from nemo_dcr.sync.group import Group
 
@@ -270,7 +273,7 @@ class RolloutLoader:
             self._plan_replicas(self.shards.shards)
         with self._writing():
             self.follower = Follower(store, self.tensors, self.shards, version=version, group=group,
-                                     workers=workers, verify_initial=verify_initial)
+                                     workers=workers, verify_initial=verify_initial, **(follower_options or {}))
         self.store = self.follower.store
 
     # ------------------------------------------------------------------ public

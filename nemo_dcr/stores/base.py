@@ -182,5 +182,11 @@ class Store(abc.ABC):
             return bytes(data) if not isinstance(data, bytes) else data
         raise StoreError(f"put({key!r}): data must be bytes-like, not {type(data).__name__}")
 
+    def report(self, receiver: str, version: int | None) -> None:
+        """Tell the relays this store reads through (if any) that ``receiver`` holds ``version``
+        (sent with its HEAD reads, shown by their ``/metrics``, ``.stats`` and ``nemo-dcr
+        status``). A store that is not a relay has no one to tell."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"

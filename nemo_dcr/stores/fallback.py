@@ -122,6 +122,10 @@ class FallbackStore(ReadOnlyStore):
     def wait_head(self, newer_than: int | None, wait: float) -> tuple[bytes, str] | None:
         return self._try("HEAD", lambda s: wait_head(s, newer_than, wait))[1]
 
+    def report(self, receiver: str, version: int | None) -> None:
+        for s in self.sources:  # whichever serves the next HEAD read carries it
+            s.report(receiver, version)
+
     def _read_only(self, op: str, key: str) -> NoReturn:
         raise StoreError(f"{op}({key!r}): {self!r} reads through relays and is read-only; "
                          "publish to the store itself")

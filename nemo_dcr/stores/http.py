@@ -12,6 +12,9 @@ under the URL's path ``P`` (``""`` or ``/prefix``):
   names a version newer than V, or after S seconds with the head as it is then.
 * ``GET P/.list?prefix=...``: ``{"keys": [...]}``; ``GET P/.stats``: the relay's counters.
   (Keys never have a component starting with '.', so these names cannot clash with a key.)
+* A receiver that reports its version (:meth:`HttpStore.report`, which a Follower calls) sends
+  ``X-Nemo-Dcr-Receiver: <name>`` and ``X-Nemo-Dcr-Version: <v>`` (``none``: no version yet)
+  with each HEAD read; the relay shows each receiver's version and lag (``/metrics``, ``.stats``).
 * With a token configured, every request carries ``Authorization: Bearer <token>``; the token is
   ``token=``, else ``$NEMO_DCR_RELAY_TOKEN``, else the contents of ``$NEMO_DCR_RELAY_TOKEN_FILE``.
   It never appears in a message or a ``repr``.
@@ -27,6 +30,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import threading
 import uuid
 from collections.abc import Iterator
@@ -36,7 +40,8 @@ from urllib.parse import quote, urlencode, urlsplit
 from .base import NotFound, Store, StoreError, check_key, check_prefix
 
 __all__ = ["HttpStore", "ReadOnlyStore", "StoreUnavailable", "wait_head", "write_stream_to_file",
-           "TOKEN_ENV", "TOKEN_FILE_ENV", "HEAD_PATH", "LIST_PATH", "STATS_PATH"]
+           "TOKEN_ENV", "TOKEN_FILE_ENV", "HEAD_PATH", "LIST_PATH", "STATS_PATH", "RECEIVER_HEADER",
+           "VERSION_HEADER", "check_receiver_name"]
 
 TOKEN_ENV = "NEMO_DCR_RELAY_TOKEN"
 TOKEN_FILE_ENV = "NEMO_DCR_RELAY_TOKEN_FILE"
@@ -44,6 +49,17 @@ HEAD_PATH = "HEAD"        # the head pointer's key, and its long-poll endpoint
 LIST_PATH = ".list"
 STATS_PATH = ".stats"
 CHUNK = 1 << 20
+RECEIVER_HEADER = "X-Nemo-Dcr-Receiver"
+VERSION_HEADER = "X-Nemo-Dcr-Version"
+_RECEIVER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:@/+-]{0,127}")
+
+
+def check_receiver_name(name) -> str:
+    """A receiver's name as it is reported to relays: 1 to 128 letters, digits and ``._:@/+-``."""
+    if not isinstance(name, str) or not _RECEIVER_NAME.fullmatch(name):
+        raise StoreError(f"receiver name {name!r}: 1 to 128 letters, digits and ._:@/+- (starting with a letter "
+                         "or digit)")
+    return name
 
 
 class StoreUnavailable(StoreError):
@@ -181,6 +197,7 @@ class HttpStore(ReadOnlyStore):
         self.timeout, self.connect_timeout = float(timeout), float(connect_timeout)
         self._pool: list = []
         self._lock = threading.Lock()
+        self._report: dict = {}  # the headers a HEAD read carries (report())
 
     # -- connections -----------------------------------------------------------------------
 
@@ -252,8 +269,8 @@ class HttpStore(ReadOnlyStore):
     def _path(self, key: str) -> str:
         return f"{self._base}/{quote(check_key(key), safe='/')}"
 
-    def _small(self, method: str, path: str, what: str, timeout: float | None = None):
-        conn, resp = self._open(method, path, what, timeout=timeout)
+    def _small(self, method: str, path: str, what: str, timeout: float | None = None, headers: dict | None = None):
+        conn, resp = self._open(method, path, what, headers, timeout=timeout)
         try:
             body = resp.read()  # also for HEAD: marks the response done so the connection can be reused
             length = resp.getheader("Content-Length")
@@ -313,8 +330,12 @@ class HttpStore(ReadOnlyStore):
 
         return total, chunks()
 
+    def report(self, receiver: str, version: int | None) -> None:
+        self._report = {RECEIVER_HEADER: check_receiver_name(receiver),
+                        VERSION_HEADER: "none" if version is None else str(int(version))}
+
     def get_with_tag(self, key: str) -> tuple[bytes, str]:
-        resp, body = self._small("GET", self._path(key), key)
+        resp, body = self._small("GET", self._path(key), key, headers=self._report if key == HEAD_PATH else None)
         return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
 
     def size(self, key: str) -> int:
@@ -342,7 +363,7 @@ class HttpStore(ReadOnlyStore):
             q["newer_than"] = str(int(newer_than))
         try:
             resp, body = self._small("GET", f"{self._base}/{HEAD_PATH}?{urlencode(q)}", HEAD_PATH,
-                                     timeout=self.timeout + float(wait))
+                                     timeout=self.timeout + float(wait), headers=self._report)
         except NotFound:
             return None
         return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()

@@ -53,6 +53,9 @@ class PassThroughStore(Store):
     def drop_unfinished(self, prefix: str, stale) -> int:
         return self.inner.drop_unfinished(prefix, stale)
 
+    def report(self, receiver: str, version: int | None) -> None:
+        self.inner.report(receiver, version)
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.inner!r})"
 

@@ -37,6 +37,9 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import re
+import socket
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
@@ -142,7 +145,8 @@ class Follower:
                  shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None,
                  group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
-                 max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env"):
+                 max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env",
+                 name: str | None = None, metrics=None, metrics_port: int | None = None):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``shards``: the receiver's ShardSpec per tensor name (a name missing from it is a whole
@@ -156,10 +160,22 @@ class Follower:
         part checked out on every rank). ``verifier``: a
         :class:`~nemo_dcr.sync.signing.Verifier`; HEAD and every manifest are then read through it
         and refused unless signed by a trusted key (``"env"``, the default: from
-        ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are)."""
+        ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are).
+        ``name``: how the follower reports itself to the relays it reads through (with the
+        version it holds, on each HEAD read; default ``<host>-<pid>``). ``metrics``: a
+        :class:`~nemo_dcr.metrics.FollowerMetrics` to record into; ``metrics_port``: serve them
+        (made if not given) at ``http://127.0.0.1:<port>/metrics`` and ``/healthz``
+        (``self.metrics_server``; 0: a free port)."""
         from nemo_dcr.stores import open_store
+        from nemo_dcr.stores.http import check_receiver_name
         from nemo_dcr.sync.signing import verifying
         self.store = verifying(open_store(store) if isinstance(store, str) else store, verifier)
+        self.name = check_receiver_name(name if name is not None else _default_name())
+        self.metrics, self.metrics_server = metrics, None
+        if metrics_port is not None:
+            from nemo_dcr.metrics import FollowerMetrics, serve
+            self.metrics = self.metrics if self.metrics is not None else FollowerMetrics()
+            self.metrics_server = serve(self.metrics, metrics_port)
         self.tensors = tensors
         self.shards = shards if shards is not None else {}
         self.group = Group(group)
@@ -177,6 +193,20 @@ class Follower:
                 raise BaseMismatchError(f"the receiver's tensors are not version {version} "
                                         f"(digest {d.hex()}, expected {m.target_digest})")
             self._version, self._held, self._digest = version, m, StateDigest.from_hex(m.target_digest)
+        self._reported()
+
+    def _reported(self) -> None:
+        """Tell the relays (and the metrics) the version held now."""
+        report = getattr(self.store, "report", None)  # a duck-typed store may have none
+        if report is not None:
+            report(self.name, self._version)
+        if self.metrics is not None:
+            self.metrics.held(self._version)
+
+    def _seen(self, head: Head | None) -> Head | None:
+        if head is not None and self.metrics is not None:
+            self.metrics.seen_head(head.version)
+        return head
 
     @property
     def version(self) -> int | None:
@@ -207,7 +237,8 @@ class Follower:
         """The store's HEAD, read by rank 0 and the same on every rank (a damaged HEAD raises
         ManifestError on every rank)."""
         g = self.group
-        return g.run(lambda: read_head(self.store)[0] if g.rank == 0 else None, "read the store's HEAD", src=0)
+        return self._seen(g.run(lambda: read_head(self.store)[0] if g.rank == 0 else None, "read the store's HEAD",
+                                src=0))
 
     def latest(self) -> int | None:
         head = self.read_head()
@@ -240,7 +271,7 @@ class Follower:
                 if not long_poll:  # a plain store: read it again after a pause
                     time.sleep(min(poll_interval, left))
 
-        return g.run(lambda: wait_rank0() if g.rank == 0 else None, "wait for a new version", src=0)
+        return self._seen(g.run(lambda: wait_rank0() if g.rank == 0 else None, "wait for a new version", src=0))
 
     def is_current(self, head: Head, version: int | None = None) -> bool:
         """Whether the tensors hold what ``sync(version, head=head)`` would bring, known from
@@ -254,6 +285,19 @@ class Follower:
     # ------------------------------------------------------------------ sync
     def sync(self, version: int | None = None, *, head: Head | None = None) -> SyncResult:
         """Bring the tensors to ``version`` (default: the newest committed one)."""
+        try:
+            res = self._sync(version, self._seen(head))
+        except BaseException as e:
+            if self.metrics is not None:
+                self.metrics.failed(e, self._version)
+            self._reported()
+            raise
+        if self.metrics is not None:
+            self.metrics.synced(res)
+        self._reported()
+        return res
+
+    def _sync(self, version: int | None, head: Head | None) -> SyncResult:
         t0 = time.perf_counter()
         g = self.group
         if head is None:
@@ -500,6 +544,12 @@ class Follower:
     def _full_digest(self) -> StateDigest:
         d = state_contrib(self.tensors, self.shards)
         return allreduce_digest(d, self.group.group) if self.group.active else d
+
+
+def _default_name() -> str:
+    """``<host>-<pid>``, in the characters a receiver's name may have."""
+    host = re.sub(r"[^A-Za-z0-9._:@/+-]", "-", socket.gethostname()).strip("-._:@/+")[:100] or "receiver"
+    return f"{host}-{os.getpid()}"
 
 
 def _open_stream(store, key: str):

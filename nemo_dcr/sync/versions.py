@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
-           "no_plan", "canonical_sha256", "is_manifest_key"]
+           "no_plan", "canonical_sha256", "is_manifest_key", "is_store_key"]
 
 log = logging.getLogger("nemo_dcr.sync")
 
@@ -60,6 +60,16 @@ _SHA256 = re.compile(r"[0-9a-f]{64}")
 
 def _uint(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool) and x >= 0
+
+
+_OBJECT_KEY = re.compile(r"versions/\d{12,20}/[A-Za-z0-9][A-Za-z0-9_-]{0,127}/"
+                         r"(manifest\.json|(part|key)-\d{5,9}(\.\d{1,9})?\.dcr)")
+
+
+def is_store_key(key) -> bool:
+    """Whether ``key`` is one of the store's own layout (what readers ever ask for): HEAD, a
+    version's manifest or one of its parts. A relay forwards nothing else upstream."""
+    return isinstance(key, str) and (key == HEAD_KEY or _OBJECT_KEY.fullmatch(key) is not None)
 
 
 def is_manifest_key(key, version: int | None = None) -> bool:

@@ -4,8 +4,9 @@ Each object the relay does not hold is downloaded by one :class:`Fetch` into a f
 cache's temporary directory; every request for it, the first and any that arrive while it is
 in flight, reads that file as it grows (cut-through), so N children cost one upstream fetch
 (coalescing). When the download ends, its size and sha256 are compared with what the object's
-manifest (``versions/<v>/<id>/manifest.json``, fetched the same way) declares: a match goes into
-the cache, anything else is dropped, so the next request fetches it afresh. Children check every
+manifest (``versions/<v>/<id>/manifest.json``, fetched the same way, and kept only when the
+store's recorded identity vouches for it: :mod:`nemo_dcr.transport.vouch`) declares: a match goes
+into the cache, anything else is dropped, so the next request fetches it afresh. Children check every
 object themselves: a relay is never trusted for correctness, only for speed.
 """
 from __future__ import annotations
@@ -15,12 +16,15 @@ import hashlib
 import logging
 import os
 import re
+import time
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores.base import NotFound, Store
 from nemo_dcr.sync.versions import Manifest
 from nemo_dcr.transport.cache import ObjectCache
+from nemo_dcr.transport.vouch import Identities
 from nemo_dcr.transport.workers import Workers
 
 __all__ = ["Fetch", "Fetcher", "Reader"]
@@ -94,8 +98,16 @@ class Reader:
 
 
 class Fetcher:
-    def __init__(self, upstream: Store, cache: ObjectCache, workers: Workers, stats: dict):
+    def __init__(self, upstream: Store, cache: ObjectCache, workers: Workers, stats: dict,
+                 verifier=None, refresh_head: Callable[[], Awaitable] | None = None,
+                 observe: Callable[[float], None] | None = None):
+        """``verifier``: a Verifier, when only signed manifests may be kept; ``refresh_head``:
+        read the upstream's HEAD now (the reader passes each HEAD it reads to ``ids``);
+        ``observe``: called with the seconds each successful download took."""
         self.upstream, self.cache, self.workers, self.stats = upstream, cache, workers, stats
+        self.observe = observe
+        self.ids = Identities(verifier, on_withdraw=self.withdraw)
+        self.refresh_head = refresh_head
         self._inflight: dict = {}
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
 
@@ -157,9 +169,12 @@ class Fetcher:
     async def _run(self, f: Fetch) -> None:
         loop = asyncio.get_running_loop()
         kept = False
+        t0 = time.perf_counter()
         try:
             try:
                 await self.workers.run(self._download, f, loop)
+                if self.observe is not None:
+                    self.observe(time.perf_counter() - t0)
             except NotFound as e:
                 f.update(error=e)
                 return
@@ -181,8 +196,8 @@ class Fetcher:
             f.decided.set()
 
     async def _keep(self, f: Fetch) -> bool:
-        """Cache ``f`` if it is what its manifest declares (a manifest: if it parses and names
-        itself)."""
+        """Cache ``f`` if it is what a vouched manifest declares (a manifest: if it is the one the
+        store's recorded identity vouches for, :mod:`nemo_dcr.transport.vouch`)."""
         m = _VERSIONED.match(f.key)
         if m is None:
             return False  # not a versioned object: nothing to check it against; pass it through
@@ -195,16 +210,16 @@ class Fetcher:
             with open(f.path, "rb") as fh:
                 data = fh.read()
             try:
-                self._remember(Manifest.from_bytes(data, f.key))
+                await self._vouched(Manifest.from_bytes(data, f.key))
             except DcrError as e:
                 self.stats["bad_objects"] += 1
-                log.warning("relay: %s is not a valid manifest, not cached: %s", f.key, e)
+                log.warning("relay: %s not cached: %s", f.key, e)
                 return False
             return self.cache.admit(f.key, f.path, f.size, version)
         try:
             manifest = await self.manifest(f"versions/{m.group(1)}/{m.group(2)}/manifest.json")
-        except Exception as e:  # no manifest (yet, or any more): serve, but do not keep
-            log.info("relay: no manifest to check %s against (%s); not cached", f.key, e)
+        except Exception as e:  # no vouched manifest (yet, or any more): serve, but do not keep
+            log.info("relay: no vouched manifest to check %s against (%s); not cached", f.key, e)
             return False
         part = next((p for p in list(manifest.parts) + list(manifest.keyframe_parts)
                      if p.key == f.key), None)
@@ -214,7 +229,33 @@ class Fetcher:
                         "not cached, the next request fetches it again", f.key, f.size,
                         (f.sha256 or "")[:16])
             return False
+        if not self.ids.vouches(manifest):  # withdrawn while the manifest was awaited
+            return False
         return self.cache.admit(f.key, f.path, f.size, version)
+
+    async def _vouched(self, m: Manifest) -> Manifest:
+        """``m`` if the store's recorded identity vouches for it (remembered then); else
+        :class:`DcrError` saying why. A manifest no HEAD seen so far records (a child read HEAD
+        elsewhere) is checked again after a fresh read of the upstream's HEAD."""
+        why = self.ids.vouch(m)
+        if why is not None and self.ids.expected(m.key) is None and self.refresh_head is not None:
+            try:
+                await self.refresh_head()
+            except Exception as e:  # the upstream's HEAD cannot be read: nothing vouches
+                log.info("relay: reading the upstream's HEAD to vouch for %s failed: %s", m.key, e)
+            why = self.ids.vouch(m)
+        if why is not None:
+            raise DcrError(f"not vouched for by the store's recorded identity: {why}")
+        self._remember(m)
+        return m
+
+    def withdraw(self, manifest_key: str) -> None:
+        """The manifest ``manifest_key`` is no longer vouched for: drop its version's objects
+        (cached, and the parsed manifest)."""
+        self._manifests.pop(manifest_key, None)
+        directory = manifest_key.rsplit("/", 1)[0] + "/"
+        self.stats["withdrawn_objects"] = self.stats.get("withdrawn_objects", 0) + \
+            self.cache.discard_prefix(directory)
 
     def _remember(self, m: Manifest) -> None:
         self._manifests[m.key] = m
@@ -223,9 +264,10 @@ class Fetcher:
             self._manifests.popitem(last=False)
 
     async def manifest(self, key: str) -> Manifest:
-        """The parsed manifest ``key``, fetched (coalesced and cached) like any object."""
+        """The parsed manifest ``key``, fetched (coalesced and cached) like any object, and
+        vouched for (else :class:`DcrError`)."""
         m = self._manifests.get(key)
-        if m is not None:
+        if m is not None and self.ids.vouches(m):
             return m
         r = await self.open(key)
         try:
@@ -241,6 +283,4 @@ class Fetcher:
             data = os.pread(r.fd, size, 0)
         finally:
             r.close()
-        m = Manifest.from_bytes(data, key)
-        self._remember(m)
-        return m
+        return await self._vouched(Manifest.from_bytes(data, key))

@@ -14,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores.base import NotFound, Store
@@ -31,7 +31,11 @@ log = logging.getLogger("nemo_dcr.relay")
 class HeadState:
     data: bytes
     tag: str
-    version: int | None  # None if the bytes do not parse as a head pointer
+    head: Head | None = field(default=None, compare=False)  # None if the bytes do not parse
+
+    @property
+    def version(self) -> int | None:
+        return self.head.version if self.head is not None else None
 
     def newer_than(self, v: int | None) -> bool:
         return v is None or (self.version is not None and self.version > v)
@@ -42,18 +46,22 @@ def _parse(res) -> HeadState | None:
         return None
     data, tag = res
     try:
-        version = Head.from_bytes(data).version
+        head: Head | None = Head.from_bytes(data)
     except (DcrError, AttributeError):
-        version = None
-    return HeadState(data, tag, version)
+        head = None
+    return HeadState(data, tag, head)
 
 
 class HeadWatcher:
     def __init__(self, upstream: Store, workers: Workers, stats: dict, *, poll_interval: float = 0.5,
-                 upstream_wait: float = 20.0, on_new_version: Callable[[int], None] | None = None):
+                 upstream_wait: float = 20.0, on_new_version: Callable[[int], None] | None = None,
+                 on_head: Callable[[Head], None] | None = None, observe: Callable[[float], None] | None = None):
+        """``on_head``: called with each HEAD read from the upstream that differs from the last
+        (what it records vouches for the manifests the relay keeps); ``on_new_version`` when its
+        version changed; ``observe`` with the seconds each plain HEAD read of the upstream took."""
         self.upstream, self.workers, self.stats = upstream, workers, stats
         self.poll_interval, self.upstream_wait = float(poll_interval), float(upstream_wait)
-        self.on_new_version = on_new_version
+        self.on_new_version, self.on_head, self.observe = on_new_version, on_head, observe
         self.current: HeadState | None = None
         self.waiters = 0
         self._read_task: asyncio.Task | None = None
@@ -83,6 +91,8 @@ class HeadWatcher:
         if st == old:
             return
         self.current = st
+        if st is not None and st.head is not None and self.on_head is not None:
+            self.on_head(st.head)
         ev, self._changed = self._changed, asyncio.Event()
         ev.set()
         if st is not None and st.version is not None and self.on_new_version is not None and \
@@ -91,10 +101,14 @@ class HeadWatcher:
 
     def _read(self):
         self.stats["upstream_head_reads"] += 1
+        t0 = time.perf_counter()
         try:
             return self.upstream.get_with_tag(HEAD_PATH)
         except NotFound:
             return None
+        finally:
+            if self.observe is not None:
+                self.observe(time.perf_counter() - t0)
 
     async def _read_now(self) -> HeadState | None:
         try:

@@ -19,15 +19,21 @@ import shutil
 import signal
 import sys
 import tempfile
+from collections.abc import Sequence
 from typing import Any
 
 from nemo_dcr.errors import DcrError
+from nemo_dcr.metrics import RelayMetrics
+from nemo_dcr.metrics import available as metrics_available
 from nemo_dcr.stores.base import NotFound, Store, StoreError, check_key, check_prefix
-from nemo_dcr.stores.http import HEAD_PATH
+from nemo_dcr.stores.http import HEAD_PATH, RECEIVER_HEADER, VERSION_HEADER
+from nemo_dcr.sync.versions import is_store_key
 from nemo_dcr.transport.cache import ObjectCache
 from nemo_dcr.transport.fetch import Fetcher
 from nemo_dcr.transport.head import HeadWatcher
 from nemo_dcr.transport.keys import BadPath, parse_path
+from nemo_dcr.transport.receivers import Receivers
+from nemo_dcr.transport.redact import redacting
 from nemo_dcr.transport.workers import Workers
 
 __all__ = ["Relay", "serve", "parse_listen"]
@@ -36,10 +42,12 @@ log = logging.getLogger("nemo_dcr.relay")
 
 CHUNK = 1 << 20
 MAX_WAIT = 60.0
+HEALTH_TIMEOUT = 10.0  # seconds a /healthz probe waits for the upstream's HEAD
 # Fault injection for tests: stop sending every .dcr object after this many bytes (the relay
 # then hangs, as a relay whose machine froze would, until it is killed).
 STALL_ENV = "NEMO_DCR_RELAY_FAULT_STALL_AFTER"
 _RANGE = re.compile(r"^bytes=(\d+)-(\d*)$")
+_DIGITS = 19  # a byte position of more digits is past the end of any object
 _VERSION_DIR = re.compile(r"^versions/(\d+)/")
 
 
@@ -49,6 +57,22 @@ def _aiohttp():
     except ImportError:
         raise StoreError('the relay needs aiohttp: pip install "nemo-dcr[relay]"') from None
     return web
+
+
+def byte_range(header: str | None, size: int):
+    """``Range: bytes=FIRST-[LAST]`` of an object of ``size`` bytes -> ``(start, end)``
+    inclusive; None: no (usable) range, the whole object; False: unsatisfiable (416). A LAST past
+    the end means "to the end" (RFC 9110 14.1.1), however many digits it has."""
+    m = _RANGE.match(header.strip()) if header else None
+    if m is None:
+        return None
+    first, last = m.group(1), m.group(2)
+    if len(first) > _DIGITS or int(first) >= size:
+        return False
+    start, end = int(first), size - 1
+    if last and len(last) <= _DIGITS:
+        end = min(end, int(last))
+    return (start, end) if start <= end else False
 
 
 def parse_listen(text: str) -> tuple:
@@ -62,7 +86,11 @@ def parse_listen(text: str) -> tuple:
 class Relay:
     def __init__(self, upstream: Store, *, cache_dir: str, cache_max_bytes: int = 8 << 30,
                  token: str | None = None, mount: str = "", poll_interval: float = 0.5,
-                 upstream_wait: float = 20.0, workers: int = 16, stall_after: int | None = None):
+                 upstream_wait: float = 20.0, workers: int = 16, stall_after: int | None = None,
+                 verifier=None):
+        """``verifier``: a :class:`~nemo_dcr.sync.signing.Verifier`: keep only manifests (and
+        their parts) signed by a trusted key, vouched for by a HEAD signed by one. Children
+        verify for themselves either way; this decides what the relay keeps."""
         self.upstream, self.mount = upstream, mount.strip("/")
         if self.mount:
             check_key(self.mount)
@@ -72,14 +100,24 @@ class Relay:
             "requests": 0, "refused": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0,
             "upstream_fetches": 0, "upstream_fetches_by_key": {}, "upstream_errors": 0,
             "bad_objects": 0, "upstream_head_reads": 0, "upstream_head_polls": 0, "head_waits": 0,
-            "evicted_old_versions": 0,
+            "evicted_old_versions": 0, "withdrawn_objects": 0,
         }
+        self.receivers = Receivers()
+        self.metrics = RelayMetrics(self._stats) if metrics_available() else None  # else /metrics: 501
         self.cache = ObjectCache(cache_dir, cache_max_bytes)
         self.workers = Workers(workers, "relay-fetch")
-        self.fetcher = Fetcher(upstream, self.cache, self.workers, self.stats)
+        self.fetcher = Fetcher(upstream, self.cache, self.workers, self.stats, verifier=verifier,
+                               refresh_head=lambda: self.heads.fresh(),
+                               observe=self.metrics.fetch_seconds.observe if self.metrics else None)
         self.heads = HeadWatcher(upstream, self.workers, self.stats, poll_interval=poll_interval,
-                                 upstream_wait=upstream_wait, on_new_version=self._new_version)
+                                 upstream_wait=upstream_wait, on_new_version=self._new_version,
+                                 on_head=self.fetcher.ids.observe_head,
+                                 observe=self.metrics.head_read_seconds.observe if self.metrics else None)
         self._pruning = False
+
+    def close(self) -> None:
+        """Release the cache directory (after the server stopped)."""
+        self.cache.close()
 
     # -- application -----------------------------------------------------------------------
 
@@ -110,6 +148,8 @@ class Relay:
 
     async def _guard(self, request, handler):
         self.stats["requests"] += 1
+        if request.raw_path.split("?", 1)[0] == "/healthz" and request.method in ("GET", "HEAD"):
+            return await self._healthz()  # for probes, without the token: it tells nothing else
         if self._token is not None:
             got = request.headers.get("Authorization", "")
             ok = got.startswith("Bearer ") and hmac.compare_digest(got[7:].strip().encode(), self._token)
@@ -135,6 +175,10 @@ class Relay:
         try:
             if what == "stats":
                 return self._json(self._stats())
+            if what == "metrics":
+                return self._metrics()
+            if what == "healthz":
+                return await self._healthz()
             if what == "list":
                 prefix = request.query.get("prefix", "")
                 try:
@@ -143,7 +187,7 @@ class Relay:
                     self.stats["refused"] += 1
                     return self._error(400, f"refused: {e}")
                 keys = await self.workers.run(self.upstream.list, prefix)
-                return self._json({"keys": keys})
+                return self._json({"keys": [k for k in keys if is_store_key(k)]})  # the store's own only
             if key == HEAD_PATH:
                 return await self._head(request)
             if request.method == "HEAD":
@@ -153,6 +197,27 @@ class Relay:
             return self._error(404, f"not found: {key}" if key else "not found")
         except (DcrError, OSError) as e:  # the upstream failed, or sent less than it announced
             return self._error(502, f"upstream failed: {e}")
+
+    async def _healthz(self):
+        """200 when the upstream's HEAD can be read now (a read shared with concurrent requests),
+        503 when it cannot: a probe takes a relay that lost its upstream out of service."""
+        try:
+            st = await asyncio.wait_for(self.heads.fresh(), HEALTH_TIMEOUT)
+        except Exception as e:  # why goes to the relay's log, not to an unauthenticated probe
+            log.warning("relay: /healthz: the upstream's HEAD cannot be read: %s",
+                        e if str(e) else type(e).__name__)
+            return self._error(503, "unhealthy: the upstream cannot be read")
+        v = st.version if st is not None else None
+        return self._error(200, f"ok: upstream head version {v if v is not None else 'none'}")
+
+    def _metrics(self):
+        web = _aiohttp()
+        if self.metrics is None:
+            return self._error(501, 'metrics need prometheus_client: pip install "nemo-dcr[relay]"')
+        body, ctype = self.metrics.render()
+        resp = web.Response(body=body, headers={"Cache-Control": "no-store"})
+        resp.headers["Content-Type"] = ctype
+        return resp
 
     def _json(self, obj):
         web = _aiohttp()
@@ -164,14 +229,19 @@ class Relay:
         s["upstream_fetches_by_key"] = dict(self.stats["upstream_fetches_by_key"])
         s.update(cache_bytes=self.cache.bytes, cache_entries=len(self.cache),
                  cache_max_bytes=self.cache.max_bytes, cache_evicted=self.cache.evicted,
-                 head_waiters=self.heads.waiters,
-                 head_version=self.heads.current.version if self.heads.current else None)
+                 head_waiters=self.heads.waiters, head_version=self._head_version(),
+                 receivers=self.receivers.snapshot(self._head_version()))
         return s
+
+    def _head_version(self) -> int | None:
+        return self.heads.current.version if self.heads.current else None
 
     # -- HEAD ------------------------------------------------------------------------------
 
     async def _head(self, request):
         web = _aiohttp()
+        self.receivers.report(request.headers.get(RECEIVER_HEADER), request.headers.get(VERSION_HEADER),
+                              request.remote)
         q = request.query
         try:
             newer_than = int(q["newer_than"]) if "newer_than" in q else None
@@ -200,49 +270,52 @@ class Relay:
         r = await self.fetcher.open(key)
         try:
             size = await r.wait_size()
-            start, end = 0, size - 1
-            rng = request.headers.get("Range")
-            m = _RANGE.match(rng.strip()) if rng else None
-            if m is not None:
-                start = int(m.group(1))
-                if m.group(2):
-                    end = min(end, int(m.group(2)))
-                if start >= size or start > end:
-                    return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
-            resp = web.StreamResponse(status=206 if m else 200)
+            rng = byte_range(request.headers.get("Range"), size)
+            if rng is False:
+                return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
+            start, end = rng if rng else (0, size - 1)
+            resp = web.StreamResponse(status=206 if rng else 200)
             resp.content_length = end + 1 - start
             resp.headers["Accept-Ranges"] = "bytes"
             resp.headers["Content-Type"] = "application/octet-stream"
-            if m:
+            if rng:
                 resp.headers["Content-Range"] = f"bytes {start}-{end}/{size}"
-            await resp.prepare(request)
-            pos = start
-            while pos <= end:
-                if self.stall_after is not None and key.endswith(".dcr") and pos >= self.stall_after:
-                    print(f"relay: fault injection: stalled {key} at byte {pos}", file=sys.stderr, flush=True)
-                    await asyncio.Event().wait()
-                avail = r.available()
-                if pos < avail:
-                    n = min(CHUNK, avail - pos, end + 1 - pos)
-                    if self.stall_after is not None and key.endswith(".dcr") and pos < self.stall_after:
-                        n = min(n, self.stall_after - pos)
-                    data = os.pread(r.fd, n, pos)
-                    await resp.write(data)
-                    pos += len(data)
-                    self.stats["served_bytes"] += len(data)
-                else:
-                    f = r.fetch
-                    assert f is not None, "a cached object is whole: only a download can be behind pos"
-                    if f.error is not None:
-                        # cut the response short: the child sees fewer bytes than announced and
-                        # goes on to its next source from where it got
-                        request.transport.close()
-                        return resp
-                    await f.changed()
-            await resp.write_eof()
+            try:
+                await self._send(request, resp, r, key, start, end)
+            except ConnectionError:  # the child went away: there is no one to answer
+                pass
             return resp
         finally:
             r.close()
+
+    async def _send(self, request, resp, r, key: str, start: int, end: int) -> None:
+        await resp.prepare(request)
+        pos = start
+        while pos <= end:
+            if self.stall_after is not None and key.endswith(".dcr") and pos >= self.stall_after:
+                print(f"relay: fault injection: stalled {key} at byte {pos}", file=sys.stderr, flush=True)
+                await asyncio.Event().wait()
+            avail = r.available()
+            if pos < avail:
+                n = min(CHUNK, avail - pos, end + 1 - pos)
+                if self.stall_after is not None and key.endswith(".dcr") and pos < self.stall_after:
+                    n = min(n, self.stall_after - pos)
+                data = os.pread(r.fd, n, pos)
+                await resp.write(data)
+                pos += len(data)
+                self.stats["served_bytes"] += len(data)
+            else:
+                f = r.fetch
+                assert f is not None, "a cached object is whole: only a download can be behind pos"
+                if f.error is not None:
+                    # cut the response short: the child sees fewer bytes than announced and
+                    # goes on to its next source from where it got (a child that went away
+                    # meanwhile has no connection left to cut)
+                    if request.transport is not None:
+                        request.transport.close()
+                    return
+                await f.changed()
+        await resp.write_eof()
 
     # -- bounds ----------------------------------------------------------------------------
 
@@ -269,8 +342,16 @@ class Relay:
 
 
 async def serve(upstream: Store, listen: str, *, cache_dir: str | None = None,
-                token: str | None = None, ready=None, **kwargs) -> None:
-    """Run a relay until SIGTERM/SIGINT. ``ready(url)`` is called once it listens."""
+                token: str | None = None, ready=None, secrets: Sequence[str] = (), **kwargs) -> None:
+    """Run a relay until SIGTERM/SIGINT. ``ready(url)`` is called once it listens. No log line
+    written meanwhile holds ``token``, ``secrets`` (e.g. the token for a parent relay) or any
+    request's credentials (:mod:`nemo_dcr.transport.redact`)."""
+    with redacting([token or "", *secrets]):
+        await _serve(upstream, listen, cache_dir=cache_dir, token=token, ready=ready, **kwargs)
+
+
+async def _serve(upstream: Store, listen: str, *, cache_dir: str | None, token: str | None, ready,
+                 **kwargs) -> None:
     web = _aiohttp()
     host, port = parse_listen(listen)
     own_dir = cache_dir is None
@@ -299,5 +380,6 @@ async def serve(upstream: Store, listen: str, *, cache_dir: str | None = None,
         await stop.wait()
     finally:
         await runner.cleanup()
+        relay.close()
         if own_dir:
             shutil.rmtree(cache_dir, ignore_errors=True)

@@ -6,6 +6,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -71,6 +72,23 @@ class RelayProc:
 
     def output(self) -> str:
         return "".join(self.out + self.err)
+
+
+def raw_get(port, path, headers=(), method="GET"):
+    """-> (status, body) for ``METHOD path`` sent byte for byte over a plain socket (no client
+    library normalises the path or the headers first)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=30) as s:
+        req = f"{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n" + \
+              "".join(f"{h}\r\n" for h in headers) + "\r\n"
+        s.sendall(req.encode("latin-1"))
+        data = b""
+        while True:
+            b = s.recv(65536)
+            if not b:
+                break
+            data += b
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split(b" ", 2)[1]), body
 
 
 def wait_until(cond, what, timeout=30.0, step=0.01):
