@@ -224,21 +224,23 @@ class Follower:
         from nemo_dcr.stores.http import wait_head
         g = self.group
         newer = self._version if newer_than is None else newer_than
-        long_poll = hasattr(self.store, "wait_head")
 
         def wait_rank0():
             deadline = time.monotonic() + max(0.0, float(timeout))
             while True:
-                left = deadline - time.monotonic()
-                r = wait_head(self.store, newer, max(0.0, min(left, 60.0)))
+                t0 = time.monotonic()
+                r = wait_head(self.store, newer, max(0.0, min(deadline - t0, 60.0)))
                 head = Head.from_bytes(r[0]) if r is not None else None
                 if head is not None and (newer is None or head.version > newer):
                     return head
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                if not long_poll:  # a plain store: read it again after a pause
-                    time.sleep(min(poll_interval, left))
+                # every round takes poll_interval at least: whether the store long-polls is known
+                # only from how long it took (a signed store, or a list of relays that fails over
+                # to the store itself, offers wait_head but answers at once), as the relay's own
+                # HEAD watcher does
+                time.sleep(min(max(0.0, poll_interval - (time.monotonic() - t0)), left))
 
         return g.run(lambda: wait_rank0() if g.rank == 0 else None, "wait for a new version", src=0)
 
