@@ -142,9 +142,12 @@ class Follower:
                  shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None,
                  group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
-                 max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env"):
+                 max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env",
+                 manifest: Manifest | None = None):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
+        ``manifest``: instead of ``version``, that version's manifest where the caller has it
+        (as :func:`~nemo_dcr.sync.versions.locate` found it), so it is not looked for again.
         ``shards``: the receiver's ShardSpec per tensor name (a name missing from it is a whole
         tensor). The mapping is used as given and consulted at every step, so a view that
         resolves names lazily (the rollout loader's) stays live. ``max_fallbacks``: paths given
@@ -170,10 +173,15 @@ class Follower:
         self._held: Manifest | None = None        # the manifest of the verified state
         self._digest: StateDigest | None = None  # global digest of the verified state
         self._pending: dict | None = None        # a version whose apply was interrupted
-        if version is not None:
-            m = self.group.run(lambda: manifest_at(self.store, version), f"read the manifest of version {version}")
-            d = self._full_digest()
-            if verify_initial and d.hex() != m.target_digest:
+        if manifest is not None and version not in (None, manifest.version):
+            raise ValueError(f"version {version} and the manifest of version {manifest.version} given")
+        if manifest is None and version is not None:
+            v = version
+            manifest = self.group.run(lambda: manifest_at(self.store, v), f"read the manifest of version {v}")
+        if manifest is not None:
+            m, version = manifest, manifest.version
+            d = self._full_digest() if verify_initial else None  # O(model): only when asked for
+            if d is not None and d.hex() != m.target_digest:
                 raise BaseMismatchError(f"the receiver's tensors are not version {version} "
                                         f"(digest {d.hex()}, expected {m.target_digest})")
             self._version, self._held, self._digest = version, m, StateDigest.from_hex(m.target_digest)

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
-           "no_plan", "canonical_sha256", "is_manifest_key"]
+           "no_plan", "locate", "Found", "canonical_sha256", "is_manifest_key"]
 
 log = logging.getLogger("nemo_dcr.sync")
 
@@ -358,6 +358,59 @@ def manifest_at(store: Store, version: int, head: Head | None = None) -> Manifes
                 return m
             break
     raise VersionNotFound(f"version {version} is no longer in the store")
+
+
+@dataclass
+class Found:
+    """What :func:`locate` found: the manifest of the newest version on HEAD's chain with the
+    digest sought (None: none within reach), how many manifests it read, and why the search
+    ended before the chain's first version, when it did (None: it found the version, or read the
+    whole chain)."""
+
+    manifest: Manifest | None
+    read: int = 0
+    ended: str | None = None
+
+
+def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetching: bool = False) -> Found:
+    """The newest version on HEAD's chain whose state digest is ``digest``, read from HEAD down
+    only as far as needed: a receiver at a recent version costs a manifest read or two, however
+    long the history. A manifest that cannot be read (damaged, removed, or -- through a verifying
+    store -- not signed by a trusted key, e.g. by a rotated-out key) ends the search there
+    instead of failing it: nothing below it can be reached by deltas through it anyway.
+    ``worth_fetching``: also end it where the deltas from further down to the newest keyframe
+    cost more bytes than that keyframe (a receiver there is better served by the keyframe, so
+    finding its version is not worth the reads)."""
+    if head is None:
+        head, _ = read_head(store)
+    if head is None:
+        return Found(None, 0, "the store has no committed version")
+    found = Found(None)
+    budget: int | None = None  # the newest keyframe's bytes, once walked
+    spent = 0                  # bytes of the deltas walked at and below it
+    try:
+        found.read += 1
+        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        while True:
+            if m.target_digest == digest:
+                found.manifest = m
+                return found
+            if m.base_manifest is None or not m.parts:
+                return found
+            if budget is None and m.is_keyframe:
+                budget = m.keyframe_bytes()
+            if budget is not None:
+                spent += m.delta_bytes()
+                if worth_fetching and spent > budget:
+                    found.ended = (f"the deltas into version {m.version} and up to keyframe {head.keyframe_version} "
+                                   f"({spent:,} B) cost more than that keyframe ({budget:,} B)")
+                    return found
+            found.read += 1
+            m = _base_of(store, m)
+    except (VersionNotFound, ManifestError, SignatureError) as e:
+        found.ended = f"{type(e).__name__}: {e}"
+        log.info("nemo-dcr: looking for the state %s, the walk down the chain ended: %s", digest, found.ended)
+        return found
 
 
 def key_version(key: str) -> tuple[int | None, str | None]:
