@@ -11,7 +11,10 @@ Tensor digests name their algorithm, so a reader checks any it knows in either v
 chunk digests carry no name (16 hex digits each, one pair per chunk), so the version says which
 they are; a reader of version 1 refuses a version 2 delta as a version it does not know, rather
 than report every chunk as a wrong base. ``diff(..., format_version=1)`` still writes version 1,
-for receivers older than version 2.
+for receivers older than version 2;
+* version 3: the container is segments, each chunk's index before the chunk (codec/format.py),
+  and tensor digests are ``"sd:"`` sums over elements (state/digest.py), which the writer updates
+  from the changed elements alone; chunk ``pre``/``post`` as in version 2.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ class Version:
     values_digest: str  # the algorithm of every chunk's pre/post image digest
 
 
-VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3")}
+VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3")}
 FORMAT_VERSION = 2  # what a writer writes unless asked for another
 
 

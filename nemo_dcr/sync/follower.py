@@ -277,8 +277,8 @@ class Follower:
         if self.is_current(head, version):
             return self._done(res, t0)
         tv = head.version if version is None else version
-        target = g.run(lambda: read_manifest(self.store, head.manifest, head.manifest_sha256) if tv == head.version
-                       else manifest_at(self.store, tv, head), f"read the manifest of version {tv}")
+        target = g.run(lambda: self._newest(head) if tv == head.version else manifest_at(self.store, tv, head),
+                       f"read the manifest of version {tv}")
         if self._version is not None and target.version == self._version:
             assert self._digest is not None  # set together with _version (_verify)
             if target.target_digest == self._digest.hex():
@@ -315,6 +315,12 @@ class Follower:
             finally:
                 feed.close()
             return self._done(res, t0)
+
+    def _newest(self, head: Head) -> Manifest:
+        """The manifest HEAD names: carried in HEAD from format 3 (checked with it, signature
+        included: no round trip before the parts), read from the store before."""
+        m = head.newest_manifest
+        return m if m is not None else read_manifest(self.store, head.manifest, head.manifest_sha256)
 
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None

@@ -38,7 +38,8 @@ log = logging.getLogger("nemo_dcr.sync")
 
 HEAD_KEY = "HEAD"
 FORMAT = 2          # written; 2 = with checksums (see docs/design.md, "Integrity of manifests and HEAD")
-_READABLE = (1, 2)  # 1: stores written before checksums, read unverified
+NEWEST_IN_HEAD = 3  # written with format-3 deltas: HEAD carries its manifest (one round trip to the parts)
+_READABLE = (1, 2, 3)  # 1: stores written before checksums, read unverified
 
 
 def _canonical(d: dict) -> bytes:
@@ -223,8 +224,21 @@ class Manifest:
         """Parse and check a manifest; ``sha256``: the identity its referrer recorded for it."""
         try:
             d = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise ManifestError(f"{key}: not a valid nemo-dcr manifest ({e})") from None
+        return cls.from_stored(d, key, sha256)
+
+    def stored(self) -> dict:
+        """The stored object as a dict (its fields and checksum): what HEAD carries from format 3."""
+        return json.loads(self.to_bytes())
+
+    @classmethod
+    def from_stored(cls, d, key: str = "<manifest>", sha256: str | None = None) -> Manifest:
+        """:meth:`from_bytes` of an object already parsed from JSON (a copy is checked)."""
+        try:
             if not isinstance(d, dict):
                 raise ValueError("not an object")
+            d = dict(d)
             if d.get("format") not in _READABLE:
                 raise ManifestError(f"{key}: manifest format {d.get('format')!r} is not supported")
             d = _sealed(d, d["format"], key)
@@ -258,10 +272,24 @@ class Head:
     keyframe_sha256: str | None = None
     format: int = FORMAT
     signature: dict | None = None         # the publisher's signature (nemo_dcr.sync.signing); None: unsigned
+    # format 3: the stored manifest HEAD names (Manifest.stored()), so a follower has it with HEAD
+    newest: dict | None = None
 
     def fields(self, signed: bool = True) -> dict:
-        """As :meth:`Manifest.fields`: no ``signature`` field when unsigned (or ``signed=False``)."""
-        return _fields(self, signed)
+        """As :meth:`Manifest.fields`: no ``signature`` field when unsigned (or ``signed=False``);
+        no ``newest`` before format 3."""
+        d = _fields(self, signed)
+        if self.newest is None:
+            del d["newest"]
+        return d
+
+    @property
+    def newest_manifest(self) -> Manifest | None:
+        """The manifest HEAD names, carried in HEAD (format 3; None before), checked against
+        HEAD's record of it when HEAD was parsed."""
+        if self.newest is None:
+            return None
+        return Manifest.from_stored(self.newest, self.manifest, self.manifest_sha256)
 
     def to_bytes(self) -> bytes:
         d = self.fields()
@@ -290,8 +318,12 @@ class Head:
             _check_manifest_key(h.keyframe_manifest, h.keyframe_version, "keyframe manifest")
             if h.signature is not None and not isinstance(h.signature, dict):
                 raise ValueError("signature must be an object")
+            if (fmt >= NEWEST_IN_HEAD) != isinstance(h.newest, dict):
+                raise ValueError("the manifest it names (format 3 carries it; earlier formats do not)")
         except (ValueError, TypeError, RecursionError) as e:
             raise ManifestError(f"HEAD is not a valid nemo-dcr head pointer ({e})") from None
+        if h.newest is not None:
+            h.newest_manifest  # noqa: B018 - checked now: a damaged one is HEAD's damage (ManifestError)
         return h
 
 
@@ -443,7 +475,8 @@ def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, si
         kv, kk, ks = expected_head.keyframe_version, expected_head.keyframe_manifest, expected_head.keyframe_sha256
         if ks is None:  # the keyframe was committed to a format-1 store: record its identity now
             ks = read_manifest(store, kk).sha256
-    head = Head(manifest.version, manifest.key, kv, kk, manifest.sha256, ks)
+    head = Head(manifest.version, manifest.key, kv, kk, manifest.sha256, ks, format=manifest.format,
+                newest=manifest.stored() if manifest.format >= NEWEST_IN_HEAD else None)
     if signer is not None:
         signer.sign(head)
     try:
