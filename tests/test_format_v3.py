@@ -201,3 +201,58 @@ def test_a_damaged_or_swapped_manifest_in_head_is_refused(tmp_path):
     with mock.patch("nemo_dcr.sync.versions._READABLE", (1, 2)):  # a reader of formats 1 and 2
         with pytest.raises(ManifestError, match="HEAD format 3 is not supported"):
             read_head(store)
+
+
+def test_a_streaming_follower_applies_a_format_3_object_while_it_arrives(tmp_path, monkeypatch):
+    """``stream=True``: the segments of one part are applied as they arrive, before the object's
+    last bytes are there (the store holds the end back until the first write happened)."""
+    import threading
+
+    from dcr_testing import zeros_like
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.follower import Follower
+    from nemo_dcr.sync.publisher import Publisher
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 1024)
+    base, target = states(8, 400_000)
+    base.pop("gone")
+    wrote = threading.Event()
+
+    class HeldEnd(LocalStore):
+        """Serves an object's last quarter only once the receiver wrote something."""
+        hold = False
+
+        def get_stream(self, key, offset=0):
+            size, chunks = super().get_stream(key, offset)
+            if not (self.hold and key.endswith(".dcr")):
+                return size, chunks
+            data = b"".join(chunks)
+
+            def gen():
+                yield data[:len(data) * 3 // 4]
+                assert wrote.wait(30), "nothing was applied before the object's end arrived"
+                yield data[len(data) * 3 // 4:]
+            return size, gen()
+
+    store = HeldEnd(tmp_path / "store")
+    pub = Publisher(store, format_version=3, signer=None, chunk_elems=4096)
+    pub.publish(base)
+    recv = zeros_like(base)
+    f = Follower(store, recv, verifier=None, stream=True)
+    f.sync()
+    pub.publish(target)
+    store.hold = True
+    seen = {}
+
+    def watching(apply_fn):
+        def run(*a, **kw):
+            r = apply_fn(*a, **kw)
+            if r.elements_changed:
+                seen["first"] = True
+                wrote.set()
+            return r
+        return run
+    import nemo_dcr.sync.follower as fol
+    monkeypatch.setattr(fol, "apply", watching(fol.apply))
+    r = f.sync()
+    assert seen and r.steps == [("delta", 1)] and f.version == 1
+    assert_state(recv, target)

@@ -272,6 +272,16 @@ class DeltaReader:
         except DeltaFormatError as e:
             self._fail(str(e))
 
+    @classmethod
+    def of_segment(cls, buf, header: DeltaHeader, version: int, name: str = "<delta>") -> DeltaReader:
+        """A reader of some chunks of ``buf`` with ``header`` parsed already (``SegmentStream``:
+        one segment of an object still arriving)."""
+        r = cls.__new__(cls)
+        r.name, r.buf, r.size = name, memoryview(buf) if not isinstance(buf, memoryview) else buf, len(buf)
+        r.raw_header, r.version, r.header, r.payload_end = {}, version, header, len(buf)
+        r._stored_len = 0
+        return r
+
     def payload(self, chunk: ChunkEntry) -> memoryview:
         return self.buf[chunk.off:chunk.off + chunk.payload_len]
 
@@ -404,3 +414,66 @@ class SegmentMerger:
         assert self.opened is not None and self.closed is not None
         closed = {k: v for k, v in self.closed.items() if k != "tensors"}
         return {**self.opened, **closed, "tensors": self.tensors}
+
+
+class SegmentStream:
+    """A version-3 object read while it arrives in ``buf`` (its first ``filled`` bytes there):
+    ``ready(filled)`` -> a reader of each segment complete by then, in order, its chunks only
+    (a tensor's piece: apply with ``verify=False``, which checks each chunk's pre-image; the
+    tensor digests need the whole tensor). A tensor sent whole (``full``: new, or a keyframe's)
+    comes once its last piece is there. The segments are checked as they come, as
+    ``DeltaReader`` checks them; the whole object still is, once it is all there
+    (``DeltaReader.open``). ``streamable`` is False for an object of version 1 or 2."""
+
+    def __init__(self, buf, name: str = "<delta>"):
+        self.buf, self.name = buf, name
+        self.pos = PREAMBLE.size
+        self.merger = SegmentMerger(self._fail)
+        self.streamable: bool | None = None  # known once the preamble is in
+        self.version = 0
+        self._full: dict | None = None  # a tensor sent whole, its pieces so far
+
+    def _fail(self, why: str) -> NoReturn:
+        raise DeltaFormatError(f"{self.name}: {why}")
+
+    def ready(self, filled: int) -> list[DeltaReader]:
+        out: list[DeltaReader] = []
+        if self.streamable is None:
+            if filled < PREAMBLE.size:
+                return out
+            magic, number, _ = PREAMBLE.unpack_from(self.buf, 0)
+            if magic != MAGIC:
+                self._fail("not a nemo-dcr delta (bad magic)")
+            self.streamable, self.version = number >= SEGMENTED and number in VERSIONS, number
+        if not self.streamable:
+            return out
+        limit = len(self.buf) - TRAILER.size
+        while self.pos + SEGMENT.size <= min(filled, limit) and self.merger.closed is None:
+            stored_len, _, _, payload_len = SEGMENT.unpack_from(self.buf, self.pos)
+            if self.pos + SEGMENT.size + stored_len + payload_len > filled:
+                break  # not all there yet (read_segment checks the lengths against the object)
+            index, start, self.pos = read_segment(self.buf, self.pos, limit, self._fail)
+            self.merger.add(index, start, self.pos - start)
+            pieces = index.get("tensors")
+            if not pieces:
+                continue
+            assert self.merger.opened is not None  # add() refuses tensors before the opening segment
+            entries = []
+            for p in pieces:  # as the merger made them absolute; target digests on last pieces only
+                e = {k: v for k, v in p.items() if k not in ("last", "chunks")}
+                e["chunks"] = [{**c, "off": start + c["off"]} for c in p["chunks"]]
+                if e.get("kind") == "full":  # written whole (it may be new): its pieces wait for its last
+                    if self._full is not None:
+                        e["chunks"] = self._full["chunks"] + e["chunks"]
+                    if not p["last"]:
+                        self._full = e
+                        continue
+                    self._full = None
+                if e.get("kind") != "removed":
+                    e.setdefault("target_digest", "")
+                entries.append(e)
+            if not entries:
+                continue
+            header = parse_header({**self.merger.opened, "tensors": entries}, self.pos, VERSIONS[self.version])
+            out.append(DeltaReader.of_segment(self.buf, header, self.version, self.name))
+        return out

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.codec.format import DeltaReader, SegmentStream
 from nemo_dcr.delta import apply, remove_absent
 from nemo_dcr.errors import (
     BaseMismatchError,
@@ -360,7 +360,7 @@ class Follower:
 
     def _apply_step(self, kind: str, m: Manifest, parts, res: SyncResult, resume: bool, feed: _Feed) -> None:
         g = self.group
-        stream = self.stream and not g.active and len(parts) > 1
+        stream = self.stream and not g.active
         # default: every object of the version verified before its first write
         blobs = [] if stream else self._take(feed, kind, m, parts)
         if kind == "delta" and not resume and (self._digest is None or self._digest.hex() != m.base_digest):
@@ -421,9 +421,16 @@ class Follower:
         self._version = None  # from here until verified, the state is "in between"
         if stream:
             # each part applied once it checked out, while the next one downloads; a later part
-            # that cannot be had leaves the version pending (journal) and the path is given up
+            # that cannot be had leaves the version pending (journal) and the path is given up.
+            # A part of format 3 is applied segment by segment while it still arrives (each
+            # chunk checked against its pre-image; the object's sha256 once it is all there)
             for p in parts:
+                arriving = feed.arriving(p)
+                streamed = arriving is not None and self._apply_arriving(p, arriving, pend, on_change, res)
                 blobs.append(self._take(feed, kind, m, [p])[0])
+                if streamed:
+                    opened[id(blobs[-1])] = DeltaReader.open(blobs[-1])  # the whole object checked as well
+                    continue
                 gather([p], blobs[-1:])
                 apply_part(p, blobs[-1])
             if kind == "keyframe":
@@ -437,6 +444,27 @@ class Follower:
         finally:
             res.spans.add("digest", f"version {m.version}", t)
         res.steps.append((kind, m.version))
+
+    def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change, res: SyncResult) -> bool:
+        """Apply a part of format 3 one segment at a time as its bytes arrive -> whether it was
+        (False, nothing applied: a part of format 1 or 2, applied once it is all there). A
+        download that fails leaves what was applied in the journal: ``_take`` raises its error."""
+        stream = SegmentStream(arriving.buf, p.key)
+        seen = 0
+        journal = pend["journal"].setdefault(p.key, set())
+        while True:
+            filled, ended = arriving.wait(seen)
+            for r in stream.ready(filled):
+                t = time.perf_counter()
+                rep = apply(self.tensors, r, shards=self.shards, verify=False, resume=True, workers=self.workers,
+                            journal=journal, on_change=on_change, progress=False)
+                res.spans.add("apply", p.key, t)
+                res.changed += rep.elements_changed
+            if stream.streamable is False:
+                return False
+            if ended:
+                return True
+            seen = filled
 
     def _verify(self, m: Manifest, kind: str, full: bool = False) -> None:
         """O(changes) for a delta applied in one go; a full recomputation for keyframes and for
@@ -468,25 +496,31 @@ class Follower:
             self._forget()
 
     # ------------------------------------------------------------------ helpers
-    def _fetch(self, part, spans: Spans | None = None) -> bytes:
-        """The object's bytes, streamed and hashed as they arrive, checked against the manifest's
-        size and sha256 (retried; never more than ``part.size`` bytes read into memory)."""
+    def _fetch(self, part, spans: Spans | None = None, arriving: _Arriving | None = None) -> bytearray:
+        """The object's bytes, streamed and hashed as they arrive into one buffer of the
+        manifest's size (``arriving``'s, which reports how far it is filled), checked against the
+        manifest's size and sha256 (retried: an object is immutable, so a retry writes the same
+        bytes again; never more than ``part.size`` bytes held)."""
         from nemo_dcr.stores import NotFound, StoreError
         spans = spans if spans is not None else Spans()
+        arriving = arriving if arriving is not None else _Arriving(part.size)
+        buf = arriving.buf
         last = None
         for attempt in range(self.retries + 1):
             t = time.perf_counter()
             try:
                 size, chunks = _open_stream(self.store, part.key)
                 try:
-                    h, got, n = hashlib.sha256(), [], 0
+                    h, n = hashlib.sha256(), 0
                     if size == part.size:
                         for b in chunks:
-                            n += len(b)
-                            if n > part.size:
+                            if n + len(b) > part.size:
+                                n += len(b)
                                 break
+                            buf[n:n + len(b)] = b
                             h.update(b)
-                            got.append(b)
+                            n += len(b)
+                            arriving.wrote(n)
                     else:
                         n = size
                 finally:
@@ -504,7 +538,7 @@ class Follower:
                 digest = h.hexdigest() if n == part.size else None
                 spans.add("verify", part.key, t)
                 if digest == part.sha256:
-                    return got[0] if len(got) == 1 else b"".join(got)
+                    return buf
                 last = f"{n}{'+' if n > part.size else ''} bytes" + \
                        (f" with sha256 {digest[:16]}..." if digest else "") + \
                        f", manifest says {part.size} bytes, {part.sha256[:16]}..."
@@ -539,10 +573,11 @@ class _Feed:
     stops further downloads; its error is raised by ``take`` of that object."""
 
     def __init__(self, follower: Follower, steps: list, spans: Spans):
-        self._fetch = lambda p: follower._fetch(p, spans)
+        self._fetch = lambda p, arriving=None: follower._fetch(p, spans, arriving)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
         self._ahead = min(follower.prefetch, len(self._parts))
-        self._done: dict[int, tuple[bytes | None, Exception | None]] = {}
+        self._done: dict[int, tuple[bytes | bytearray | None, Exception | None]] = {}
+        self._arriving: dict[int, _Arriving] = {}  # downloads under way (or done, not yet taken)
         self._next = 0    # the next object to start downloading
         self._taken = 0   # the next object the consumer takes
         self._failed: Exception | None = None
@@ -563,18 +598,21 @@ class _Feed:
                     return
                 i = self._next
                 self._next += 1
-            item: tuple[bytes | None, Exception | None]
+                arriving = self._arriving[i] = _Arriving(self._parts[i].size)
+                self._cond.notify_all()
+            item: tuple[bytes | bytearray | None, Exception | None]
             try:
-                item = (self._fetch(self._parts[i]), None)
+                item = (self._fetch(self._parts[i], arriving), None)
             except Exception as e:  # handed to the consumer, raised there
                 item = (None, e)
+            arriving.end()
             with self._cond:
                 self._done[i] = item
                 if item[1] is not None and self._failed is None:
                     self._failed = item[1]
                 self._cond.notify_all()
 
-    def take(self, part) -> bytes:
+    def take(self, part) -> bytes | bytearray:
         if not self._threads:
             return self._fetch(part)
         with self._cond:
@@ -588,12 +626,28 @@ class _Feed:
                     raise self._failed  # never started: an earlier download failed
                 self._cond.wait()
             data, err = self._done.pop(i)
+            self._arriving.pop(i, None)
             self._taken += 1
             self._cond.notify_all()
         if err is not None:
             raise err
         assert data is not None
         return data
+
+    def arriving(self, part) -> _Arriving | None:
+        """The next object to take while it downloads (its bytes so far), or None without
+        background downloads or when its download could not start (``take`` says why)."""
+        if not self._threads:
+            return None
+        with self._cond:
+            i = self._taken
+            if i >= len(self._parts) or self._parts[i] is not part:
+                raise RuntimeError(f"fetch order broken at {part.key}")
+            while i not in self._arriving and i not in self._done:
+                if self._failed is not None and i >= self._next:
+                    return None
+                self._cond.wait()
+            return self._arriving.get(i)
 
     def close(self) -> None:
         with self._cond:
@@ -603,6 +657,34 @@ class _Feed:
         for t in self._threads:  # a download under way finishes (bounded by the store's timeouts)
             t.join()
         self._done.clear()
+
+
+class _Arriving:
+    """An object downloading into ``buf`` (its size, as the manifest says): how far it is
+    filled, and whether the download ended (checked or not: ``_Feed.take`` says)."""
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+        self.filled = 0
+        self.ended = False
+        self._cond = threading.Condition()
+
+    def wrote(self, n: int) -> None:
+        with self._cond:
+            self.filled = max(self.filled, n)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def wait(self, beyond: int) -> tuple[int, bool]:
+        """-> (bytes there, ended) once more than ``beyond`` bytes are there or it ended."""
+        with self._cond:
+            while self.filled <= beyond and not self.ended:
+                self._cond.wait()
+            return self.filled, self.ended
 
 
 class _Fallback(str):
