@@ -334,6 +334,8 @@ class Follower:
         return None
 
     def _done(self, res: SyncResult, t0: float) -> SyncResult:
+        if any(kind == "keyframe" for kind, _ in res.steps):
+            _release_freed_memory()
         res.version, res.seconds = self._version, time.perf_counter() - t0
         return res
 
@@ -550,6 +552,21 @@ class Follower:
     def _full_digest(self) -> StateDigest:
         d = state_contrib(self.tensors, self.shards)
         return allreduce_digest(d, self.group.group) if self.group.active else d
+
+
+def _release_freed_memory() -> None:
+    """Give the memory freed after a keyframe sync back to the system: glibc keeps the freed
+    download buffers and decode scratch of a keyframe in its arenas, and the follower's resident
+    size stayed ~2x the model (issue 25: 540 MB -> 337 MB for a 0.1 GB model with malloc_trim).
+    Nothing on other C libraries."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _open_stream(store, key: str):
