@@ -155,8 +155,9 @@ class Follower:
         ahead of the apply, that many at once (their bytes are held in memory; 0: no background
         download).
         ``stream``: apply each part of a version once it checked out, before the version's
-        later parts arrived (ignored in a group, where every rank applies only after every
-        part checked out on every rank). ``verifier``: a
+        later parts arrived, and a part of format 3 segment by segment while it still arrives
+        (each chunk checked against its pre-image, the part's sha256 at its end; ignored in a
+        group, where every rank applies only after every part checked out on every rank). ``verifier``: a
         :class:`~nemo_dcr.sync.signing.Verifier`; HEAD and every manifest are then read through it
         and refused unless signed by a trusted key (``"env"``, the default: from
         ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are)."""
