@@ -137,6 +137,8 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
     first1 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=1)
     known1 = {e.name: e.target_digest for e in DeltaReader.open(first1).header.tensors}
+    first3 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=3)
+    known3 = {e.name: e.target_digest for e in DeltaReader.open(first3).header.tensors}
     snap = torch.empty_like(target)
 
     # both as the publisher calls diff: the state digest's change summed from the changed elements
@@ -152,6 +154,11 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
         snap.copy_(target)
         return diff(b, {"shard": snap}, workers=workers, base_digests=known1, on_change=ChangeDigest(),
                     format_version=1)
+
+    def enc_fast_v3():  # format version 3: segments, tensor digests summed from the changes
+        snap.copy_(target)
+        return diff(b, {"shard": snap}, workers=workers, base_digests=known3, on_change=ChangeDigest(),
+                    format_version=3)
 
     ranges = [(s, min(s + DEFAULT_CHUNK, n)) for s in range(0, n, DEFAULT_CHUNK)]
 
@@ -172,6 +179,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
         return out
 
     blob1 = enc_fast_v1()
+    blob3 = enc_fast_v3()
     held.copy_(base)
     if DeltaReader.open(enc_scatter(None)).header.tensors != DeltaReader.open(blob).header.tensors \
             or not torch.equal(held.view(torch.int16), nb):
@@ -179,6 +187,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     rows = [_row("encode", "reference", _median(enc_ref, reps), memcpy),
             _row("encode", "fast", _median(enc_fast, reps), memcpy),
             _row("encode", "fast-v1", _median(enc_fast_v1, reps), memcpy),
+            _row("encode", "fast-v3", _median(enc_fast_v3, reps), memcpy),
             _row("encode", "fast-scatter", _median(enc_scatter, reps, setup=lambda: held.copy_(base)), memcpy),
             _row("encode", "codec", _median(enc_codec, reps), memcpy)]
 
@@ -196,6 +205,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     paths = {"reference": lambda _: _apply_reference(recv, blob, workers),
              "fast": lambda _: apply(recv, blob, workers=workers),
              "fast-v1": lambda _: apply(recv, blob1, workers=workers),
+             "fast-v3": lambda _: apply(recv, blob3, workers=workers),
              "follower": follower,
              "unverified": lambda _: apply(recv, blob, workers=workers, verify=False)}
     for name, fn in paths.items():
@@ -274,6 +284,7 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float, tm
         native.lib = lib
     rows.append(_row("keyframe", "fast", _median(publish, reps), memcpy))
     rows.append(_row("keyframe", "fast-v1", _median(lambda: publish(1), reps), memcpy))
+    rows.append(_row("keyframe", "fast-v3", _median(lambda: publish(3), reps), memcpy))
     for r in rows:
         r["x_raw_write"] = r["seconds"] / t_raw
     return rows

@@ -131,8 +131,8 @@ def test_each_version_writes_its_digests(fv, tensor_prefix, values_algo):
 
 def test_a_format_version_is_checked():
     base, target = _states()
-    with pytest.raises(DcrError, match="format version 3"):
-        diff(base, target, format_version=3)
+    with pytest.raises(DcrError, match="format version 4"):
+        diff(base, target, format_version=4)
 
 
 def test_known_base_digests_of_another_algorithm_are_hashed():

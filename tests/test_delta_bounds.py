@@ -206,7 +206,9 @@ def test_typed_header_is_what_the_writer_wrote():
 
 def test_container_constants_unchanged():
     assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 2
-    assert sorted(VERSIONS) == [1, 2]  # a reader still reads version 1 (tests/test_golden.py)
+    assert sorted(VERSIONS) == [1, 2, 3]  # a reader still reads versions 1 and 2 (tests/test_golden.py)
+    from nemo_dcr.codec.format import SEGMENT, TRAILER
+    assert SEGMENT.format == "<IIII" and TRAILER.format == "<II8s"  # version 3 (docs/format.md)
 
 
 def test_kernel_errors_are_dcr_errors(monkeypatch):

@@ -1,5 +1,6 @@
 """Golden files: deltas written by an earlier build (tests/data/golden/ for format version 1,
-tests/data/golden_v2/ for version 2, made by tests/data/make_golden.py from the same inputs) must
+tests/data/golden_v2/ for version 2, tests/data/golden_v3/ for version 3, made by
+tests/data/make_golden.py from the same inputs) must
 still apply bit-exactly, and encoding the same inputs again in the same version must give the
 same bytes, so the format cannot change by accident."""
 from __future__ import annotations
@@ -53,23 +54,44 @@ def test_golden_set_is_complete(version):
 def test_golden_versions_differ_only_in_their_digests():
     """Version 2 is version 1 with BLAKE3 digests: same chunk payload bytes, same header apart
     from the format number and the digests (tensor digests, chunk pre/post, the state digests
-    over them), and every digest of each is the algorithm its version names."""
-    def no_digests(blob):
+    over them), and every digest of each is the algorithm its version names. Version 3 is version
+    2 in segments with summed tensor digests: the same chunks, payloads and chunk digests (its
+    offsets differ: each segment's index sits before its payloads)."""
+    def no_digests(blob, chunk_digests=True):
         h = json.loads(json.dumps(DeltaReader.open(blob).raw_header))
         for k in ("format", "tool", "base_digest", "target_digest"):
             h.pop(k, None)
         for t in h["tensors"]:
             t.pop("base_digest", None), t.pop("target_digest", None)
             for c in t.get("chunks", []):  # (a removed tensor has none)
-                c.pop("pre"), c.pop("post")
+                c.pop("off")
+                if chunk_digests:
+                    c.pop("pre"), c.pop("post")
         return h
     for name in DELTAS:
-        v1, v2 = golden(name, 1), golden(name, 2)
-        assert _split(v1)[0][16:] == _split(v2)[0][16:], name  # the payloads, past the preamble
+        v1, v2, v3 = golden(name, 1), golden(name, 2), golden(name, 3)
+        assert _split(v1)[0][16:] == _split(v2)[0][16:] == _split(v3)[0][16:], name  # the payloads
         assert no_digests(v1) == no_digests(v2), name
-        for blob, prefix in ((v1, "sha256:"), (v2, "blake3:")):
+        assert no_digests(v2, False) == no_digests(v3, False), name
+        for blob, prefix in ((v1, "sha256:"), (v2, "blake3:"), (v3, "sd:")):
             for t in DeltaReader.open(blob).header.tensors:
                 assert all(d.startswith(prefix) for d in (t.base_digest, t.target_digest) if d), (name, t.name)
+
+
+def test_golden_v3_indexes_come_before_their_chunks():
+    """In version 3 every chunk's payload lies after the index that lists it: a reader that has
+    the object's first N bytes knows every chunk that ends within them."""
+    from nemo_dcr.codec.format import PREAMBLE, read_segment
+    for name in DELTAS:
+        blob = golden(name, 3)
+        pos, spans = PREAMBLE.size, []
+        while pos < len(blob) - 16:
+            index, start, pos = read_segment(blob, pos, len(blob) - 16, AssertionError)
+            spans.append((start - 16, start, pos))  # the index (at most), its payloads
+        chunks = [c for t in DeltaReader.open(blob).header.tensors for c in t.chunks]
+        assert chunks
+        for c in chunks:
+            assert any(idx_end <= c.off and c.off + c.payload_len <= end for _, idx_end, end in spans), name
 
 
 @pytest.mark.parametrize("version", VERSIONS)
@@ -126,9 +148,13 @@ FOOTER = struct.Struct("<QQII8s")  # docs/format.md: header stored length, raw l
 
 def _split(blob: bytes):
     """-> (preamble and chunk payloads, header dict): the bytes before the stored header, by the
-    footer as docs/format.md defines it, and the header as the reader decodes it."""
+    footer as docs/format.md defines it, and the header as the reader decodes it. Version 3
+    (segments, each index before its payloads): the preamble and every chunk's payload in order."""
+    r = DeltaReader.open(blob)
+    if r.version >= 3:
+        return blob[:16] + b"".join(bytes(r.payload(c)) for t in r.header.tensors for c in t.chunks), r.raw_header
     stored_len = FOOTER.unpack_from(blob, len(blob) - FOOTER.size)[0]
-    return blob[:len(blob) - FOOTER.size - stored_len], DeltaReader.open(blob).raw_header  # the JSON as written
+    return blob[:len(blob) - FOOTER.size - stored_len], r.raw_header  # the JSON as written
 
 
 @pytest.mark.parametrize("name", DELTAS)

@@ -16,9 +16,9 @@ from nemo_dcr.checkpoint.safetensors_io import (
     owned_files,
     write_checkpoint,
 )
-from nemo_dcr.errors import DcrError
+from nemo_dcr.errors import DcrError, VersionNotFound
 from nemo_dcr.state.statedigest import state_contrib
-from nemo_dcr.sync.versions import read_head, walk
+from nemo_dcr.sync.versions import Found, locate, read_head, walk
 
 if TYPE_CHECKING:
     from nemo_dcr.stores.base import Store
@@ -70,12 +70,12 @@ def history(store: Store | str, limit: int | None = None) -> list:
 
 
 def find_version(store: Store | str, tensors: dict) -> int | None:
-    """The committed version whose digest ``tensors`` have, if any is still in the store."""
-    d = state_contrib(tensors).hex()
-    for m in history(store):
-        if m.target_digest == d:
-            return m.version
-    return None
+    """The newest committed version whose digest ``tensors`` have, if the store can still say
+    (:func:`~nemo_dcr.sync.versions.locate`: read from HEAD down, up to a manifest that cannot
+    be read)."""
+    from nemo_dcr.sync.signing import verifying
+    m = locate(verifying(_open(store, create=False)), state_contrib(tensors).hex()).manifest
+    return None if m is None else m.version
 
 
 @dataclass
@@ -94,8 +94,12 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
     when its files differ. Other files in a directory ``out`` are left alone."""
     from nemo_dcr.sync.follower import Follower
     from nemo_dcr.sync.signing import verifying
-    store = verifying(_open(store, create=False))  # find_version reads manifests too: verify them
-    tensors, current = {}, None
+    store = verifying(_open(store, create=False))  # locate reads manifests too: verify them
+    head, _ = read_head(store)
+    if head is None:
+        raise VersionNotFound("the store has no committed version yet")
+    tensors: dict = {}
+    current = None
     if os.path.isdir(out) and not owned_files(out) or not os.path.exists(out):
         ckpt = None  # nothing yet (a model directory may hold config files only)
     else:
@@ -104,13 +108,15 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
             tensors = {k: ckpt[k] for k in ckpt}
         except CheckpointError as e:
             raise DcrError(f"{out} exists but is not a checkpoint this command can update: {e}") from None
-        current = find_version(store, tensors)
+        # the version held, if a pull can use it: found within the deltas that cost less than
+        # the newest keyframe, above any manifest that cannot be read
+        current = locate(store, state_contrib(tensors).hex(), head, worth_fetching=True).manifest
         if current is None:
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
     if current is None:
-        tensors = _whole_tensors_for_shards(store)
-    f = Follower(store, tensors, version=current, verify_initial=False)
-    res = f.sync(version)
+        tensors = _whole_tensors_for_shards(store, head)
+    f = Follower(store, tensors, manifest=current, verify_initial=False)
+    res = f.sync(version, head=head)
     m = f.manifest  # the very manifest whose state was verified
     if m is None:  # sync returned, so the follower holds a verified version
         raise DcrError(f"{out}: the sync ended without a version")
@@ -126,7 +132,7 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
     return PullResult(res, rewritten=not res.updated)
 
 
-def _whole_tensors_for_shards(store) -> dict:
+def _whole_tensors_for_shards(store, head) -> dict:
     """A checkpoint pulled from nothing starts from the newest keyframe. Where that keyframe's
     parts carry a tensor as shards (a trainer group published it, one part per rank), the
     receiver needs the whole tensor to write each shard into: zeros of its global shape and dtype,
@@ -137,8 +143,7 @@ def _whole_tensors_for_shards(store) -> dict:
 
     from nemo_dcr.codec.format import DeltaReader
     from nemo_dcr.sync.versions import read_manifest
-    head, _ = read_head(store)
-    if head is None or head.keyframe_manifest is None:
+    if head.keyframe_manifest is None:
         return {}
     out = {}
     for p in read_manifest(store, head.keyframe_manifest, head.keyframe_sha256).keyframe_parts:
@@ -148,11 +153,22 @@ def _whole_tensors_for_shards(store) -> dict:
     return out
 
 
-def verify_checkpoint(store: Store | str, path: str):
+def locate_checkpoint(store: Store | str, path: str) -> tuple[Found, str]:
+    """-> (what :func:`~nemo_dcr.sync.versions.locate` found for the checkpoint at ``path``, the
+    checkpoint's state digest). The whole chain is searched, down to a manifest that cannot be
+    read (``Found.ended`` says which)."""
+    from nemo_dcr.sync.signing import verifying
     tensors, _ = load_checkpoint(path)
-    return find_version(_open(store, create=False), tensors), state_contrib(tensors).hex()
+    d = state_contrib(tensors).hex()
+    return locate(verifying(_open(store, create=False)), d), d
 
 
-__all__ = ["publish_checkpoint", "pull_checkpoint", "history", "verify_checkpoint", "find_version",
-           "open_for_reading"]
+def verify_checkpoint(store: Store | str, path: str) -> tuple[int | None, str]:
+    """-> (the newest version the checkpoint at ``path`` is, or None; its state digest)."""
+    found, d = locate_checkpoint(store, path)
+    return (found.manifest.version if found.manifest is not None else None), d
+
+
+__all__ = ["publish_checkpoint", "pull_checkpoint", "history", "verify_checkpoint", "locate_checkpoint",
+           "find_version", "open_for_reading"]
 del torch

@@ -140,11 +140,12 @@ def _cmd_log(a):
 
 
 def _cmd_verify(a):
-    from nemo_dcr.checkpoint.sync import verify_checkpoint
-    v, d = verify_checkpoint(_verified_store(a), a.checkpoint)
-    if v is None:
-        raise DcrError(f"{a.checkpoint} (digest {d}) matches no version in the store")
-    print(f"{a.checkpoint} is version {v} (digest {d})")
+    from nemo_dcr.checkpoint.sync import locate_checkpoint
+    found, d = locate_checkpoint(_verified_store(a), a.checkpoint)
+    if found.manifest is None:
+        below = f" (the search down the chain stopped: {found.ended})" if found.ended else ""
+        raise DcrError(f"{a.checkpoint} (digest {d}) matches no version in the store{below}")
+    print(f"{a.checkpoint} is version {found.manifest.version} (digest {d})")
 
 
 def _cmd_demo(a):

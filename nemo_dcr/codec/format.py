@@ -1,13 +1,27 @@
 """The delta container: one file (or object) per delta. Specified in docs/format.md.
 
+Versions 1 and 2:
+
     preamble  MAGIC (8 bytes) | u32 format version | u32 flags (0)
     payloads  for each chunk, in header order: position stream, then value stream
     header    zstd-compressed UTF-8 JSON
     footer    u64 header stored length | u64 header raw length | u32 crc32(header stored)
               | u32 format version | END_MAGIC (8 bytes)
 
-All integers little-endian. The header sits at the end so a delta can be written in one
-streaming pass with bounded memory; a reader seeks to the fixed 32-byte footer first.
+The header sits at the end so a delta can be written in one streaming pass with bounded memory;
+a reader seeks to the fixed 32-byte footer first.
+
+Version 3 puts each chunk's index before the chunk, so a receiver decodes and applies the chunks
+of an object while the rest of it still arrives (the writer holds one segment, ~1 MiB):
+
+    preamble  as above (version 3)
+    segments  each: u32 index stored length | u32 index raw length | u32 crc32(index stored)
+              | u32 payload length | the index (zstd-compressed UTF-8 JSON) | the payloads it lists
+              first {"open": {...}} (the header's fields known before any tensor), then
+              {"tensors": [piece, ...]}, last {"close": {...}} (the state digests, the counts)
+    trailer   u32 format version | u32 segments | END_MAGIC (8 bytes)
+
+All integers little-endian.
 """
 from __future__ import annotations
 
@@ -16,6 +30,7 @@ import mmap
 import os
 import struct
 import zlib
+from collections.abc import Callable
 from typing import BinaryIO, NoReturn
 
 import zstandard
@@ -42,16 +57,92 @@ def header_bound(stored_len: int) -> int:
     return min(MAX_HEADER, max(HEADER_MIN_BOUND, HEADER_RATIO * stored_len))
 
 
+SEGMENT = struct.Struct("<IIII")  # version 3: index stored length, raw length, crc32, payload length
+TRAILER = struct.Struct("<II8s")  # version 3: format version, segments, END_MAGIC
+SEGMENTED = 3                     # the first version whose container is segments
+SEGMENT_BYTES = 1 << 20           # payload bytes a version-3 writer gathers before it writes a segment
+SEGMENT_PIECES = 1024             # ... or tensor pieces (many unchanged tensors make no payload)
+MAX_SEGMENTS = 1 << 24
+
+
+def _index_bytes(index: dict) -> tuple[bytes, int]:
+    raw = json.dumps(index, separators=(",", ":"), sort_keys=True).encode()
+    level = HEADER_LEVEL if len(raw) <= HEADER_STRONG_MAX else 3
+    return zstandard.ZstdCompressor(level=level).compress(raw), len(raw)
+
+
 class DeltaWriter:
     """Streams chunk payloads to ``f`` and finishes with the header and footer. ``version``:
     the format version written in the preamble and footer (``codec/versions.py``); the header's
-    ``format`` field must say the same."""
+    ``format`` field must say the same.
+
+    The encoder drives it the same way for every version: ``open(fields)`` (the header's fields
+    known before the first tensor), then per tensor ``begin_tensor(fields)``, ``add_chunk(c)`` for
+    each chunk (-> the chunk's header entry), ``end_tensor(entry)``, and ``finish(header)``.
+    Versions 1 and 2 write each payload at once and the header at the end; version 3 gathers up
+    to ``SEGMENT_BYTES`` of payloads and writes them after their index."""
 
     def __init__(self, f: BinaryIO, version: int = FORMAT_VERSION):
         self.f = f
         self.version = version
         self.f.write(PREAMBLE.pack(MAGIC, version, 0))
         self.offset = PREAMBLE.size
+        self.segmented = version >= SEGMENTED
+        self._segments = 0
+        self._payload = bytearray()      # version 3: the open segment's payloads
+        self._pieces: list[dict] = []    # ... and its index
+        self._tensor: dict | None = None  # the tensor being written: its fields
+        self._chunks: list[dict] = []     # ... and its chunks in the open segment
+
+    # -- version 3 segments ---------------------------------------------------------------
+    def _write_segment(self, index: dict, payload: bytes | bytearray = b"") -> None:
+        stored, raw_len = _index_bytes(index)
+        self.f.write(SEGMENT.pack(len(stored), raw_len, zlib.crc32(stored), len(payload)))
+        self.f.write(stored)
+        if payload:
+            self.f.write(payload)
+        self.offset += SEGMENT.size + len(stored) + len(payload)
+        self._segments += 1
+
+    def _flush(self) -> None:
+        if self._tensor is not None and self._chunks:  # a tensor goes on in the next segment
+            self._pieces.append({**self._tensor, "chunks": self._chunks, "last": False})
+            self._chunks = []
+        if self._pieces:
+            self._write_segment({"tensors": self._pieces}, self._payload)
+        self._pieces, self._payload = [], bytearray()
+
+    def open(self, fields: dict) -> None:
+        """The header's fields known before the first tensor (version 3 writes them first)."""
+        if self.segmented:
+            self._write_segment({"open": fields})
+
+    def begin_tensor(self, fields: dict) -> None:
+        """A tensor's entry without its chunks and target digest (name, kind, dtype, shape,
+        region, base digest)."""
+        self._tensor, self._chunks = dict(fields), []
+
+    def add_chunk(self, c) -> dict:
+        """Write an ``EncodedChunk``'s payload -> its header entry (``off``: from the start of the
+        object in versions 1 and 2, of its segment's payloads in version 3)."""
+        if not self.segmented:
+            return c.header(self.add_payload(c.pos_bytes, c.val_bytes))
+        h = c.header(len(self._payload))
+        self._payload += c.pos_bytes
+        self._payload += c.val_bytes
+        self._chunks.append(h)
+        if len(self._payload) >= SEGMENT_BYTES:
+            self._flush()
+        return h
+
+    def end_tensor(self, entry: dict) -> None:
+        """The tensor's whole entry (its target digest known now)."""
+        if self.segmented:
+            piece = {k: v for k, v in entry.items() if k != "chunks"}
+            self._pieces.append({**piece, "chunks": self._chunks, "last": True})
+            if len(self._pieces) >= SEGMENT_PIECES:
+                self._flush()
+        self._tensor, self._chunks = None, []
 
     def add_payload(self, *parts: bytes) -> int:
         """Write one chunk payload; returns its offset."""
@@ -62,13 +153,18 @@ class DeltaWriter:
         return off
 
     def finish(self, header: dict) -> int:
-        raw = json.dumps(header, separators=(",", ":"), sort_keys=True).encode()
+        if self.segmented:
+            self._flush()
+            close = {k: header[k] for k in ("base_digest", "target_digest") if k in header}
+            self._write_segment({"close": {**close, "tensors": len(header["tensors"])}})
+            self.f.write(TRAILER.pack(self.version, self._segments, END_MAGIC))
+            self.offset += TRAILER.size
+            return self.offset
         # the header holds per-chunk digests and class tables: a strong level makes a small one
         # ~12 % smaller for a few ms (30 KB: 5.8 ms); a large one (many chunks) keeps level 3
-        level = HEADER_LEVEL if len(raw) <= HEADER_STRONG_MAX else 3
-        stored = zstandard.ZstdCompressor(level=level).compress(raw)
+        stored, raw_len = _index_bytes(header)
         self.f.write(stored)
-        self.f.write(FOOTER.pack(len(stored), len(raw), zlib.crc32(stored), self.version, END_MAGIC))
+        self.f.write(FOOTER.pack(len(stored), raw_len, zlib.crc32(stored), self.version, END_MAGIC))
         self.offset += len(stored) + FOOTER.size
         return self.offset
 
@@ -80,10 +176,12 @@ class DeltaReader:
         self.name = name
         self.buf = memoryview(buf) if not isinstance(buf, memoryview) else buf
         self.size = len(self.buf)
-        self.raw_header: dict = {}  # the JSON as stored (for tools that rewrite a header)
+        self.raw_header: dict = {}  # the JSON as stored (for tools that rewrite a header; version 3:
+        #                             the segments' indexes merged into one header of version 2's form)
         self.version = 0  # the format version, from the preamble (set by _read_header)
         self.header: DeltaHeader = self._read_header()
-        self.payload_end = self.size - FOOTER.size - self._stored_len
+        self.payload_end = self.size - (TRAILER.size if self.version >= SEGMENTED
+                                        else FOOTER.size + self._stored_len)
 
     @classmethod
     def open(cls, src) -> DeltaReader:
@@ -115,6 +213,8 @@ class DeltaReader:
         if number not in VERSIONS:
             self._fail(f"format version {number} is not supported (this build reads "
                        f"{', '.join(map(str, VERSIONS))})")
+        if number >= SEGMENTED:
+            return self._read_segments(number)
         stored_len, raw_len, crc, fversion, end = FOOTER.unpack_from(self.buf, self.size - FOOTER.size)
         if end != END_MAGIC:
             self._fail("truncated or damaged: end marker missing")
@@ -144,6 +244,44 @@ class DeltaReader:
         except DeltaFormatError as e:
             self._fail(str(e))
 
+    def _read_segments(self, number: int) -> DeltaHeader:
+        """Version 3: every segment's index, checked, merged into one header (the chunks'
+        offsets made absolute), then parsed as versions 1 and 2 are."""
+        if self.size < PREAMBLE.size + TRAILER.size:
+            self._fail(f"{self.size} bytes is too short to be a nemo-dcr delta")
+        tversion, nseg, end = TRAILER.unpack_from(self.buf, self.size - TRAILER.size)
+        if end != END_MAGIC:
+            self._fail("truncated or damaged: end marker missing")
+        if tversion != number:
+            self._fail("preamble and trailer disagree on the format version")
+        limit = self.size - TRAILER.size
+        merged = SegmentMerger(self._fail)
+        pos = PREAMBLE.size
+        while pos < limit:
+            index, start, pos = read_segment(self.buf, pos, limit, self._fail)
+            merged.add(index, start, pos - start)
+        if merged.closed is None:
+            self._fail("truncated or damaged: no closing segment")
+        if merged.count != nseg:
+            self._fail(f"the trailer counts {nseg} segments, the object holds {merged.count}")
+        header = merged.header()
+        self.raw_header = header
+        self.version = number
+        try:
+            return parse_header(header, limit, VERSIONS[number])
+        except DeltaFormatError as e:
+            self._fail(str(e))
+
+    @classmethod
+    def of_segment(cls, buf, header: DeltaHeader, version: int, name: str = "<delta>") -> DeltaReader:
+        """A reader of some chunks of ``buf`` with ``header`` parsed already (``SegmentStream``:
+        one segment of an object still arriving)."""
+        r = cls.__new__(cls)
+        r.name, r.buf, r.size = name, memoryview(buf) if not isinstance(buf, memoryview) else buf, len(buf)
+        r.raw_header, r.version, r.header, r.payload_end = {}, version, header, len(buf)
+        r._stored_len = 0
+        return r
+
     def payload(self, chunk: ChunkEntry) -> memoryview:
         return self.buf[chunk.off:chunk.off + chunk.payload_len]
 
@@ -167,3 +305,175 @@ class DeltaReader:
 
 HEADER_LEVEL = 15
 HEADER_STRONG_MAX = 1 << 20
+
+
+def read_segment(buf, pos: int, limit: int, fail: Callable[[str], NoReturn]) -> tuple[dict, int, int]:
+    """The version-3 segment at ``pos`` (within ``buf[:limit]``) -> (its index, checked for
+    length, checksum and JSON; where its payloads start; where the next segment starts)."""
+    from nemo_dcr.codec.chunk import unpack
+    if pos + SEGMENT.size > limit:
+        fail("truncated or damaged: a segment header runs past the end")
+    stored_len, raw_len, crc, payload_len = SEGMENT.unpack_from(buf, pos)
+    start = pos + SEGMENT.size + stored_len
+    if stored_len == 0 or start + payload_len > limit:
+        fail("segment length out of range")
+    if raw_len > header_bound(stored_len):
+        fail(f"segment index claims {raw_len} bytes from {stored_len} stored (at most {header_bound(stored_len)})")
+    stored = buf[pos + SEGMENT.size:start]
+    if zlib.crc32(stored) != crc:
+        fail("segment index checksum mismatch")
+    try:
+        index = json.loads(unpack(stored, True, raw_len))
+    except DeltaFormatError as e:
+        fail(f"segment index does not decode: {e}")
+    except (ValueError, RecursionError) as e:
+        fail(f"segment index is not JSON: {e}")
+    if not isinstance(index, dict) or len(index) != 1:
+        fail("malformed segment index: not an object of one field")
+    return index, start, start + payload_len
+
+
+class SegmentMerger:
+    """Version-3 segment indexes, in order, into one header of version 2's form: an ``open``
+    segment first, ``tensors`` segments (a tensor's pieces one after another, its last one with
+    ``"last": true`` and its target digest), a ``close`` segment last. Chunk offsets are made
+    absolute and must lie in their own segment's payloads."""
+
+    _SAME = ("kind", "dtype", "shape", "region", "base_digest")
+
+    def __init__(self, fail: Callable[[str], NoReturn]):
+        self._fail = fail
+        self.opened: dict | None = None
+        self.closed: dict | None = None
+        self.count = 0
+        self.tensors: list[dict] = []   # whole entries, in order
+        self._open_tensor: dict | None = None
+
+    def add(self, index: dict, start: int, length: int) -> None:
+        fail = self._fail
+        self.count += 1
+        if self.count > MAX_SEGMENTS:
+            fail(f"more than {MAX_SEGMENTS} segments")
+        if self.closed is not None:
+            fail("malformed segment: a segment after the closing one")
+        if "open" in index:
+            if self.count != 1 or not isinstance(index["open"], dict):
+                fail("malformed segment: the opening segment is not first")
+            self.opened = index["open"]
+            return
+        if self.opened is None:
+            fail("malformed segment: the first segment does not open the delta")
+        if "close" in index:
+            c = index["close"]
+            if not isinstance(c, dict) or length or self._open_tensor is not None:
+                fail("malformed segment: the closing segment")
+            if c.get("tensors") != len(self.tensors):
+                fail(f"the closing segment counts {c.get('tensors')!r} tensors, the segments hold {len(self.tensors)}")
+            self.closed = c
+            return
+        pieces = index.get("tensors")
+        if not isinstance(pieces, list) or not pieces:
+            fail("malformed segment: no tensors")
+        for p in pieces:
+            self._piece(p, start, length)
+
+    def _piece(self, p, start: int, length: int) -> None:
+        fail = self._fail
+        if not isinstance(p, dict) or not isinstance(p.get("chunks"), list) or not isinstance(p.get("last"), bool):
+            fail("malformed segment: tensor piece")
+        chunks = []
+        for c in p["chunks"]:
+            if not isinstance(c, dict) or not all(isinstance(c.get(k), int) and not isinstance(c.get(k), bool)
+                                                  for k in ("off", "plen", "vlen")):
+                fail(f"malformed segment: a chunk of {p.get('name')!r}")
+            if c["off"] < 0 or c["plen"] < 0 or c["vlen"] < 0 or c["off"] + c["plen"] + c["vlen"] > length:
+                fail(f"malformed segment: a chunk of {p.get('name')!r} lies outside its segment")
+            chunks.append({**c, "off": start + c["off"]})
+        t = self._open_tensor
+        if t is None:
+            t = {k: v for k, v in p.items() if k not in ("chunks", "last")}
+            t["chunks"] = []
+            if any(e.get("name") == t.get("name") for e in self.tensors[-1:]):
+                fail(f"malformed segment: tensor {t.get('name')!r} again after its last piece")
+            self._open_tensor = t
+        elif p.get("name") != t.get("name") or any(p.get(k) != t.get(k) for k in self._SAME):
+            fail(f"malformed segment: tensor {t.get('name')!r} ends without its last piece")
+        t["chunks"].extend(chunks)
+        if p["last"]:
+            t["target_digest"] = p.get("target_digest")
+            if "target_digest" not in p:
+                t.pop("target_digest", None)
+            if t.get("kind") == "removed" and not t["chunks"]:
+                del t["chunks"]  # as version 2 writes a removed tensor
+            self.tensors.append(t)
+            self._open_tensor = None
+        elif "target_digest" in p:
+            fail(f"malformed segment: tensor {t.get('name')!r}: a target digest before its last piece")
+
+    def header(self) -> dict:
+        assert self.opened is not None and self.closed is not None
+        closed = {k: v for k, v in self.closed.items() if k != "tensors"}
+        return {**self.opened, **closed, "tensors": self.tensors}
+
+
+class SegmentStream:
+    """A version-3 object read while it arrives in ``buf`` (its first ``filled`` bytes there):
+    ``ready(filled)`` -> a reader of each segment complete by then, in order, its chunks only
+    (a tensor's piece: apply with ``verify=False``, which checks each chunk's pre-image; the
+    tensor digests need the whole tensor). A tensor sent whole (``full``: new, or a keyframe's)
+    comes once its last piece is there. The segments are checked as they come, as
+    ``DeltaReader`` checks them; the whole object still is, once it is all there
+    (``DeltaReader.open``). ``streamable`` is False for an object of version 1 or 2."""
+
+    def __init__(self, buf, name: str = "<delta>"):
+        self.buf, self.name = buf, name
+        self.pos = PREAMBLE.size
+        self.merger = SegmentMerger(self._fail)
+        self.streamable: bool | None = None  # known once the preamble is in
+        self.version = 0
+        self._full: dict | None = None  # a tensor sent whole, its pieces so far
+
+    def _fail(self, why: str) -> NoReturn:
+        raise DeltaFormatError(f"{self.name}: {why}")
+
+    def ready(self, filled: int) -> list[DeltaReader]:
+        out: list[DeltaReader] = []
+        if self.streamable is None:
+            if filled < PREAMBLE.size:
+                return out
+            magic, number, _ = PREAMBLE.unpack_from(self.buf, 0)
+            if magic != MAGIC:
+                self._fail("not a nemo-dcr delta (bad magic)")
+            self.streamable, self.version = number >= SEGMENTED and number in VERSIONS, number
+        if not self.streamable:
+            return out
+        limit = len(self.buf) - TRAILER.size
+        while self.pos + SEGMENT.size <= min(filled, limit) and self.merger.closed is None:
+            stored_len, _, _, payload_len = SEGMENT.unpack_from(self.buf, self.pos)
+            if self.pos + SEGMENT.size + stored_len + payload_len > filled:
+                break  # not all there yet (read_segment checks the lengths against the object)
+            index, start, self.pos = read_segment(self.buf, self.pos, limit, self._fail)
+            self.merger.add(index, start, self.pos - start)
+            pieces = index.get("tensors")
+            if not pieces:
+                continue
+            assert self.merger.opened is not None  # add() refuses tensors before the opening segment
+            entries = []
+            for p in pieces:  # as the merger made them absolute; target digests on last pieces only
+                e = {k: v for k, v in p.items() if k not in ("last", "chunks")}
+                e["chunks"] = [{**c, "off": start + c["off"]} for c in p["chunks"]]
+                if e.get("kind") == "full":  # written whole (it may be new): its pieces wait for its last
+                    if self._full is not None:
+                        e["chunks"] = self._full["chunks"] + e["chunks"]
+                    if not p["last"]:
+                        self._full = e
+                        continue
+                    self._full = None
+                if e.get("kind") != "removed":
+                    e.setdefault("target_digest", "")
+                entries.append(e)
+            if not entries:
+                continue
+            header = parse_header({**self.merger.opened, "tensors": entries}, self.pos, VERSIONS[self.version])
+            out.append(DeltaReader.of_segment(self.buf, header, self.version, self.name))
+        return out

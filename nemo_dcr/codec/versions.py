@@ -1,17 +1,21 @@
 """Delta format versions: what each one's digests are (docs/format.md, "Versioning").
 
-A version changes only what a reader must know to check a delta; the container, header and chunk
-codings are the same in both:
+Versions 1 and 2 change only what a reader must know to check a delta; their container, header
+and chunk codings are the same:
 
 * version 1: tensor digests ``"sha256:"`` (or, earlier, bare BLAKE2b-128), chunk ``pre``/``post``
   BLAKE2b-64;
-* version 2: tensor digests ``"blake3:"``, chunk ``pre``/``post`` the first 64 bits of BLAKE3.
+* version 2: tensor digests ``"blake3:"``, chunk ``pre``/``post`` the first 64 bits of BLAKE3;
+* version 3: the same header and chunk codings in a container of segments, each chunk's index
+  before the chunk (codec/format.py), and tensor digests ``"sd:"``, sums over elements
+  (state/digest.py) that the writer updates from the changed elements alone; chunk
+  ``pre``/``post`` as in version 2.
 
-Tensor digests name their algorithm, so a reader checks any it knows in either version. The
+Tensor digests name their algorithm, so a reader checks any it knows in any version. The
 chunk digests carry no name (16 hex digits each, one pair per chunk), so the version says which
 they are; a reader of version 1 refuses a version 2 delta as a version it does not know, rather
-than report every chunk as a wrong base. ``diff(..., format_version=1)`` still writes version 1,
-for receivers older than version 2.
+than report every chunk as a wrong base (and a reader of 1 and 2 refuses version 3 the same way).
+``diff(..., format_version=1)`` still writes version 1, for receivers older than version 2.
 """
 from __future__ import annotations
 
@@ -27,7 +31,7 @@ class Version:
     values_digest: str  # the algorithm of every chunk's pre/post image digest
 
 
-VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3")}
+VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3")}
 FORMAT_VERSION = 2  # what a writer writes unless asked for another
 
 

@@ -23,10 +23,11 @@ from nemo_dcr.codec.names import DEFAULT_LEVEL  # re-exported by nemo_dcr.delta
 from nemo_dcr.codec.versions import Version, version
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
-from nemo_dcr.state.digest import algo_of, state_digest, tensor_digest
+from nemo_dcr.state.digest import SUM_NAME, algo_of, state_digest, sum_digest_range, sum_digest_text, tensor_digest
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
+from nemo_dcr.state.statedigest import StateDigest, change_contrib
 from nemo_dcr.util.parallel import background, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
 
@@ -64,7 +65,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     digest of another algorithm than the version's is not reused (the base is hashed).
     """
     fv = version(format_version)
-    if fv.number != FORMAT_VERSION:
+    if fv.values_digest != version(FORMAT_VERSION).values_digest:
         chunker = None  # the device path makes the default version's chunk digests; the reference, any
     if encoding not in CHOICES:
         raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
@@ -81,6 +82,9 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     total = total or 0
     known = {k: d for k, d in (base_digests or {}).items() if _algo(d) == fv.tensor_digest}
     entries, base_digests, target_digests = [], {}, {}
+    created = round(time.time(), 3)
+    w.open({"format": fv.number, "tool": f"nemo-dcr {__version__}", "created": created, "byte_order": "little",
+            "encoding": encoding, "level": level, "chunk_elems": chunk_elems, "meta": meta or {}})
     bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
     with bar:
         for name in names:
@@ -94,7 +98,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     header = {
         "format": fv.number,
         "tool": f"nemo-dcr {__version__}",
-        "created": round(time.time(), 3),
+        "created": created,
         "byte_order": "little",
         "encoding": encoding,
         "level": level,
@@ -121,7 +125,10 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)
-        return {"name": name, "kind": "removed", "base_digest": known_base or tensor_digest(old, fv.tensor_digest)}
+        gone = {"name": name, "kind": "removed", "base_digest": known_base or tensor_digest(old, fv.tensor_digest)}
+        w.begin_tensor(gone)
+        w.end_tensor(gone)
+        return gone
     new = target[name]
     dtype_name(new.dtype)
     if spec is None:
@@ -139,8 +146,11 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     of = FlatAccess(old) if old is not None else None
     n = nf.numel
     ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
-    found = None if chunker is None or old is None else \
-        chunker(name, old, new, chunk_elems, encoding, level, on_change is not None)
+    # format 3's tensor digests are sums over elements ("sd", state/digest.py): the target's is
+    # the base's plus the chunks' changes, O(changes); a tensor sent whole sums its chunks
+    summed = fv.tensor_digest == "sd"
+    keep = on_change is not None or (summed and old is not None)
+    found = None if chunker is None or old is None else chunker(name, old, new, chunk_elems, encoding, level, keep)
     region_map = IndexMap(spec) if on_change is not None else None
     digests = {"base": known_base} if old is not None and known_base else {}
 
@@ -149,43 +159,60 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
 
     def job(r):
         c: EncodedChunk | None
+        part = None  # the chunk's share of a summed target digest
         if isinstance(r, EncodedChunk):  # found by the chunker
-            c, s = r, r.start
+            c, s, e = r, r.start, r.start + r.n
         else:
             s, e = r
             # .cpu(): the encoder's kernels read host memory; a tensor on a device is brought
             # over one chunk at a time (the device path, nemo_dcr/device, avoids even that)
-            c = encode_chunk(of.read(s, e).cpu() if of is not None else None, nf.read(s, e).cpu(), s, encoding, level,
-                             keep_changes=on_change is not None, is_float=new.dtype.is_floating_point,
+            nb = nf.read(s, e).cpu()
+            c = encode_chunk(of.read(s, e).cpu() if of is not None else None, nb, s, encoding, level,
+                             keep_changes=keep, is_float=new.dtype.is_floating_point,
                              dtype=new.dtype, values_algo=fv.values_digest)
-        if c is not None and on_change is not None:
+            if summed and old is None:
+                part = sum_digest_range(new.dtype, new.shape, nb, s)
+        if c is not None and keep:
             # keep_changes=True (and the chunker is told the same): every chunk carries its changes
-            assert c.changes is not None and region_map is not None
+            assert c.changes is not None
             idx, oldv, newv = c.changes
-            on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
+            if on_change is not None:
+                assert region_map is not None
+                on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
+            if summed and old is not None:
+                part = change_contrib(SUM_NAME, new.dtype, new.shape, (idx + s).cpu(), oldv.cpu(), newv.cpu())
             c.changes = None
-        return c, (r.n if isinstance(r, EncodedChunk) else e - s) * new.element_size()
+        return c, (e - s) * new.element_size(), part
 
     chunks = []
+    w.begin_tensor({"name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
+                    "region": spec.to_json(), **({"base_digest": known_base} if old is not None and known_base
+                                                 else {})})
     # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
     # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
-    hashing = [background(lambda which=which: digest(which), workers)
-               for which in ["target"] + (["base"] if old is not None and "base" not in digests else [])]
+    wanted = ([] if summed else ["target"]) + (["base"] if old is not None and "base" not in digests else [])
+    hashing = [background(lambda which=which: digest(which), workers) for which in wanted]
+    total = StateDigest.zero()
     try:
-        for c, nbytes in ordered_map(job, ranges if found is None else found, workers):
+        for c, nbytes, part in ordered_map(job, ranges if found is None else found, workers):
             bar.update(nbytes)
+            if part is not None:
+                total = total + part
             if c is not None:
-                off = w.add_payload(c.pos_bytes, c.val_bytes)
-                chunks.append(c.header(off))
+                chunks.append(w.add_chunk(c))
     finally:
         for f in hashing:  # nothing of this call runs on past it; the first error is raised below
             f.exception()
     for f in hashing:
         f.result()
+    if summed:
+        start = StateDigest.from_hex(digests["base"][len("sd:"):]) if old is not None else StateDigest.zero()
+        digests["target"] = sum_digest_text(start + total)
     entry = {
         "name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
         "region": spec.to_json(), "target_digest": digests["target"], "chunks": chunks,
     }
     if old is not None:
         entry["base_digest"] = digests["base"]
+    w.end_tensor(entry)
     return entry

@@ -27,9 +27,14 @@ from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 
 HASH_RANGE = 1 << 22  # elements hashed per update
-TENSOR_ALGOS = ("blake3", "sha256", "blake2b")  # what a tensor digest may be made with
+TENSOR_ALGOS = ("blake3", "sha256", "blake2b", "sd")  # what a tensor digest may be made with
 VALUES_ALGOS = ("blake3", "blake2b")  # what a chunk's pre/post image digest may be made with
-_PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": ""}
+_PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": "", "sd": "sd:"}
+#: ``"sd"`` (format version 3): the state digest (state/statedigest.py) of the tensor alone, as
+#: a whole tensor named ``""`` -- keyed by its dtype and shape, its elements at their flat indices.
+#: A plain sum over elements, so ``diff`` updates it from the changed elements alone
+#: (``sum_digest_change``); a checksum, not a cryptographic hash (docs/format.md, "Digests").
+SUM_NAME = ""
 #: BLAKE3 threads (``max_threads``) for a tensor digest that is a pass of its own (``tensor_digest``:
 #: a receiver's base check before the first write, a verification): 2 threads hash a large range
 #: ~1.8-2x faster than one on idle cores (docs/results.md, "BLAKE3 digests"). Digests that run
@@ -61,7 +66,16 @@ class RunningDigest:
     BLAKE3's, for a large tensor (one by default: the workers keep the cores busy)."""
 
     def __init__(self, t: torch.Tensor, algo: str = "blake3", threads: int = 1):
-        self._h: _Hasher  # the hashers share no base class, only these two methods
+        self._h: _Hasher | None = None  # the hashers share no base class, only these two methods
+        self._sum = None  # the "sd" digest's running sum (StateDigest)
+        self._fa = FlatAccess(t)
+        self._done = 0
+        self._prefix = _PREFIX.get(algo, "")
+        self._dtype, self._shape = t.dtype, tuple(t.shape)
+        if algo == "sd":
+            from nemo_dcr.state.statedigest import StateDigest
+            self._sum = StateDigest.zero()
+            return
         if algo == "blake3":
             big = t.numel() * t.element_size() >= THREADED_MIN
             self._h = blake3.blake3(max_threads=max(1, threads) if big else 1)
@@ -71,20 +85,53 @@ class RunningDigest:
             self._h = hashlib.blake2b(digest_size=16)
         else:
             raise ValueError(f"unknown tensor digest algorithm {algo!r} (known: {', '.join(TENSOR_ALGOS)})")
-        self._prefix = _PREFIX[algo]
         self._h.update(f"{dtype_name(t.dtype)}|{list(t.shape)}|".encode())
-        self._fa = FlatAccess(t)
-        self._done = 0
 
     def advance(self, end: int) -> None:
         end = min(end, self._fa.numel)
         for s in range(self._done, end, HASH_RANGE):
-            self._h.update(_bytes(self._fa.read(s, min(s + HASH_RANGE, end))))
+            bits = self._fa.read(s, min(s + HASH_RANGE, end))
+            if self._sum is not None:
+                from nemo_dcr.state.statedigest import range_contrib
+                self._sum = self._sum + range_contrib(SUM_NAME, self._dtype, self._shape, bits, s)
+            else:
+                assert self._h is not None
+                self._h.update(_bytes(bits))
         self._done = max(self._done, end)
 
     def hexdigest(self) -> str:
         self.advance(self._fa.numel)
+        if self._sum is not None:
+            return self._prefix + self._sum.hex()
+        assert self._h is not None
         return self._prefix + self._h.hexdigest()[:32]
+
+
+def sum_digest_change(digest: str, dtype: torch.dtype, shape, idx: torch.Tensor, old: torch.Tensor | None,
+                      new: torch.Tensor | None) -> str:
+    """The ``"sd"`` digest of a tensor (dtype, shape) after the elements at flat ``idx`` went from
+    ``old`` to ``new`` bits (None: the elements were not there / are no longer): O(changes)."""
+    from nemo_dcr.state.statedigest import StateDigest, change_contrib, changes_contrib
+    d = StateDigest.from_hex(digest[len(_PREFIX["sd"]):])
+    if old is not None and new is not None:
+        d = d + change_contrib(SUM_NAME, dtype, shape, idx, old, new)
+    elif new is not None:
+        d = d + changes_contrib(SUM_NAME, dtype, shape, idx, new)
+    elif old is not None:
+        d = d - changes_contrib(SUM_NAME, dtype, shape, idx, old)
+    return _PREFIX["sd"] + d.hex()
+
+
+def sum_digest_range(dtype: torch.dtype, shape, bits: torch.Tensor, start: int):
+    """The part of a tensor's ``"sd"`` digest from its flat elements ``start``, ... holding
+    ``bits`` (a StateDigest: the parts of a tensor's ranges add up; ``sum_digest_text`` of the total)."""
+    from nemo_dcr.state.statedigest import range_contrib
+    return range_contrib(SUM_NAME, dtype, shape, bits, start)
+
+
+def sum_digest_text(total) -> str:
+    """``"sd:"`` + the hex of a StateDigest (``sum_digest_range``'s parts, added)."""
+    return _PREFIX["sd"] + total.hex()
 
 
 def algo_of(ref: str) -> str:
@@ -95,6 +142,8 @@ def algo_of(ref: str) -> str:
         return "blake3"
     if ref.startswith("sha256:"):
         return "sha256"
+    if ref.startswith("sd:"):
+        return "sd"
     if ":" not in ref:
         return "blake2b"
     raise ValueError(f"unknown tensor digest algorithm {ref.split(':', 1)[0]!r} in {ref!r} "
@@ -103,6 +152,9 @@ def algo_of(ref: str) -> str:
 
 def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = None) -> str:
     """The digest of ``t`` in one pass; ``threads``: BLAKE3's (default ``THREADS``)."""
+    if algo == "sd":  # the state digest kernel, its ranges over the worker threads
+        from nemo_dcr.state.statedigest import tensor_contrib
+        return _PREFIX["sd"] + tensor_contrib(SUM_NAME, t, workers=threads).hex()
     return RunningDigest(t, algo, THREADS if threads is None else threads).hexdigest()
 
 

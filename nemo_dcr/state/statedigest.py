@@ -318,6 +318,27 @@ def state_contrib(tensors: Mapping[str, torch.Tensor],
     return d
 
 
+def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], bits: torch.Tensor,
+                  start: int = 0) -> StateDigest:
+    """Contribution of the elements of tensor ``name`` at the canonical flat indices ``start``,
+    ``start + 1``, ... holding ``bits`` (one run: no index array is made or read)."""
+    dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    shape = tuple(int(s) for s in global_shape)
+    b = _as_bits(bits.reshape(-1), itemsize(dt))
+    if start < 0 or start + b.numel() > math.prod(shape):
+        raise DcrError(f"{name}: elements {start}..{start + b.numel()} out of range for shape {list(shape)}")
+    keys = _keys(name, dtype_name(dt), shape)
+    lib = native.lib() if b.device.type == "cpu" else None
+    if lib is not None:
+        return StateDigest(tuple(_native_kernel(lib, keys, b.contiguous(), start=start)))
+    acc = [0] * LANES
+    for s in range(0, b.numel(), CHUNK):
+        e = min(s + CHUNK, b.numel())
+        acc = _add(acc, _kernel(keys, torch.arange(start + s, start + e, dtype=torch.int64, device=b.device),
+                                b[s:e]))
+    return StateDigest(tuple(acc))
+
+
 def _out_of_range(idx: torch.Tensor, numel: int) -> bool:
     lo, hi = torch.aminmax(idx)  # one pass, where min() and max() were two
     return int(lo) < 0 or int(hi) >= numel

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from nemo_dcr.codec.format import DeltaReader
+from nemo_dcr.codec.format import DeltaReader, SegmentStream
 from nemo_dcr.delta import apply, remove_absent
 from nemo_dcr.errors import (
     BaseMismatchError,
@@ -146,9 +146,12 @@ class Follower:
                  group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
                  max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env",
-                 name: str | None = None, metrics=None, metrics_port: int | None = None):
+                 name: str | None = None, metrics=None, metrics_port: int | None = None,
+                 manifest: Manifest | None = None):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
+        ``manifest``: instead of ``version``, that version's manifest where the caller has it
+        (as :func:`~nemo_dcr.sync.versions.locate` found it), so it is not looked for again.
         ``shards``: the receiver's ShardSpec per tensor name (a name missing from it is a whole
         tensor). The mapping is used as given and consulted at every step, so a view that
         resolves names lazily (the rollout loader's) stays live. ``max_fallbacks``: paths given
@@ -156,8 +159,9 @@ class Follower:
         ahead of the apply, that many at once (their bytes are held in memory; 0: no background
         download).
         ``stream``: apply each part of a version once it checked out, before the version's
-        later parts arrived (ignored in a group, where every rank applies only after every
-        part checked out on every rank). ``verifier``: a
+        later parts arrived, and a part of format 3 segment by segment while it still arrives
+        (each chunk checked against its pre-image, the part's sha256 at its end; ignored in a
+        group, where every rank applies only after every part checked out on every rank). ``verifier``: a
         :class:`~nemo_dcr.sync.signing.Verifier`; HEAD and every manifest are then read through it
         and refused unless signed by a trusted key (``"env"``, the default: from
         ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are).
@@ -186,10 +190,15 @@ class Follower:
         self._held: Manifest | None = None        # the manifest of the verified state
         self._digest: StateDigest | None = None  # global digest of the verified state
         self._pending: dict | None = None        # a version whose apply was interrupted
-        if version is not None:
-            m = self.group.run(lambda: manifest_at(self.store, version), f"read the manifest of version {version}")
-            d = self._full_digest()
-            if verify_initial and d.hex() != m.target_digest:
+        if manifest is not None and version not in (None, manifest.version):
+            raise ValueError(f"version {version} and the manifest of version {manifest.version} given")
+        if manifest is None and version is not None:
+            v = version
+            manifest = self.group.run(lambda: manifest_at(self.store, v), f"read the manifest of version {v}")
+        if manifest is not None:
+            m, version = manifest, manifest.version
+            d = self._full_digest() if verify_initial else None  # O(model): only when asked for
+            if d is not None and d.hex() != m.target_digest:
                 raise BaseMismatchError(f"the receiver's tensors are not version {version} "
                                         f"(digest {d.hex()}, expected {m.target_digest})")
             self._version, self._held, self._digest = version, m, StateDigest.from_hex(m.target_digest)
@@ -255,21 +264,23 @@ class Follower:
         from nemo_dcr.stores.http import wait_head
         g = self.group
         newer = self._version if newer_than is None else newer_than
-        long_poll = hasattr(self.store, "wait_head")
 
         def wait_rank0():
             deadline = time.monotonic() + max(0.0, float(timeout))
             while True:
-                left = deadline - time.monotonic()
-                r = wait_head(self.store, newer, max(0.0, min(left, 60.0)))
+                t0 = time.monotonic()
+                r = wait_head(self.store, newer, max(0.0, min(deadline - t0, 60.0)))
                 head = Head.from_bytes(r[0]) if r is not None else None
                 if head is not None and (newer is None or head.version > newer):
                     return head
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return None
-                if not long_poll:  # a plain store: read it again after a pause
-                    time.sleep(min(poll_interval, left))
+                # every round takes poll_interval at least: whether the store long-polls is known
+                # only from how long it took (a signed store, or a list of relays that fails over
+                # to the store itself, offers wait_head but answers at once), as the relay's own
+                # HEAD watcher does
+                time.sleep(min(max(0.0, poll_interval - (time.monotonic() - t0)), left))
 
         return self._seen(g.run(lambda: wait_rank0() if g.rank == 0 else None, "wait for a new version", src=0))
 
@@ -311,8 +322,8 @@ class Follower:
         if self.is_current(head, version):
             return self._done(res, t0)
         tv = head.version if version is None else version
-        target = g.run(lambda: read_manifest(self.store, head.manifest, head.manifest_sha256) if tv == head.version
-                       else manifest_at(self.store, tv, head), f"read the manifest of version {tv}")
+        target = g.run(lambda: self._newest(head) if tv == head.version else manifest_at(self.store, tv, head),
+                       f"read the manifest of version {tv}")
         if self._version is not None and target.version == self._version:
             assert self._digest is not None  # set together with _version (_verify)
             if target.target_digest == self._digest.hex():
@@ -350,6 +361,12 @@ class Follower:
                 feed.close()
             return self._done(res, t0)
 
+    def _newest(self, head: Head) -> Manifest:
+        """The manifest HEAD names: carried in HEAD from format 3 (checked with it, signature
+        included: no round trip before the parts), read from the store before."""
+        m = head.newest_manifest
+        return m if m is not None else read_manifest(self.store, head.manifest, head.manifest_sha256)
+
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None
         known = self._held if self._version is not None else None
@@ -362,6 +379,8 @@ class Follower:
         return None
 
     def _done(self, res: SyncResult, t0: float) -> SyncResult:
+        if any(kind == "keyframe" for kind, _ in res.steps):
+            _release_freed_memory()
         res.version, res.seconds = self._version, time.perf_counter() - t0
         return res
 
@@ -388,7 +407,7 @@ class Follower:
 
     def _apply_step(self, kind: str, m: Manifest, parts, res: SyncResult, resume: bool, feed: _Feed) -> None:
         g = self.group
-        stream = self.stream and not g.active and len(parts) > 1
+        stream = self.stream and not g.active
         # default: every object of the version verified before its first write
         blobs = [] if stream else self._take(feed, kind, m, parts)
         if kind == "delta" and not resume and (self._digest is None or self._digest.hex() != m.base_digest):
@@ -449,9 +468,16 @@ class Follower:
         self._version = None  # from here until verified, the state is "in between"
         if stream:
             # each part applied once it checked out, while the next one downloads; a later part
-            # that cannot be had leaves the version pending (journal) and the path is given up
+            # that cannot be had leaves the version pending (journal) and the path is given up.
+            # A part of format 3 is applied segment by segment while it still arrives (each
+            # chunk checked against its pre-image; the object's sha256 once it is all there)
             for p in parts:
+                arriving = feed.arriving(p)
+                streamed = arriving is not None and self._apply_arriving(p, arriving, pend, on_change, res)
                 blobs.append(self._take(feed, kind, m, [p])[0])
+                if streamed:
+                    opened[id(blobs[-1])] = DeltaReader.open(blobs[-1])  # the whole object checked as well
+                    continue
                 gather([p], blobs[-1:])
                 apply_part(p, blobs[-1])
             if kind == "keyframe":
@@ -465,6 +491,27 @@ class Follower:
         finally:
             res.spans.add("digest", f"version {m.version}", t)
         res.steps.append((kind, m.version))
+
+    def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change, res: SyncResult) -> bool:
+        """Apply a part of format 3 one segment at a time as its bytes arrive -> whether it was
+        (False, nothing applied: a part of format 1 or 2, applied once it is all there). A
+        download that fails leaves what was applied in the journal: ``_take`` raises its error."""
+        stream = SegmentStream(arriving.buf, p.key)
+        seen = 0
+        journal = pend["journal"].setdefault(p.key, set())
+        while True:
+            filled, ended = arriving.wait(seen)
+            for r in stream.ready(filled):
+                t = time.perf_counter()
+                rep = apply(self.tensors, r, shards=self.shards, verify=False, resume=True, workers=self.workers,
+                            journal=journal, on_change=on_change, progress=False)
+                res.spans.add("apply", p.key, t)
+                res.changed += rep.elements_changed
+            if stream.streamable is False:
+                return False
+            if ended:
+                return True
+            seen = filled
 
     def _verify(self, m: Manifest, kind: str, full: bool = False) -> None:
         """O(changes) for a delta applied in one go; a full recomputation for keyframes and for
@@ -496,25 +543,31 @@ class Follower:
             self._forget()
 
     # ------------------------------------------------------------------ helpers
-    def _fetch(self, part, spans: Spans | None = None) -> bytes:
-        """The object's bytes, streamed and hashed as they arrive, checked against the manifest's
-        size and sha256 (retried; never more than ``part.size`` bytes read into memory)."""
+    def _fetch(self, part, spans: Spans | None = None, arriving: _Arriving | None = None) -> bytearray:
+        """The object's bytes, streamed and hashed as they arrive into one buffer of the
+        manifest's size (``arriving``'s, which reports how far it is filled), checked against the
+        manifest's size and sha256 (retried: an object is immutable, so a retry writes the same
+        bytes again; never more than ``part.size`` bytes held)."""
         from nemo_dcr.stores import NotFound, StoreError
         spans = spans if spans is not None else Spans()
+        arriving = arriving if arriving is not None else _Arriving(part.size)
+        buf = arriving.buf
         last = None
         for attempt in range(self.retries + 1):
             t = time.perf_counter()
             try:
                 size, chunks = _open_stream(self.store, part.key)
                 try:
-                    h, got, n = hashlib.sha256(), [], 0
+                    h, n = hashlib.sha256(), 0
                     if size == part.size:
                         for b in chunks:
-                            n += len(b)
-                            if n > part.size:
+                            if n + len(b) > part.size:
+                                n += len(b)
                                 break
+                            buf[n:n + len(b)] = b
                             h.update(b)
-                            got.append(b)
+                            n += len(b)
+                            arriving.wrote(n)
                     else:
                         n = size
                 finally:
@@ -532,7 +585,7 @@ class Follower:
                 digest = h.hexdigest() if n == part.size else None
                 spans.add("verify", part.key, t)
                 if digest == part.sha256:
-                    return got[0] if len(got) == 1 else b"".join(got)
+                    return buf
                 last = f"{n}{'+' if n > part.size else ''} bytes" + \
                        (f" with sha256 {digest[:16]}..." if digest else "") + \
                        f", manifest says {part.size} bytes, {part.sha256[:16]}..."
@@ -550,6 +603,21 @@ def _default_name() -> str:
     """``<host>-<pid>``, in the characters a receiver's name may have."""
     host = re.sub(r"[^A-Za-z0-9._:@/+-]", "-", socket.gethostname()).strip("-._:@/+")[:100] or "receiver"
     return f"{host}-{os.getpid()}"
+
+
+def _release_freed_memory() -> None:
+    """Give the memory freed after a keyframe sync back to the system: glibc keeps the freed
+    download buffers and decode scratch of a keyframe in its arenas, and the follower's resident
+    size stayed ~2x the model (issue 25: 540 MB -> 337 MB for a 0.1 GB model with malloc_trim).
+    Nothing on other C libraries."""
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):
+        return
+    trim(0)
 
 
 def _open_stream(store, key: str):
@@ -573,10 +641,11 @@ class _Feed:
     stops further downloads; its error is raised by ``take`` of that object."""
 
     def __init__(self, follower: Follower, steps: list, spans: Spans):
-        self._fetch = lambda p: follower._fetch(p, spans)
+        self._fetch = lambda p, arriving=None: follower._fetch(p, spans, arriving)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
         self._ahead = min(follower.prefetch, len(self._parts))
-        self._done: dict[int, tuple[bytes | None, Exception | None]] = {}
+        self._done: dict[int, tuple[bytes | bytearray | None, Exception | None]] = {}
+        self._arriving: dict[int, _Arriving] = {}  # downloads under way (or done, not yet taken)
         self._next = 0    # the next object to start downloading
         self._taken = 0   # the next object the consumer takes
         self._failed: Exception | None = None
@@ -597,18 +666,21 @@ class _Feed:
                     return
                 i = self._next
                 self._next += 1
-            item: tuple[bytes | None, Exception | None]
+                arriving = self._arriving[i] = _Arriving(self._parts[i].size)
+                self._cond.notify_all()
+            item: tuple[bytes | bytearray | None, Exception | None]
             try:
-                item = (self._fetch(self._parts[i]), None)
+                item = (self._fetch(self._parts[i], arriving), None)
             except Exception as e:  # handed to the consumer, raised there
                 item = (None, e)
+            arriving.end()
             with self._cond:
                 self._done[i] = item
                 if item[1] is not None and self._failed is None:
                     self._failed = item[1]
                 self._cond.notify_all()
 
-    def take(self, part) -> bytes:
+    def take(self, part) -> bytes | bytearray:
         if not self._threads:
             return self._fetch(part)
         with self._cond:
@@ -622,12 +694,28 @@ class _Feed:
                     raise self._failed  # never started: an earlier download failed
                 self._cond.wait()
             data, err = self._done.pop(i)
+            self._arriving.pop(i, None)
             self._taken += 1
             self._cond.notify_all()
         if err is not None:
             raise err
         assert data is not None
         return data
+
+    def arriving(self, part) -> _Arriving | None:
+        """The next object to take while it downloads (its bytes so far), or None without
+        background downloads or when its download could not start (``take`` says why)."""
+        if not self._threads:
+            return None
+        with self._cond:
+            i = self._taken
+            if i >= len(self._parts) or self._parts[i] is not part:
+                raise RuntimeError(f"fetch order broken at {part.key}")
+            while i not in self._arriving and i not in self._done:
+                if self._failed is not None and i >= self._next:
+                    return None
+                self._cond.wait()
+            return self._arriving.get(i)
 
     def close(self) -> None:
         with self._cond:
@@ -637,6 +725,34 @@ class _Feed:
         for t in self._threads:  # a download under way finishes (bounded by the store's timeouts)
             t.join()
         self._done.clear()
+
+
+class _Arriving:
+    """An object downloading into ``buf`` (its size, as the manifest says): how far it is
+    filled, and whether the download ended (checked or not: ``_Feed.take`` says)."""
+
+    def __init__(self, size: int):
+        self.buf = bytearray(size)
+        self.filled = 0
+        self.ended = False
+        self._cond = threading.Condition()
+
+    def wrote(self, n: int) -> None:
+        with self._cond:
+            self.filled = max(self.filled, n)
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        with self._cond:
+            self.ended = True
+            self._cond.notify_all()
+
+    def wait(self, beyond: int) -> tuple[int, bool]:
+        """-> (bytes there, ended) once more than ``beyond`` bytes are there or it ended."""
+        with self._cond:
+            while self.filled <= beyond and not self.ended:
+                self._cond.wait()
+            return self.filled, self.ended
 
 
 class _Fallback(str):

@@ -39,7 +39,9 @@ from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
 from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import (
+    FORMAT,
     HEAD_KEY,
+    NEWEST_IN_HEAD,
     Head,
     Manifest,
     Part,
@@ -339,7 +341,10 @@ class Publisher:
                 parts=[Part(**p) for r in results for p in r["parts"]] if base else [],
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
-                world_size=self.group.world_size, step=step, meta=meta or {})
+                world_size=self.group.world_size, step=step, meta=meta or {},
+                # format-3 deltas go with format-3 manifests: HEAD carries the manifest, so a
+                # follower has the part list with HEAD (a reader of format 2 refuses both)
+                format=NEWEST_IN_HEAD if self.format_version >= NEWEST_IN_HEAD else FORMAT)
             return m, commit(self.store, m, head, tag, signer=self.signer)
         except (CommitConflict, PublishError):
             raise

@@ -382,7 +382,11 @@ class VerifiedStore(PassThroughStore):
 
     def _checked(self, key: str, data: bytes) -> bytes:
         if key == HEAD_KEY:
-            self.verifier.check_head(Head.from_bytes(data))
+            h = Head.from_bytes(data)
+            self.verifier.check_head(h)
+            newest = h.newest_manifest  # format 3 carries the manifest: checked as if read on its own
+            if newest is not None:
+                self.verifier.check_manifest(newest)
         elif is_manifest_key(key):
             self.verifier.check_manifest(Manifest.from_bytes(data, key))
         return data

@@ -32,13 +32,14 @@ if TYPE_CHECKING:
 
 __all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
-           "no_plan", "canonical_sha256", "is_manifest_key", "is_store_key"]
+           "no_plan", "locate", "Found", "canonical_sha256", "is_manifest_key", "is_store_key"]
 
 log = logging.getLogger("nemo_dcr.sync")
 
 HEAD_KEY = "HEAD"
 FORMAT = 2          # written; 2 = with checksums (see docs/design.md, "Integrity of manifests and HEAD")
-_READABLE = (1, 2)  # 1: stores written before checksums, read unverified
+NEWEST_IN_HEAD = 3  # written with format-3 deltas: HEAD carries its manifest (one round trip to the parts)
+_READABLE = (1, 2, 3)  # 1: stores written before checksums, read unverified
 
 
 def _canonical(d: dict) -> bytes:
@@ -233,8 +234,21 @@ class Manifest:
         """Parse and check a manifest; ``sha256``: the identity its referrer recorded for it."""
         try:
             d = json.loads(data)
+        except (ValueError, RecursionError) as e:
+            raise ManifestError(f"{key}: not a valid nemo-dcr manifest ({e})") from None
+        return cls.from_stored(d, key, sha256)
+
+    def stored(self) -> dict:
+        """The stored object as a dict (its fields and checksum): what HEAD carries from format 3."""
+        return json.loads(self.to_bytes())
+
+    @classmethod
+    def from_stored(cls, d, key: str = "<manifest>", sha256: str | None = None) -> Manifest:
+        """:meth:`from_bytes` of an object already parsed from JSON (a copy is checked)."""
+        try:
             if not isinstance(d, dict):
                 raise ValueError("not an object")
+            d = dict(d)
             if d.get("format") not in _READABLE:
                 raise ManifestError(f"{key}: manifest format {d.get('format')!r} is not supported")
             d = _sealed(d, d["format"], key)
@@ -268,10 +282,24 @@ class Head:
     keyframe_sha256: str | None = None
     format: int = FORMAT
     signature: dict | None = None         # the publisher's signature (nemo_dcr.sync.signing); None: unsigned
+    # format 3: the stored manifest HEAD names (Manifest.stored()), so a follower has it with HEAD
+    newest: dict | None = None
 
     def fields(self, signed: bool = True) -> dict:
-        """As :meth:`Manifest.fields`: no ``signature`` field when unsigned (or ``signed=False``)."""
-        return _fields(self, signed)
+        """As :meth:`Manifest.fields`: no ``signature`` field when unsigned (or ``signed=False``);
+        no ``newest`` before format 3."""
+        d = _fields(self, signed)
+        if self.newest is None:
+            del d["newest"]
+        return d
+
+    @property
+    def newest_manifest(self) -> Manifest | None:
+        """The manifest HEAD names, carried in HEAD (format 3; None before), checked against
+        HEAD's record of it when HEAD was parsed."""
+        if self.newest is None:
+            return None
+        return Manifest.from_stored(self.newest, self.manifest, self.manifest_sha256)
 
     def to_bytes(self) -> bytes:
         d = self.fields()
@@ -300,8 +328,12 @@ class Head:
             _check_manifest_key(h.keyframe_manifest, h.keyframe_version, "keyframe manifest")
             if h.signature is not None and not isinstance(h.signature, dict):
                 raise ValueError("signature must be an object")
+            if (fmt >= NEWEST_IN_HEAD) != isinstance(h.newest, dict):
+                raise ValueError("the manifest it names (format 3 carries it; earlier formats do not)")
         except (ValueError, TypeError, RecursionError) as e:
             raise ManifestError(f"HEAD is not a valid nemo-dcr head pointer ({e})") from None
+        if h.newest is not None:
+            h.newest_manifest  # noqa: B018 - checked now: a damaged one is HEAD's damage (ManifestError)
         return h
 
 
@@ -370,6 +402,59 @@ def manifest_at(store: Store, version: int, head: Head | None = None) -> Manifes
     raise VersionNotFound(f"version {version} is no longer in the store")
 
 
+@dataclass
+class Found:
+    """What :func:`locate` found: the manifest of the newest version on HEAD's chain with the
+    digest sought (None: none within reach), how many manifests it read, and why the search
+    ended before the chain's first version, when it did (None: it found the version, or read the
+    whole chain)."""
+
+    manifest: Manifest | None
+    read: int = 0
+    ended: str | None = None
+
+
+def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetching: bool = False) -> Found:
+    """The newest version on HEAD's chain whose state digest is ``digest``, read from HEAD down
+    only as far as needed: a receiver at a recent version costs a manifest read or two, however
+    long the history. A manifest that cannot be read (damaged, removed, or -- through a verifying
+    store -- not signed by a trusted key, e.g. by a rotated-out key) ends the search there
+    instead of failing it: nothing below it can be reached by deltas through it anyway.
+    ``worth_fetching``: also end it where the deltas from further down to the newest keyframe
+    cost more bytes than that keyframe (a receiver there is better served by the keyframe, so
+    finding its version is not worth the reads)."""
+    if head is None:
+        head, _ = read_head(store)
+    if head is None:
+        return Found(None, 0, "the store has no committed version")
+    found = Found(None)
+    budget: int | None = None  # the newest keyframe's bytes, once walked
+    spent = 0                  # bytes of the deltas walked at and below it
+    try:
+        found.read += 1
+        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        while True:
+            if m.target_digest == digest:
+                found.manifest = m
+                return found
+            if m.base_manifest is None or not m.parts:
+                return found
+            if budget is None and m.is_keyframe:
+                budget = m.keyframe_bytes()
+            if budget is not None:
+                spent += m.delta_bytes()
+                if worth_fetching and spent > budget:
+                    found.ended = (f"the deltas into version {m.version} and up to keyframe {head.keyframe_version} "
+                                   f"({spent:,} B) cost more than that keyframe ({budget:,} B)")
+                    return found
+            found.read += 1
+            m = _base_of(store, m)
+    except (VersionNotFound, ManifestError, SignatureError) as e:
+        found.ended = f"{type(e).__name__}: {e}"
+        log.info("nemo-dcr: looking for the state %s, the walk down the chain ended: %s", digest, found.ended)
+        return found
+
+
 def key_version(key: str) -> tuple[int | None, str | None]:
     """``versions/<v>/<publish id>/...`` -> (v, publish id); (None, None) for any other key."""
     parts = key.split("/")
@@ -400,7 +485,8 @@ def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, si
         kv, kk, ks = expected_head.keyframe_version, expected_head.keyframe_manifest, expected_head.keyframe_sha256
         if ks is None:  # the keyframe was committed to a format-1 store: record its identity now
             ks = read_manifest(store, kk).sha256
-    head = Head(manifest.version, manifest.key, kv, kk, manifest.sha256, ks)
+    head = Head(manifest.version, manifest.key, kv, kk, manifest.sha256, ks, format=manifest.format,
+                newest=manifest.stored() if manifest.format >= NEWEST_IN_HEAD else None)
     if signer is not None:
         signer.sign(head)
     try:

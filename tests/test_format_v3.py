@@ -1,0 +1,258 @@
+"""Format version 3 (issue 25): segments with each chunk's index before the chunk, tensor
+digests summed over elements and updated from the changes alone. Versions 1 and 2 stay as they
+were (tests/test_golden.py); a reader that knows only versions 1 and 2 refuses version 3 with the
+error it gives any version it does not know."""
+from unittest import mock
+
+import pytest
+import torch
+
+from dcr_testing import assert_state
+from nemo_dcr import DeltaReader, apply, diff
+from nemo_dcr.codec import format as fmt
+from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.state import digest as digest_mod
+from nemo_dcr.state.digest import tensor_digest
+
+
+def states(seed=0, n=300_000):
+    g = torch.Generator().manual_seed(seed)
+    base = {"w": torch.randn(n, generator=g).bfloat16(), "b": torch.randn(257, generator=g),
+            "ids": torch.randint(0, 1 << 40, (33, 3), generator=g), "gone": torch.ones(5)}
+    target = {k: v.clone() for k, v in base.items() if k != "gone"}
+    target["w"].view(-1)[::97] = torch.randn(target["w"].numel() // 97 + 1, generator=g).to(torch.bfloat16)
+    target["b"][5] = -0.0
+    target["new"] = torch.arange(10)
+    return base, target
+
+
+def test_version_3_round_trips_and_its_digests_are_the_sums_of_the_tensors():
+    base, target = states()
+    blob = diff(base, target, format_version=3, chunk_elems=1 << 16)
+    r = DeltaReader.open(blob)
+    assert r.version == 3 and r.header.format == 3
+    for t in r.header.tensors:
+        if t.target_digest:
+            assert t.target_digest == tensor_digest(target[t.name], "sd"), t.name
+        if t.base_digest:
+            assert t.base_digest == tensor_digest(base[t.name], "sd"), t.name
+    recv = {k: v.clone() for k, v in base.items()}
+    apply(recv, blob)  # verify=True: every tensor digest checked (the "sd" sum, from the tensor alone)
+    assert_state(recv, target)
+
+
+def test_a_reader_of_versions_1_and_2_refuses_version_3_clearly():
+    base, target = states(1, 1000)
+    blob = diff(base, target, format_version=3)
+    with mock.patch.dict(fmt.VERSIONS, {k: v for k, v in fmt.VERSIONS.items() if k < 3}, clear=True):
+        with pytest.raises(DeltaFormatError, match="format version 3 is not supported"):
+            DeltaReader.open(blob)
+
+
+def test_diff_of_a_known_base_hashes_no_tensor_whole(monkeypatch):
+    """The target digests come from the base's and the changes: no tensor is read whole to
+    hash it (before: every changed tensor was hashed, O(model) per version)."""
+    import sys
+    diff_mod = sys.modules["nemo_dcr.delta.diff"]  # (the package's ``diff`` is the function)
+    from nemo_dcr.state import statedigest
+    base, target = states(2)
+    first = DeltaReader.open(diff({}, base, format_version=3)).header
+    known = {t.name: t.target_digest for t in first.tensors}
+    hashed = []
+    for mod, fn in ((diff_mod, "tensor_digest"), (statedigest, "tensor_contrib"), (digest_mod, "RunningDigest")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _real=real, **kw: hashed.append(a[0]) or _real(*a, **kw))
+    diff(base, target, format_version=2, base_digests={})  # (the check sees a tensor hashed whole)
+    assert hashed
+    hashed.clear()
+    blob = diff(base, target, format_version=3, base_digests=known)
+    assert hashed == []
+    monkeypatch.undo()
+    h = DeltaReader.open(blob).header
+    assert {t.name: t.target_digest for t in h.tensors if t.target_digest} == \
+        {k: tensor_digest(v, "sd") for k, v in target.items()}
+
+
+def test_indexes_come_before_their_chunks_in_segments_of_bounded_size(monkeypatch):
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 4096)
+    base, target = states(3)
+    blob = diff({}, target, format_version=3, chunk_elems=1 << 12)  # a keyframe: 600 KB of payloads
+    pos, seen, kinds = fmt.PREAMBLE.size, 0, []
+    while pos < len(blob) - fmt.TRAILER.size:
+        index, start, pos = fmt.read_segment(blob, pos, len(blob) - fmt.TRAILER.size, AssertionError)
+        kinds.append(next(iter(index)))
+        assert pos - start <= 4096 + 2 * (1 << 12) * 2  # a segment: its limit and one more chunk
+        seen += sum(len(p["chunks"]) for p in index.get("tensors", []))
+    assert kinds[0] == "open" and kinds[-1] == "close" and len(kinds) > 10
+    assert seen == sum(len(t.chunks) for t in DeltaReader.open(blob).header.tensors)
+
+
+def test_every_truncation_and_every_flipped_index_byte_is_a_format_error():
+    base, target = states(4, 3000)
+    blob = diff(base, target, format_version=3, chunk_elems=512)
+    for n in range(0, len(blob), 7):
+        with pytest.raises(DeltaFormatError):
+            DeltaReader.open(blob[:n])
+    pos = fmt.PREAMBLE.size
+    while pos < len(blob) - fmt.TRAILER.size:  # each segment's header and index, byte by byte
+        _, start, nxt = fmt.read_segment(blob, pos, len(blob) - fmt.TRAILER.size, AssertionError)
+        for i in range(pos, start):
+            bad = bytearray(blob)
+            bad[i] ^= 0x10
+            with pytest.raises(DeltaFormatError):
+                DeltaReader.open(bytes(bad))
+        pos = nxt
+
+
+def test_pieces_of_a_tensor_across_segments_must_agree(monkeypatch):
+    """A tensor spans segments as pieces; pieces that disagree, or a tensor without its last
+    piece, are refused."""
+    base, target = states(5)
+    blob = diff(base, target, format_version=3, chunk_elems=1 << 12)
+    m = fmt.SegmentMerger(lambda why: (_ for _ in ()).throw(DeltaFormatError(why)))
+    m.add({"open": {"format": 3}}, 0, 0)
+    m.add({"tensors": [{"name": "w", "kind": "delta", "dtype": "bfloat16", "shape": [4], "chunks": [],
+                        "last": False}]}, 100, 0)
+    with pytest.raises(DeltaFormatError, match="ends without its last piece"):
+        m.add({"tensors": [{"name": "x", "kind": "delta", "dtype": "bfloat16", "shape": [4], "chunks": [],
+                            "last": True}]}, 200, 0)
+    with pytest.raises(DeltaFormatError, match="closing segment"):
+        m.add({"close": {"tensors": 0}}, 300, 0)
+    assert DeltaReader.open(blob).header.entry("w").chunks  # (the real one parses)
+
+
+# ----------------------------------------------------------------------------- HEAD carries the manifest
+
+class CountingStore:
+    """Every read of a store, by key (a LocalStore underneath; its get_with_tag is a get)."""
+
+    def __new__(cls, root):
+        from nemo_dcr.stores import LocalStore
+
+        class Counting(LocalStore):
+            def __init__(self, *a, **kw):
+                super().__init__(*a, **kw)
+                self.reads: list = []
+
+            def get(self, key):
+                self.reads.append(key)
+                return super().get(key)
+
+            def get_stream(self, key, offset=0):
+                self.reads.append(key)
+                return super().get_stream(key, offset)
+        return Counting(root)
+
+
+@pytest.mark.parametrize("signed", [False, True])
+def test_a_follower_of_format_3_reads_head_then_the_parts(tmp_path, signed):
+    """One round trip before the parts: HEAD carries the manifest it names (before: HEAD, then
+    the manifest, then the parts)."""
+    from dcr_testing import zeros_like
+    from nemo_dcr.sync.follower import Follower
+    from nemo_dcr.sync.publisher import Publisher
+    from nemo_dcr.sync.signing import Signer, Verifier, generate_key
+    from nemo_dcr.sync.versions import is_manifest_key, read_head
+    key = generate_key()
+    store = CountingStore(tmp_path / "store")
+    base, target = states(6, 20_000)
+    base.pop("gone")
+    pub = Publisher(store, format_version=3, signer=Signer(key, "run-1") if signed else None)
+    pub.publish(base)
+    recv = zeros_like(base)
+    f = Follower(store, recv, verifier=Verifier([key.public_key()], "run-1") if signed else None)
+    f.sync()
+    assert_state(recv, base)
+    pub.publish(target)
+    head = read_head(store)[0]
+    assert head.format == 3 and head.newest_manifest.version == 1 and head.newest_manifest.parts
+    store.reads.clear()
+    r = f.sync()
+    assert r.steps == [("delta", 1)]
+    assert_state(recv, target)
+    assert store.reads[0] == "HEAD" and not any(is_manifest_key(k) for k in store.reads), store.reads
+    assert all(k.endswith(".dcr") for k in store.reads[1:]), store.reads
+
+
+def test_a_damaged_or_swapped_manifest_in_head_is_refused(tmp_path):
+    import json
+
+    from nemo_dcr.errors import ManifestError
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.publisher import Publisher
+    from nemo_dcr.sync.versions import HEAD_KEY, Head, canonical_sha256, read_head
+    store = LocalStore(tmp_path / "store")
+    base, target = states(7, 2000)
+    pub = Publisher(store, format_version=3, signer=None)
+    first = pub.publish(base).manifest
+    pub.publish(target)
+    d = json.loads(store.get(HEAD_KEY))
+    d["newest"] = json.loads(first.to_bytes())  # another version's manifest, HEAD resealed
+    d.pop("checksum")
+    d["checksum"] = canonical_sha256(d)
+    with pytest.raises(ManifestError, match="names itself|not the manifest"):
+        Head.from_bytes(json.dumps(d).encode())
+    good = json.loads(store.get(HEAD_KEY))
+    good["newest"]["step"] = 7  # an edit inside the carried manifest, HEAD resealed
+    good.pop("checksum")
+    good["checksum"] = canonical_sha256(good)
+    with pytest.raises(ManifestError, match="checksum"):
+        Head.from_bytes(json.dumps(good).encode())
+    with mock.patch("nemo_dcr.sync.versions._READABLE", (1, 2)):  # a reader of formats 1 and 2
+        with pytest.raises(ManifestError, match="HEAD format 3 is not supported"):
+            read_head(store)
+
+
+def test_a_streaming_follower_applies_a_format_3_object_while_it_arrives(tmp_path, monkeypatch):
+    """``stream=True``: the segments of one part are applied as they arrive, before the object's
+    last bytes are there (the store holds the end back until the first write happened)."""
+    import threading
+
+    from dcr_testing import zeros_like
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.follower import Follower
+    from nemo_dcr.sync.publisher import Publisher
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 1024)
+    base, target = states(8, 400_000)
+    base.pop("gone")
+    wrote = threading.Event()
+
+    class HeldEnd(LocalStore):
+        """Serves an object's last quarter only once the receiver wrote something."""
+        hold = False
+
+        def get_stream(self, key, offset=0):
+            size, chunks = super().get_stream(key, offset)
+            if not (self.hold and key.endswith(".dcr")):
+                return size, chunks
+            data = b"".join(chunks)
+
+            def gen():
+                yield data[:len(data) * 3 // 4]
+                assert wrote.wait(30), "nothing was applied before the object's end arrived"
+                yield data[len(data) * 3 // 4:]
+            return size, gen()
+
+    store = HeldEnd(tmp_path / "store")
+    pub = Publisher(store, format_version=3, signer=None, chunk_elems=4096)
+    pub.publish(base)
+    recv = zeros_like(base)
+    f = Follower(store, recv, verifier=None, stream=True)
+    f.sync()
+    pub.publish(target)
+    store.hold = True
+    seen = {}
+
+    def watching(apply_fn):
+        def run(*a, **kw):
+            r = apply_fn(*a, **kw)
+            if r.elements_changed:
+                seen["first"] = True
+                wrote.set()
+            return r
+        return run
+    import nemo_dcr.sync.follower as fol
+    monkeypatch.setattr(fol, "apply", watching(fol.apply))
+    r = f.sync()
+    assert seen and r.steps == [("delta", 1)] and f.version == 1
+    assert_state(recv, target)
