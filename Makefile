@@ -45,13 +45,13 @@ test-nemo:
 VLLM_VERSION := 0.32.0
 VLLM_VENV ?= $(HOME)/.cache/nemo-dcr/venv-vllm-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed-1
-VLLM_TEST_DEPS := "pytest>=8" "hypothesis>=6.100" "boto3>=1.34" "moto[server]>=5" "aiohttp>=3.9" \
-	"zstandard>=0.22" "safetensors>=0.4" tqdm numpy "blake3>=1.0"
+VLLM_TEST_DEPS := "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100" "boto3>=1.34" "moto[server]>=5" "aiohttp>=3.9" \
+	"zstandard>=0.22" "safetensors>=0.4" tqdm numpy "blake3>=1.0" "prometheus_client>=0.20"
 # Dependencies the checkout gained after a cached venv was built (blake3: format version 2) are
 # added to it in place by this second stamp, instead of a rebuild (a new .installed-N costs the
 # whole ~5 min build): bump its number, not VLLM_STAMP's, when VLLM_TEST_DEPS grows (and in
 # nemo_dcr/chaos/engine.py, which takes a venv with this stamp as complete).
-VLLM_DEPS_STAMP := $(VLLM_VENV)/.deps-2
+VLLM_DEPS_STAMP := $(VLLM_VENV)/.deps-3
 $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip
@@ -67,16 +67,14 @@ $(VLLM_DEPS_STAMP): $(VLLM_STAMP)
 
 venv-vllm: $(VLLM_DEPS_STAMP)
 
-# The real-engine tests (tests/test_vllm_engine*.py): one refitted engine per module (vLLM's default: an engine-core
-# and a worker process, as users run it) and fresh-engine references, computed once per checkpoint in one process
-# each with the engine inside it (VLLM_ENABLE_V1_MULTIPROCESSING=0: a third of a default start's time): 5 default
-# starts (4 refitted, the TP=2 fresh engine whose bits are read back) + 6 references (Llama 3, Qwen2 1, Mixtral 2);
-# the session prints its count. Measured: 14.3 min on 2 cores shared with other jobs (load 3-10); the old layout
-# (10 default starts) took 7:52 in a fresh-clone CI run, and a default start took ~90 s at load 5-7 where a
-# reference start took ~22 s. In the main venv they skip. test_vllm_engine_chaos.py is the fault campaign in engine
-# mode: engines in processes of their own (the engine inside each), one start plus one per kill_engine (3 here).
+# The real-engine tests (tests/test_vllm_*.py): every engine is started the default way (an engine-core and a
+# worker process, each importing torch and vLLM: most of the time), two per family, each the other's fresh
+# reference. Two test processes (pytest-xdist, one module's tests in one process) start engines side by side:
+# an engine's start is mostly one process importing, one core's work. test_vllm_engine_chaos.py is the fault
+# campaign in engine mode: engines in processes of their own, one start plus one per kill_engine (3 here).
 test-vllm: $(VLLM_DEPS_STAMP)
-	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_vllm_engine*.py
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		-n 2 --dist loadgroup tests/test_vllm_*.py
 
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py

@@ -47,6 +47,5 @@ def pytest_terminal_summary(terminalreporter):
     import sys
     vm = sys.modules.get("dcr_testing.vllm_models")
     if vm is not None and any(vm.STARTS.values()):
-        terminalreporter.write_line(f"vLLM engines started: {vm.STARTS['engine']} in the test process (vLLM's "
-                                    f"default: engine-core and worker processes), {vm.STARTS['reference']} fresh "
-                                    "references (one process each, the engine inside it)")
+        terminalreporter.write_line(f"vLLM engines started: {vm.STARTS['engine']} in this test process, each the "
+                                    "default way (engine-core and worker processes)")

@@ -443,3 +443,26 @@ def test_factor_refuses_maps_no_strided_view_holds():
     assert factor(perm, torch.arange(24), (6, 4)) is None
     assert factor(torch.tensor([0, 1, 3]), torch.tensor([0, 1, 2]), (4,)) is None  # a hole
     assert factor(torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=torch.int64), (4,)) is None
+
+
+def test_factor_pieces_splits_a_per_group_regroup_into_boxes():
+    """Falcon's fused QKV, grouped per kv head in the checkpoint ((groups, q_per_group + 2, head_dim)
+    rows), loaded as [all queries; all keys; all values]: no one strided view holds it, a few do."""
+    from nemo_dcr.state.strided import factor, factor_pieces
+    groups, qpg, hd, cols = 2, 2, 3, 4
+    g = (groups * (qpg + 2) * hd, cols)
+    canon = torch.arange(math.prod(g)).reshape(groups, qpg + 2, hd, cols)
+    storage = torch.cat([canon[:, :qpg].reshape(-1, cols), canon[:, qpg].reshape(-1, cols),
+                         canon[:, qpg + 1].reshape(-1, cols)])
+    can, loc = storage.reshape(-1), torch.arange(storage.numel())
+    assert factor(can, loc, g) is None
+    parts = factor_pieces(can, loc, g)
+    assert parts is not None and 1 < len(parts) <= 3  # the keys and values together are one box
+    seen = torch.cat([p.view(storage).reshape(-1) for p in parts])
+    want = torch.cat([IndexMap(p.spec).to_global(torch.arange(p.spec.numel)) for p in parts])
+    assert torch.equal(seen, want) and torch.equal(seen.sort().values, torch.arange(math.prod(g)))
+    # a transposed box is one piece, however its runs rise and fall
+    t = torch.arange(24).reshape(4, 6)
+    assert len(factor_pieces(t.T.reshape(-1), torch.arange(24), (4, 6))) == 1
+    assert factor_pieces(torch.randperm(24, generator=torch.Generator().manual_seed(1)), torch.arange(24),
+                         (4, 6), max_pieces=4) is None

@@ -10,6 +10,7 @@ import pytest
 from dcr_testing import vllm_models as vm
 
 vm.require_vllm()
+pytestmark = pytest.mark.xdist_group("chaos")  # one module fixture: one test process
 pytest.importorskip("moto.moto_server.werkzeug_app", reason="the campaign needs moto[server]")
 pytest.importorskip("aiohttp", reason="the campaign needs aiohttp")
 

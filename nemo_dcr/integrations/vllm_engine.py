@@ -15,8 +15,11 @@ reload/``) rebuilds from:
 * every layer with a processing step gets a *plain* host copy of its tensors in loaded format (the
   shapes and dtypes vLLM recorded before processing); tied tensors share one copy;
 * layers without one (norms) compute from their tensors as loaded: those are written in place;
-* published tensors the loader computes from, or places in no strided form, are kept whole
-  (``whole``) and fed to the model's ``load_weights`` again when they changed.
+* published tensors the loader computes from, or places in no few strided forms, are kept whole
+  (``whole``) and fed to the model's ``load_weights`` again when they changed;
+* a published tensor that lands in several boxes (Falcon's fused QKV regrouped per kv head) is
+  kept whole for the follower, and each chunk it writes there is scattered into the boxes too
+  (``on_write``, O(changes)).
 
 The follower writes the deltas into those (O(changes), bit for bit: no value is reserved as
 "unchanged"). Then :meth:`EngineWeights.rebuild_changed` takes the layers whose inputs changed, as
@@ -45,7 +48,8 @@ from typing import cast
 import torch
 
 from nemo_dcr.errors import DcrError
-from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.state.flat import FlatAccess
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
 
 from .vllm_layout import EngineLayout, Published, checkpoint_layout, probe_layout
 from .vllm_types import LoadableModel, ProcessedLayer, TpStatusLayer, Worker
@@ -141,12 +145,21 @@ class EngineWeights:
         # engine loads them (``unloaded``: kept for the state digest only)
         self.whole: dict[str, torch.Tensor] = {}
         self.unloaded: dict[str, torch.Tensor] = {}
+        self.pieced: dict[str, torch.Tensor] = {}       # several boxes: a whole copy the follower writes
+        self.pieces: dict[str, list] = {}                # ... and (StridedPart, its view's FlatAccess, IndexMap)
+        self._written: set[str] = set()                  # pieced names on_write reported since the rebuild
         for n in sorted(self.layout.reload):
             self.whole[n] = self._zeros(n)
         if held_elsewhere is not None:
             for n in sorted(self.layout.unused - set(held_elsewhere)):
                 self.unloaded[n] = self._zeros(n)
-        if from_checkpoint and (need_disk or self.whole or self.unloaded):
+        for n in sorted(self.layout.gathered):
+            ps = self.layout.pieces(n)
+            if len(ps) > 1:
+                self.pieced[n] = self._zeros(n)
+                self.pieces[n] = [(p.part, FlatAccess(p.part.view(self.slot_plain[p.slot])), IndexMap(p.spec))
+                                  for p in ps]
+        if from_checkpoint and (need_disk or self.whole or self.unloaded or self.pieced):
             self._read_checkpoint(sorted(need_disk))
         self.tensors, self.shards = self._follower_view()
         self._seen = self._versions()
@@ -179,6 +192,8 @@ class EngineWeights:
         tensors: dict[str, torch.Tensor] = {}
         shards: dict[str, ShardSpec] = {}
         for p in self.layout.placements:
+            if p.name in self.pieced:
+                continue
             base = self.slot_plain.get(p.slot)
             if base is None:
                 raise DcrError(f"{p.name}: the engine holds no tensor {p.slot} to write it into")
@@ -189,7 +204,32 @@ class EngineWeights:
                 shards[p.name] = p.spec
         tensors.update(self.whole)
         tensors.update(self.unloaded)
+        tensors.update(self.pieced)
         return tensors, shards
+
+    def on_write(self, name: str, glob: torch.Tensor, new: torch.Tensor | None) -> None:
+        """The follower wrote ``new`` at canonical positions ``glob`` of ``name``: for a pieced
+        tensor, into its boxes too (from the apply's worker threads: disjoint positions)."""
+        pieces = self.pieces.get(name)
+        if pieces is None or new is None:
+            return
+        self._written.add(name)
+        for _part, fa, imap in pieces:
+            local, mask = imap.to_local(glob)
+            if local.numel():
+                fa.scatter(local, new[mask])
+
+    def _copy_pieces(self) -> None:
+        """Pieced tensors that changed without ``on_write`` (a replica broadcast from another rank of
+        the group): copied into their boxes whole."""
+        for n, whole in self.pieced.items():
+            if whole._version == self._seen.get(("pieced", n)) or n in self._written:
+                continue
+            for part, fa, _imap in self.pieces[n]:
+                box = whole.reshape(part.spec.box_shape)[
+                    tuple(slice(o, o + k) for o, k in zip(part.spec.offsets, part.spec.shape))]
+                fa.tensor.copy_(box)
+        self._written.clear()
 
     def data_of(self, name: str) -> torch.Tensor | None:
         """The tensor the follower writes for published ``name`` (None: not held on this worker)."""
@@ -201,6 +241,7 @@ class EngineWeights:
     def _versions(self) -> dict[tuple[str, object], int]:
         out: dict[tuple[str, object], int] = {("plain", k): t._version for k, t in self.plain.items()}
         out.update({("whole", n): t._version for n, t in self.whole.items()})
+        out.update({("pieced", n): t._version for n, t in self.pieced.items()})
         return out
 
     # ------------------------------------------------------------------ initial values
@@ -217,7 +258,7 @@ class EngineWeights:
         if not hasattr(loader, "get_all_weights"):
             raise DcrError(f"vLLM's {type(loader).__name__} cannot re-read the checkpoint; start with "
                            "dcr_init(store) (no version): the first update reads a keyframe")
-        whole = {**self.whole, **self.unloaded}
+        whole = {**self.whole, **self.unloaded, **self.pieced}
 
         def weights():
             for name, t in loader.get_all_weights(self.vllm_config.model_config, self.model):
@@ -294,6 +335,7 @@ class EngineWeights:
     def rebuild_changed(self) -> int:
         """Push what changed into the engine (see the module doc); returns how many layers were
         processed again."""
+        self._copy_pieces()
         mods, names = self.changed()
         for n in names:  # the layers the whole tensors' loader writes are rebuilt with them
             for key in self.layout.writes.get(n, ()):
@@ -337,7 +379,7 @@ class EngineWeights:
         """Published ``name``'s part as the engine itself holds it, where its kernel tensor is still
         in loaded format (a norm, an embedding the processing kept); None otherwise."""
         for p in self.layout.placements:
-            if p.name != name:
+            if p.name != name or name in self.pieced:
                 continue
             k = self.kernel.get(p.slot)
             slot = self.layout.slots[p.slot]

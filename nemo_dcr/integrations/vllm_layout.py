@@ -15,8 +15,9 @@ an exponential, a sum of two elements, a dtype change) does not, and is reported
 The result (:class:`EngineLayout`) says, per published tensor:
 
 * ``gather``: its elements land in loaded-format tensors as strided boxes (:func:`~nemo_dcr.state.
-  strided.factor`): slices, transposes, fused row ranges, per-head re-layouts, TP splits. The
-  receiver writes changes straight there, O(changes);
+  strided.factor_pieces`): slices, transposes, fused row ranges, per-head re-layouts, TP splits,
+  one box each, or a few boxes (Falcon's fused QKV regrouped per kv head: queries, keys, values).
+  The receiver writes changes straight there, O(changes);
 * ``reload``: the loader computes from it, changes its dtype, or places it in no strided form:
   the receiver keeps the published tensor whole and feeds it to ``load_weights`` again when it
   changed (O(tensor) for those, and host memory for one copy of each);
@@ -41,7 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
-from nemo_dcr.state.strided import StridedPart, factor
+from nemo_dcr.state.strided import StridedPart, factor_pieces
 
 from .vllm_types import LoadableModel
 
@@ -98,10 +99,16 @@ class EngineLayout:
     def gathered(self) -> frozenset[str]:
         return frozenset(p.name for p in self.placements)
 
+    def pieces(self, name: str) -> list[Placement]:
+        return [p for p in self.placements if p.name == name]
+
     def describe(self) -> dict:
         """Counts per kind, for logs and ``dcr_layout``."""
+        per: dict[str, int] = {}
+        for p in self.placements:
+            per[p.name] = per.get(p.name, 0) + 1
         return {"gather": len(self.gathered), "reload": dict(self.reload), "unused": sorted(self.unused),
-                "placements": len(self.placements),
+                "placements": len(self.placements), "pieced": sorted(n for n, k in per.items() if k > 1),
                 "index_shapes": sorted({p.name for p in self.placements if p.spec.index_shape is not None})}
 
 
@@ -301,7 +308,6 @@ def probe_layout(model: torch.nn.Module, published: Mapping[str, Published]) -> 
         for n in who:
             reload.setdefault(n, []).append(f"the loader computes {slot} from it")
     placements: list[Placement] = []
-    held: dict[str, int] = {}
     for (n, slot), chunks in sorted(pairs.items()):
         if n in reload:
             continue
@@ -310,12 +316,11 @@ def probe_layout(model: torch.nn.Module, published: Mapping[str, Published]) -> 
         if slots[slot].dtype != published[n].dtype:
             reload.setdefault(n, []).append(f"{slot} holds it as {slots[slot].dtype}, published {published[n].dtype}")
             continue
-        part = factor(canon, local, published[n].shape)
-        if part is None:
-            reload.setdefault(n, []).append(f"no strided view of {slot} holds it")
+        parts = factor_pieces(canon, local, published[n].shape)
+        if parts is None:
+            reload.setdefault(n, []).append(f"no few strided views of {slot} hold it")
             continue
-        placements.append(Placement(n, slot, part))
-        held[n] = held.get(n, 0) + part.spec.numel
+        placements.extend(Placement(n, slot, part) for part in parts)
     placements = [p for p in placements if p.name not in reload]
     gathered = {p.name for p in placements}
     unused = frozenset(n for n in names if n not in gathered and n not in reload)

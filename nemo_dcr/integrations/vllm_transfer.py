@@ -138,12 +138,14 @@ class DcrTrainerInitInfo(TrainerInitInfo):
     option of :class:`~nemo_dcr.sync.publisher.Publisher` in ``publisher``) and what the inference
     side starts from (``engine_version``: the version its weights already are, e.g. 0 when both
     sides load the same initial checkpoint and ``publish_initial`` ran; None: the first update
-    reads a keyframe)."""
+    reads a keyframe; ``publish_initial``: publish the source's weights now as that version, the
+    checkpoint both sides start from)."""
 
     backend: ClassVar[str] = "dcr"
 
     store: str = ""
     engine_version: int | None = None
+    publish_initial: bool = False
     publisher: dict = field(default_factory=dict)
     reset_kv_cache: bool = True
     dtype: str | None = "bfloat16"
@@ -172,6 +174,12 @@ class DcrTrainerWeightTransferEngine(TrainerWeightTransferEngine[DcrTrainerInitI
         engine = cls(client=client, source=source, is_sender=init_info.is_sender, init_info=init_info)
         if engine.is_sender:
             engine.publisher = Publisher(init_info.store, **init_info.publisher)
+        if init_info.publish_initial:
+            v = engine.publish(step=0)
+            if engine.is_sender and init_info.engine_version is not None and v != init_info.engine_version:
+                raise DcrError(f"published the initial weights as version {v}, but init_info.engine_version is "
+                               f"{init_info.engine_version}: the store already holds versions")
+        if engine.is_sender:
             engine.client.init_weight_transfer_engine({
                 "store": init_info.store, "version": init_info.engine_version,
                 "reset_kv_cache": init_info.reset_kv_cache})

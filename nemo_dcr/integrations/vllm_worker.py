@@ -128,7 +128,7 @@ class DcrWorkerExtension:
             self._dcr_loader = RolloutLoader(verifying(open_store(store) if isinstance(store, str) else store),
                                              engine.tensors, engine.shards, group=group,
                                              name_map=name_map, check_every=check_every, version=version,
-                                             staging=False)
+                                             staging=False, follower_options={"on_write": engine.on_write})
         finally:
             engine.rebuild_changed()
         return self._dcr_loader.version

@@ -122,6 +122,38 @@ def factor(canonical: torch.Tensor, local: torch.Tensor, global_shape: Sequence[
     return part
 
 
+def factor_pieces(canonical: torch.Tensor, local: torch.Tensor, global_shape: Sequence[int],
+                  max_pieces: int = 64) -> list[StridedPart] | None:
+    """Like :func:`factor`, where one strided view does not hold the pairs but a few do: a fused
+    weight whose loader regroups rows per kv head (Falcon's query_key_value: the queries of every
+    group, then the keys, then the values) lands as one box per part. Read in local order, a box's
+    canonical positions rise and fall only as its own dimensions wrap; the pieces are the runs of
+    rising positions, joined again wherever the join still factors (a transposed box is one piece
+    of many runs). None where more than ``max_pieces`` runs, or a run, do not factor."""
+    whole = factor(canonical, local, global_shape)
+    if whole is not None:
+        return [whole]
+    if canonical.numel() == 0:
+        return None
+    order = torch.argsort(local)
+    c, loc = canonical[order].to(torch.int64), local[order].to(torch.int64)
+    cuts = ((c[1:] < c[:-1]).nonzero()[:, 0] + 1).tolist()
+    bounds = [0] + cuts + [c.numel()]
+    if len(bounds) - 1 > max_pieces:
+        return None
+    pieces: list[StridedPart] = []
+    lo = bounds[0]
+    for hi, nxt in zip(bounds[1:], bounds[2:] + [None]):
+        if nxt is not None and factor(c[lo:nxt], loc[lo:nxt], global_shape) is not None:
+            continue  # the next run joins this piece
+        part = factor(c[lo:hi], loc[lo:hi], global_shape)
+        if part is None:
+            return None
+        pieces.append(part)
+        lo = hi
+    return pieces
+
+
 def _in_global_shape(part: StridedPart) -> StridedPart | None:
     """The same part as a box of the canonical shape itself, where its view reshapes without a
     copy (fewer index shapes to carry and compare)."""
@@ -136,4 +168,4 @@ def _in_global_shape(part: StridedPart) -> StridedPart | None:
     return StridedPart(spec, part.offset, tuple(v.stride()))
 
 
-__all__ = ["StridedPart", "factor"]
+__all__ = ["StridedPart", "factor", "factor_pieces"]

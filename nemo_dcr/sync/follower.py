@@ -147,7 +147,7 @@ class Follower:
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
                  max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env",
                  name: str | None = None, metrics=None, metrics_port: int | None = None,
-                 manifest: Manifest | None = None):
+                 manifest: Manifest | None = None, on_write=None):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``manifest``: instead of ``version``, that version's manifest where the caller has it
@@ -169,7 +169,11 @@ class Follower:
         version it holds, on each HEAD read; default ``<host>-<pid>``). ``metrics``: a
         :class:`~nemo_dcr.metrics.FollowerMetrics` to record into; ``metrics_port``: serve them
         (made if not given) at ``http://127.0.0.1:<port>/metrics`` and ``/healthz``
-        (``self.metrics_server``; 0: a free port)."""
+        (``self.metrics_server``; 0: a free port). ``on_write(name, global_idx, new_bits)``:
+        called for every chunk written into ``tensors`` (deltas and keyframes, from the apply's
+        worker threads; ``global_idx`` canonical flat positions, ``new_bits`` their new bits as
+        the dtype's integer view), for receivers that keep a second copy of some tensor in
+        another layout (the vLLM receiver's pieces of a tensor held in several strided boxes)."""
         from nemo_dcr.stores import open_store
         from nemo_dcr.stores.http import check_receiver_name
         from nemo_dcr.sync.signing import verifying
@@ -181,6 +185,7 @@ class Follower:
             self.metrics = self.metrics if self.metrics is not None else FollowerMetrics()
             self.metrics_server = serve(self.metrics, metrics_port)
         self.tensors = tensors
+        self.on_write = on_write
         self.shards = shards if shards is not None else {}
         self.group = Group(group)
         self.retries, self.backoff, self.workers = retries, backoff, workers
@@ -420,7 +425,7 @@ class Follower:
             self._pending = {"version": m.version, "kind": kind, "manifest": m, "journal": {},
                              "change": ChangeDigest()}
         pend = self._pending
-        on_change = pend["change"] if kind == "delta" else None  # a keyframe's digest is recomputed whole
+        on_change = self._on_change(pend["change"] if kind == "delta" else None)  # a keyframe's digest: whole
         decoded = pend.setdefault("decoded", {})  # part key -> classes chunks decoded over the group
         opened: dict = {}  # id(blob) -> its DeltaReader: the header parsed once, for gather and apply
 
@@ -491,6 +496,19 @@ class Follower:
         finally:
             res.spans.add("digest", f"version {m.version}", t)
         res.steps.append((kind, m.version))
+
+    def _on_change(self, digest):
+        """What apply reports each written chunk to: the state digest's change (deltas), and the
+        caller's ``on_write``."""
+        hook = self.on_write
+        if hook is None:
+            return digest
+
+        def report(name, dtype, global_shape, glob, old, new):
+            if digest is not None:
+                digest(name, dtype, global_shape, glob, old, new)
+            hook(name, glob, new)
+        return report
 
     def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change, res: SyncResult) -> bool:
         """Apply a part of format 3 one segment at a time as its bytes arrive -> whether it was

