@@ -42,7 +42,8 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
          out: BinaryIO | None = None, progress: bool | None = None,
          on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None,
-         chunker: Chunker | None = None, format_version: int = FORMAT_VERSION):
+         chunker: Chunker | None = None, format_version: int = FORMAT_VERSION,
+         target_digests: Mapping[str, str] | None = None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -62,6 +63,9 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     ``format_version``: the delta's format version (``codec/versions.py``): 2 (default) digests
     with BLAKE3; 1 with SHA-256 and BLAKE2b-64, for receivers older than version 2. A known base
     digest of another algorithm than the version's is not reused (the base is hashed).
+    ``target_digests``: name -> the tensor digest of ``target[name]``, computed elsewhere (the
+    trainer's device capture hashes on the device when it captures, ``device/capture.py``): that
+    target is then not hashed, and may be a meta tensor where ``chunker`` also finds its chunks.
     """
     fv = version(format_version)
     if fv.number != FORMAT_VERSION:
@@ -80,12 +84,14 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         total = sum(t.numel() * t.element_size() for t in target.values())
     total = total or 0
     known = {k: d for k, d in (base_digests or {}).items() if _algo(d) == fv.tensor_digest}
+    known_targets = {k: d for k, d in (target_digests or {}).items() if _algo(d) == fv.tensor_digest}
     entries, base_digests, target_digests = [], {}, {}
     bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
     with bar:
         for name in names:
             entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
-                                   chunk_elems, workers, bar, on_change, known.get(name), chunker, fv)
+                                   chunk_elems, workers, bar, on_change, known.get(name), chunker, fv,
+                                   known_targets.get(name))
             entries.append(entry)
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
@@ -117,7 +123,7 @@ def _algo(digest: str) -> str | None:
 
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
                    on_change: OnChange | None, known_base: str | None, chunker: Chunker | None,
-                   fv: Version) -> dict:
+                   fv: Version, known_target: str | None = None) -> dict:
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)
@@ -143,6 +149,8 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
         chunker(name, old, new, chunk_elems, encoding, level, on_change is not None)
     region_map = IndexMap(spec) if on_change is not None else None
     digests = {"base": known_base} if old is not None and known_base else {}
+    if known_target and found is not None:
+        digests["target"] = known_target
 
     def digest(which):
         digests[which] = tensor_digest(new if which == "target" else old, fv.tensor_digest, threads=1)
@@ -170,7 +178,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
     # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
     hashing = [background(lambda which=which: digest(which), workers)
-               for which in ["target"] + (["base"] if old is not None and "base" not in digests else [])]
+               for which in ("target", "base") if which not in digests and (which == "target" or old is not None)]
     try:
         for c, nbytes in ordered_map(job, ranges if found is None else found, workers):
             bar.update(nbytes)
