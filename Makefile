@@ -7,7 +7,8 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo lint test test-nemo test-vllm venv-vllm bench venv clean
 
-$(STAMP): pyproject.toml
+# setup.py and csrc/: `pip install -e .` compiles the C kernels into the checkout (issue 24)
+$(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h)
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet "torch==2.13.0"

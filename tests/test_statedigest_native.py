@@ -1,4 +1,4 @@
-"""The state digest's C kernel (codec/csrc, ``dcr_sd_contrib``) against the torch reference
+"""The state digest's C kernel (csrc/, ``dcr_sd_contrib``) against the torch reference
 (``statedigest._kernel``), bit for bit: every dtype, special values, every index path (whole
 tensor, a run of the canonical tensor, a general shard, explicit indices past 2**32), both the
 SIMD and the scalar builds, and the weight clamp's two edge cases constructed on purpose."""

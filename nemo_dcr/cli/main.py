@@ -224,14 +224,14 @@ def check_ranges(args) -> None:
 
 class _Version(argparse.Action):
     """``--version``: the package version and the codec backend in use (found out only when asked:
-    it may compile the kernel)."""
+    it loads the compiled kernels, which a relay never needs)."""
 
     def __init__(self, option_strings, dest, **kw):
         super().__init__(option_strings, dest, nargs=0, help="show the version and codec backend, then exit")
 
     def __call__(self, parser, namespace, values, option_string=None):
-        from nemo_dcr.codec import backend
-        print(f"nemo-dcr {__version__} (codec backend: {backend()})")
+        from nemo_dcr.codec.native import describe
+        print(f"nemo-dcr {__version__} (codec backend: {describe()})")
         parser.exit()
 
 

@@ -43,7 +43,8 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
          out: BinaryIO | None = None, progress: bool | None = None,
          on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None,
-         chunker: Chunker | None = None, format_version: int = FORMAT_VERSION):
+         chunker: Chunker | None = None, format_version: int = FORMAT_VERSION,
+         target_digests: Mapping[str, str] | None = None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -63,6 +64,9 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     ``format_version``: the delta's format version (``codec/versions.py``): 2 (default) digests
     with BLAKE3; 1 with SHA-256 and BLAKE2b-64, for receivers older than version 2. A known base
     digest of another algorithm than the version's is not reused (the base is hashed).
+    ``target_digests``: name -> the tensor digest of ``target[name]``, computed elsewhere (the
+    trainer's device capture hashes on the device when it captures, ``device/capture.py``): that
+    target is then not hashed, and may be a meta tensor where ``chunker`` also finds its chunks.
     """
     fv = version(format_version)
     if fv.values_digest != version(FORMAT_VERSION).values_digest:
@@ -81,6 +85,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         total = sum(t.numel() * t.element_size() for t in target.values())
     total = total or 0
     known = {k: d for k, d in (base_digests or {}).items() if _algo(d) == fv.tensor_digest}
+    known_targets = {k: d for k, d in (target_digests or {}).items() if _algo(d) == fv.tensor_digest}
     entries, base_digests, target_digests = [], {}, {}
     created = round(time.time(), 3)
     w.open({"format": fv.number, "tool": f"nemo-dcr {__version__}", "created": created, "byte_order": "little",
@@ -89,7 +94,8 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     with bar:
         for name in names:
             entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
-                                   chunk_elems, workers, bar, on_change, known.get(name), chunker, fv)
+                                   chunk_elems, workers, bar, on_change, known.get(name), chunker, fv,
+                                   known_targets.get(name))
             entries.append(entry)
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
@@ -121,7 +127,7 @@ def _algo(digest: str) -> str | None:
 
 def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
                    on_change: OnChange | None, known_base: str | None, chunker: Chunker | None,
-                   fv: Version) -> dict:
+                   fv: Version, known_target: str | None = None) -> dict:
     if name not in target:
         old = base[name]
         report_gone(name, old, base_spec, on_change)
@@ -153,6 +159,8 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     found = None if chunker is None or old is None else chunker(name, old, new, chunk_elems, encoding, level, keep)
     region_map = IndexMap(spec) if on_change is not None else None
     digests = {"base": known_base} if old is not None and known_base else {}
+    if known_target and found is not None:
+        digests["target"] = known_target
 
     def digest(which):
         digests[which] = tensor_digest(new if which == "target" else old, fv.tensor_digest, threads=1)
@@ -190,7 +198,8 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
                                                  else {})})
     # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
     # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
-    wanted = ([] if summed else ["target"]) + (["base"] if old is not None and "base" not in digests else [])
+    wanted = ([] if summed or "target" in digests else ["target"]) \
+        + (["base"] if old is not None and "base" not in digests else [])
     hashing = [background(lambda which=which: digest(which), workers) for which in wanted]
     total = StateDigest.zero()
     try:

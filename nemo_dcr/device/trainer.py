@@ -108,6 +108,18 @@ class DeviceSnapshot:
         s = self.tensors.get(name)
         return s is not None and s.dtype == t.dtype and s.shape == t.shape and s.is_contiguous() and runs_here(t)
 
+    def job(self, live: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What a publish reads: the live tensors themselves (unchanged until it returns)."""
+        return {k: v.detach() for k, v in live.items()}
+
+    def target_digests(self, live) -> dict[str, str]:
+        """None known ahead: ``diff`` hashes each (on the device, for a CUDA tensor)."""
+        return {}
+
+    def host_view(self, live: Mapping[str, torch.Tensor]) -> HostView:
+        """The full state for the keyframe and the first state digest: one host copy at a time."""
+        return HostView(live)
+
     def views(self, live: Mapping[str, torch.Tensor]) -> tuple[HostView, HostView]:
         """(base, target) for ``delta.diff`` with ``chunker``: the tensors the device pass takes
         as they are, the others (new, re-typed, reshaped: the reference sends them) on the host."""

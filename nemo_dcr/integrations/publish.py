@@ -4,7 +4,10 @@
 
 After every ``every_n_steps``-th optimizer step the callback snapshots the weights (a private
 CPU copy, on the training thread: the only stall), then diffs, encodes, uploads and commits them
-in a background thread (``nemo_dcr.publisher.Publisher``). At most ``max_pending`` snapshots wait
+in a background thread (``nemo_dcr.publisher.Publisher``). Weights on a GPU take the device path
+instead (``device="auto"``, ``integrations/device_snapshot.py``): the snapshot is a diff on the
+device against the last published version kept there (``keep``), and only the changes come to
+the host. At most ``max_pending`` snapshots wait
 for upload; the training loop blocks when that many are queued. A failed publish is raised in
 the training loop at the next step (and at the end of training); nothing half-published is ever
 visible to receivers (the store's joint commit).
@@ -21,7 +24,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +42,7 @@ from nemo_dcr.codec.versions import FORMAT_VERSION  # noqa: E402
 from nemo_dcr.delta import DEFAULT_CHUNK  # noqa: E402
 from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
 
+from .device_snapshot import CallbackDevice  # noqa: E402
 from .snapshot import is_megatron, parse_dtype, take_snapshot  # noqa: E402
 
 if TYPE_CHECKING:
@@ -54,7 +58,8 @@ SKIP_MODES = ("skip", "empty")
 @dataclass
 class _Job:
     step: int
-    tensors: dict | None  # None: an empty version (the last published state again)
+    tensors: Mapping | None  # None: an empty version (the last published state again); a Captured job
+    # on the device path
     shards: dict | None
     keyframe: bool = False
     meta: dict = field(default_factory=dict)
@@ -97,6 +102,13 @@ class DeltaPublishCallback(Callback):
         slow_publish_s: publishes taking longer than this are reported at INFO level.
         format_version: delta format version (2, BLAKE3 digests; 1 while receivers older than
             version 2 follow the store).
+        device: ``auto`` (default): weights on a CUDA device are diffed there at each publish
+            and only the change stream (and a digest per tensor) comes to the host; ``on``: that,
+            or an error where it cannot run; ``off``: a host copy of the weights per publish.
+        keep: where the device path keeps the last published version: ``device`` (device
+            memory: one copy of the published tensors per rank) or ``pinned`` (pinned host memory
+            instead; each publish then streams it to the device for the diff, O(model) bytes
+            host-to-device, still O(changes) device-to-host).
     """
 
     def __init__(self, store: str, every_n_steps: int = 1, keyframe_every: int = 0, encoding: str = "auto",
@@ -104,7 +116,7 @@ class DeltaPublishCallback(Callback):
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
-                 format_version: int = FORMAT_VERSION):
+                 format_version: int = FORMAT_VERSION, device: str = "auto", keep: str = "device"):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, not {every_n_steps}")
         if on_skipped_step not in SKIP_MODES:
@@ -132,6 +144,7 @@ class DeltaPublishCallback(Callback):
         self.chunk_elems = int(chunk_elems)
         self.workers = workers
         self.slow_publish_s = float(slow_publish_s)
+        self.device = CallbackDevice(device, keep, self.chunk_elems, encoding, self.level, self.keyframe_every)
 
         self.publisher: Publisher | None = None  # on ranks that publish
         self._group: ProcessGroup | None = None  # the dedicated gloo group (distributed runs)
@@ -203,7 +216,8 @@ class DeltaPublishCallback(Callback):
         if self._publishes:
             self.publisher = Publisher(self.store, keyframe_every=self.keyframe_every, encoding=self.encoding,
                                        level=self.level, chunk_elems=self.chunk_elems, workers=self.workers,
-                                       retain=self.retain, group=self._group, format_version=self.format_version)
+                                       retain=self.retain, group=self._group, format_version=self.format_version,
+                                       device=self.device.base if self.device.device != "off" else "off")
             if self.background:
                 self._queue = queue.Queue(maxsize=self.max_pending)
                 self._thread = threading.Thread(target=self._worker, name="nemo-dcr-publish", daemon=True)
@@ -295,11 +309,18 @@ class DeltaPublishCallback(Callback):
         if initial:
             meta["initial"] = True
         t0 = time.perf_counter()
-        if empty and self._queued:
-            tensors = shards = None  # the worker republishes the last published state
+        target = self._target(pl_module)
+        on_device = self.device.wants(target, self.snapshot_fn, self.format_version)
+        if not on_device and self.publisher is not None and self.publisher.device is self.device.base:
+            self.publisher.device = "off"  # decided before the first publish: the host path's publisher
+        if empty and self._queued:  # the worker republishes the last published state
+            tensors, shards = self.device.unchanged() if on_device else (None, None)
         else:  # (nothing published in this run yet: the weights are the last version's anyway)
             with torch.no_grad():
-                tensors, shards, _ = take_snapshot(self._target(pl_module), self.snapshot_fn, self.dtype)
+                if on_device:
+                    tensors, shards = self.device.take(target, self.dtype)
+                else:
+                    tensors, shards, _ = take_snapshot(target, self.snapshot_fn, self.dtype)
         job = _Job(int(step), tensors, shards, meta=meta, snapshot_s=time.perf_counter() - t0)
         self._queued += 1
         if self._queue is None:
@@ -350,6 +371,7 @@ class DeltaPublishCallback(Callback):
                                                     f"{self._store_name} failed: {type(e).__name__}: {e}")
                     self._error.__cause__ = e
             return
+        self.device.committed(job.tensors, res.version)
         m = res.manifest
         dense = m.dense_bytes
         sent = res.delta_bytes + res.keyframe_bytes

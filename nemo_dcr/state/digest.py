@@ -151,10 +151,17 @@ def algo_of(ref: str) -> str:
 
 
 def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = None) -> str:
-    """The digest of ``t`` in one pass; ``threads``: BLAKE3's (default ``THREADS``)."""
+    """The digest of ``t`` in one pass; ``threads``: BLAKE3's (default ``THREADS``). A CUDA
+    tensor's BLAKE3 digest is computed on its device where triton is installed
+    (``device/blake3.py``: 16 bytes cross, not the tensor)."""
     if algo == "sd":  # the state digest kernel, its ranges over the worker threads
         from nemo_dcr.state.statedigest import tensor_contrib
         return _PREFIX["sd"] + tensor_contrib(SUM_NAME, t, workers=threads).hex()
+    if algo == "blake3" and t.is_cuda:
+        from nemo_dcr.device import kernels  # the optional device layer, above this one: only when asked
+        if kernels.available():
+            from nemo_dcr.device.blake3 import tensor_digest as on_device
+            return on_device(t)
     return RunningDigest(t, algo, THREADS if threads is None else threads).hexdigest()
 
 

@@ -24,7 +24,7 @@ where ``mix`` is a 32-bit xorshift-multiply avalanche (multipliers < 2**31).
 
 Two implementations compute it: ``_kernel`` below (torch ops; the reference, and the fallback
 without a C compiler or with ``NEMO_DCR_NATIVE=0``) and ``dcr_sd_contrib`` in
-codec/csrc/dcr_classes.c (vectorised, 12-35x faster in bench/kernels.py, ranges spread over the
+csrc/dcr_classes.c (vectorised, 12-35x faster in bench/kernels.py, ranges spread over the
 worker threads), which the tests hold to the reference bit for bit on every dtype.
 ``backend()`` says which runs.
 

@@ -56,6 +56,7 @@ from nemo_dcr.sync.versions import (
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
 
+    from nemo_dcr.device.capture import CaptureBase
     from nemo_dcr.device.trainer import DeviceSnapshot
     from nemo_dcr.stores.base import Store
     from nemo_dcr.stores.writer import ObjectWriter
@@ -106,7 +107,9 @@ class Publisher:
         "auto" or "on" diffs CUDA tensors on the device against a snapshot kept there
         (``keep="device"``) or in pinned host memory (``keep="pinned"``), and only the compact
         change stream comes to the host (``nemo_dcr/device``; same bytes); "off" (default): the
-        host snapshot and the reference encoder. The first publish logs which path runs.
+        host snapshot and the reference encoder. The first publish logs which path runs. Or a
+        ``device/capture.DeviceCapture``'s ``base``: each publish is given a job captured on the
+        device earlier (the Lightning callback's background publishes).
         ``part_bytes``: a rank's delta (and keyframe) is split into objects of whole tensors,
         about this many dense bytes each, so that part j+1 encodes while part j uploads and a
         receiver applies part j while part j+1 downloads (0: one object per rank).
@@ -132,7 +135,8 @@ class Publisher:
         # private and unchanged since, so the next diff need not hash it again
         self._tensor_digests: dict = {}
         self.device, self.keep = device, keep
-        self._dev: DeviceSnapshot | None = None  # the device path's DeviceSnapshot (its tensors are _base), once chosen
+        # the device path's snapshot (its tensors are _base), once chosen
+        self._dev: DeviceSnapshot | CaptureBase | None = None
         self._dev_chosen = False
 
     @property
@@ -182,7 +186,8 @@ class Publisher:
 
         def upload():
             # the device path keeps its own snapshot and diffs the live tensors against it
-            local["snap"] = {k: v.detach() for k, v in tensors.items()} if dev or keep else snapshot(tensors)
+            local["snap"] = dev.job(tensors) if dev else {k: v.detach() for k, v in tensors.items()} if keep \
+                else snapshot(tensors)
             local["shards"] = dict(shards or {})
             if head is not None and not _same_head(self._head, head):
                 try:  # fresh publisher, or the store moved on; every rank fails alike (Group.run)
@@ -270,11 +275,8 @@ class Publisher:
         out: dict[str, Any] = {"parts": [], "keyframe_parts": []}
         meta = {"version": version, "publish_id": publish_id, "rank": rank}
         dev = self._dev
-        if dev:  # the full-state steps (keyframe, first digest) read host copies, one tensor at a time
-            from nemo_dcr.device.trainer import HostView
-            host = HostView(snap)
-        else:
-            host = snap
+        # the full-state steps (keyframe, first digest) read host copies, one tensor at a time
+        host = dev.host_view(snap) if dev else snap
         uploads = _Uploads(self, spans)
         groups = split_parts(self._base or {}, snap, self.part_bytes)
         digests: dict = {}
@@ -291,7 +293,7 @@ class Publisher:
                                        chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
                                        on_change=on_change, progress=False, base_digests=self._tensor_digests,
                                        chunker=dev.chunker if dev else None, format_version=self.format_version,
-                                       out=w), digests)
+                                       target_digests=dev.target_digests(snap) if dev else None, out=w), digests)
                 assert self._digest is not None  # set together with _base
                 new_digest = self._digest + change.total
             else:
@@ -374,8 +376,12 @@ class Publisher:
             return None
 
     def _device_path(self, tensors):
-        """The device path's snapshot, when it runs (chosen, and logged, at the first publish)."""
-        if not self._dev_chosen and self.device != "off":
+        """The device path's snapshot, when it runs (chosen, and logged, at the first publish).
+        ``device`` may also be one given whole: ``device/capture.DeviceCapture.base`` (the
+        callback's jobs captured on the device)."""
+        if not isinstance(self.device, str):
+            self._dev = self.device
+        elif not self._dev_chosen and self.device != "off":
             from nemo_dcr.device.trainer import DeviceSnapshot, choose
             self._dev_chosen = True
             if choose(self.device, tensors):

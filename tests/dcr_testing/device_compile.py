@@ -34,6 +34,11 @@ def variants():
             boff_ptr="*i64", bcnt_ptr="*i32", hist_ptr="*i32", within_ptr="*i32", W="constexpr",
             MANT="constexpr", RB="constexpr", BLOCK="constexpr", G="constexpr"), \
             dict(W=w, MANT=mant, RB=16, BLOCK=1024, G=16)
+    # device/blake3.py: the tensor digest on the device
+    yield "blake3.chunk_kernel", dict(src_ptr="*u8", nbytes="i64", nchunks="i64", counter0="i64", cv_ptr="*i32",
+                                      root="i32", LANES="constexpr"), dict(LANES=64)
+    yield "blake3.parent_kernel", dict(cv_ptr="*i32", n="i64", out_ptr="*i32", root="i32", LANES="constexpr"), \
+        dict(LANES=64)
 
 
 def main(argv=None) -> int:
@@ -47,10 +52,11 @@ def main(argv=None) -> int:
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from nemo_dcr.device import kernels
+    from nemo_dcr.device import blake3, kernels
     for arch in args.arch:
         for name, sig, const in variants():
-            fn = getattr(kernels, name.split("[")[0])
+            module, _, attr = name.split("[")[0].rpartition(".")
+            fn = getattr(blake3 if module == "blake3" else kernels, attr)
             t0 = time.perf_counter()
             k = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const), target=GPUTarget("cuda", arch, 32))
             print(f"sm_{arch} {name:40s} cubin {len(k.asm['cubin']):7d} B  {time.perf_counter() - t0:5.1f} s",

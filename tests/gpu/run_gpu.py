@@ -21,11 +21,20 @@ Skips cleanly (exit 0, "SKIP: ..." on stdout) without CUDA or triton. Otherwise:
    a reference ``Follower`` on CPU and the device receiver (``receive.apply_delta_`` on CUDA
    tensors, state digest updated from the changes alone) both end bit-exact at the trainer's
    state and digest.
+2b. **The callback's device path** (issue 24, ``device/capture.py``): 4 versions of CUDA tensors
+   captured on the device (the kept snapshot in device memory, and again in pinned host memory)
+   and published later from the captures alone by ``Publisher(device=capture.base)``; every part
+   byte-identical to a reference publisher's on host copies; the device-to-host bytes of each
+   capture that is not a keyframe counted (Traffic) and held to O(changes) (the streams plus 16
+   bytes of digest per tensor); the capture's time (the training stall) against a device memcpy
+   of the state and against the host path's copy of it. And the device BLAKE3 digest
+   (``device/blake3.py``) against the host's on sizes across chunk and program boundaries.
 3. **Bench** (``--bench-elems`` BF16 elements, default 256M; ``--quick`` 64M), 1 % and 5 %
    change: device memcpy of the shard; the fused diff (compact only, and with the ``classes``
    class/rank pass) with the snapshot update; the host coder on the compact stream; the device
    receiver (host decode + device apply); host<->device bytes per version for the device path
-   and for the reference path (which copies the shard to the host: measured, D2H).
+   and for the reference path (which copies the shard to the host: measured, D2H); the device
+   BLAKE3 digest of the shard (GB/s, against memcpy) and the host's.
 
 Prints one line per check and a summary; ``--json`` writes every figure. Exit 1 on any mismatch.
 """
@@ -87,10 +96,13 @@ from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.delta import diff  # noqa: E402
 from nemo_dcr.device.apply import PreImageMismatch, apply_, digest_change  # noqa: E402
+from nemo_dcr.device.blake3 import tensor_digest as device_digest  # noqa: E402
+from nemo_dcr.device.capture import DeviceCapture  # noqa: E402
 from nemo_dcr.device.diff import bits, diff_  # noqa: E402
 from nemo_dcr.device.encode import encode_changes_chunks  # noqa: E402
 from nemo_dcr.device.receive import apply_delta_  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
+from nemo_dcr.state.digest import tensor_digest  # noqa: E402
 from nemo_dcr.state.statedigest import StateDigest, tensor_contrib  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
 from nemo_dcr.sync.follower import Follower  # noqa: E402
@@ -303,6 +315,75 @@ def e2e_section():
     check("end to end, snapshot in pinned host memory", lambda: e2e("pinned"))
 
 
+# ----------------------------------------------------------------------------- 2b. the callback's capture
+
+def digest_case(n: int):
+    g = torch.Generator().manual_seed(n)
+    t = torch.randint(0, 256, (n,), generator=g, dtype=torch.uint8).to(DEV)
+    if device_digest(t) != tensor_digest(t.cpu(), "blake3"):
+        raise AssertionError(f"device BLAKE3 of {n} bytes differs from the host's")
+
+
+def capture_case(keep: str):
+    """Versions captured on the device, published later from the captures alone: the same parts
+    as a reference publisher's, O(changes) to the host per non-keyframe capture."""
+    versions = _versions()
+    versions.append({k: v.clone() for k, v in versions[-1].items()})
+    versions[-1]["w"][1::7] = versions[0]["w"][1::7]
+    with tempfile.TemporaryDirectory() as tmp:
+        ref = Publisher(LocalStore(os.path.join(tmp, "ref")), keyframe_every=3, chunk_elems=1 << 16)
+        cap = DeviceCapture(keep, chunk_elems=1 << 16)
+        pub = Publisher(LocalStore(os.path.join(tmp, "cap")), keyframe_every=3, chunk_elems=1 << 16, device=cap.base)
+        live = {k: t.to(DEV, copy=True) for k, t in versions[0].items()}
+        jobs, stats = [], []
+        for v, state in enumerate(versions):
+            for k, t in state.items():  # the trainer writes its weights in place
+                if k in live and live[k].shape == t.shape and live[k].dtype == t.dtype:
+                    live[k].copy_(t.to(DEV))
+                else:
+                    live[k] = t.to(DEV, copy=True)
+            for k in [k for k in live if k not in state]:
+                del live[k]
+            sync()
+            t0 = time.perf_counter()
+            with Traffic() as moved:
+                job = cap.capture(live, full=v % 3 == 0)
+                sync()
+            stall = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            host = {k: t.to("cpu", copy=True) for k, t in live.items()}  # what the host path copies
+            host_copy = time.perf_counter() - t0
+            changes = sum(s.k for s in job.streams.values())
+            if not job.full and moved.d2h > 28 * changes + 64 * len(live) + 4096 + sum(
+                    t.numel() * t.element_size() for t in job.host.values()):
+                raise AssertionError(f"capture {v} moved {moved.d2h} B to the host for {changes} changes")
+            stats.append({"version": v, "full": job.full, "changes": changes, "d2h_bytes": moved.d2h,
+                          "h2d_bytes": moved.h2d, "capture_s": stall, "host_copy_s": host_copy})
+            jobs.append((job, host))
+        for v, (job, host) in enumerate(jobs):  # the publishes run later: the live tensors moved on
+            a, b = ref.publish(host), pub.publish(job)
+            if a.manifest.target_digest != b.manifest.target_digest:
+                raise AssertionError(f"version {v}: target digests differ")
+            for pa, pb in zip(a.manifest.parts + a.manifest.keyframe_parts,
+                              b.manifest.parts + b.manifest.keyframe_parts, strict=True):
+                _same_part(ref.store.get(pa.key), pub.store.get(pb.key))
+        follower = {k: torch.zeros_like(t) for k, t in versions[0].items()}
+        Follower(LocalStore(os.path.join(tmp, "cap")), follower).sync()
+        for k, t in versions[-1].items():
+            eq_bits(follower[k], t, f"follower of the captured versions {k}")
+        RESULTS["e2e"][f"capture_{keep}"] = {"captures": stats, "kept_bytes": cap.kept_bytes()}
+        print(f"capture ({keep}): " + ", ".join(
+            f"v{s['version']} {'full' if s['full'] else str(s['changes']) + ' ch'} {s['d2h_bytes']} B up "
+            f"{s['capture_s'] * 1e3:.1f} ms (host copy {s['host_copy_s'] * 1e3:.1f} ms)" for s in stats), flush=True)
+
+
+def capture_section():
+    for n in ([0, 1100, 4200] if ARGS.interpret else [0, 1, 1023, 1024, 1025, 3000, 65 * 1024, 1 << 22, 5_000_003]):
+        check(f"device BLAKE3 digest of {n} bytes", lambda n=n: digest_case(n))
+    check("callback capture, kept on the device", lambda: capture_case("device"))
+    check("callback capture, kept in pinned host memory", lambda: capture_case("pinned"))
+
+
 # ----------------------------------------------------------------------------- 3. bench
 
 def timed(fn, reps=3):
@@ -374,6 +455,11 @@ def bench_section():
             "device_path_d2h_bytes": ch.nbytes(), "receiver_h2d_bytes": moved.h2d, "receiver_d2h_bytes": moved.d2h,
             "reference_path_d2h_bytes": nbytes, "reference_d2h_s": t_d2h,
         }
+        t_dig = timed(lambda live=live: device_digest(live), reps=2)
+        t_hdig = timed(lambda: tensor_digest(host, "blake3"), reps=1)
+        row.update({"device_digest_s": t_dig, "device_digest_GBps": nbytes / t_dig / 1e9,
+                    "device_digest_vs_memcpy_bw": (nbytes / t_dig) / (2 * nbytes / t_memcpy),
+                    "host_digest_s": t_hdig})
         RESULTS["bench"].append(row)
         print(f"bench rate {rate}: compact {row['compact_GBps_read']:.0f} GB/s read, fused+classes "
               f"{row['fused_classes_GBps_read']:.0f} GB/s ({row['fused_vs_memcpy_bw']:.0%} of memcpy), host coder "
@@ -389,6 +475,7 @@ def main():
     t0 = time.perf_counter()
     kernels_section()
     e2e_section()
+    capture_section()
     if not ARGS.no_bench:
         check("bench", bench_section)
     RESULTS["seconds"] = time.perf_counter() - t0

@@ -7,8 +7,9 @@
  * more than one step (Rice-coded gaps) and by how much (Rice-coded excess). Both sides compute
  * the classes from the base, so the context costs nothing to send.
  *
- * Plain C99, no dependencies: built at first use by nemo_dcr/codec/native.py and called with ctypes.
- * Every input is validated; a malformed stream returns a negative code, never reads out of bounds.
+ * Plain C99, no dependencies: built into the package by setup.py (a shared library, not a Python
+ * extension module) and called with ctypes (nemo_dcr/codec/native.py). Every input is validated;
+ * a malformed stream returns a negative code, never reads out of bounds.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -278,6 +279,26 @@ static int simd_isa(void) {
     }
     return simd_enabled == 2 && v > 1 ? 1 : (simd_enabled ? v : 0);
 }
+#endif
+
+/* What the classes scans of 2-byte dtypes run now: 2 AVX-512BW, 1 AVX2, 0 scalar (the CPU's
+ * features and dcr_set_simd; `nemo-dcr --version` names it). */
+int dcr_simd_level(void) {
+#ifdef DCR_X86
+    return simd_isa();
+#else
+    return 0;
+#endif
+}
+
+/* The sources this library was built from (setup.py's source_hash): a source checkout rebuilds
+ * a library whose sources it no longer has. */
+#ifndef DCR_SOURCE_HASH
+#define DCR_SOURCE_HASH "unknown"
+#endif
+const char *dcr_source_hash(void) { return DCR_SOURCE_HASH; }
+
+#ifdef DCR_X86
 
 /* AVX-512BW: a block's classes are one vector of 64 bytes */
 typedef struct { __m512i absm, vlo, vhi; __m128i sh; } ctx512;
