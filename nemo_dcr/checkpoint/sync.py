@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from nemo_dcr.checkpoint.safetensors_io import (
+    ST_DTYPES,
+    ST_NAMES,
     Checkpoint,
     CheckpointError,
     check_layout,
@@ -110,6 +112,8 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
     if current is None:
         tensors = _whole_tensors_for_shards(store)
     f = Follower(store, tensors, version=current, verify_initial=False)
+    if current is not None and f.manifest is not None:
+        _empty_tensors_of(tensors, f.manifest)
     res = f.sync(version)
     m = f.manifest  # the very manifest whose state was verified
     if m is None:  # sync returned, so the follower holds a verified version
@@ -124,6 +128,26 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
         return PullResult(res)
     write_checkpoint(out, layout, lambda name: tensors[name])
     return PullResult(res, rewritten=not res.updated)
+
+
+def _empty_tensors_of(tensors: dict, m) -> None:
+    """Give ``tensors`` exactly the tensors without elements that version ``m``'s file layout
+    holds. They add nothing to the state digest, so a checkpoint recognised as ``m`` by its
+    digest may be a neighbour that lacks (or has) one: the deltas after ``m`` take them as
+    ``m`` has them. A version published without a layout (the Python API) says nothing here."""
+    layout = (m.meta or {}).get("layout")
+    if layout is None:
+        return
+    files = check_layout(layout, None, f"version {m.version}'s file layout")["files"]
+    empty = {t: info for f in files for t, info in f["parsed"].items()
+             if t != "__metadata__" and 0 in info["shape"]}
+    for n in [n for n, t in tensors.items() if t.numel() == 0 and n not in empty]:
+        del tensors[n]
+    import torch
+    for n, info in empty.items():
+        t = tensors.get(n)
+        if t is None or (t.numel() == 0 and (ST_NAMES.get(t.dtype) != info["dtype"] or list(t.shape) != info["shape"])):
+            tensors[n] = torch.empty(info["shape"], dtype=ST_DTYPES[info["dtype"]])
 
 
 def _whole_tensors_for_shards(store) -> dict:
