@@ -51,3 +51,51 @@ def test_a_version_adding_a_tensor_without_elements_is_pulled_into_an_existing_c
         r = cli("pull", "--store", store, "--into", o)
         assert r.returncode == 0, r.stderr
         assert files_sha(o) == files_sha(cks[3])
+
+
+def single_file_versions(tmp_path, cli, n=2):
+    """Versions published from single files named v0.safetensors, v1.safetensors, ... -> their paths."""
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(1)
+    s = {"w": torch.randn(16, 8, generator=g), "b": torch.randn(8, generator=g)}
+    paths = []
+    for v in range(n):
+        p = tmp_path / f"v{v}.safetensors"
+        save_file(s, str(p), metadata={"format": "pt"})
+        assert cli("publish", "--store", tmp_path / "store", p).returncode == 0
+        paths.append(p)
+        s = {k: t.clone() for k, t in s.items()}
+        s["w"].view(-1)[::5] += 1
+    return paths
+
+
+def test_pull_into_a_path_with_a_trailing_slash_makes_a_directory(tmp_path, cli):
+    v = single_file_versions(tmp_path, cli, 1)
+    r = cli("pull", "--store", tmp_path / "store", "--into", f"{tmp_path / 'out'}/")
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "out").is_dir()
+    assert os.listdir(tmp_path / "out") == ["model.safetensors"]
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == v[0].read_bytes()
+    r = cli("pull", "--store", tmp_path / "store", "--into", f"{tmp_path / 'out'}/")
+    assert r.returncode == 0 and "already at version 0" in r.stdout, r.stderr
+
+
+def test_pull_into_a_model_directory_keeps_its_own_file_name(tmp_path, cli):
+    """The published file's name (v0.safetensors, v1.safetensors) is not the directory's: a
+    Hugging Face directory keeps its model.safetensors (or whatever one file it has), one file."""
+    from safetensors.torch import save_file
+    v = single_file_versions(tmp_path, cli, 2)
+    hf, mine = tmp_path / "hf", tmp_path / "mine"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    mine.mkdir()
+    save_file({"x": torch.zeros(2)}, str(mine / "weights.safetensors"))
+    for d in (hf, mine):
+        for i in (0, 1):
+            r = cli("pull", "--store", tmp_path / "store", "--into", d, "--version", i)
+            assert r.returncode == 0, r.stderr
+            own = "weights.safetensors" if d == mine else "model.safetensors"
+            assert sorted(os.listdir(d)) == sorted([own] + (["config.json"] if d == hf else []))
+            assert (d / own).read_bytes() == v[i].read_bytes()
+    r = cli("verify", "--store", tmp_path / "store", hf)
+    assert r.returncode == 0 and "is version 1" in r.stdout
