@@ -309,6 +309,7 @@ def test_signed_versions_through_a_relay(tmp_path):
 def test_keys_from_the_environment(tmp_path, monkeypatch):
     store = LocalStore(tmp_path / "s")
     (tmp_path / "k.pem").write_bytes(private_key_pem(KEY))
+    (tmp_path / "k.pem").chmod(0o600)  # a private key others may read is refused (test_key_files.py)
     (tmp_path / "k.pub").write_text(f"# rotation: old and new\n{public_key_text(OTHER)}\n{public_key_text(KEY)}\n")
     monkeypatch.setenv("NEMO_DCR_SIGNING_KEY_FILE", str(tmp_path / "k.pem"))
     monkeypatch.setenv("NEMO_DCR_NAMESPACE", "run-env")
@@ -364,6 +365,7 @@ def test_signer_and_verifier_never_show_key_material(tmp_path):
     body = "".join(pem.splitlines()[1:-1])
     assert body not in repr(signer) and signer.key_id in repr(signer)
     (tmp_path / "bad.pem").write_text(pem.replace("PRIVATE KEY-----\n", "PRIVATE KEY-----\nAAAA", 1))
+    (tmp_path / "bad.pem").chmod(0o600)
     with pytest.raises(SignatureError) as ei:
         Signer.from_file(tmp_path / "bad.pem", "run-a")
     assert body[:20] not in str(ei.value) and "bad.pem" in str(ei.value)

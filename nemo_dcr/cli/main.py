@@ -65,7 +65,14 @@ def _verifier(a):
 def _verified_store(a):
     from nemo_dcr.checkpoint.sync import open_for_reading
     from nemo_dcr.sync.signing import verifying
-    return verifying(open_for_reading(a.store), _verifier(a))
+    store = a.store
+    if getattr(a, "token_file", None):  # a relay that wants a bearer token (relay --token-file)
+        from nemo_dcr.stores import open_store
+        from nemo_dcr.stores.http import read_token_file
+        if not store.lower().startswith(("http://", "https://")):
+            raise DcrError(f"--token-file is for a relay's URL (http://HOST:PORT), not {store}")
+        store = open_store(store, token=read_token_file(a.token_file))
+    return verifying(open_for_reading(store), _verifier(a))
 
 
 def _cmd_keygen(a):
@@ -232,6 +239,10 @@ class _Version(argparse.Action):
 
 
 def _signing_args(p, sign: bool = False) -> None:
+    if not sign:  # the readers: pull, log, verify
+        p.add_argument("--token-file", default=None,
+                       help="bearer token for a relay that requires one (its --token-file; default: "
+                            "$NEMO_DCR_RELAY_TOKEN(_FILE))")
     if sign:
         p.add_argument("--signing-key", default=None,
                        help="sign the version with this Ed25519 key file (default: $NEMO_DCR_SIGNING_KEY(_FILE))")

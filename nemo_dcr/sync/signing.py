@@ -151,18 +151,18 @@ def load_public_keys(text, where: str = "the trusted keys") -> list:
     return keys
 
 
-def _read(path: str, what: str) -> str:
+def _read(path: str, what: str, private: bool = False) -> str:
+    from nemo_dcr.util.keyfiles import KeyFileError, read_key_file
     try:
-        with open(path, encoding="ascii") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SignatureError(f"cannot read the {what} file {path}: "
-                             f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
+        return read_key_file(path, what, private=private)
+    except KeyFileError as e:
+        raise SignatureError(str(e)) from None
 
 
 def read_private_key_file(path) -> object:
+    """The signing key in ``path``: a regular file only its owner can read (as ssh wants)."""
     path = os.fspath(path)
-    return load_private_key(_read(path, "signing key"), f"the signing key file {path}")
+    return load_private_key(_read(path, "signing key", private=True), f"the signing key file {path}")
 
 
 def read_public_keys_file(path) -> list:
