@@ -18,6 +18,7 @@ from nemo_dcr.checkpoint.safetensors_io import (
     owned_files,
     write_checkpoint,
 )
+from nemo_dcr.codec.names import DEFAULT_LEVEL
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.statedigest import state_contrib
 from nemo_dcr.sync.versions import read_head, walk
@@ -49,11 +50,11 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
 
 def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0, keyframe: bool = False,
                        retain=None,
-                       encoding: str = "auto", level: int = 3, signer="env"):
+                       encoding: str = "auto", level: int = DEFAULT_LEVEL, signer="env", trusted_keys=()):
     from nemo_dcr.sync.publisher import Publisher
     tensors, layout = load_checkpoint(path)
     pub = Publisher(_open(store), keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
-                    signer=signer)
+                    signer=signer, trusted_keys=trusted_keys)
     return pub.publish(tensors, keyframe=keyframe, meta={"layout": layout})
 
 

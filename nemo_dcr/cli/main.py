@@ -96,8 +96,16 @@ def _cmd_keygen(a):
 
 def _cmd_publish(a):
     from nemo_dcr.checkpoint.sync import publish_checkpoint
+    signer = _signer(a)
+    trusted = []
+    if a.trusted_key:
+        from nemo_dcr.sync.signing import Verifier
+        if signer is None:
+            raise DcrError("--trusted-key on publish names keys whose versions a signed publish may extend: "
+                           "give --signing-key too")
+        trusted = list(Verifier.from_sources(a.trusted_key).keys.values())
     r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
-                           retain=a.retain, encoding=a.encoding, level=a.level, signer=_signer(a))
+                           retain=a.retain, encoding=a.encoding, level=a.level, signer=signer, trusted_keys=trusted)
     m = r.manifest
     kind = m.kind
     base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
@@ -245,7 +253,11 @@ def _signing_args(p, sign: bool = False) -> None:
                             "$NEMO_DCR_RELAY_TOKEN(_FILE))")
     if sign:
         p.add_argument("--signing-key", default=None,
-                       help="sign the version with this Ed25519 key file (default: $NEMO_DCR_SIGNING_KEY(_FILE))")
+                       help="sign the version with this Ed25519 key file, mode 600 (default: "
+                            "$NEMO_DCR_SIGNING_KEY(_FILE)); a store of signed versions takes only signed ones")
+        p.add_argument("--trusted-key", action="append", default=[],
+                       help="also extend versions signed by this public key (a .pub file or ed25519:...; key "
+                            "rotation: the old key); the signing key's own is always trusted")
     else:
         p.add_argument("--trusted-key", action="append", default=[],
                        help="accept only versions signed by this key (a .pub file or ed25519:...); repeat for "

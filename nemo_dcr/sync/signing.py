@@ -48,7 +48,7 @@ from nemo_dcr.sync.versions import HEAD_KEY, Head, Manifest, canonical_sha256, i
 
 __all__ = ["Signer", "Verifier", "VerifiedStore", "generate_key", "public_key_text", "private_key_pem",
            "key_id", "load_private_key", "load_public_keys", "read_private_key_file", "read_public_keys_file",
-           "resolve_signer", "verifying", "message",
+           "resolve_signer", "verifying", "message", "chain_verifier", "holds_signed_versions",
            "SIGNING_KEY_ENV", "SIGNING_KEY_FILE_ENV", "TRUSTED_KEYS_ENV", "TRUSTED_KEYS_FILE_ENV", "NAMESPACE_ENV"]
 
 SIGNING_KEY_ENV = "NEMO_DCR_SIGNING_KEY"
@@ -252,6 +252,43 @@ class Signer:
 
     def __repr__(self) -> str:  # never the key itself
         return f"Signer(key {self.key_id}, namespace {self.namespace!r})"
+
+
+def chain_verifier(signer: Signer | None, trusted_keys=()) -> Verifier | None:
+    """What a publisher checks the chain it extends with: its own public key, ``trusted_keys``
+    (a key rotation's old key) and the environment's trusted keys, for its namespace (None
+    without a signer)."""
+    if signer is None:
+        return None
+    env = Verifier.from_env(signer.namespace)
+    keys = [signer.public_key, *trusted_keys, *(env.keys.values() if env is not None else ())]
+    return Verifier(keys, namespace=signer.namespace)
+
+
+def holds_signed_versions(store: Store, head: Head) -> str | None:
+    """Whether the chain at ``head`` holds signed versions, said as a reason (None: it does
+    not, as far as HEAD, its manifest and that one's base show; a manifest that cannot be read
+    says nothing)."""
+    from nemo_dcr.errors import DcrError
+    from nemo_dcr.sync.versions import read_manifest
+
+    def signed(sig, what):
+        return f"{what} is signed (key {sig.get('key')!r}, namespace {sig.get('namespace')!r})" \
+            if isinstance(sig, dict) else f"{what} is signed"
+
+    if head.signature is not None:
+        return signed(head.signature, f"the store's HEAD (version {head.version})")
+    try:
+        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        if m.signature is not None:
+            return signed(m.signature, f"the manifest of version {m.version}")
+        if m.base_manifest is not None:
+            b = read_manifest(store, m.base_manifest, m.base_sha256)
+            if b.signature is not None:
+                return signed(b.signature, f"version {b.version}, below the unsigned HEAD (version {head.version}),")
+    except DcrError:
+        return None
+    return None
 
 
 def resolve_signer(signer) -> Signer | None:
