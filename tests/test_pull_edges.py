@@ -3,6 +3,7 @@ spellings, Hugging Face model directories, signed stores pulled again and again.
 import hashlib
 import os
 
+import pytest
 import torch
 
 from nemo_dcr.checkpoint.safetensors_io import Checkpoint, save_sharded
@@ -99,3 +100,45 @@ def test_pull_into_a_model_directory_keeps_its_own_file_name(tmp_path, cli):
             assert (d / own).read_bytes() == v[i].read_bytes()
     r = cli("verify", "--store", tmp_path / "store", hf)
     assert r.returncode == 0 and "is version 1" in r.stdout
+
+
+def test_pull_with_trusted_keys_refuses_a_replayed_head_across_commands(tmp_path, cli):
+    """Each command starts a new verifier; the checkpoint remembers the newest HEAD verified and
+    the namespace it follows, so an older signed HEAD put back (a rolled-back or replayed
+    store), or another run's versions, are refused by the next pull too."""
+    pytest.importorskip("cryptography")
+    from safetensors.torch import save_file
+
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.versions import HEAD_KEY
+    key = tmp_path / "run.key"
+    assert cli("keygen", key).returncode == 0
+    g = torch.Generator().manual_seed(3)
+    s = {"w": torch.randn(32, 4, generator=g)}
+    store, other = LocalStore(tmp_path / "store"), LocalStore(tmp_path / "other")
+    heads = []
+    for v in range(3):
+        s = {"w": s["w"] + v}
+        save_file(s, str(tmp_path / f"m{v}.safetensors"))
+        for st, ns in ((store, "run-a"), (other, "run-b")):
+            r = cli("publish", "--store", st.root, "--signing-key", key, "--namespace", ns,
+                    tmp_path / f"m{v}.safetensors")
+            assert r.returncode == 0, r.stderr
+        heads.append(store.get(HEAD_KEY))
+    (tmp_path / "outdir").mkdir()
+    for out in (tmp_path / "out.safetensors", tmp_path / "outdir"):
+        pull = ("pull", "--store", store.root, "--into", out, "--trusted-key", f"{key}.pub")
+        r = cli(*pull)
+        assert r.returncode == 0, r.stderr
+        before = files_sha(tmp_path) if out.suffix else files_sha(out)
+        store.put(HEAD_KEY, heads[1])  # the attacker puts back version 1's signed HEAD
+        r = cli(*pull)
+        assert r.returncode == 1 and "older than version 2" in r.stderr, r.stderr
+        assert (files_sha(tmp_path) if out.suffix else files_sha(out)) == before
+        store.put(HEAD_KEY, heads[2])
+        r = cli("pull", "--store", other.root, "--into", out, "--trusted-key", f"{key}.pub")  # another run
+        assert r.returncode == 1 and "run-b" in r.stderr and "run-a" in r.stderr, r.stderr
+        r = cli("pull", "--store", other.root, "--into", out, "--trusted-key", f"{key}.pub", "--namespace", "run-b")
+        assert r.returncode == 0, r.stderr  # named on purpose: the checkpoint now follows run-b
+        assert cli(*pull).returncode == 1  # and run-a is the other run now
+    assert sorted(n for n in os.listdir(tmp_path / "outdir") if not n.startswith(".")) == ["model.safetensors"]

@@ -62,7 +62,7 @@ def _verifier(a):
     return Verifier.from_sources(a.trusted_key, a.namespace or os.environ.get(NAMESPACE_ENV) or None)
 
 
-def _verified_store(a):
+def _verified_store(a, verifier="args"):
     from nemo_dcr.checkpoint.sync import open_for_reading
     from nemo_dcr.sync.signing import verifying
     store = a.store
@@ -72,7 +72,7 @@ def _verified_store(a):
         if not store.lower().startswith(("http://", "https://")):
             raise DcrError(f"--token-file is for a relay's URL (http://HOST:PORT), not {store}")
         store = open_store(store, token=read_token_file(a.token_file))
-    return verifying(open_for_reading(store), _verifier(a))
+    return verifying(open_for_reading(store), _verifier(a) if verifier == "args" else verifier)
 
 
 def _cmd_keygen(a):
@@ -114,8 +114,14 @@ def _cmd_publish(a):
 
 
 def _cmd_pull(a):
+    from nemo_dcr.checkpoint import trust
     from nemo_dcr.checkpoint.sync import pull_checkpoint
-    p = pull_checkpoint(_verified_store(a), a.into, version=a.version)
+    verifier = _verifier(a)
+    if verifier is not None:  # what earlier pulls into this checkpoint verified: no replay across commands
+        trust.seed(verifier, trust.load(a.into))
+    p = pull_checkpoint(_verified_store(a, verifier), a.into, version=a.version)
+    if verifier is not None:
+        trust.save(a.into, verifier)
     r = p.sync
     if p.rewritten:
         print(f"{a.into} held version {r.version}'s tensors; its files differed from the version's and were "

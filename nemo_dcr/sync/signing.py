@@ -368,6 +368,19 @@ class Verifier:
         if want is None:
             self.namespace = sig["namespace"]  # pinned: every later object must be of this run
 
+    @property
+    def seen(self) -> tuple[int, str | None] | None:
+        """The newest HEAD accepted: (version, manifest digest), or None."""
+        with self._lock:
+            return self._seen
+
+    def remember(self, version: int, manifest_sha256: str | None) -> None:
+        """Treat HEAD ``version`` (naming the manifest with that digest) as accepted already: a
+        receiver's record of what an earlier process verified (checkpoint/trust.py)."""
+        with self._lock:
+            if self._seen is None or version > self._seen[0]:
+                self._seen = (int(version), manifest_sha256)
+
     def check_manifest(self, m: Manifest) -> None:
         with self._lock:
             self._check(m, f"manifest {m.key}")
