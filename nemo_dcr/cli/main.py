@@ -25,6 +25,10 @@ def _cmd_diff(a):
 def _cmd_apply(a):
     from nemo_dcr.checkpoint.files import apply_checkpoint
     r = apply_checkpoint(a.base, a.delta, a.output, workers=a.workers)
+    if r.already:
+        print(f"{r.out} is already the delta's target (an earlier apply finished; tensors and files checked "
+              "bit-exactly): nothing to do")
+        return
     rep = r.report
     print(f"wrote {r.out}: {r.files} file(s), {rep.elements_changed:,} elements changed in "
           f"{rep.tensors_changed} tensor(s); base and result verified bit-exactly")
