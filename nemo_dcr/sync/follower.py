@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Mapping, MutableMapping
@@ -47,6 +48,7 @@ import torch
 
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta import apply, remove_absent
+from nemo_dcr.delta.apply import refuse_misfits
 from nemo_dcr.errors import (
     BaseMismatchError,
     CorruptObjectError,
@@ -157,9 +159,11 @@ class Follower:
         :class:`~nemo_dcr.sync.signing.Verifier`; HEAD and every manifest are then read through it
         and refused unless signed by a trusted key (``"env"``, the default: from
         ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are)."""
-        from nemo_dcr.stores import open_store
+        from nemo_dcr.stores import open_reader
         from nemo_dcr.sync.signing import verifying
-        self.store = verifying(open_store(store) if isinstance(store, str) else store, verifier)
+        # a reader: a local path that does not exist is an error (mistyped), not a new empty store
+        self.store = verifying(open_reader(store) if isinstance(store, (str, list, tuple, os.PathLike)) else store,
+                               verifier)
         self.tensors = tensors
         self.shards = shards if shards is not None else {}
         self.group = Group(group)
@@ -398,6 +402,10 @@ class Follower:
 
         if not stream:
             try:
+                # a receiver that takes no new tensors (a model's own weights) refuses a version
+                # that does not fit it, all parts at once, before any of them is written
+                g.run(lambda: self._refuse_misfits([reader(b) for b in blobs]),
+                      f"check version {m.version} fits the receiver")
                 gather(parts, blobs)  # collective: every rank, before any writes
             except DcrError:
                 self._pending = before  # nothing was written: the receiver is still at its version
@@ -421,6 +429,13 @@ class Follower:
         finally:
             res.spans.add("digest", f"version {m.version}", t)
         res.steps.append((kind, m.version))
+
+    def _refuse_misfits(self, readers: list) -> None:
+        """Before any write: a version that does not fit a receiver taking no new tensors
+        (``delta.apply.refuse_misfits``), all its parts at once. In a group, each rank its own."""
+        held = self.group.active
+        refuse_misfits(self.tensors, [e for r in readers for e in r.header.tensors
+                                      if not held or e.name in self.tensors], self.shards)
 
     def _verify(self, m: Manifest, kind: str, full: bool = False) -> None:
         """O(changes) for a delta applied in one go; a full recomputation for keyframes and for

@@ -268,7 +268,7 @@ class Publisher:
             raise SignatureError(f"{why}; a version without this run's signature would stop every receiver that "
                                  "verifies them: publish with the signing key (--signing-key and --namespace, or "
                                  "$NEMO_DCR_SIGNING_KEY_FILE and $NEMO_DCR_NAMESPACE), or to another store")
-        assert self._verifier is not None  # made with the signer
+        assert self._verifier is not None and head is not None  # made with the signer; why is None without HEAD
         if self._head is not None:  # this publisher's own last version is verified: the next one follows it
             log.warning("nemo-dcr: the store's HEAD is not one this publisher can verify (%s); version %d follows "
                         "this publisher's own version %d instead", why, max(version, self._head.version + 1),
