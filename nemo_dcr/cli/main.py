@@ -283,8 +283,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("diff", help="encode TARGET as a delta against BASE (safetensors file or directory)")
-    d.add_argument("base")
-    d.add_argument("target")
+    d.add_argument("base", help="the checkpoint the receiver holds (a .safetensors file or a directory)")
+    d.add_argument("target", help="the checkpoint to encode against BASE")
     d.add_argument("-o", "--output", required=True, help="delta file to write")
     d.add_argument("--encoding", choices=list(CHOICES), default="auto",
                    help="auto (default): per chunk, classes where it pays, else the smallest of all; "
@@ -298,47 +298,51 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_diff)
 
     ap = sub.add_parser("apply", help="apply DELTA to BASE and write the verified result to OUT atomically")
-    ap.add_argument("base")
-    ap.add_argument("delta")
-    ap.add_argument("-o", "--output", required=True)
-    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("base", help="the checkpoint the delta was made against")
+    ap.add_argument("delta", help="delta file (from diff)")
+    ap.add_argument("-o", "--output", required=True,
+                    help="where the result goes (a file, a directory, or BASE itself: in place)")
+    ap.add_argument("--workers", type=int, default=None, help="decoder threads (default: cores, at most 8)")
     ap.set_defaults(func=_cmd_apply)
 
     i = sub.add_parser("inspect", help="what a delta holds: change rate, bytes by stream and encoding")
-    i.add_argument("delta")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("delta", help="delta file")
+    i.add_argument("--json", action="store_true", help="the figures as JSON (with the codec backend)")
     i.set_defaults(func=_cmd_inspect)
 
     pb = sub.add_parser("publish", help="publish a checkpoint as the next version in a store")
     pb.add_argument("--store", required=True, help="s3://bucket/prefix, file:///path or a directory")
-    pb.add_argument("checkpoint")
+    pb.add_argument("checkpoint", help="the checkpoint to publish (a .safetensors file or a directory)")
     pb.add_argument("--keyframe-every", type=int, default=0,
                     help="also store the full state every K versions (0: only the first)")
     pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
     pb.add_argument("--retain", type=int, default=None,
                     help="delete versions no receiver needs, keeping N recent")
-    pb.add_argument("--encoding", choices=list(CHOICES), default="auto")
-    pb.add_argument("--level", type=int, default=DEFAULT_LEVEL)
+    pb.add_argument("--encoding", choices=list(CHOICES), default="auto",
+                    help="as diff's (default auto: classes where it pays, else the smallest of all)")
+    pb.add_argument("--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level, 1..22 (default {DEFAULT_LEVEL})")
     _signing_args(pb, sign=True)
     pb.set_defaults(func=_cmd_publish)
 
     pl = sub.add_parser("pull", help="bring a local checkpoint to the newest (or given) version")
-    pl.add_argument("--store", required=True)
-    pl.add_argument("--into", required=True, help="checkpoint to update (created if missing)")
-    pl.add_argument("--version", type=int, default=None)
+    pl.add_argument("--store", required=True, help="store URL: a directory, file:///path, s3://bucket/prefix or a "
+                                                   "relay's http://HOST:PORT (a local path must exist)")
+    pl.add_argument("--into", required=True,
+                    help="checkpoint to update (created if missing; OUT/ with a trailing slash: a directory)")
+    pl.add_argument("--version", type=int, default=None, help="the version to bring it to (default: the newest)")
     _signing_args(pl)
     pl.set_defaults(func=_cmd_pull)
 
     lg = sub.add_parser("log", help="list the versions in a store")
-    lg.add_argument("--store", required=True)
-    lg.add_argument("--json", action="store_true")
-    lg.add_argument("--limit", type=int, default=None)
+    lg.add_argument("--store", required=True, help="store URL (as pull's)")
+    lg.add_argument("--json", action="store_true", help="the rows as JSON")
+    lg.add_argument("--limit", type=int, default=None, help="at most N versions, newest first (default: all)")
     _signing_args(lg)
     lg.set_defaults(func=_cmd_log)
 
     vf = sub.add_parser("verify", help="say which version a checkpoint is")
-    vf.add_argument("--store", required=True)
-    vf.add_argument("checkpoint")
+    vf.add_argument("--store", required=True, help="store URL (as pull's)")
+    vf.add_argument("checkpoint", help="the checkpoint to identify (a .safetensors file or a directory)")
     _signing_args(vf)
     vf.set_defaults(func=_cmd_verify)
 
@@ -362,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch = sub.add_parser("chaos", help="fault campaign: randomized end-to-end runs with injected faults, "
                                       "receivers checked bit for bit (docs/reliability.md)")
     ch.add_argument("--runs", type=int, default=None, help="runs (default 20; with --engine 3)")
-    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--seed", type=int, default=0, help="seed of the runs' faults and timings (default 0)")
     ch.add_argument("--fast", action="store_true",
                     help="short runs, the fault kinds in turn (run i's first fault is kind i), at most two faults each")
     ch.add_argument("--sign", action="store_true",
@@ -385,11 +389,12 @@ def build_parser() -> argparse.ArgumentParser:
     ch.set_defaults(func=_cmd_chaos)
 
     m = sub.add_parser("demo", help="a Lightning trainer publishes, a rollout process follows and samples")
-    m.add_argument("--workdir", default="runs/demo")
+    m.add_argument("--workdir", default="runs/demo", help="where the store, summary and plot go (default runs/demo)")
     m.add_argument("--store", default=None, help="store URL (default: WORKDIR/store, a local directory)")
     m.add_argument("--steps", type=int, default=40, help="optimizer steps")
     m.add_argument("--every", type=int, default=4, help="publish every N optimizer steps")
-    m.add_argument("--keyframe-every", type=int, default=0)
+    m.add_argument("--keyframe-every", type=int, default=0,
+                   help="also store the full state every K versions (0: only the first)")
     m.set_defaults(func=_cmd_demo)
     return p
 

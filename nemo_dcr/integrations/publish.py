@@ -34,7 +34,7 @@ from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
 from nemo_dcr.codec import versions as format_versions  # noqa: E402
-from nemo_dcr.codec.names import CHOICES  # noqa: E402
+from nemo_dcr.codec.names import CHOICES, DEFAULT_LEVEL  # noqa: E402
 from nemo_dcr.codec.versions import FORMAT_VERSION  # noqa: E402
 from nemo_dcr.delta import DEFAULT_CHUNK  # noqa: E402
 from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
@@ -72,8 +72,11 @@ class DeltaPublishCallback(Callback):
         every_n_steps: publish when ``trainer.global_step % every_n_steps == 0`` (each delta then
             carries the changes of ``every_n_steps`` steps).
         keyframe_every: also store the full state every K versions (0: only the first version).
-        encoding: ``auto`` (per chunk, the smallest of XOR, add and overwrite), ``xor``, ``add`` or ``overwrite``.
-        level: zstd level.
+        encoding: ``auto`` (default: per chunk ``classes`` where it pays, else the smallest of all),
+            ``portable`` (the smallest of ``xor``, ``add`` and ``overwrite``: for a lone receiver
+            holding only part of a trainer rank's shard), ``classes``, ``xor``, ``add`` or ``overwrite``.
+        level: zstd level of the byte-plane streams, 1..22 (default ``DEFAULT_LEVEL``, 1: faster
+            than 3 and as small on BF16; ``classes`` chunks use no zstd).
         retain: after each commit delete versions older than both the newest keyframe and the
             newest ``retain`` versions (None: keep everything).
         on_skipped_step: what a skipped optimizer step (see :meth:`mark_skipped`) does at a
@@ -100,7 +103,7 @@ class DeltaPublishCallback(Callback):
     """
 
     def __init__(self, store: str, every_n_steps: int = 1, keyframe_every: int = 0, encoding: str = "auto",
-                 level: int = 3, retain: int | None = None, on_skipped_step: str = "skip",
+                 level: int = DEFAULT_LEVEL, retain: int | None = None, on_skipped_step: str = "skip",
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
