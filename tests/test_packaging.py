@@ -27,7 +27,10 @@ def test_wheel_ships_the_kernel_and_uses_it(tmp_path):
                         "-w", str(wheels)], capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
     assert r.returncode == 0, r.stderr[-2000:]
     (whl,) = wheels.glob("nemo_dcr-*.whl")
-    assert "nemo_dcr/codec/csrc/dcr_classes.c" in zipfile.ZipFile(whl).namelist()
+    names = zipfile.ZipFile(whl).namelist()
+    assert "nemo_dcr/codec/csrc/dcr_classes.c" in names
+    for r in ("train_publish.yaml", "rollout.yaml", "nemo.py"):  # the recipes ship too (issue 22)
+        assert f"nemo_dcr/recipes/{r}" in names, r
     site = tmp_path / "site"
     r = subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(site), str(whl)],
                        capture_output=True, text=True, timeout=600, cwd=str(tmp_path))
@@ -35,7 +38,9 @@ def test_wheel_ships_the_kernel_and_uses_it(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(site), "NEMO_DCR_CACHE": str(tmp_path / "cache")}
     env.pop("NEMO_DCR_NATIVE", None)
     code = ("import nemo_dcr, nemo_dcr.codec as c, nemo_dcr.codec.native as n; "
-            "print(nemo_dcr.__file__); print(c.backend()); print(n.build_error)")
+            "print(nemo_dcr.__file__); print(c.backend()); print(n.build_error); "
+            "from nemo_dcr.recipes import add_dcr_callback, recipe_path; "
+            "assert 'submodule: model' in open(recipe_path('train_publish.yaml')).read()")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env,
                        cwd=str(tmp_path))  # outside the repository: nothing of the checkout can be found
     assert r.returncode == 0, r.stderr
