@@ -49,6 +49,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("nemo_dcr.callbacks")
 
 SKIP_MODES = ("skip", "empty")
+PROGRESS_BAR = ("dcr/version", "dcr/change_rate")  # the metrics shown in the training progress bar
 
 
 @dataclass
@@ -220,7 +221,7 @@ class DeltaPublishCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._raise_if_failed()
-        self._log_results(trainer)
+        self._log_results(trainer, pl_module)
         gs = trainer.global_step
         advanced = self._last_seen_step is None or gs != self._last_seen_step
         skipped, self._skip_marked = self._skip_marked, False
@@ -310,7 +311,7 @@ class DeltaPublishCallback(Callback):
             with self._lock:
                 self._results.append((int(step), {"dcr/stall_s": float(time.perf_counter() - t0)}))
             self._raise_if_failed()
-            self._log_results(trainer)
+            self._log_results(trainer, pl_module)
             return
         t1 = time.perf_counter()
         while True:  # blocks while max_pending snapshots wait; wakes up to notice a failure
@@ -461,7 +462,12 @@ class DeltaPublishCallback(Callback):
             self._error_raised = True
             raise err
 
-    def _log_results(self, trainer, final: bool = False) -> None:
+    def _log_results(self, trainer, pl_module=None, final: bool = False) -> None:
+        """Finished publishes' metrics, from the training thread: to the trainer's loggers at the
+        step each version was published at, and, newest value per name, through
+        ``pl_module.log`` (``logger=False``: the loggers have them already) into
+        ``trainer.callback_metrics`` and, for ``PROGRESS_BAR``, the progress bar. At the end of
+        training (where ``log`` may not be called) straight into ``callback_metrics``."""
         with self._lock:
             results, self._results = self._results, []
         if not results:
@@ -470,6 +476,15 @@ class DeltaPublishCallback(Callback):
         for step, metrics in results:
             for lg in loggers:
                 lg.log_metrics(metrics, step=step)
+        newest = {k: v for _, metrics in results for k, v in metrics.items()}
+        if pl_module is not None and not final:
+            for k, v in newest.items():
+                pl_module.log(k, float(v), on_step=True, on_epoch=False, prog_bar=k in PROGRESS_BAR, logger=False,
+                              batch_size=1)
+        else:
+            cm = getattr(trainer, "callback_metrics", None)
+            if isinstance(cm, dict):
+                cm.update({k: torch.tensor(float(v)) for k, v in newest.items()})
         if final:
             for lg in loggers:
                 try:
