@@ -142,3 +142,34 @@ def test_pull_with_trusted_keys_refuses_a_replayed_head_across_commands(tmp_path
         assert r.returncode == 0, r.stderr  # named on purpose: the checkpoint now follows run-b
         assert cli(*pull).returncode == 1  # and run-a is the other run now
     assert sorted(n for n in os.listdir(tmp_path / "outdir") if not n.startswith(".")) == ["model.safetensors"]
+
+
+def test_publishing_an_unrelated_checkpoint_is_refused_and_going_back_is_calm(tmp_path, cli, caplog):
+    from safetensors.torch import save_file
+    g = torch.Generator().manual_seed(4)
+    model = {f"layer{i}.w": torch.randn(16, 16, generator=g).bfloat16() for i in range(13)}
+    store = tmp_path / "store"
+    for v in range(3):
+        model = {k: t.clone() for k, t in model.items()}
+        model["layer0.w"].view(-1)[v] += 1
+        save_sharded(model, str(tmp_path / f"c{v}"))
+        assert cli("publish", "--store", store, tmp_path / f"c{v}").returncode == 0
+    save_file({"layer0.w": torch.zeros(4)}, str(tmp_path / "other.safetensors"))
+    r = cli("publish", "--store", store, tmp_path / "other.safetensors")
+    assert r.returncode == 1 and "not a next version" in r.stderr and "--new-model" in r.stderr, r.stderr
+    assert "0 of its 1 tensor(s)" in r.stderr and "version 2's 13" in r.stderr
+    r = cli("log", "--store", store, "--json")
+    assert r.stdout.count('"version"') == 3  # nothing published
+    r = cli("publish", "--store", store, tmp_path / "other.safetensors", "--new-model")
+    assert r.returncode == 0 and "version 3" in r.stdout and "keyframe" in r.stdout, r.stderr
+
+    out = tmp_path / "out"
+    assert cli("pull", "--store", store, "--into", out, "--version", "2").returncode == 0
+    caplog.clear()
+    with caplog.at_level("INFO", logger="nemo_dcr"):
+        r = cli("pull", "--store", store, "--into", out, "--version", "1")  # going back: from keyframe 0
+    assert r.returncode == 0, r.stderr
+    assert not [rec for rec in caplog.records if rec.levelname == "WARNING"], caplog.text
+    assert "not on the chain" not in caplog.text and "going back from version 2 to version 1" in caplog.text
+    assert "now at version 1 (from 2; keyframe 0, delta 1" in r.stdout
+    assert files_sha(out) == files_sha(tmp_path / "c1")

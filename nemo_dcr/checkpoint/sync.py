@@ -50,12 +50,50 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
 
 def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0, keyframe: bool = False,
                        retain=None,
-                       encoding: str = "auto", level: int = DEFAULT_LEVEL, signer="env", trusted_keys=()):
+                       encoding: str = "auto", level: int = DEFAULT_LEVEL, signer="env", trusted_keys=(),
+                       new_model: bool = False):
+    """Publish the checkpoint at ``path`` as the store's next version. A checkpoint that shares
+    less than half of its elements (same names, dtypes, shapes) with the store's last version is
+    another model, not the next version of this one: refused unless ``new_model`` (then it is a
+    keyframe; receivers rebuild from it)."""
     from nemo_dcr.sync.publisher import Publisher
     tensors, layout = load_checkpoint(path)
-    pub = Publisher(_open(store), keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
+    st = _open(store)
+    if not new_model:
+        _refuse_unrelated(st, path, tensors)
+    pub = Publisher(st, keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
                     signer=signer, trusted_keys=trusted_keys)
-    return pub.publish(tensors, keyframe=keyframe, meta={"layout": layout})
+    return pub.publish(tensors, keyframe=keyframe or new_model, meta={"layout": layout})
+
+
+def _refuse_unrelated(store, path: str, tensors: dict) -> None:
+    """Refuse a checkpoint unrelated to the store's last version (see ``publish_checkpoint``),
+    known from that version's recorded file layout alone (nothing is downloaded; a version
+    without a layout, or a store whose HEAD cannot be read, is left to the publisher)."""
+    import math
+
+    from nemo_dcr.sync.versions import read_manifest
+    try:
+        head, _ = read_head(store)
+        if head is None:
+            return
+        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        layout = (m.meta or {}).get("layout")
+        if layout is None:
+            return
+        files = check_layout(layout, None, f"version {m.version}'s file layout")["files"]
+    except DcrError:
+        return
+    chain = {t: (i["dtype"], tuple(i["shape"])) for f in files for t, i in f["parsed"].items() if t != "__metadata__"}
+    new = {n: (ST_NAMES[t.dtype], tuple(t.shape)) for n, t in tensors.items()}
+    kept = sum(math.prod(s) for n, (d, s) in new.items() if chain.get(n) == (d, s))
+    total = max(sum(math.prod(s) for _, s in chain.values()), sum(math.prod(s) for _, s in new.values()))
+    if total and 2 * kept < total:
+        same = sum(1 for n, v in new.items() if chain.get(n) == v)
+        raise DcrError(f"{path} is not a next version of the model in the store: {same} of its {len(new)} "
+                       f"tensor(s) ({100 * kept / total:.0f} % of the elements) match version {m.version}'s "
+                       f"{len(chain)} in name, dtype and shape; publish it with --new-model to replace the model "
+                       "(a keyframe: receivers rebuild from it), or into another store")
 
 
 def history(store: Store | str, limit: int | None = None) -> list:

@@ -109,7 +109,8 @@ def _cmd_publish(a):
                            "give --signing-key too")
         trusted = list(Verifier.from_sources(a.trusted_key).keys.values())
     r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
-                           retain=a.retain, encoding=a.encoding, level=a.level, signer=signer, trusted_keys=trusted)
+                           retain=a.retain, encoding=a.encoding, level=a.level, signer=signer, trusted_keys=trusted,
+                           new_model=a.new_model)
     m = r.manifest
     kind = m.kind
     base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
@@ -316,6 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--keyframe-every", type=int, default=0,
                     help="also store the full state every K versions (0: only the first)")
     pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
+    pb.add_argument("--new-model", action="store_true",
+                    help="publish a checkpoint that shares less than half its elements with the store's last "
+                         "version (another model; refused without this): as a keyframe")
     pb.add_argument("--retain", type=int, default=None,
                     help="delete versions no receiver needs, keeping N recent")
     pb.add_argument("--encoding", choices=list(CHOICES), default="auto",

@@ -285,12 +285,18 @@ class Follower:
                 last = res.fallbacks[-1] if res.fallbacks else None
                 raise _no_path(target, self._version, last)
             res.path = describe(steps)
-            if self._version is not None and steps and steps[0][0] == "keyframe" and not res.fallbacks:
+            if self._version is not None and target.version < self._version <= head.version:
+                # going back (an older version asked for; the store still has the newer ones):
+                # deltas lead forward only, so an older version is rebuilt from a keyframe
+                log.info("nemo-dcr: going back from version %d to version %d: from a keyframe (deltas lead "
+                         "forward only)", self._version, target.version)
+            elif self._version is not None and steps and steps[0][0] == "keyframe" and not res.fallbacks:
                 # the receiver's version, with its digest, is not on the chain to the target: the
                 # store was wiped and republished or rewritten (or retention removed the deltas)
                 res.rekeyed = True
-                log.warning("nemo-dcr: version %d (manifest %s) with this receiver's digest is not on the chain to "
-                            "version %d in %s; re-keying from a keyframe", self._version,
+                log.warning("nemo-dcr: the version this receiver holds (%d, manifest %s) is not on the chain to "
+                            "version %d in %s (the store was republished or rewritten, or retention removed the "
+                            "deltas from it); rebuilding from a keyframe", self._version,
                             self._held.key if self._held else "?", target.version,
                             getattr(self.store, "url", self.store))
             log.info("nemo-dcr: version %s -> %d: %s", self._version, target.version, res.path)
