@@ -173,3 +173,49 @@ def test_publishing_an_unrelated_checkpoint_is_refused_and_going_back_is_calm(tm
     assert "not on the chain" not in caplog.text and "going back from version 2 to version 1" in caplog.text
     assert "now at version 1 (from 2; keyframe 0, delta 1" in r.stdout
     assert files_sha(out) == files_sha(tmp_path / "c1")
+
+
+def run_on_a_terminal(args, cwd):
+    """``nemo-dcr ARGS`` as a process whose stderr is a terminal (a pseudo-terminal) -> (rc,
+    what it wrote there)."""
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import sys
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # a fresh pty is 0 columns wide
+    p = subprocess.Popen([sys.executable, "-m", "nemo_dcr", *map(str, args)], stdout=subprocess.PIPE,
+                         stderr=slave, cwd=cwd, env={**os.environ, "COLUMNS": "100"})
+    os.close(slave)
+    got = b""
+    while True:
+        try:
+            chunk = os.read(master, 1 << 16)
+        except OSError:  # EIO: the process closed its end
+            break
+        if not chunk:
+            break
+        got += chunk
+    os.close(master)
+    p.stdout.read()
+    return p.wait(120), got.decode(errors="replace")
+
+
+def test_publish_and_pull_show_a_progress_bar_on_a_terminal(tmp_path, cli):
+    g = torch.Generator().manual_seed(5)
+    s = {"w": torch.randn(512, 256, generator=g), "b": torch.randn(256, generator=g)}
+    for v in range(2):
+        save_sharded(s, str(tmp_path / f"c{v}"))
+        s = {k: t + 1 for k, t in s.items()}
+    store = tmp_path / "store"
+    rc, err = run_on_a_terminal(["publish", "--store", store, tmp_path / "c0"], tmp_path)
+    assert rc == 0 and "publish v0" in err and "525k" in err, err  # over the (512 + 1) x 256 x 4 bytes encoded
+    rc, err = run_on_a_terminal(["publish", "--store", store, tmp_path / "c1"], tmp_path)
+    assert rc == 0 and "publish v1" in err, err
+    rc, err = run_on_a_terminal(["pull", "--store", store, "--into", tmp_path / "out"], tmp_path)
+    assert rc == 0 and "pull v1" in err, err
+    assert files_sha(tmp_path / "out") == files_sha(tmp_path / "c1")
+    r = cli("pull", "--store", store, "--into", tmp_path / "o2")  # not a terminal: no bar
+    assert r.returncode == 0 and r.stderr == ""

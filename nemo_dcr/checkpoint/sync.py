@@ -51,18 +51,19 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
 def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0, keyframe: bool = False,
                        retain=None,
                        encoding: str = "auto", level: int = DEFAULT_LEVEL, signer="env", trusted_keys=(),
-                       new_model: bool = False):
+                       new_model: bool = False, progress: bool | None = None):
     """Publish the checkpoint at ``path`` as the store's next version. A checkpoint that shares
     less than half of its elements (same names, dtypes, shapes) with the store's last version is
     another model, not the next version of this one: refused unless ``new_model`` (then it is a
-    keyframe; receivers rebuild from it)."""
+    keyframe; receivers rebuild from it). ``progress``: a bar while it encodes (None: when stderr
+    is a terminal)."""
     from nemo_dcr.sync.publisher import Publisher
     tensors, layout = load_checkpoint(path)
     st = _open(store)
     if not new_model:
         _refuse_unrelated(st, path, tensors)
     pub = Publisher(st, keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
-                    signer=signer, trusted_keys=trusted_keys)
+                    signer=signer, trusted_keys=trusted_keys, progress=progress)
     return pub.publish(tensors, keyframe=keyframe or new_model, meta={"layout": layout})
 
 
@@ -125,14 +126,16 @@ class PullResult:
     rewritten: bool = False  # the tensors were at the version but the files' bytes were not
 
 
-def pull_checkpoint(store: Store | str, out: str, version: int | None = None) -> PullResult:
+def pull_checkpoint(store: Store | str, out: str, version: int | None = None,
+                    progress: bool | None = None) -> PullResult:
     """Bring the checkpoint at ``out`` (created if missing) to ``version`` (default newest).
 
     Promise: afterwards the checkpoint's files at ``out`` are byte for byte the files of that
     version as published (names, headers with their metadata, data order, index), or, for a
     version published without a file layout, the canonical single file of its tensors. A
     checkpoint already holding the version's tensors is checked against that too and rewritten
-    when its files differ. Other files in a directory ``out`` are left alone."""
+    when its files differ. Other files in a directory ``out`` are left alone. ``progress``: a bar
+    while it downloads (None: when stderr is a terminal)."""
     from nemo_dcr.sync.follower import Follower
     from nemo_dcr.sync.signing import verifying
     store = verifying(_open(store, create=False))  # find_version reads manifests too: verify them
@@ -150,7 +153,7 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
     if current is None:
         tensors = _whole_tensors_for_shards(store)
-    f = Follower(store, tensors, version=current, verify_initial=False)
+    f = Follower(store, tensors, version=current, verify_initial=False, progress=progress)
     if current is not None and f.manifest is not None:
         _empty_tensors_of(tensors, f.manifest)
     res = f.sync(version)

@@ -63,6 +63,7 @@ from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_dige
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, manifest_at, no_plan, plans, read_head, read_manifest
+from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -144,7 +145,8 @@ class Follower:
                  shards: Mapping[str, ShardSpec] | None = None, *, version: int | None = None,
                  group: ProcessGroup | None = None,
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
-                 max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env"):
+                 max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env",
+                 progress: bool | None = False):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``shards``: the receiver's ShardSpec per tensor name (a name missing from it is a whole
@@ -158,7 +160,9 @@ class Follower:
         part checked out on every rank). ``verifier``: a
         :class:`~nemo_dcr.sync.signing.Verifier`; HEAD and every manifest are then read through it
         and refused unless signed by a trusted key (``"env"``, the default: from
-        ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are)."""
+        ``$NEMO_DCR_TRUSTED_KEYS(_FILE)`` if set; None: unsigned stores are read as they are).
+        ``progress``: a bar on stderr over the bytes a sync downloads (None: when stderr is a
+        terminal, as ``nemo-dcr pull``; False, the default: never)."""
         from nemo_dcr.stores import open_reader
         from nemo_dcr.sync.signing import verifying
         # a reader: a local path that does not exist is an error (mistyped), not a new empty store
@@ -170,6 +174,8 @@ class Follower:
         self.retries, self.backoff, self.workers = retries, backoff, workers
         self.max_fallbacks = max_fallbacks
         self.prefetch, self.stream = max(0, int(prefetch)), bool(stream)
+        self.progress = progress
+        self._bar: Progress = NullProgress(0, "")
         self._version: int | None = None
         self._held: Manifest | None = None        # the manifest of the verified state
         self._digest: StateDigest | None = None  # global digest of the verified state
@@ -300,6 +306,10 @@ class Follower:
                             self._held.key if self._held else "?", target.version,
                             getattr(self.store, "url", self.store))
             log.info("nemo-dcr: version %s -> %d: %s", self._version, target.version, res.path)
+            if self.progress is not False and g.rank == 0:
+                self._bar.close()
+                self._bar = Progress(sum(p.size for kind, m in steps for p in _parts(kind, m)),
+                                     f"pull v{target.version}", enabled=self.progress)
             feed = _Feed(self, steps, res.spans)
             try:
                 for kind, m in steps:
@@ -314,6 +324,7 @@ class Follower:
                 continue
             finally:
                 feed.close()
+                self._bar.close()
             return self._done(res, t0)
 
     def _plan(self, target: Manifest, bad: set):
@@ -492,6 +503,7 @@ class Follower:
                                 break
                             h.update(b)
                             got.append(b)
+                            self._bar.update(len(b))
                     else:
                         n = size
                 finally:

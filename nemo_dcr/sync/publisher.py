@@ -50,6 +50,7 @@ from nemo_dcr.sync.versions import (
     read_manifest,
     version_dir,
 )
+from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -96,7 +97,7 @@ class Publisher:
                  retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
                  part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4, format_version: int = FORMAT_VERSION,
-                 trusted_keys=(), allow_unverified_chain: bool = False):
+                 trusted_keys=(), allow_unverified_chain: bool = False, progress: bool | None = False):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing). ``signer``: a
@@ -122,12 +123,16 @@ class Publisher:
         if it holds one, else only ``keyframe=True`` publishes (replacing that HEAD). Every
         verifying receiver would refuse what an unsigned or foreign-signed publisher adds, so
         ``allow_unverified_chain=True`` (tests and fault campaigns playing a forger) is the only
-        way to do it."""
+        way to do it.
+
+        ``progress``: a bar on stderr over the bytes each publish encodes (None: when stderr is
+        a terminal, as the command line does; False, the default: never, as in a trainer)."""
         from nemo_dcr.stores import open_store
         from nemo_dcr.sync.signing import chain_verifier, resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
         self.signer = resolve_signer(signer)
         self.allow_unverified_chain = bool(allow_unverified_chain)
+        self.progress = progress
         self._verifier = chain_verifier(self.signer, trusted_keys)  # None: an unsigned publisher
         self.keyframe_every = keyframe_every
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
@@ -348,6 +353,9 @@ class Publisher:
         uploads = _Uploads(self, spans)
         groups = split_parts(self._base or {}, snap, self.part_bytes)
         digests: dict = {}
+        dense = sum(t.numel() * t.element_size() for t in snap.values())
+        bar = Progress(dense * ((head is not None and self._base is not None) + kf), f"publish v{version}",
+                       enabled=self.progress) if self.progress is not False else NullProgress(0, "")
         try:
             if head is not None and self._base is not None:
                 change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
@@ -359,7 +367,7 @@ class Publisher:
                                        _only(base, names), _only(target, names), shards=shards,
                                        base_shards=self._shards, encoding=self.encoding, level=self.level,
                                        chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                       on_change=on_change, progress=False, base_digests=self._tensor_digests,
+                                       on_change=on_change, progress=bar, base_digests=self._tensor_digests,
                                        chunker=dev.chunker if dev else None, format_version=self.format_version,
                                        out=w), digests)
                 assert self._digest is not None  # set together with _base
@@ -372,7 +380,7 @@ class Publisher:
                                    j, lambda w, names=names, j=j: diff(
                                        {}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
                                        chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                       progress=False, format_version=self.format_version, out=w), digests)
+                                       progress=bar, format_version=self.format_version, out=w), digests)
             if new_digest is None:
                 # the last objects are still being made durable (fsync, CompleteMultipartUpload)
                 # on their threads: this pass over the model runs meanwhile
@@ -381,8 +389,10 @@ class Publisher:
                 spans.add("digest", f"version {version}", t)
         except BaseException:
             uploads.join(quiet=True)  # no upload left running past a failed publish
+            bar.close()
             raise
         uploads.join()  # raises the first upload's error, after every upload ended
+        bar.close()
         for k in ("parts", "keyframe_parts"):  # uploads finish in any order; the manifest lists parts in order
             out[k] = [p for _, p in sorted(out[k], key=lambda x: x[0])]
         out["digest"] = new_digest.hex()
