@@ -291,21 +291,33 @@ class Publisher:
                     "version %d in its place", why, top + 1)
         return None, tag, new_publish_id(), top + 1
 
-    def _verifies_below(self, head: Head) -> bool:
-        """Whether the version below an unverifiable HEAD is this publisher's (its manifest
-        verifies): the chain was this run's and HEAD was put over it, so a keyframe may replace
-        HEAD. Not so for a publisher with the wrong key, which must not replace a good chain."""
+    def _verifies_below(self, head: Head, tries: int = 8) -> bool:
+        """Whether this run's versions are under an unverifiable HEAD (a manifest there verifies:
+        the one HEAD's manifest names as its base, else one of the ``tries`` newest others in the
+        store): HEAD was put over this run's chain, so a keyframe may replace it. Not so for a
+        publisher with the wrong key, which must not replace a good chain."""
         from nemo_dcr.errors import DcrError
-        from nemo_dcr.sync.versions import read_manifest
+        from nemo_dcr.sync.versions import is_manifest_key, read_manifest
         assert self._verifier is not None  # a signing publisher
+        below: list = []
         try:
             m = read_manifest(self.store, head.manifest, head.manifest_sha256)
-            if m.base_manifest is None:
-                return False
-            self._verifier.check_manifest(read_manifest(self.store, m.base_manifest, m.base_sha256))
+            if m.base_manifest is not None:
+                below.append((m.base_manifest, m.base_sha256))
         except DcrError:
-            return False
-        return True
+            pass
+        try:
+            keys = [k for k in self.store.list("versions/") if is_manifest_key(k) and k != head.manifest]
+        except DcrError:
+            keys = []
+        below += [(k, None) for k in sorted(keys, key=lambda k: key_version(k)[0] or 0, reverse=True)[:tries]]
+        for key, sha in below:
+            try:
+                self._verifier.check_manifest(read_manifest(self.store, key, sha))
+                return True
+            except DcrError:
+                continue
+        return False
 
     def _unverifiable(self, head: Head) -> str | None:
         """Why this publisher must not extend the chain at ``head`` (None: it may). Unsigned
@@ -472,7 +484,8 @@ class Publisher:
         tensors = {k: torch.zeros_like(v, device="cpu") for k, v in like.items()
                    if self.group.active or (k in shards and not shards[k].is_full)}
         # a signed chain is rebuilt through the publisher's own verifier: nothing forged becomes its base
-        verifier = self._verifier if head.signature is not None and self._verifier is not None else "env"
+        verifier = self._verifier if head.signature is not None and self._verifier is not None \
+            and not self.allow_unverified_chain else "env"
         f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers, verifier=verifier)
         f.sync(head.version, head=head)
         self._digest = state_contrib(tensors, shards)
