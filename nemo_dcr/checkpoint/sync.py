@@ -52,9 +52,9 @@ def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0
                        retain=None,
                        encoding: str = "auto", level: int = DEFAULT_LEVEL, signer="env", trusted_keys=(),
                        new_model: bool = False, progress: bool | None = None):
-    """Publish the checkpoint at ``path`` as the store's next version. A checkpoint that shares
-    less than half of its elements (same names, dtypes, shapes) with the store's last version is
-    another model, not the next version of this one: refused unless ``new_model`` (then it is a
+    """Publish the checkpoint at ``path`` as the store's next version. A checkpoint of which less
+    than half of the tensors (the larger set's: same names, dtypes, shapes) are the store's last
+    version's is another model, not the next version of this one: refused unless ``new_model`` (then it is a
     keyframe; receivers rebuild from it). ``progress``: a bar while it encodes (None: when stderr
     is a terminal)."""
     from nemo_dcr.sync.publisher import Publisher
@@ -87,10 +87,12 @@ def _refuse_unrelated(store, path: str, tensors: dict) -> None:
         return
     chain = {t: (i["dtype"], tuple(i["shape"])) for f in files for t, i in f["parsed"].items() if t != "__metadata__"}
     new = {n: (ST_NAMES[t.dtype], tuple(t.shape)) for n, t in tensors.items()}
-    kept = sum(math.prod(s) for n, (d, s) in new.items() if chain.get(n) == (d, s))
-    total = max(sum(math.prod(s) for _, s in chain.values()), sum(math.prod(s) for _, s in new.values()))
-    if total and 2 * kept < total:
-        same = sum(1 for n, v in new.items() if chain.get(n) == v)
+    same = sum(1 for n, v in new.items() if chain.get(n) == v)
+    # by tensors, not elements: a schema change (one tensor added, renamed, reshaped, re-typed)
+    # keeps most tensors even where the one it changes holds most of the elements
+    if 2 * same < max(len(chain), len(new)):
+        kept = sum(math.prod(s) for n, (d, s) in new.items() if chain.get(n) == (d, s))
+        total = max(sum(math.prod(s) for _, s in chain.values()), sum(math.prod(s) for _, s in new.values()), 1)
         raise DcrError(f"{path} is not a next version of the model in the store: {same} of its {len(new)} "
                        f"tensor(s) ({100 * kept / total:.0f} % of the elements) match version {m.version}'s "
                        f"{len(chain)} in name, dtype and shape; publish it with --new-model to replace the model "

@@ -318,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also store the full state every K versions (0: only the first)")
     pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
     pb.add_argument("--new-model", action="store_true",
-                    help="publish a checkpoint that shares less than half its elements with the store's last "
+                    help="publish a checkpoint that shares less than half its tensors with the store's last "
                          "version (another model; refused without this): as a keyframe")
     pb.add_argument("--retain", type=int, default=None,
                     help="delete versions no receiver needs, keeping N recent")
