@@ -311,7 +311,8 @@ class DeltaPublishCallback(Callback):
             with self._lock:
                 self._results.append((int(step), {"dcr/stall_s": float(time.perf_counter() - t0)}))
             self._raise_if_failed()
-            self._log_results(trainer, pl_module)
+            # (on_train_start, for publish_initial, may not call pl_module.log on a step)
+            self._log_results(trainer, None if initial else pl_module)
             return
         t1 = time.perf_counter()
         while True:  # blocks while max_pending snapshots wait; wakes up to notice a failure
