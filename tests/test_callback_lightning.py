@@ -124,6 +124,30 @@ def test_publishes_once_per_optimizer_step_and_every_version_is_bit_exact(store,
     assert all(0 < float(r["dcr/change_rate"]) <= 1 for r in dcr[1:])
 
 
+def test_metrics_reach_callback_metrics_and_the_progress_bar(tmp_path):
+    """Through ``pl_module.log`` (issue 22): other callbacks (early stopping, checkpoint
+    monitors) and the progress bar see the dcr/* values during training, and the last
+    version's after it."""
+    seen = []
+
+    class Watch(pl.Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            seen.append((dict(trainer.callback_metrics), dict(trainer.progress_bar_metrics)))
+
+    cb = DeltaPublishCallback(str(tmp_path / "store"), every_n_steps=1, background=False, publish_initial=True)
+    t = trainer(tmp_path, [cb, Watch()], max_steps=4)
+    t.fit(Tiny())  # (version 0 at on_train_start, where pl_module.log may not log on a step)
+    cm, bar = seen[-1]
+    assert float(cm["dcr/version"]) == 4 and 0 < float(cm["dcr/change_rate"]) <= 1
+    assert {"dcr/bytes", "dcr/ratio", "dcr/publish_s", "dcr/keyframe", "dcr/stall_s"} <= set(cm)
+    assert float(bar["dcr/version"]) == 4 and "dcr/change_rate" in bar
+    assert float(seen[0][0]["dcr/version"]) == 1  # from the first step on
+    bg = DeltaPublishCallback(str(tmp_path / "store2"), every_n_steps=1, max_pending=1)
+    t = trainer(tmp_path, [bg], max_steps=3, name="bg")
+    t.fit(Tiny())
+    assert float(t.callback_metrics["dcr/version"]) == 2  # the background's last, after training
+
+
 class FailingStore:
     """A LocalStore whose puts of delta objects start failing after ``ok`` of them."""
 

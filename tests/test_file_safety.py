@@ -209,6 +209,24 @@ def test_killed_in_place_apply_leaves_old_or_new_and_next_run_recovers(tmp_path,
         assert sha(b / n) == sha(t / n)
 
 
+@pytest.mark.parametrize("point", ["committed", "mid-swap"])
+def test_retrying_a_killed_in_place_apply_recognises_it_is_done(tmp_path, delta_dirs, point):
+    """Killed after its commit point, the apply's swap is finished by the next command on the
+    directory, the retry of the same apply included: it finds the target there and says so
+    (it used to exit 1 with "base tensor is not the one this delta was built from")."""
+    b, t, d = delta_dirs
+    assert nemo("apply", b, d, "-o", b, kill_at=point).returncode == -9
+    r = nemo("apply", b, d, "-o", b)
+    assert r.returncode == 0, r.stderr
+    assert "already the delta's target" in r.stdout
+    assert hidden(b) == [] and sorted(os.listdir(b)) == sorted(os.listdir(t))
+    for n in os.listdir(t):
+        assert sha(b / n) == sha(t / n)
+    (b / sorted(os.listdir(t))[0]).write_bytes(b"\0" * 16)  # not the target, not the base: still an error
+    r = nemo("apply", b, d, "-o", b)
+    assert r.returncode == 1 and "error" in r.stderr
+
+
 @pytest.mark.parametrize("layout", ["file", "dir"])
 def test_killed_pull_leaves_no_full_size_temporaries_after_the_next_run(tmp_path, layout):
     base, target = states(3)

@@ -50,6 +50,8 @@ def test_wheel_holds_the_compiled_kernels_and_runs_them_without_a_compiler(tmp_p
     whl = build_wheel(copy_sources(tmp_path / "src"), tmp_path / "wheels")
     names = zipfile.ZipFile(whl).namelist()
     assert "nemo_dcr/codec/libdcr.so" in names, names
+    for r in ("train_publish.yaml", "rollout.yaml", "nemo.py"):  # the recipes ship too (issue 22)
+        assert f"nemo_dcr/recipes/{r}" in names, r
     assert whl.name.startswith("nemo_dcr-0.1.0-py3-none-") and not whl.name.endswith("-any.whl"), whl.name
     venv = FreshVenv(tmp_path / "venv", whl)
     assert venv.path_has_no_compiler()
@@ -58,6 +60,9 @@ def test_wheel_holds_the_compiled_kernels_and_runs_them_without_a_compiler(tmp_p
     assert "codec backend: native" in r.stdout and "packaged" in r.stdout, r.stdout + r.stderr
     r = venv.run(["-c", "import nemo_dcr; print(nemo_dcr.__file__)"])
     assert r.stdout.strip().startswith(str(venv.path) + os.sep), r.stdout  # the wheel's copy, not the checkout
+    r = venv.run(["-c", "from nemo_dcr.recipes import recipe_path; "
+                        "assert 'submodule: model' in open(recipe_path('train_publish.yaml')).read()"])
+    assert r.returncode == 0, r.stderr
     r = venv.run(["-c", SPEED])
     assert r.returncode == 0, r.stderr
     ratio = float(r.stdout.split()[-1])

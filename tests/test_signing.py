@@ -252,7 +252,10 @@ def test_key_rotation_old_versions_stay_verifiable(tmp_path):
     store = LocalStore(tmp_path / "s")
     pub, snaps = publish(store, 3, Signer(KEY, "run-a"), keyframe_every=0)
     s = {k: v.clone() for k, v in snaps[-1].items()}
-    pub2 = Publisher(store, signer=Signer(OTHER, "run-a"))  # the new key continues the chain
+    with pytest.raises(SignatureError, match="does not trust"):  # a key it is not told about: the wrong key?
+        Publisher(store, signer=Signer(OTHER, "run-a")).publish(snaps[-1])
+    # the new key continues the chain it is told to trust (the old key's)
+    pub2 = Publisher(store, signer=Signer(OTHER, "run-a"), trusted_keys=[KEY.public_key()])
     for i in range(3, 5):
         step(s, i)
         pub2.publish(s)
@@ -309,6 +312,7 @@ def test_signed_versions_through_a_relay(tmp_path):
 def test_keys_from_the_environment(tmp_path, monkeypatch):
     store = LocalStore(tmp_path / "s")
     (tmp_path / "k.pem").write_bytes(private_key_pem(KEY))
+    (tmp_path / "k.pem").chmod(0o600)  # a private key others may read is refused (test_key_files.py)
     (tmp_path / "k.pub").write_text(f"# rotation: old and new\n{public_key_text(OTHER)}\n{public_key_text(KEY)}\n")
     monkeypatch.setenv("NEMO_DCR_SIGNING_KEY_FILE", str(tmp_path / "k.pem"))
     monkeypatch.setenv("NEMO_DCR_NAMESPACE", "run-env")
@@ -364,6 +368,66 @@ def test_signer_and_verifier_never_show_key_material(tmp_path):
     body = "".join(pem.splitlines()[1:-1])
     assert body not in repr(signer) and signer.key_id in repr(signer)
     (tmp_path / "bad.pem").write_text(pem.replace("PRIVATE KEY-----\n", "PRIVATE KEY-----\nAAAA", 1))
+    (tmp_path / "bad.pem").chmod(0o600)
     with pytest.raises(SignatureError) as ei:
         Signer.from_file(tmp_path / "bad.pem", "run-a")
     assert body[:20] not in str(ei.value) and "bad.pem" in str(ei.value)
+
+
+# ----------------------------------------------------------------------------- publishing onto a signed chain
+
+def test_an_unsigned_or_foreign_signed_publish_onto_a_signed_chain_is_refused(tmp_path, cli):
+    """One mistaken command (signing key forgotten, or the wrong key) must not brick every
+    verifying receiver: nothing is written, and the error says why and what to do."""
+    from safetensors.torch import save_file
+    store = LocalStore(tmp_path / "s")
+    _, snaps = publish(store, 2, Signer(KEY, "run-a"))
+    s = {k: v.clone() for k, v in snaps[-1].items()}
+    step(s, 5)
+    n, head = sorted(store.list("")), read_head(store)[0]
+    for signer in (None, Signer(OTHER, "run-a")):
+        for kf in (False, True):
+            with pytest.raises(SignatureError) as ei:
+                Publisher(store, signer=signer).publish(s, keyframe=kf)
+            assert "signed" in str(ei.value) and ("signing key" in str(ei.value) or "trust" in str(ei.value))
+            assert sorted(store.list("")) == n and read_head(store)[0] == head  # nothing written
+    save_file(s, str(tmp_path / "m.safetensors"))
+    r = cli("publish", "--store", tmp_path / "s", tmp_path / "m.safetensors")
+    assert r.returncode == 1 and "signed" in r.stderr and "--signing-key" in r.stderr, r.stderr
+    assert sorted(store.list("")) == n
+    # receivers that verify still follow the chain, and the right key extends it
+    Publisher(store, signer=Signer(KEY, "run-a")).publish(s)
+    recv = zeros_like(s)
+    assert Follower(store, recv, verifier=Verifier([KEY.public_key()], namespace="run-a")).sync().version == 2
+    assert_state(recv, s)
+
+
+def test_a_publisher_does_not_build_on_a_forged_head(tmp_path):
+    """Someone with write access but not the key commits a version (a real Publisher playing
+    the forger). The publisher that holds its own last version continues from it, above the
+    forgery; a fresh one refuses a delta and replaces the forgery with a keyframe when asked.
+    A verifying receiver never applies the forged state and follows both."""
+    store = LocalStore(tmp_path / "s")
+    signer = Signer(KEY, "run-a")
+    pub, snaps = publish(store, 2, signer)
+    s = {k: v.clone() for k, v in snaps[-1].items()}
+    forged = {k: torch.zeros_like(v) for k, v in s.items()}
+    for forger in (None, Signer(OTHER, "run-a")):
+        Publisher(store, signer=forger, allow_unverified_chain=True).publish(forged, keyframe=True)
+        step(s, 7)
+        r = pub.publish(s)  # continues from its own version, not the forged one
+        assert r.manifest.base_version == r.version - 2 and r.manifest.parts  # a delta on its own version
+        recv = zeros_like(s)
+        f = Follower(store, recv, verifier=Verifier([KEY.public_key()], namespace="run-a"))
+        assert f.sync().version == r.version
+        assert_state(recv, s)
+    Publisher(store, signer=None, allow_unverified_chain=True).publish(forged, keyframe=True)
+    fresh = Publisher(store, signer=signer)
+    step(s, 9)
+    with pytest.raises(SignatureError, match="keyframe"):
+        fresh.publish(s)
+    r = fresh.publish(s, keyframe=True)
+    assert r.manifest.is_keyframe and not r.manifest.parts and r.manifest.base_version is None
+    recv = zeros_like(s)
+    assert Follower(store, recv, verifier=Verifier([KEY.public_key()], namespace="run-a")).sync().version == r.version
+    assert_state(recv, s)

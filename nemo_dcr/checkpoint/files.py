@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from nemo_dcr.checkpoint.safetensors_io import (
     Checkpoint,
     check_layout,
+    has_layout,
     input_kind,
     layout_for,
     refuse_overlap,
@@ -54,6 +55,7 @@ class FileApplyResult:
     out: str
     files: int
     report: ApplyReport
+    already: bool = False  # an in-place apply found the checkpoint at the target already (nothing written)
 
 
 def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = None,
@@ -63,8 +65,38 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
     reader = DeltaReader.open(delta)
     reader.check_payloads()
     h = reader.header
-    ckpt = Checkpoint(base)
+    ckpt = Checkpoint(base)  # (finishes a swap a killed run committed: an in-place retry may be done already)
     entries = {e.name: e for e in h.tensors}
+    layout = h.meta.get("layout")
+    if layout is None:
+        layout = layout_for(_TargetShapes(entries))
+    layout = check_layout(layout, [n for n, e in entries.items() if not e.removed], f"{delta}: layout")
+    in_place = os.path.exists(out) and os.path.samefile(out, base)
+    try:
+        return _apply_files(reader, entries, layout, ckpt, delta, out, in_place, workers, progress)
+    except BaseMismatchError:
+        # nothing was written (the base is checked before the swap): a retry of an in-place
+        # apply that a kill interrupted after its commit point finds the target in place
+        if in_place and at_target(ckpt, entries, layout):
+            return FileApplyResult(out, 0, ApplyReport(), already=True)
+        raise
+
+
+def at_target(ckpt: Checkpoint, entries: dict, layout: dict) -> bool:
+    """Whether ``ckpt`` holds the delta's target: its tensors (by the target digests) and its
+    files byte for byte. O(model): only asked when the base does not match."""
+    names = {n for n, e in entries.items() if not e.removed}
+    if set(ckpt) != names:
+        return False
+    for n in names:
+        e, t = entries[n], ckpt[n]
+        if t.dtype != e.torch_dtype or tuple(t.shape) != tuple(e.shape) \
+                or tensor_digest_like(t, e.target_digest) != e.target_digest:
+            return False
+    return has_layout(ckpt, layout)
+
+
+def _apply_files(reader, entries, layout, ckpt, delta, out, in_place, workers, progress) -> FileApplyResult:
     foreign = sorted(set(ckpt) - set(entries))
     if foreign:
         raise BaseMismatchError(f"base has {len(foreign)} tensor(s) the delta does not know "
@@ -72,12 +104,7 @@ def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = N
     missing = sorted(n for n, e in entries.items() if e.kind != TensorKind.FULL and n not in ckpt)
     if missing:
         raise BaseMismatchError(f"base lacks tensor {missing[0]!r} that the delta was built on")
-    layout = h.meta.get("layout")
-    if layout is None:
-        layout = layout_for(_TargetShapes(entries))
-    layout = check_layout(layout, [n for n, e in entries.items() if not e.removed], f"{delta}: layout")
-    in_place = os.path.exists(out) and os.path.samefile(out, base)
-    protect = [delta] if in_place else [delta, base, *ckpt.files.values()]  # checked before any write
+    protect = [delta] if in_place else [delta, ckpt.path, *ckpt.files.values()]  # checked before any write
     report = ApplyReport()
     bar = Progress(ckpt.total_bytes, "apply") if progress or progress is None else NullProgress(0, "")
 

@@ -312,17 +312,22 @@ def owned_files(d: str) -> list:
     return shards if len(shards) == 1 else []
 
 
-def _placed(out: str, layout: dict) -> tuple[bool, list, str | None]:
+SINGLE_NAME = "model.safetensors"  # what Hugging Face loaders look for in a one-file model directory
+
+
+def _placed(out: str, layout: dict, want_dir: bool = False) -> tuple[bool, list, str | None]:
     """(as a directory?, [(file name, header, parsed)], index text) of ``layout`` written at ``out``:
-    a single-file layout written into an existing directory becomes that directory's one file."""
+    a single-file layout written into a directory (an existing one, or ``want_dir``: ``out/``)
+    becomes that directory's one file, under the name the directory already uses for it
+    (``owned_files``), else ``model.safetensors``: the name the trainer's file had (``v2.safetensors``)
+    means nothing to the directory's readers, and a new name per version would leave the old
+    file beside the new one for them."""
     files = [(f["name"], f["header"], f["parsed"]) for f in layout["files"]]
     if layout["kind"] == "dir":
         return True, files, layout["index"]
-    if os.path.isdir(out):
-        try:
-            name = check_file_name(files[0][0], out)
-        except CheckpointError:  # a single file's recorded name is otherwise unused
-            name = "model.safetensors"
+    if os.path.isdir(out) or want_dir:
+        own = owned_files(out) if os.path.isdir(out) else []
+        name = own[0] if len(own) == 1 and own[0] != INDEX_NAME else SINGLE_NAME
         return True, [(name, files[0][1], files[0][2])], None
     return False, files, None
 
@@ -347,8 +352,9 @@ def write_checkpoint(out: str, layout: dict, produce, *, protect=()) -> int:
     point leaves the old or the new set, and the next run finishes or cleans up); the rest of
     the directory is left alone. New files and directories get the umask's mode, replaced files
     keep theirs. Nothing is written when ``out`` would replace a file in ``protect``."""
+    want_dir = os.fspath(out).endswith(("/", os.sep))  # ``out/``: a directory, also where none is yet
     out = os.path.realpath(out)
-    as_dir, files, index = _placed(out, layout)
+    as_dir, files, index = _placed(out, layout, want_dir)
     if os.path.lexists(out) and not os.path.isdir(out) and (as_dir or not os.path.isfile(out)):
         raise CheckpointError(f"{out} exists and is not a directory; the result is a directory checkpoint"
                               if as_dir else f"{out} exists and is not a regular file")

@@ -8,6 +8,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from nemo_dcr.checkpoint.safetensors_io import (
+    ST_DTYPES,
+    ST_NAMES,
     Checkpoint,
     CheckpointError,
     check_layout,
@@ -16,6 +18,7 @@ from nemo_dcr.checkpoint.safetensors_io import (
     owned_files,
     write_checkpoint,
 )
+from nemo_dcr.codec.names import DEFAULT_LEVEL
 from nemo_dcr.errors import DcrError, VersionNotFound
 from nemo_dcr.state.statedigest import state_contrib
 from nemo_dcr.sync.versions import Found, locate, read_head, walk
@@ -47,12 +50,53 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
 
 def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0, keyframe: bool = False,
                        retain=None,
-                       encoding: str = "auto", level: int = 3, signer="env"):
+                       encoding: str = "auto", level: int = DEFAULT_LEVEL, signer="env", trusted_keys=(),
+                       new_model: bool = False, progress: bool | None = None):
+    """Publish the checkpoint at ``path`` as the store's next version. A checkpoint of which less
+    than half of the tensors (the larger set's: same names, dtypes, shapes) are the store's last
+    version's is another model, not the next version of this one: refused unless ``new_model`` (then it is a
+    keyframe; receivers rebuild from it). ``progress``: a bar while it encodes (None: when stderr
+    is a terminal)."""
     from nemo_dcr.sync.publisher import Publisher
     tensors, layout = load_checkpoint(path)
-    pub = Publisher(_open(store), keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
-                    signer=signer)
-    return pub.publish(tensors, keyframe=keyframe, meta={"layout": layout})
+    st = _open(store)
+    if not new_model:
+        _refuse_unrelated(st, path, tensors)
+    pub = Publisher(st, keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
+                    signer=signer, trusted_keys=trusted_keys, progress=progress)
+    return pub.publish(tensors, keyframe=keyframe or new_model, meta={"layout": layout})
+
+
+def _refuse_unrelated(store, path: str, tensors: dict) -> None:
+    """Refuse a checkpoint unrelated to the store's last version (see ``publish_checkpoint``),
+    known from that version's recorded file layout alone (nothing is downloaded; a version
+    without a layout, or a store whose HEAD cannot be read, is left to the publisher)."""
+    import math
+
+    from nemo_dcr.sync.versions import read_manifest
+    try:
+        head, _ = read_head(store)
+        if head is None:
+            return
+        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        layout = (m.meta or {}).get("layout")
+        if layout is None:
+            return
+        files = check_layout(layout, None, f"version {m.version}'s file layout")["files"]
+    except DcrError:
+        return
+    chain = {t: (i["dtype"], tuple(i["shape"])) for f in files for t, i in f["parsed"].items() if t != "__metadata__"}
+    new = {n: (ST_NAMES[t.dtype], tuple(t.shape)) for n, t in tensors.items()}
+    same = sum(1 for n, v in new.items() if chain.get(n) == v)
+    # by tensors, not elements: a schema change (one tensor added, renamed, reshaped, re-typed)
+    # keeps most tensors even where the one it changes holds most of the elements
+    if 2 * same < max(len(chain), len(new)):
+        kept = sum(math.prod(s) for n, (d, s) in new.items() if chain.get(n) == (d, s))
+        total = max(sum(math.prod(s) for _, s in chain.values()), sum(math.prod(s) for _, s in new.values()), 1)
+        raise DcrError(f"{path} is not a next version of the model in the store: {same} of its {len(new)} "
+                       f"tensor(s) ({100 * kept / total:.0f} % of the elements) match version {m.version}'s "
+                       f"{len(chain)} in name, dtype and shape; publish it with --new-model to replace the model "
+                       "(a keyframe: receivers rebuild from it), or into another store")
 
 
 def history(store: Store | str, limit: int | None = None) -> list:
@@ -84,14 +128,16 @@ class PullResult:
     rewritten: bool = False  # the tensors were at the version but the files' bytes were not
 
 
-def pull_checkpoint(store: Store | str, out: str, version: int | None = None) -> PullResult:
+def pull_checkpoint(store: Store | str, out: str, version: int | None = None,
+                    progress: bool | None = None) -> PullResult:
     """Bring the checkpoint at ``out`` (created if missing) to ``version`` (default newest).
 
     Promise: afterwards the checkpoint's files at ``out`` are byte for byte the files of that
     version as published (names, headers with their metadata, data order, index), or, for a
     version published without a file layout, the canonical single file of its tensors. A
     checkpoint already holding the version's tensors is checked against that too and rewritten
-    when its files differ. Other files in a directory ``out`` are left alone."""
+    when its files differ. Other files in a directory ``out`` are left alone. ``progress``: a bar
+    while it downloads (None: when stderr is a terminal)."""
     from nemo_dcr.sync.follower import Follower
     from nemo_dcr.sync.signing import verifying
     store = verifying(_open(store, create=False))  # locate reads manifests too: verify them
@@ -115,7 +161,9 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
     if current is None:
         tensors = _whole_tensors_for_shards(store, head)
-    f = Follower(store, tensors, manifest=current, verify_initial=False)
+    f = Follower(store, tensors, manifest=current, verify_initial=False, progress=progress)
+    if current is not None and f.manifest is not None:
+        _empty_tensors_of(tensors, f.manifest)
     res = f.sync(version, head=head)
     m = f.manifest  # the very manifest whose state was verified
     if m is None:  # sync returned, so the follower holds a verified version
@@ -130,6 +178,26 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None) ->
         return PullResult(res)
     write_checkpoint(out, layout, lambda name: tensors[name])
     return PullResult(res, rewritten=not res.updated)
+
+
+def _empty_tensors_of(tensors: dict, m) -> None:
+    """Give ``tensors`` exactly the tensors without elements that version ``m``'s file layout
+    holds. They add nothing to the state digest, so a checkpoint recognised as ``m`` by its
+    digest may be a neighbour that lacks (or has) one: the deltas after ``m`` take them as
+    ``m`` has them. A version published without a layout (the Python API) says nothing here."""
+    layout = (m.meta or {}).get("layout")
+    if layout is None:
+        return
+    files = check_layout(layout, None, f"version {m.version}'s file layout")["files"]
+    empty = {t: info for f in files for t, info in f["parsed"].items()
+             if t != "__metadata__" and 0 in info["shape"]}
+    for n in [n for n, t in tensors.items() if t.numel() == 0 and n not in empty]:
+        del tensors[n]
+    import torch
+    for n, info in empty.items():
+        t = tensors.get(n)
+        if t is None or (t.numel() == 0 and (ST_NAMES.get(t.dtype) != info["dtype"] or list(t.shape) != info["shape"])):
+            tensors[n] = torch.empty(info["shape"], dtype=ST_DTYPES[info["dtype"]])
 
 
 def _whole_tensors_for_shards(store, head) -> dict:

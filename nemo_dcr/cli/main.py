@@ -25,6 +25,10 @@ def _cmd_diff(a):
 def _cmd_apply(a):
     from nemo_dcr.checkpoint.files import apply_checkpoint
     r = apply_checkpoint(a.base, a.delta, a.output, workers=a.workers)
+    if r.already:
+        print(f"{r.out} is already the delta's target (an earlier apply finished; tensors and files checked "
+              "bit-exactly): nothing to do")
+        return
     rep = r.report
     print(f"wrote {r.out}: {r.files} file(s), {rep.elements_changed:,} elements changed in "
           f"{rep.tensors_changed} tensor(s); base and result verified bit-exactly")
@@ -62,10 +66,17 @@ def _verifier(a):
     return Verifier.from_sources(a.trusted_key, a.namespace or os.environ.get(NAMESPACE_ENV) or None)
 
 
-def _verified_store(a):
+def _verified_store(a, verifier="args"):
     from nemo_dcr.checkpoint.sync import open_for_reading
     from nemo_dcr.sync.signing import verifying
-    return verifying(open_for_reading(a.store), _verifier(a))
+    store = a.store
+    if getattr(a, "token_file", None):  # a relay that wants a bearer token (relay --token-file)
+        from nemo_dcr.stores import open_store
+        from nemo_dcr.stores.http import read_token_file
+        if not store.lower().startswith(("http://", "https://")):
+            raise DcrError(f"--token-file is for a relay's URL (http://HOST:PORT), not {store}")
+        store = open_store(store, token=read_token_file(a.token_file))
+    return verifying(open_for_reading(store), _verifier(a) if verifier == "args" else verifier)
 
 
 def _cmd_keygen(a):
@@ -89,8 +100,17 @@ def _cmd_keygen(a):
 
 def _cmd_publish(a):
     from nemo_dcr.checkpoint.sync import publish_checkpoint
+    signer = _signer(a)
+    trusted = []
+    if a.trusted_key:
+        from nemo_dcr.sync.signing import Verifier
+        if signer is None:
+            raise DcrError("--trusted-key on publish names keys whose versions a signed publish may extend: "
+                           "give --signing-key too")
+        trusted = list(Verifier.from_sources(a.trusted_key).keys.values())
     r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
-                           retain=a.retain, encoding=a.encoding, level=a.level, signer=_signer(a))
+                           retain=a.retain, encoding=a.encoding, level=a.level, signer=signer, trusted_keys=trusted,
+                           new_model=a.new_model)
     m = r.manifest
     kind = m.kind
     base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
@@ -99,8 +119,14 @@ def _cmd_publish(a):
 
 
 def _cmd_pull(a):
+    from nemo_dcr.checkpoint import trust
     from nemo_dcr.checkpoint.sync import pull_checkpoint
-    p = pull_checkpoint(_verified_store(a), a.into, version=a.version)
+    verifier = _verifier(a)
+    if verifier is not None:  # what earlier pulls into this checkpoint verified: no replay across commands
+        trust.seed(verifier, trust.load(a.into))
+    p = pull_checkpoint(_verified_store(a, verifier), a.into, version=a.version)
+    if verifier is not None:
+        trust.save(a.into, verifier)
     r = p.sync
     if p.rewritten:
         print(f"{a.into} held version {r.version}'s tensors; its files differed from the version's and were "
@@ -236,9 +262,17 @@ class _Version(argparse.Action):
 
 
 def _signing_args(p, sign: bool = False) -> None:
+    if not sign:  # the readers: pull, log, verify
+        p.add_argument("--token-file", default=None,
+                       help="bearer token for a relay that requires one (its --token-file; default: "
+                            "$NEMO_DCR_RELAY_TOKEN(_FILE))")
     if sign:
         p.add_argument("--signing-key", default=None,
-                       help="sign the version with this Ed25519 key file (default: $NEMO_DCR_SIGNING_KEY(_FILE))")
+                       help="sign the version with this Ed25519 key file, mode 600 (default: "
+                            "$NEMO_DCR_SIGNING_KEY(_FILE)); a store of signed versions takes only signed ones")
+        p.add_argument("--trusted-key", action="append", default=[],
+                       help="also extend versions signed by this public key (a .pub file or ed25519:...; key "
+                            "rotation: the old key); the signing key's own is always trusted")
     else:
         p.add_argument("--trusted-key", action="append", default=[],
                        help="accept only versions signed by this key (a .pub file or ed25519:...); repeat for "
@@ -254,8 +288,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="cmd", required=True)
 
     d = sub.add_parser("diff", help="encode TARGET as a delta against BASE (safetensors file or directory)")
-    d.add_argument("base")
-    d.add_argument("target")
+    d.add_argument("base", help="the checkpoint the receiver holds (a .safetensors file or a directory)")
+    d.add_argument("target", help="the checkpoint to encode against BASE")
     d.add_argument("-o", "--output", required=True, help="delta file to write")
     d.add_argument("--encoding", choices=list(CHOICES), default="auto",
                    help="auto (default): per chunk, classes where it pays, else the smallest of all; "
@@ -269,47 +303,54 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=_cmd_diff)
 
     ap = sub.add_parser("apply", help="apply DELTA to BASE and write the verified result to OUT atomically")
-    ap.add_argument("base")
-    ap.add_argument("delta")
-    ap.add_argument("-o", "--output", required=True)
-    ap.add_argument("--workers", type=int, default=None)
+    ap.add_argument("base", help="the checkpoint the delta was made against")
+    ap.add_argument("delta", help="delta file (from diff)")
+    ap.add_argument("-o", "--output", required=True,
+                    help="where the result goes (a file, a directory, or BASE itself: in place)")
+    ap.add_argument("--workers", type=int, default=None, help="decoder threads (default: cores, at most 8)")
     ap.set_defaults(func=_cmd_apply)
 
     i = sub.add_parser("inspect", help="what a delta holds: change rate, bytes by stream and encoding")
-    i.add_argument("delta")
-    i.add_argument("--json", action="store_true")
+    i.add_argument("delta", help="delta file")
+    i.add_argument("--json", action="store_true", help="the figures as JSON (with the codec backend)")
     i.set_defaults(func=_cmd_inspect)
 
     pb = sub.add_parser("publish", help="publish a checkpoint as the next version in a store")
     pb.add_argument("--store", required=True, help="s3://bucket/prefix, file:///path or a directory")
-    pb.add_argument("checkpoint")
+    pb.add_argument("checkpoint", help="the checkpoint to publish (a .safetensors file or a directory)")
     pb.add_argument("--keyframe-every", type=int, default=0,
                     help="also store the full state every K versions (0: only the first)")
     pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")
+    pb.add_argument("--new-model", action="store_true",
+                    help="publish a checkpoint that shares less than half its tensors with the store's last "
+                         "version (another model; refused without this): as a keyframe")
     pb.add_argument("--retain", type=int, default=None,
                     help="delete versions no receiver needs, keeping N recent")
-    pb.add_argument("--encoding", choices=list(CHOICES), default="auto")
-    pb.add_argument("--level", type=int, default=DEFAULT_LEVEL)
+    pb.add_argument("--encoding", choices=list(CHOICES), default="auto",
+                    help="as diff's (default auto: classes where it pays, else the smallest of all)")
+    pb.add_argument("--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level, 1..22 (default {DEFAULT_LEVEL})")
     _signing_args(pb, sign=True)
     pb.set_defaults(func=_cmd_publish)
 
     pl = sub.add_parser("pull", help="bring a local checkpoint to the newest (or given) version")
-    pl.add_argument("--store", required=True)
-    pl.add_argument("--into", required=True, help="checkpoint to update (created if missing)")
-    pl.add_argument("--version", type=int, default=None)
+    pl.add_argument("--store", required=True, help="store URL: a directory, file:///path, s3://bucket/prefix or a "
+                                                   "relay's http://HOST:PORT (a local path must exist)")
+    pl.add_argument("--into", required=True,
+                    help="checkpoint to update (created if missing; OUT/ with a trailing slash: a directory)")
+    pl.add_argument("--version", type=int, default=None, help="the version to bring it to (default: the newest)")
     _signing_args(pl)
     pl.set_defaults(func=_cmd_pull)
 
     lg = sub.add_parser("log", help="list the versions in a store")
-    lg.add_argument("--store", required=True)
-    lg.add_argument("--json", action="store_true")
-    lg.add_argument("--limit", type=int, default=None)
+    lg.add_argument("--store", required=True, help="store URL (as pull's)")
+    lg.add_argument("--json", action="store_true", help="the rows as JSON")
+    lg.add_argument("--limit", type=int, default=None, help="at most N versions, newest first (default: all)")
     _signing_args(lg)
     lg.set_defaults(func=_cmd_log)
 
     vf = sub.add_parser("verify", help="say which version a checkpoint is")
-    vf.add_argument("--store", required=True)
-    vf.add_argument("checkpoint")
+    vf.add_argument("--store", required=True, help="store URL (as pull's)")
+    vf.add_argument("checkpoint", help="the checkpoint to identify (a .safetensors file or a directory)")
     _signing_args(vf)
     vf.set_defaults(func=_cmd_verify)
 
@@ -342,7 +383,7 @@ def build_parser() -> argparse.ArgumentParser:
     ch = sub.add_parser("chaos", help="fault campaign: randomized end-to-end runs with injected faults, "
                                       "receivers checked bit for bit (docs/reliability.md)")
     ch.add_argument("--runs", type=int, default=None, help="runs (default 20; with --engine 3)")
-    ch.add_argument("--seed", type=int, default=0)
+    ch.add_argument("--seed", type=int, default=0, help="seed of the runs' faults and timings (default 0)")
     ch.add_argument("--fast", action="store_true",
                     help="short runs, the fault kinds in turn (run i's first fault is kind i), at most two faults each")
     ch.add_argument("--sign", action="store_true",
@@ -365,11 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     ch.set_defaults(func=_cmd_chaos)
 
     m = sub.add_parser("demo", help="a Lightning trainer publishes, a rollout process follows and samples")
-    m.add_argument("--workdir", default="runs/demo")
+    m.add_argument("--workdir", default="runs/demo", help="where the store, summary and plot go (default runs/demo)")
     m.add_argument("--store", default=None, help="store URL (default: WORKDIR/store, a local directory)")
     m.add_argument("--steps", type=int, default=40, help="optimizer steps")
     m.add_argument("--every", type=int, default=4, help="publish every N optimizer steps")
-    m.add_argument("--keyframe-every", type=int, default=0)
+    m.add_argument("--keyframe-every", type=int, default=0,
+                   help="also store the full state every K versions (0: only the first)")
     m.set_defaults(func=_cmd_demo)
     return p
 

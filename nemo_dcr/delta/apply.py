@@ -26,7 +26,7 @@ import torch
 from nemo_dcr.codec import ordered
 from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
-from nemo_dcr.codec.header import ChunkEntry, TensorEntry
+from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
 from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
@@ -409,14 +409,18 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     plans = list(ordered_map(lambda e: plan_entry(e, tensors.get(e.name), shards.get(e.name), verify=verify,
                                                   resume=resume), entries, workers))
     _refuse_undecodable(plans, journal, decoded)
+    refuse_misfits(tensors, [p.entry for p in plans if p.action == Action.CREATE], shards)
     report = ApplyReport()
     reached: list[Plan] = []
+    changed: list[str] = []  # tensors added to or removed from ``tensors`` (in-place writes: ``reached``)
 
     def done(p: Plan, out):
         if p.action == Action.CREATE:
             tensors[p.name] = out
+            changed.append(p.name)
         elif p.action == Action.REMOVE:
             del tensors[p.name]
+            changed.append(p.name)
             report.tensors_removed.append(p.name)
 
     try:
@@ -424,12 +428,39 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
             run_plans(reader, plans, report, workers, bar, journal, on_change, verify, decoded, done=done,
                       reached=reached)
     except DcrError as e:
-        if any(p.action.writes or p.action == Action.REMOVE for p in reached):
+        # a created tensor is built aside and only then handed to ``tensors``: reaching it
+        # changes nothing (a receiver that refuses it, such as the rollout loader's, is unchanged)
+        if changed or any(p.action.writes and p.action != Action.CREATE for p in reached):
             raise PartialApplyError(f"apply stopped after changing tensors in place: {e}. "
                                     "Call apply again with resume=True to finish, or reload the base.") from e
         raise
     report.seconds = time.perf_counter() - t0
     return report
+
+
+def creates(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec | None) -> bool:
+    """Whether applying ``entry`` makes a new tensor for the receiver (a new name, or another
+    dtype or shape than the one held): ``plan_entry``'s ``create``."""
+    if entry.kind != TensorKind.FULL or entry.region is None:
+        return False
+    if tensor is None or tensor.dtype != entry.torch_dtype:
+        return True
+    return tuple((recv or ShardSpec.full(tensor.shape)).global_shape) != tuple(entry.region.global_shape)
+
+
+def refuse_misfits(tensors: Mapping[str, torch.Tensor], entries: Iterable[TensorEntry],
+                   shards: Mapping[str, ShardSpec] | None = None) -> None:
+    """Before the first write: where the receiver's mapping takes no new tensors (it offers
+    ``refuse_new(entries)``, as the rollout loader's view of a model's own weights does), the
+    entries that would make one are refused together, with what differs, while nothing is
+    changed yet."""
+    refuse = getattr(tensors, "refuse_new", None)
+    if refuse is None:
+        return
+    shards = shards or {}
+    new = [e for e in entries if creates(e, tensors.get(e.name), shards.get(e.name))]
+    if new:
+        refuse(new)
 
 
 def _refuse_undecodable(plans: Sequence[Plan], journal: set | None, decoded: DecodedChunks | None) -> None:

@@ -8,6 +8,7 @@ at one tensor). ``shards`` gives, per name, where a local tensor sits in the can
 """
 from __future__ import annotations
 
+import contextlib
 import io
 import time
 from collections.abc import Callable, Mapping
@@ -41,7 +42,7 @@ Chunker = Callable[[str, torch.Tensor, torch.Tensor, int, str, int, bool], "list
 def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
          level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,
-         out: BinaryIO | None = None, progress: bool | None = None,
+         out: BinaryIO | None = None, progress: bool | Progress | None = None,
          on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None,
          chunker: Chunker | None = None, format_version: int = FORMAT_VERSION,
          target_digests: Mapping[str, str] | None = None):
@@ -90,8 +91,13 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     created = round(time.time(), 3)
     w.open({"format": fv.number, "tool": f"nemo-dcr {__version__}", "created": created, "byte_order": "little",
             "encoding": encoding, "level": level, "chunk_elems": chunk_elems, "meta": meta or {}})
-    bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
-    with bar:
+    if isinstance(progress, Progress):  # the caller's bar, over more than this delta (a publish): left open
+        bar: Progress = progress
+        owned: contextlib.AbstractContextManager = contextlib.nullcontext()
+    else:
+        bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
+        owned = bar
+    with owned:
         for name in names:
             entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
                                    chunk_elems, workers, bar, on_change, known.get(name), chunker, fv,

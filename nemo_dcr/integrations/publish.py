@@ -37,7 +37,7 @@ from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
 from nemo_dcr.codec import versions as format_versions  # noqa: E402
-from nemo_dcr.codec.names import CHOICES  # noqa: E402
+from nemo_dcr.codec.names import CHOICES, DEFAULT_LEVEL  # noqa: E402
 from nemo_dcr.codec.versions import FORMAT_VERSION  # noqa: E402
 from nemo_dcr.delta import DEFAULT_CHUNK  # noqa: E402
 from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
@@ -53,6 +53,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("nemo_dcr.callbacks")
 
 SKIP_MODES = ("skip", "empty")
+PROGRESS_BAR = ("dcr/version", "dcr/change_rate")  # the metrics shown in the training progress bar
 
 
 @dataclass
@@ -77,8 +78,11 @@ class DeltaPublishCallback(Callback):
         every_n_steps: publish when ``trainer.global_step % every_n_steps == 0`` (each delta then
             carries the changes of ``every_n_steps`` steps).
         keyframe_every: also store the full state every K versions (0: only the first version).
-        encoding: ``auto`` (per chunk, the smallest of XOR, add and overwrite), ``xor``, ``add`` or ``overwrite``.
-        level: zstd level.
+        encoding: ``auto`` (default: per chunk ``classes`` where it pays, else the smallest of all),
+            ``portable`` (the smallest of ``xor``, ``add`` and ``overwrite``: for a lone receiver
+            holding only part of a trainer rank's shard), ``classes``, ``xor``, ``add`` or ``overwrite``.
+        level: zstd level of the byte-plane streams, 1..22 (default ``DEFAULT_LEVEL``, 1: faster
+            than 3 and as small on BF16; ``classes`` chunks use no zstd).
         retain: after each commit delete versions older than both the newest keyframe and the
             newest ``retain`` versions (None: keep everything).
         on_skipped_step: what a skipped optimizer step (see :meth:`mark_skipped`) does at a
@@ -112,7 +116,7 @@ class DeltaPublishCallback(Callback):
     """
 
     def __init__(self, store: str, every_n_steps: int = 1, keyframe_every: int = 0, encoding: str = "auto",
-                 level: int = 3, retain: int | None = None, on_skipped_step: str = "skip",
+                 level: int = DEFAULT_LEVEL, retain: int | None = None, on_skipped_step: str = "skip",
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
@@ -231,7 +235,7 @@ class DeltaPublishCallback(Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self._raise_if_failed()
-        self._log_results(trainer)
+        self._log_results(trainer, pl_module)
         gs = trainer.global_step
         advanced = self._last_seen_step is None or gs != self._last_seen_step
         skipped, self._skip_marked = self._skip_marked, False
@@ -328,7 +332,8 @@ class DeltaPublishCallback(Callback):
             with self._lock:
                 self._results.append((int(step), {"dcr/stall_s": float(time.perf_counter() - t0)}))
             self._raise_if_failed()
-            self._log_results(trainer)
+            # (on_train_start, for publish_initial, may not call pl_module.log on a step)
+            self._log_results(trainer, None if initial else pl_module)
             return
         t1 = time.perf_counter()
         while True:  # blocks while max_pending snapshots wait; wakes up to notice a failure
@@ -480,7 +485,12 @@ class DeltaPublishCallback(Callback):
             self._error_raised = True
             raise err
 
-    def _log_results(self, trainer, final: bool = False) -> None:
+    def _log_results(self, trainer, pl_module=None, final: bool = False) -> None:
+        """Finished publishes' metrics, from the training thread: to the trainer's loggers at the
+        step each version was published at, and, newest value per name, through
+        ``pl_module.log`` (``logger=False``: the loggers have them already) into
+        ``trainer.callback_metrics`` and, for ``PROGRESS_BAR``, the progress bar. At the end of
+        training (where ``log`` may not be called) straight into ``callback_metrics``."""
         with self._lock:
             results, self._results = self._results, []
         if not results:
@@ -489,6 +499,15 @@ class DeltaPublishCallback(Callback):
         for step, metrics in results:
             for lg in loggers:
                 lg.log_metrics(metrics, step=step)
+        newest = {k: v for _, metrics in results for k, v in metrics.items()}
+        if pl_module is not None and not final:
+            for k, v in newest.items():
+                pl_module.log(k, float(v), on_step=True, on_epoch=False, prog_bar=k in PROGRESS_BAR, logger=False,
+                              batch_size=1)
+        else:
+            cm = getattr(trainer, "callback_metrics", None)
+            if isinstance(cm, dict):
+                cm.update({k: torch.tensor(float(v)) for k, v in newest.items()})
         if final:
             for lg in loggers:
                 try:

@@ -168,6 +168,64 @@ class _Published(MutableMapping):
                        f"({what}); the publisher and the rollout model differ (names: see name_map; dtypes: the "
                        "publisher's dtype= option)")
 
+    def refuse_new(self, entries) -> None:
+        """Called before the first write with every published tensor that does not fit a tensor
+        the receiver holds (``delta.apply.refuse_misfits``): one error saying what differs and
+        the likely cause; nothing was changed."""
+        missing, other, dtypes = [], [], set()
+        for e in entries:
+            r = self.resolve(e.name)
+            held = self.recv.get(r) if r is not None else None
+            shape = tuple(e.region.global_shape) if e.region is not None else ()
+            if held is None:
+                missing.append(e.name)
+                continue
+            other.append(f"{e.name!r}: published {e.torch_dtype} {shape}, the receiver holds "
+                         f"{held.dtype} {tuple(held.shape)}" + (f" as {r!r}" if r != e.name else ""))
+            if held.dtype != e.torch_dtype:
+                dtypes.add(str(held.dtype).removeprefix("torch."))
+        why = []
+        if missing:
+            why.append(f"{len(missing)} published tensor(s) the receiver has no tensor for "
+                       f"(e.g. {', '.join(repr(n) for n in missing[:3])}){self._name_hint(missing)}")
+        if other:
+            why.append(f"{len(other)} with another dtype or shape ({'; '.join(other[:3])})" +
+                       (f": publish in the receiver's dtype (DeltaPublishCallback(dtype={sorted(dtypes)[0]!r}))"
+                        if dtypes else ""))
+        raise DcrError(f"the published version does not fit the receiver, nothing was changed: {'; '.join(why)}")
+
+    def _name_hint(self, missing) -> str:
+        """The likely cause of published names the receiver lacks: a prefix one side has and
+        the other does not (a LightningModule's ``model.`` around a Hugging Face model)."""
+        held = set(self.recv)
+        extra: dict[str, int] = {}   # prefix the publisher added
+        lacks: dict[str, int] = {}   # prefix the receiver has
+        for n in missing:
+            parts = n.split(".")
+            for i in range(1, len(parts)):
+                if ".".join(parts[i:]) in held:
+                    p = ".".join(parts[:i]) + "."
+                    extra[p] = extra.get(p, 0) + 1
+                    break
+            else:
+                for r in held:
+                    if r.endswith("." + n):
+                        p = r[:-len(n)]
+                        lacks[p] = lacks.get(p, 0) + 1
+                        break
+        if extra:
+            p = max(extra, key=lambda k: extra[k])
+            sub = p.rstrip(".")
+            return (f"; {extra[p]} of them are the receiver's names with {p!r} in front: the trainer published "
+                    f"the wrapper's names (a LightningModule holding the model as self.{sub}): publish the inner "
+                    f"model (DeltaPublishCallback(submodule={sub!r})) or map the names "
+                    f"(name_map=lambda n: n.removeprefix({p!r}))")
+        if lacks:
+            p = max(lacks, key=lambda k: lacks[k])
+            return (f"; {lacks[p]} of them are in the receiver under {p!r}: map the names "
+                    f"(name_map=lambda n: {p!r} + n)")
+        return "; the publisher and the rollout model differ (see name_map)"
+
     def __delitem__(self, name):
         raise DcrError(f"the trainer no longer publishes {name!r}; the receiver keeps its tensor")
 

@@ -21,7 +21,7 @@ from .local import LocalStore
 from .s3 import S3Store  # boto3 is imported only when an S3Store is made
 
 __all__ = [
-    "Store", "LocalStore", "S3Store", "open_store", "StoreError", "NotFound",
+    "Store", "LocalStore", "S3Store", "open_store", "open_reader", "StoreError", "NotFound",
     "PreconditionFailed", "HttpStore", "FallbackStore", "StoreUnavailable",
 ]
 
@@ -87,3 +87,18 @@ def open_store(url: str | os.PathLike | list, **kwargs) -> Store:
         "(supported: file:///abs/path, s3://bucket/prefix, http://relay:port/prefix, "
         "or a plain directory path)"
     )
+
+
+def open_reader(url, **kwargs) -> Store:
+    """:func:`open_store` for a reader (a follower, a rollout loader, ``pull``): a local path that
+    does not exist is an error, not a new empty store that the reader would then wait on forever
+    (a mistyped path). Only a publisher creates a store."""
+    if isinstance(url, (list, tuple)) and len(url) != 1:
+        return FallbackStore([open_reader(u, **kwargs) for u in url])
+    if isinstance(url, (list, tuple)):
+        url = url[0]
+    if isinstance(url, os.PathLike):
+        url = os.fspath(url)
+    if isinstance(url, str) and (_SCHEME.match(url) is None or url.lower().startswith("file://")):
+        return open_store(url, create=False, **kwargs)
+    return open_store(url, **kwargs)

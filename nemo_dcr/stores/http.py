@@ -67,13 +67,13 @@ class StoreUnavailable(StoreError):
 
 
 def read_token_file(path: str) -> str:
-    """The bearer token in ``path`` (surrounding whitespace stripped). Errors name the file only."""
+    """The bearer token in ``path`` (surrounding whitespace stripped; a regular file: a FIFO
+    would block). Errors name the file only."""
+    from nemo_dcr.util.keyfiles import KeyFileError, read_key_file
     try:
-        with open(path, encoding="utf-8") as f:
-            token = f.read().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise StoreError(f"cannot read the token file {path}: "
-                         f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
+        token = read_key_file(path, "token").strip()
+    except KeyFileError as e:
+        raise StoreError(str(e)) from None
     if not token or any(c.isspace() for c in token):
         raise StoreError(f"the token file {path} must hold one token (no whitespace inside)")
     return token

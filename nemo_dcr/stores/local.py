@@ -60,7 +60,8 @@ class LocalStore(Store):
             except OSError as e:
                 raise StoreError(f"cannot create store directory {self.root}: {e}") from e
         elif not os.path.isdir(self.root):
-            raise StoreError(f"store directory does not exist: {self.root}")
+            raise StoreError(f"store directory does not exist: {self.root} (a mistyped path? a reader never "
+                             "creates a store: the publisher's first version does)")
         self.url = "file://" + self.root
 
     # -- paths and locks -------------------------------------------------------------------

@@ -50,6 +50,7 @@ import torch
 
 from nemo_dcr.codec.format import DeltaReader, SegmentStream
 from nemo_dcr.delta import apply, remove_absent
+from nemo_dcr.delta.apply import refuse_misfits
 from nemo_dcr.errors import (
     BaseMismatchError,
     CorruptObjectError,
@@ -64,6 +65,7 @@ from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_dige
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.versions import Head, Manifest, manifest_at, no_plan, plans, read_head, read_manifest
+from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -147,7 +149,7 @@ class Follower:
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
                  max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env",
                  name: str | None = None, metrics=None, metrics_port: int | None = None,
-                 manifest: Manifest | None = None, on_write=None):
+                 manifest: Manifest | None = None, on_write=None, progress: bool | None = False):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``manifest``: instead of ``version``, that version's manifest where the caller has it
@@ -173,11 +175,15 @@ class Follower:
         called for every chunk written into ``tensors`` (deltas and keyframes, from the apply's
         worker threads; ``global_idx`` canonical flat positions, ``new_bits`` their new bits as
         the dtype's integer view), for receivers that keep a second copy of some tensor in
-        another layout (the vLLM receiver's pieces of a tensor held in several strided boxes)."""
-        from nemo_dcr.stores import open_store
+        another layout (the vLLM receiver's pieces of a tensor held in several strided boxes).
+        ``progress``: a bar on stderr over the bytes a sync downloads (None: when stderr is a
+        terminal, as ``nemo-dcr pull``; False, the default: never)."""
+        from nemo_dcr.stores import open_reader
         from nemo_dcr.stores.http import check_receiver_name
         from nemo_dcr.sync.signing import verifying
-        self.store = verifying(open_store(store) if isinstance(store, str) else store, verifier)
+        # a reader: a local path that does not exist is an error (mistyped), not a new empty store
+        self.store = verifying(open_reader(store) if isinstance(store, (str, list, tuple, os.PathLike)) else store,
+                               verifier)
         self.name = check_receiver_name(name if name is not None else _default_name())
         self.metrics, self.metrics_server = metrics, None
         if metrics_port is not None:
@@ -191,6 +197,8 @@ class Follower:
         self.retries, self.backoff, self.workers = retries, backoff, workers
         self.max_fallbacks = max_fallbacks
         self.prefetch, self.stream = max(0, int(prefetch)), bool(stream)
+        self.progress = progress
+        self._bar: Progress = NullProgress(0, "")
         self._version: int | None = None
         self._held: Manifest | None = None        # the manifest of the verified state
         self._digest: StateDigest | None = None  # global digest of the verified state
@@ -341,15 +349,25 @@ class Follower:
                 last = res.fallbacks[-1] if res.fallbacks else None
                 raise _no_path(target, self._version, last)
             res.path = describe(steps)
-            if self._version is not None and steps and steps[0][0] == "keyframe" and not res.fallbacks:
+            if self._version is not None and target.version < self._version <= head.version:
+                # going back (an older version asked for; the store still has the newer ones):
+                # deltas lead forward only, so an older version is rebuilt from a keyframe
+                log.info("nemo-dcr: going back from version %d to version %d: from a keyframe (deltas lead "
+                         "forward only)", self._version, target.version)
+            elif self._version is not None and steps and steps[0][0] == "keyframe" and not res.fallbacks:
                 # the receiver's version, with its digest, is not on the chain to the target: the
                 # store was wiped and republished or rewritten (or retention removed the deltas)
                 res.rekeyed = True
-                log.warning("nemo-dcr: version %d (manifest %s) with this receiver's digest is not on the chain to "
-                            "version %d in %s; re-keying from a keyframe", self._version,
+                log.warning("nemo-dcr: the version this receiver holds (%d, manifest %s) is not on the chain to "
+                            "version %d in %s (the store was republished or rewritten, or retention removed the "
+                            "deltas from it); rebuilding from a keyframe", self._version,
                             self._held.key if self._held else "?", target.version,
                             getattr(self.store, "url", self.store))
             log.info("nemo-dcr: version %s -> %d: %s", self._version, target.version, res.path)
+            if self.progress is not False and g.rank == 0:
+                self._bar.close()
+                self._bar = Progress(sum(p.size for kind, m in steps for p in _parts(kind, m)),
+                                     f"pull v{target.version}", enabled=self.progress)
             feed = _Feed(self, steps, res.spans)
             try:
                 for kind, m in steps:
@@ -364,6 +382,7 @@ class Follower:
                 continue
             finally:
                 feed.close()
+                self._bar.close()
             return self._done(res, t0)
 
     def _newest(self, head: Head) -> Manifest:
@@ -466,6 +485,10 @@ class Follower:
 
         if not stream:
             try:
+                # a receiver that takes no new tensors (a model's own weights) refuses a version
+                # that does not fit it, all parts at once, before any of them is written
+                g.run(lambda: self._refuse_misfits([reader(b) for b in blobs]),
+                      f"check version {m.version} fits the receiver")
                 gather(parts, blobs)  # collective: every rank, before any writes
             except DcrError:
                 self._pending = before  # nothing was written: the receiver is still at its version
@@ -531,6 +554,13 @@ class Follower:
                 return True
             seen = filled
 
+    def _refuse_misfits(self, readers: list) -> None:
+        """Before any write: a version that does not fit a receiver taking no new tensors
+        (``delta.apply.refuse_misfits``), all its parts at once. In a group, each rank its own."""
+        held = self.group.active
+        refuse_misfits(self.tensors, [e for r in readers for e in r.header.tensors
+                                      if not held or e.name in self.tensors], self.shards)
+
     def _verify(self, m: Manifest, kind: str, full: bool = False) -> None:
         """O(changes) for a delta applied in one go; a full recomputation for keyframes and for
         a version finished after an interruption (anything may have happened in between)."""
@@ -586,6 +616,7 @@ class Follower:
                             h.update(b)
                             n += len(b)
                             arriving.wrote(n)
+                            self._bar.update(len(b))
                     else:
                         n = size
                 finally:

@@ -32,7 +32,7 @@ from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.changes import OnChange
 from nemo_dcr.delta.stats import totals
-from nemo_dcr.errors import CommitConflict, ManifestError, PublishError, VersionNotFound
+from nemo_dcr.errors import CommitConflict, ManifestError, PublishError, SignatureError, VersionNotFound
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
@@ -52,6 +52,7 @@ from nemo_dcr.sync.versions import (
     read_manifest,
     version_dir,
 )
+from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -98,7 +99,8 @@ class Publisher:
                  level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
                  retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
-                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4, format_version: int = FORMAT_VERSION):
+                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4, format_version: int = FORMAT_VERSION,
+                 trusted_keys=(), allow_unverified_chain: bool = False, progress: bool | None = False):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
         ``retain``: after each commit, delete versions older than both the newest keyframe and
         the newest ``retain`` versions (None: delete nothing). ``signer``: a
@@ -115,11 +117,28 @@ class Publisher:
         receiver applies part j while part j+1 downloads (0: one object per rank).
         ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
         ``format_version``: of every delta and keyframe part (``codec/versions.py``; 1 while
-        receivers older than format version 2 still follow the store)."""
+        receivers older than format version 2 still follow the store).
+
+        Signed chains: a store whose versions are signed takes only versions signed by a key
+        that verifies its chain. Before anything is written, HEAD (and, on a restore, every
+        manifest) is checked against the signer's own public key, ``trusted_keys`` (public
+        keys: a key rotation's old key) and ``$NEMO_DCR_TRUSTED_KEYS(_FILE)``; an unsigned
+        publisher refuses a signed chain. A HEAD that does not verify (a forgery, a replay, an
+        unsigned version) is not built on: the publisher continues from its own last version
+        if it holds one, else only ``keyframe=True`` publishes (replacing that HEAD). Every
+        verifying receiver would refuse what an unsigned or foreign-signed publisher adds, so
+        ``allow_unverified_chain=True`` (tests and fault campaigns playing a forger) is the only
+        way to do it.
+
+        ``progress``: a bar on stderr over the bytes each publish encodes (None: when stderr is
+        a terminal, as the command line does; False, the default: never, as in a trainer)."""
         from nemo_dcr.stores import open_store
-        from nemo_dcr.sync.signing import resolve_signer
+        from nemo_dcr.sync.signing import chain_verifier, resolve_signer
         self.store = open_store(store) if isinstance(store, str) else store
         self.signer = resolve_signer(signer)
+        self.allow_unverified_chain = bool(allow_unverified_chain)
+        self.progress = progress
+        self._verifier = chain_verifier(self.signer, trusted_keys)  # None: an unsigned publisher
         self.keyframe_every = keyframe_every
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
@@ -252,7 +271,77 @@ class Publisher:
             return None, tag, new_publish_id(), top + 1
         if self.signer is not None:
             self.signer.check_continues(head)
-        return head, tag, new_publish_id(), 0 if head is None else head.version + 1
+        version = 0 if head is None else head.version + 1
+        why = None if head is None or self.allow_unverified_chain or _same_head(self._head, head) \
+            else self._unverifiable(head)
+        if why is None:
+            return head, tag, new_publish_id(), version
+        if self.signer is None:
+            raise SignatureError(f"{why}; a version without this run's signature would stop every receiver that "
+                                 "verifies them: publish with the signing key (--signing-key and --namespace, or "
+                                 "$NEMO_DCR_SIGNING_KEY_FILE and $NEMO_DCR_NAMESPACE), or to another store")
+        assert self._verifier is not None and head is not None  # made with the signer; why is None without HEAD
+        if self._head is not None:  # this publisher's own last version is verified: the next one follows it
+            log.warning("nemo-dcr: the store's HEAD is not one this publisher can verify (%s); version %d follows "
+                        "this publisher's own version %d instead", why, max(version, self._head.version + 1),
+                        self._head.version)
+            return self._head, tag, new_publish_id(), max(version, self._head.version + 1)
+        ours = self._verifies_below(head)
+        if not keyframe or not ours:
+            raise SignatureError(f"{why}; this publisher does not build on a chain it cannot verify: " + (
+                "publish(keyframe=True) (--keyframe) replaces that HEAD with a keyframe" if ours else
+                "if the key that signed it is an old key of this run, trust it (trusted_keys / --trusted-key: a "
+                "key rotation); else this is the wrong store or the wrong key"))
+        listed = [key_version(k)[0] for k in self.store.list("versions/")]
+        top = max([v for v in listed if v is not None] + [head.version])
+        log.warning("nemo-dcr: the store's HEAD is not one this publisher can verify (%s); publishing keyframe "
+                    "version %d in its place", why, top + 1)
+        return None, tag, new_publish_id(), top + 1
+
+    def _verifies_below(self, head: Head, tries: int = 8) -> bool:
+        """Whether this run's versions are under an unverifiable HEAD (a manifest there verifies:
+        the one HEAD's manifest names as its base, else one of the ``tries`` newest others in the
+        store): HEAD was put over this run's chain, so a keyframe may replace it. Not so for a
+        publisher with the wrong key, which must not replace a good chain."""
+        from nemo_dcr.errors import DcrError
+        from nemo_dcr.sync.versions import is_manifest_key, read_manifest
+        assert self._verifier is not None  # a signing publisher
+        below: list = []
+        try:
+            m = read_manifest(self.store, head.manifest, head.manifest_sha256)
+            if m.base_manifest is not None:
+                below.append((m.base_manifest, m.base_sha256))
+        except DcrError:
+            pass
+        try:
+            keys = [k for k in self.store.list("versions/") if is_manifest_key(k) and k != head.manifest]
+        except DcrError:
+            keys = []
+        below += [(k, None) for k in sorted(keys, key=lambda k: key_version(k)[0] or 0, reverse=True)[:tries]]
+        for key, sha in below:
+            try:
+                self._verifier.check_manifest(read_manifest(self.store, key, sha))
+                return True
+            except DcrError:
+                continue
+        return False
+
+    def _unverifiable(self, head: Head) -> str | None:
+        """Why this publisher must not extend the chain at ``head`` (None: it may). Unsigned
+        publisher: the store holds signed versions. Signing publisher: HEAD fails its
+        verifier, or is unsigned over signed versions (an unsigned chain is extended: signing
+        starts there, docs/user-guide.md)."""
+        from nemo_dcr.sync.signing import holds_signed_versions
+        if self.signer is None:
+            return holds_signed_versions(self.store, head)
+        assert self._verifier is not None  # made with the signer
+        if head.signature is None:
+            return holds_signed_versions(self.store, head)
+        try:
+            self._verifier.check_head(head)
+        except SignatureError as e:
+            return str(e)
+        return None
 
     def _continues(self, tensors: Mapping[str, torch.Tensor], shards, head: Head | None) -> bool:
         """Whether this version's delta is against this publisher's own snapshot, of the same
@@ -280,6 +369,9 @@ class Publisher:
         uploads = _Uploads(self, spans)
         groups = split_parts(self._base or {}, snap, self.part_bytes)
         digests: dict = {}
+        dense = sum(t.numel() * t.element_size() for t in snap.values())
+        bar = Progress(dense * ((head is not None and self._base is not None) + kf), f"publish v{version}",
+                       enabled=self.progress) if self.progress is not False else NullProgress(0, "")
         try:
             if head is not None and self._base is not None:
                 change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
@@ -291,7 +383,7 @@ class Publisher:
                                        _only(base, names), _only(target, names), shards=shards,
                                        base_shards=self._shards, encoding=self.encoding, level=self.level,
                                        chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                       on_change=on_change, progress=False, base_digests=self._tensor_digests,
+                                       on_change=on_change, progress=bar, base_digests=self._tensor_digests,
                                        chunker=dev.chunker if dev else None, format_version=self.format_version,
                                        target_digests=dev.target_digests(snap) if dev else None, out=w), digests)
                 assert self._digest is not None  # set together with _base
@@ -304,7 +396,7 @@ class Publisher:
                                    j, lambda w, names=names, j=j: diff(
                                        {}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
                                        chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                       progress=False, format_version=self.format_version, out=w), digests)
+                                       progress=bar, format_version=self.format_version, out=w), digests)
             if new_digest is None:
                 # the last objects are still being made durable (fsync, CompleteMultipartUpload)
                 # on their threads: this pass over the model runs meanwhile
@@ -313,8 +405,10 @@ class Publisher:
                 spans.add("digest", f"version {version}", t)
         except BaseException:
             uploads.join(quiet=True)  # no upload left running past a failed publish
+            bar.close()
             raise
         uploads.join()  # raises the first upload's error, after every upload ended
+        bar.close()
         for k in ("parts", "keyframe_parts"):  # uploads finish in any order; the manifest lists parts in order
             out[k] = [p for _, p in sorted(out[k], key=lambda x: x[0])]
         out["digest"] = new_digest.hex()
@@ -347,7 +441,10 @@ class Publisher:
                 # format-3 deltas go with format-3 manifests: HEAD carries the manifest, so a
                 # follower has the part list with HEAD (a reader of format 2 refuses both)
                 format=NEWEST_IN_HEAD if self.format_version >= NEWEST_IN_HEAD else FORMAT)
-            return m, commit(self.store, m, head, tag, signer=self.signer)
+            new_head = commit(self.store, m, head, tag, signer=self.signer)
+            if self._verifier is not None:  # remembered: an older HEAD replayed later is refused
+                self._verifier.check_head(new_head)
+            return m, new_head
         except (CommitConflict, PublishError):
             raise
         except Exception as e:
@@ -397,7 +494,10 @@ class Publisher:
         # snapshot's (tensors added, removed, reshaped or re-typed since then).
         tensors = {k: torch.zeros_like(v, device="cpu") for k, v in like.items()
                    if self.group.active or (k in shards and not shards[k].is_full)}
-        f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers)
+        # a signed chain is rebuilt through the publisher's own verifier: nothing forged becomes its base
+        verifier = self._verifier if head.signature is not None and self._verifier is not None \
+            and not self.allow_unverified_chain else "env"
+        f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers, verifier=verifier)
         f.sync(head.version, head=head)
         self._digest = state_contrib(tensors, shards)
         if self._dev is not None:  # the rebuilt base goes where the device path keeps it

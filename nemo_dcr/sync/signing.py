@@ -48,7 +48,7 @@ from nemo_dcr.sync.versions import HEAD_KEY, Head, Manifest, canonical_sha256, i
 
 __all__ = ["Signer", "Verifier", "VerifiedStore", "generate_key", "public_key_text", "private_key_pem",
            "key_id", "load_private_key", "load_public_keys", "read_private_key_file", "read_public_keys_file",
-           "resolve_signer", "verifying", "message",
+           "resolve_signer", "verifying", "message", "chain_verifier", "holds_signed_versions",
            "SIGNING_KEY_ENV", "SIGNING_KEY_FILE_ENV", "TRUSTED_KEYS_ENV", "TRUSTED_KEYS_FILE_ENV", "NAMESPACE_ENV"]
 
 SIGNING_KEY_ENV = "NEMO_DCR_SIGNING_KEY"
@@ -151,18 +151,18 @@ def load_public_keys(text, where: str = "the trusted keys") -> list:
     return keys
 
 
-def _read(path: str, what: str) -> str:
+def _read(path: str, what: str, private: bool = False) -> str:
+    from nemo_dcr.util.keyfiles import KeyFileError, read_key_file
     try:
-        with open(path, encoding="ascii") as f:
-            return f.read()
-    except (OSError, UnicodeDecodeError) as e:
-        raise SignatureError(f"cannot read the {what} file {path}: "
-                             f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
+        return read_key_file(path, what, private=private)
+    except KeyFileError as e:
+        raise SignatureError(str(e)) from None
 
 
 def read_private_key_file(path) -> object:
+    """The signing key in ``path``: a regular file only its owner can read (as ssh wants)."""
     path = os.fspath(path)
-    return load_private_key(_read(path, "signing key"), f"the signing key file {path}")
+    return load_private_key(_read(path, "signing key", private=True), f"the signing key file {path}")
 
 
 def read_public_keys_file(path) -> list:
@@ -254,6 +254,43 @@ class Signer:
         return f"Signer(key {self.key_id}, namespace {self.namespace!r})"
 
 
+def chain_verifier(signer: Signer | None, trusted_keys=()) -> Verifier | None:
+    """What a publisher checks the chain it extends with: its own public key, ``trusted_keys``
+    (a key rotation's old key) and the environment's trusted keys, for its namespace (None
+    without a signer)."""
+    if signer is None:
+        return None
+    env = Verifier.from_env(signer.namespace)
+    keys = [signer.public_key, *trusted_keys, *(env.keys.values() if env is not None else ())]
+    return Verifier(keys, namespace=signer.namespace)
+
+
+def holds_signed_versions(store: Store, head: Head) -> str | None:
+    """Whether the chain at ``head`` holds signed versions, said as a reason (None: it does
+    not, as far as HEAD, its manifest and that one's base show; a manifest that cannot be read
+    says nothing)."""
+    from nemo_dcr.errors import DcrError
+    from nemo_dcr.sync.versions import read_manifest
+
+    def signed(sig, what):
+        return f"{what} is signed (key {sig.get('key')!r}, namespace {sig.get('namespace')!r})" \
+            if isinstance(sig, dict) else f"{what} is signed"
+
+    if head.signature is not None:
+        return signed(head.signature, f"the store's HEAD (version {head.version})")
+    try:
+        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        if m.signature is not None:
+            return signed(m.signature, f"the manifest of version {m.version}")
+        if m.base_manifest is not None:
+            b = read_manifest(store, m.base_manifest, m.base_sha256)
+            if b.signature is not None:
+                return signed(b.signature, f"version {b.version}, below the unsigned HEAD (version {head.version}),")
+    except DcrError:
+        return None
+    return None
+
+
 def resolve_signer(signer) -> Signer | None:
     """``"env"``: :meth:`Signer.from_env`; None: no signing; a Signer: itself."""
     if isinstance(signer, str) and signer == "env":
@@ -330,6 +367,19 @@ class Verifier:
                                  "a version of another run")
         if want is None:
             self.namespace = sig["namespace"]  # pinned: every later object must be of this run
+
+    @property
+    def seen(self) -> tuple[int, str | None] | None:
+        """The newest HEAD accepted: (version, manifest digest), or None."""
+        with self._lock:
+            return self._seen
+
+    def remember(self, version: int, manifest_sha256: str | None) -> None:
+        """Treat HEAD ``version`` (naming the manifest with that digest) as accepted already: a
+        receiver's record of what an earlier process verified (checkpoint/trust.py)."""
+        with self._lock:
+            if self._seen is None or version > self._seen[0]:
+                self._seen = (int(version), manifest_sha256)
 
     def check_manifest(self, m: Manifest) -> None:
         with self._lock:

@@ -1,0 +1,48 @@
+"""The documentation says what the code does (issue 22): the callback's defaults in the user
+guide's table, the command line's help."""
+import inspect
+import os
+import re
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def guide_table(title):
+    """``{argument: default text}`` of the user guide's table under ``### title``."""
+    text = open(os.path.join(ROOT, "docs", "user-guide.md")).read()
+    section = text.split(f"### {title}", 1)[1].split("\n#", 1)[0]
+    return {m.group(1): m.group(2) for m in re.finditer(r"^\| `(\w+)` \| ([^|]+) \|", section, re.M)}
+
+
+def test_the_callbacks_defaults_are_the_user_guides():
+    pytest.importorskip("lightning")
+    from nemo_dcr.integrations.publish import DeltaPublishCallback
+    table = guide_table("`DeltaPublishCallback` arguments")
+    params = inspect.signature(DeltaPublishCallback.__init__).parameters
+    assert set(table) == set(params) - {"self"}
+    for name, text in table.items():
+        default = params[name].default
+        if default is inspect.Parameter.empty:
+            assert "required" in text, name
+        else:
+            assert text.strip() == f"`{default!r}`".replace("'", '"'), (name, text, default)
+    doc = DeltaPublishCallback.__doc__
+    for choice in ("auto", "portable", "classes", "xor", "add", "overwrite"):
+        assert f"``{choice}``" in doc.split("encoding:", 1)[1].split("level:", 1)[0], choice
+
+
+def test_every_command_line_option_has_help_and_defaults_are_said():
+    from nemo_dcr.cli.main import build_parser
+    from nemo_dcr.codec.names import DEFAULT_LEVEL
+    p = build_parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+    missing = []
+    for cmd, sp in sub.choices.items():
+        for a in sp._actions:
+            if a.help is None:
+                missing.append(f"{cmd} {'/'.join(a.option_strings) or a.dest}")
+            if a.dest == "level":
+                assert f"default {DEFAULT_LEVEL}" in a.help, cmd
+    assert not missing, f"options without help: {missing}"
