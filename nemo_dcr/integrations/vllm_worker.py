@@ -116,7 +116,7 @@ class DcrWorkerExtension:
         with ``publish_initial``); checked against the store's digest (the layers vLLM processed
         are read back from the checkpoint the engine was started on). None: the first
         ``dcr_update`` downloads a keyframe. Returns the version held."""
-        from nemo_dcr.stores import open_store
+        from nemo_dcr.stores import open_reader
         from nemo_dcr.sync.signing import verifying
 
         group = _tp_group()
@@ -125,7 +125,7 @@ class DcrWorkerExtension:
         self._dcr_engine = engine
         try:
             # HEAD and manifests verified with the trusted keys in the environment
-            self._dcr_loader = RolloutLoader(verifying(open_store(store) if isinstance(store, str) else store),
+            self._dcr_loader = RolloutLoader(verifying(open_reader(store) if isinstance(store, str) else store),
                                              engine.tensors, engine.shards, group=group,
                                              name_map=name_map, check_every=check_every, version=version,
                                              staging=False, follower_options={"on_write": engine.on_write})
