@@ -190,11 +190,16 @@ class _Restored:
             raise
 
     def materialize(self, names: Iterable[str]) -> dict[str, torch.Tensor]:
-        """Float64 NaN tensors for the slots of modules ``names``: slot key -> tensor."""
+        """Float64 NaN tensors for the slots of modules ``names``: slot key -> tensor. Tensors the
+        loaders read rather than fill (an expert-parallel layer's ``_expert_map``, vLLM's
+        ``SKIP_LOAD_TENSORS``; integer buffers) keep their values."""
+        _, meta, _ = _reload_api()
         out = {}
         for mname in names:
             mod = self.modules[mname]
             for tname, t in self.meta_tensors[mname].items():
+                if tname in meta.SKIP_LOAD_TENSORS or not t.is_floating_point():
+                    continue
                 probe = torch.full(tuple(t.shape), float("nan"), dtype=torch.float64)
                 if t.is_meta:
                     new = torch.nn.Parameter(probe, requires_grad=False) if isinstance(t, torch.nn.Parameter) \
