@@ -131,10 +131,7 @@ class Refit:
         t0 = time.perf_counter()
         res = self.publisher.publish(state, step=step)
         t1 = time.perf_counter()
-        if self.step is None:  # the engine started on the trainer's initial checkpoint: version 0, checked
-            held = self.llm.collective_rpc("dcr_init", args=(self.store, res.version))[0]
-        else:
-            held = refit(self.llm, self.store)
+        held = refit(self.llm, self.store)  # the first one reads the keyframe
         t2 = time.perf_counter()
         if held != res.version:
             raise RuntimeError(f"the engine holds version {held}, not {res.version}")
