@@ -64,6 +64,22 @@ def test_rollout_stops_on_bits_that_differ_from_the_trainers(tmp_path):
     assert sorted(os.listdir(tmp_path / "rollouts")) == ["batch-00000.pt", "batch-00001.pt"]
 
 
+def test_trainer_stops_when_the_rollout_process_is_gone(tmp_path):
+    """The trainer waits for a batch only while the rollout process runs: one that exited is a clear
+    error naming its status and the batch, not a hang."""
+    import subprocess
+    import sys
+
+    from nemo_dcr.cli.demo import RolloutFiles
+    files = RolloutFiles(str(tmp_path / "rollouts"))
+    gone = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    gone.wait()
+    with pytest.raises(SystemExit, match="exited \\(status 3\\) before batch 0"):
+        files.get(0, gone)
+    files.put(0, {"batch": 0})
+    assert files.get(0, gone) == {"batch": 0}  # a batch it wrote before exiting is still read
+
+
 def _has_matplotlib():
     try:
         import matplotlib  # noqa: F401

@@ -3,26 +3,16 @@ trains a tiny model; its rollouts come from a stock vLLM engine that nemo-dcr re
 optimizer step, and each version the engine serves is read back and compared with the trainer's
 BF16 bits. Runs in the TRL venv (``make test-trl``: TRL 1.16 layered on the vLLM venv), skipped
 elsewhere."""
-import importlib.util
-import pathlib
-import sys
-
 import pytest
+
+from dcr_testing import bench
 
 pytest.importorskip("trl", reason="TRL is not installed here: `make test-trl` builds its venv and runs this")
 pytest.importorskip("vllm", reason="the real vLLM engine is not installed here: `make test-trl` runs this")
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "rl_trl_vllm.py"
-
 
 def _bench():
-    name = "nemo_dcr_bench_rl_trl_vllm"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return bench.load("rl_trl_vllm")
 
 
 def test_grpo_on_a_refitted_engine_llama(tmp_path):
