@@ -22,9 +22,11 @@ plotted to ``WORKDIR/demo.png`` when matplotlib is installed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import hashlib
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -244,11 +246,13 @@ def run_demo(workdir: str = "runs/demo", store: str | None = None, steps: int = 
                                         steps, rollout, os.path.join(workdir, "trainer_bits.jsonl"))
         cb = DeltaPublishCallback(store, every_n_steps=1, keyframe_every=keyframe_every, dtype="bfloat16",
                                   submodule="model", publish_initial=True)
-        trainer = pl.Trainer(accelerator="cpu", max_steps=steps, callbacks=[bits, cb], enable_checkpointing=False,
-                             enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
-                             logger=CSVLogger(workdir, name="trainer", version=""))
-        with warnings.catch_warnings():
+        # Lightning's notes (accelerators found, tips, "max_steps reached") off: the table below is the output
+        with warnings.catch_warnings(), _quiet("lightning.pytorch.utilities.rank_zero"):
             warnings.filterwarnings("ignore", ".*does not have many workers.*")
+            warnings.filterwarnings("ignore", ".*LeafSpec.*")
+            trainer = pl.Trainer(accelerator="cpu", max_steps=steps, callbacks=[bits, cb], enable_checkpointing=False,
+                                 enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,
+                                 logger=CSVLogger(workdir, name="trainer", version=""))
             trainer.fit(module)
         rc = rollout.wait(timeout=600)
     finally:
@@ -290,6 +294,18 @@ def run_demo(workdir: str = "runs/demo", store: str | None = None, steps: int = 
     if not ok:
         raise SystemExit("demo: some versions were not verified")
     return rows
+
+
+@contextlib.contextmanager
+def _quiet(logger: str):
+    """``logger`` at WARNING for the block."""
+    lg = logging.getLogger(logger)
+    level = lg.level
+    lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        lg.setLevel(level)
 
 
 def _shown(n: int) -> set:
