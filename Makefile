@@ -77,10 +77,37 @@ test-vllm: $(VLLM_DEPS_STAMP)
 	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
 		-n 2 --dist loadgroup tests/test_vllm_*.py
 
+# TRL's GRPOTrainer with its rollouts from a stock vLLM engine that nemo-dcr refits after every step
+# (bench/rl_trl_vllm.py; tests/test_trl_vllm.py). Not part of `make test`: ~3-4 min on 2 shared cores, most of it
+# three engine starts. TRL gets its own venv, cached beside the vLLM one and layered on it: a .pth file adds the
+# vLLM venv's site-packages, and pip (run from it) adds only what TRL needs beyond them (trl, accelerate, datasets,
+# pandas, pyarrow, ...): trl 1.16 takes vLLM's transformers 5.19 and changes none of its packages.
+.PHONY: test-trl bench-trl venv-trl
+TRL_VERSION := 1.16.0
+TRL_VENV ?= $(HOME)/.cache/nemo-dcr/venv-trl-$(TRL_VERSION)
+TRL_STAMP := $(TRL_VENV)/.installed-1
+PURELIB := import sysconfig; print(sysconfig.get_paths()["purelib"])
+$(TRL_STAMP): $(VLLM_DEPS_STAMP)
+	$(VLLM_VENV)/bin/python -m venv --without-pip $(TRL_VENV)
+	echo "import site; site.addsitedir('$$($(VLLM_VENV)/bin/python -c '$(PURELIB)')')" \
+		> "$$($(TRL_VENV)/bin/python -c '$(PURELIB)')/_nemo_dcr_vllm_base.pth"
+	$(TRL_VENV)/bin/python -m pip install --quiet "trl==$(TRL_VERSION)" "torch==2.13.0"
+	touch $(TRL_STAMP)
+
+venv-trl: $(TRL_STAMP)
+
+test-trl: $(TRL_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_trl_vllm.py
+
+# The timing table in docs/results.md: a 16M-parameter Llama, 30 GRPO steps.
+bench-trl: $(TRL_STAMP)
+	VLLM_CPU_KVCACHE_SPACE=1 PYTHONPATH=$(CURDIR) $(TRL_VENV)/bin/python bench/rl_trl_vllm.py --size small --steps 30 \
+		--lr 1e-3 --json runs/bench-trl.json
+
 bench: $(STAMP)
 	$(BIN)/python bench/codec.py
 	$(BIN)/python bench/shard.py
 	$(BIN)/python bench/kernels.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) runs   # the cached vLLM venv stays: rm -rf $(VLLM_VENV)
+	rm -rf $(VENV) $(NEMO_VENV) runs   # the cached vLLM and TRL venvs stay: rm -rf $(VLLM_VENV) $(TRL_VENV)

@@ -1,15 +1,13 @@
 """Smoke test of the codec benchmark: bench/codec.py --quick --json runs and reports sane numbers."""
 import contextlib
-import importlib.util
 import io
 import json
 import math
-import pathlib
-import sys
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[1] / "bench" / "codec.py"
+from dcr_testing import bench
+
 ENCODINGS = ("overwrite", "xor", "add", "classes", "auto")
 ENTROPY = ("positions", "positions_given_exponent", "positions_given_exponent_prev", "values", "values_add",
            "values_add_given_exponent", "sign", "sign_given_prev")
@@ -17,13 +15,7 @@ PREV = ("positions_given_exponent_prev", "sign_given_prev")
 
 
 def _load_codec():
-    name = "nemo_dcr_bench_codec"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, BENCH)
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    return bench.load("codec")
 
 
 @pytest.fixture(scope="module")
@@ -173,10 +165,7 @@ def test_shard_budget_bench_runs_and_checks_bits():
     """bench/shard.py on one untiled copy of a barely warmed-up model: every ratio is measured
     against the same process's memcpy, and the decodes were checked bit for bit (it raises
     otherwise)."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "bench" / "shard.py"
-    spec = importlib.util.spec_from_file_location("nemo_dcr_bench_shard", path)
-    shard = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(shard)
+    shard = bench.load("shard")
     r = shard.run(lr=1e-6, copies=1, reps=1, warmup_steps=2, cache_dir=None, workers=2)
     assert r["elements"] > 6_000_000 and 0 < r["change_rate"] < 0.5
     assert set(r["x_memcpy"]) == set(r["seconds"]) and r["x_memcpy"]["memcpy_1thread"] == 1.0
@@ -185,19 +174,8 @@ def test_shard_budget_bench_runs_and_checks_bits():
     assert "| diff |" in shard.format_table(r)
 
 
-def _load_bench(name):
-    """bench/<name>.py as a module (bench/ on sys.path for its shared netenv module)."""
-    here = pathlib.Path(__file__).resolve().parents[1] / "bench"
-    if str(here) not in sys.path:
-        sys.path.insert(0, str(here))
-    spec = importlib.util.spec_from_file_location(f"nemo_dcr_bench_{name}", here / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def _load_kernels():
-    return _load_bench("kernels")
+    return bench.load("kernels")
 
 
 def _run_json(mod, argv):
@@ -211,7 +189,7 @@ def test_reload_bench_quick_over_the_rate_limiter():
     """bench/reload.py --quick (smaller still): the S3 server behind the in-process rate limiter,
     dense and delta reloads checked bit for bit inside (it raises otherwise), every column."""
     pytest.importorskip("moto.moto_server.werkzeug_app")
-    res = _run_json(_load_bench("reload"), ["--quick", "--json", "--sizes", "300000", "--shaping", "proxy"])
+    res = _run_json(bench.load("reload"), ["--quick", "--json", "--sizes", "300000", "--shaping", "proxy"])
     assert res["config"]["shaping"].startswith("in-process rate limiter")
     assert {r["via"] for r in res["rows"]} == {"s3", "relay"}
     for r in res["rows"]:
@@ -231,7 +209,7 @@ def test_reload_bench_quick_over_the_rate_limiter():
 
 def test_fanout_bench_quick_crosses_the_slow_link_once_through_a_tree():
     pytest.importorskip("moto.moto_server.werkzeug_app")
-    res = _run_json(_load_bench("fanout"), ["--quick", "--json", "--elements", "300000", "--shaping", "proxy"])
+    res = _run_json(bench.load("fanout"), ["--quick", "--json", "--elements", "300000", "--shaping", "proxy"])
     runs = {(r["receivers"], r["how"]): r for r in res["runs"]}
     assert set(runs) == {(1, "store"), (2, "store"), (1, "tree k=2"), (2, "tree k=2")}
     d = res["delta_bytes"]
@@ -245,7 +223,7 @@ def test_fanout_bench_quick_crosses_the_slow_link_once_through_a_tree():
 
 def test_relay_tree_shape():
     """Enough relay levels for the receivers, each relay feeding at most k children."""
-    ne = _load_bench("netenv")
+    ne = bench.load("netenv")
     import math as m
     for n, k in ((1, 2), (2, 2), (3, 2), (8, 2), (8, 4), (16, 4), (64, 4)):
         levels = max(1, m.ceil(m.log(n, k) - 1e-9))
@@ -325,7 +303,7 @@ def test_added_round_trip_holds_each_exchange_back_and_keeps_the_bytes():
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
-    ne = _load_bench("netenv")
+    ne = bench.load("netenv")
     region = ne.Region("proxy", rtt=0.05)
     try:
         url = region.reach(f"http://127.0.0.1:{srv.server_address[1]}/x")

@@ -176,7 +176,7 @@ def _cmd_verify(a):
 
 def _cmd_demo(a):
     from nemo_dcr.cli.demo import run_demo
-    run_demo(a.workdir, store=a.store, steps=a.steps, every=a.every, keyframe_every=a.keyframe_every)
+    run_demo(a.workdir, store=a.store, steps=a.steps, lr=a.lr, keyframe_every=a.keyframe_every)
 
 
 def _cmd_chaos(a):
@@ -405,11 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
                          "(the campaign must report silent corruptions)")
     ch.set_defaults(func=_cmd_chaos)
 
-    m = sub.add_parser("demo", help="a Lightning trainer publishes, a rollout process follows and samples")
+    m = sub.add_parser("demo", help="an RL loop: a Lightning trainer publishes every step, a rollout process follows, "
+                                    "verifies and samples")
     m.add_argument("--workdir", default="runs/demo", help="where the store, summary and plot go (default runs/demo)")
     m.add_argument("--store", default=None, help="store URL (default: WORKDIR/store, a local directory)")
-    m.add_argument("--steps", type=int, default=40, help="optimizer steps")
-    m.add_argument("--every", type=int, default=4, help="publish every N optimizer steps")
+    m.add_argument("--steps", type=int, default=80, help="GRPO steps (one version each)")
+    m.add_argument("--lr", type=float, default=3e-4, help="the policy's learning rate")
     m.add_argument("--keyframe-every", type=int, default=0,
                    help="also store the full state every K versions (0: only the first)")
     m.set_defaults(func=_cmd_demo)
