@@ -70,6 +70,7 @@ class CallbackDevice:
         self.shards: dict = {}
         self._taken = 0                  # captures made (the next one's index)
         self._first: int | None = None   # the version of capture 0, once committed
+        self._first_known = threading.Event()
         self._lock = threading.Lock()
 
     @property
@@ -109,10 +110,15 @@ class CallbackDevice:
         """Whether capture number ``_taken`` needs the whole state (nothing kept, or a keyframe)."""
         if not self.capture.kept:
             return True
+        if self._taken > 0:
+            # the first capture's version is known once it committed (the publish worker may still
+            # be at it): waited for once, so that keyframes fall where the publisher puts them; a
+            # first publish that failed leaves it unknown, and the capture whole, to be safe
+            self._first_known.wait(timeout=600)
         with self._lock:
             first = self._first
         if first is None:
-            return True  # its version is not known yet: whole, to be safe
+            return True
         return self.keyframe_every > 0 and (first + self._taken) % self.keyframe_every == 0
 
     def take(self, module, dtype=None) -> tuple[Captured, dict]:
@@ -138,3 +144,4 @@ class CallbackDevice:
         if isinstance(job, Captured) and index is not None:
             with self._lock:
                 self._first = version - index
+            self._first_known.set()
