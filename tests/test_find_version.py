@@ -125,7 +125,8 @@ def test_key_rotation_a_receiver_trusting_the_new_key_pulls_past_versions_of_the
     publish_all(store, tmp_path, chain[:2], signer=Signer(old, "run-1"))
     src = tmp_path / "v2.safetensors"
     save_file(chain[2], str(src))
-    publish_checkpoint(store, str(src), keyframe=True, signer=Signer(new, "run-1"))  # rotated: a keyframe
+    # rotated: a keyframe, its publisher told to trust the old key (it builds on no chain it cannot verify)
+    publish_checkpoint(store, str(src), keyframe=True, signer=Signer(new, "run-1"), trusted_keys=[old.public_key()])
     src = tmp_path / "v3.safetensors"
     save_file(chain[3], str(src))
     publish_checkpoint(store, str(src), signer=Signer(new, "run-1"))

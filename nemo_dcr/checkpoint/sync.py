@@ -154,9 +154,10 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None,
             tensors = {k: ckpt[k] for k in ckpt}
         except CheckpointError as e:
             raise DcrError(f"{out} exists but is not a checkpoint this command can update: {e}") from None
-        # the version held, if a pull can use it: found within the deltas that cost less than
-        # the newest keyframe, above any manifest that cannot be read
-        current = locate(store, state_contrib(tensors).hex(), head, worth_fetching=True).manifest
+        # the version held, if a pull can use it: found above any manifest that cannot be read,
+        # and, for a pull to HEAD, within the deltas that cost less than the newest keyframe (a
+        # pull to another version is planned from the version held, wherever it is: going back)
+        current = locate(store, state_contrib(tensors).hex(), head, worth_fetching=version is None).manifest
         if current is None:
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
     if current is None:

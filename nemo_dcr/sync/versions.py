@@ -437,8 +437,10 @@ def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetchin
             if m.target_digest == digest:
                 found.manifest = m
                 return found
-            if m.base_manifest is None or not m.parts:
-                return found
+            if m.base_manifest is None:
+                return found  # a version with no base: the chain's first
+            # a keyframe without a delta part does not end the walk: a receiver below it is still
+            # at a version of the chain (a pull going back to it, or past it, starts there)
             if budget is None and m.is_keyframe:
                 budget = m.keyframe_bytes()
             if budget is not None:
