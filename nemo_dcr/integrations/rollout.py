@@ -279,7 +279,8 @@ class RolloutLoader:
             changes cross (not for a sharded engine's group).
         follower_options: further :class:`~nemo_dcr.sync.follower.Follower` options, e.g.
             ``{"name": "rollout-3", "metrics_port": 9464}`` (how it reports itself to relays;
-            Prometheus ``/metrics`` and ``/healthz``).
+            Prometheus ``/metrics`` and ``/healthz``); an ``on_write`` hook is called with the
+            receiver's names (``name_map`` applied).
     """
 
     def __init__(self, store: Store | str, model_or_tensors, shards: Mapping[str, ShardSpec] | None = None,
@@ -329,9 +330,15 @@ class RolloutLoader:
         self._replica_versions: dict = {}
         if self.group.active:
             self._plan_replicas(self.shards.shards)
+        options = dict(follower_options or {})
+        hook = options.get("on_write")
+        if hook is not None:  # told in the receiver's own names, as every other option here speaks
+            def on_write(name, glob, new, _resolve=self.tensors.resolve, _hook=hook):
+                _hook(_resolve(name) or name, glob, new)
+            options["on_write"] = on_write
         with self._writing():
             self.follower = Follower(store, self.tensors, self.shards, version=version, group=group,
-                                     workers=workers, verify_initial=verify_initial, **(follower_options or {}))
+                                     workers=workers, verify_initial=verify_initial, **options)
         self.store = self.follower.store
 
     # ------------------------------------------------------------------ public
