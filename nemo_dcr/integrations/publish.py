@@ -10,10 +10,10 @@ the training loop at the next step (and at the end of training); nothing half-pu
 visible to receivers (the store's joint commit).
 
 Distributed runs: a plain LightningModule is replicated on every data-parallel rank, so global
-rank 0 alone publishes it. A Megatron model (``integrations/megatron.py``) or a custom
-``snapshot_fn`` is published jointly by every rank, each rank its own shards; the receipts are
-gathered over a dedicated gloo group made in ``setup`` (so the background thread's collectives
-never interleave with training's).
+rank 0 alone publishes it. A Megatron model (``integrations/megatron.py``), a module with
+DTensor parameters (FSDP2, ``integrations/dtensor.py``) or a custom ``snapshot_fn`` is published
+jointly by every rank, each rank its own shards; the receipts are gathered over a dedicated
+gloo group made in ``setup`` (so the background thread's collectives never interleave with training's).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from nemo_dcr.codec.versions import FORMAT_VERSION  # noqa: E402
 from nemo_dcr.delta import DEFAULT_CHUNK  # noqa: E402
 from nemo_dcr.errors import DcrError, DeltaPublishError  # noqa: E402
 
-from .snapshot import is_megatron, parse_dtype, take_snapshot  # noqa: E402
+from .snapshot import is_sharded, parse_dtype, take_snapshot  # noqa: E402
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -191,7 +191,7 @@ class DeltaPublishCallback(Callback):
 
         self._queued, self._error, self._error_raised = 0, None, False
         target = self._target(pl_module)
-        self._joint = self.snapshot_fn is not None or is_megatron(target)
+        self._joint = is_sharded(target, self.snapshot_fn)
         dist = torch.distributed
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             # every rank makes the group, in the same order; a plain module is published by rank 0 alone
