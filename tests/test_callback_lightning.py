@@ -153,7 +153,7 @@ def test_a_failed_publish_fails_the_fit_with_a_clear_error(tmp_path, background)
     assert "step 3" in msg and "injected upload failure" in msg and "OSError" in msg
     assert read_head(store.inner)[0].version == 1  # nothing half-published
     assert max(rec.snaps) < 8  # raised in the training loop, not at the end
-    assert cb._thread is None  # the upload thread was stopped
+    assert not cb.loop.uploading  # the upload thread was stopped
 
 
 def test_resume_from_a_lightning_checkpoint_continues_the_chain(tmp_path):
@@ -367,7 +367,7 @@ def _ddp_rank(rank, world, port, root, out):
                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
                            enable_model_summary=False)
             t.fit(Tiny())
-            r.update(ok=True, publishes=cb._publishes, joint=cb._joint, seconds=time.perf_counter() - t0)
+            r.update(ok=True, publishes=cb.loop.publishes, joint=cb.loop.joint, seconds=time.perf_counter() - t0)
             torch.save(rec.snaps, os.path.join(out, f"snaps-{mode}-{rank}.pt"))
         except Exception as e:  # noqa: BLE001
             import traceback
