@@ -11,7 +11,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from dcr_testing import assert_bits_equal, assert_state, zeros_like  # noqa: E402
+from dcr_testing import FailingStore, assert_bits_equal, assert_state, zeros_like  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.integrations import DeltaPublishCallback, DeltaPublishError, module_snapshot  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
@@ -122,23 +122,6 @@ def test_publishes_once_per_optimizer_step_and_every_version_is_bit_exact(store,
         assert float(r["dcr/bytes"]) > 0 and float(r["dcr/ratio"]) > 0
     assert float(dcr[0]["dcr/keyframe"]) == 1.0  # the first version: a keyframe, no delta
     assert all(0 < float(r["dcr/change_rate"]) <= 1 for r in dcr[1:])
-
-
-class FailingStore:
-    """A LocalStore whose puts of delta objects start failing after ``ok`` of them."""
-
-    def __init__(self, root, ok):
-        self.inner, self.ok = LocalStore(root), ok
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put(self, key, data):
-        if key.endswith(".dcr"):
-            if self.ok <= 0:
-                raise OSError(f"injected upload failure for {key}")
-            self.ok -= 1
-        return self.inner.put(key, data)
 
 
 @pytest.mark.parametrize("background", [True, False])

@@ -18,10 +18,6 @@ training's).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
-
-from nemo_dcr.codec.versions import FORMAT_VERSION
-from nemo_dcr.delta import DEFAULT_CHUNK
 from nemo_dcr.errors import DeltaPublishError
 from nemo_dcr.util.extras import require
 
@@ -29,11 +25,10 @@ require("lightning.pytorch", "lightning", "DeltaPublishCallback")
 from lightning.pytorch import Callback  # noqa: E402
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn  # noqa: E402
 
-from .publish_loop import SKIP_MODES, PublishLoop, with_options  # noqa: E402
+from .publish_loop import SKIP_MODES, LoopCallback  # noqa: E402
 
 
-@with_options
-class DeltaPublishCallback(Callback):
+class DeltaPublishCallback(LoopCallback, Callback):
     """Publish the model's weights to a nemo-dcr store after every ``every_n_steps`` optimizer steps.
 
     Args:
@@ -68,37 +63,15 @@ class DeltaPublishCallback(Callback):
             version 2 follow the store).
     """
 
-    def __init__(self, store: str, every_n_steps: int = 1, keyframe_every: int = 0, encoding: str = "auto",
-                 level: int = 3, retain: int | None = None, on_skipped_step: str = "skip",
-                 background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
-                 dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
-                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
-                 format_version: int = FORMAT_VERSION):
-        self.loop = PublishLoop(store, every_n_steps=every_n_steps, keyframe_every=keyframe_every,
-                                encoding=encoding, level=level, retain=retain, on_skipped_step=on_skipped_step,
-                                background=background, max_pending=max_pending, snapshot_fn=snapshot_fn,
-                                dtype=dtype, publish_initial=publish_initial, chunk_elems=chunk_elems,
-                                workers=workers, slow_publish_s=slow_publish_s, format_version=format_version,
-                                info=rank_zero_info, warn=rank_zero_warn)
-        self.submodule = submodule
-        self._last_seen_step: int | None = None
-        self._skip_marked = False
+    _info = staticmethod(rank_zero_info)
+    _warn = staticmethod(rank_zero_warn)
+
+    _last_seen_step: int | None = None  # trainer.global_step at the last batch end
 
     # ------------------------------------------------------------------ public
     @property
     def state_key(self) -> str:
         return self._generate_state_key(store=self.loop.store_name)
-
-    @property
-    def publisher(self):
-        """This rank's ``Publisher`` (None before ``setup`` and on ranks that do not publish)."""
-        return self.loop.publisher
-
-    @property
-    def last_published(self) -> dict:
-        """{"version", "step", "manifest"} of the last committed version (this run or the
-        checkpoint it resumed from)."""
-        return self.loop.last_published
 
     def mark_skipped(self) -> None:
         """Tell the callback that this batch's optimizer step was skipped (a mixed-precision step
@@ -109,10 +82,6 @@ class DeltaPublishCallback(Callback):
         publishing step, ``on_skipped_step`` then decides: ``skip`` publishes nothing, ``empty``
         publishes a version anyway (an empty delta: the weights did not change)."""
         self._skip_marked = True
-
-    def flush(self) -> None:
-        """Wait until every queued publish is committed; raise if one failed."""
-        self.loop.flush()
 
     # ------------------------------------------------------------------ lightning hooks
     def setup(self, trainer, pl_module, stage: str) -> None:

@@ -92,16 +92,54 @@ OPTIONS = ("store", "every_n_steps", "keyframe_every", "encoding", "level", "ret
            "format_version")
 
 
-def with_options(cls):
-    """Class decorator for a callback holding a :class:`PublishLoop` as ``self.loop``: each of
-    its :data:`OPTIONS` as a property of the callback (what the callback was made with, as
-    Lightning's CLI and ``TrainerCallback.state`` read them back), read from and written to the loop."""
-    def option(name):
-        return property(lambda self: getattr(self.loop, name), lambda self, v: setattr(self.loop, name, v),
-                        doc=f"the publishing loop's ``{name}``")
-    for name in OPTIONS:
-        setattr(cls, name, option(name))
-    return cls
+class LoopCallback:
+    """Base of the callbacks that hold a :class:`PublishLoop` as ``self.loop``: each of its
+    :data:`OPTIONS` as an attribute of the callback (what the callback was made with, as
+    Lightning's CLI and ``TrainerCallback.state`` read them back; read from and written to the
+    loop), and what a user reads of the loop."""
+
+    def __init__(self, store: str, every_n_steps: int = 1, keyframe_every: int = 0, encoding: str = "auto",
+                 level: int = 3, retain: int | None = None, on_skipped_step: str = "skip",
+                 background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
+                 dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
+                 chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
+                 format_version: int = FORMAT_VERSION):
+        self.loop = PublishLoop(store, every_n_steps=every_n_steps, keyframe_every=keyframe_every,
+                                encoding=encoding, level=level, retain=retain, on_skipped_step=on_skipped_step,
+                                background=background, max_pending=max_pending, snapshot_fn=snapshot_fn,
+                                dtype=dtype, publish_initial=publish_initial, chunk_elems=chunk_elems,
+                                workers=workers, slow_publish_s=slow_publish_s, format_version=format_version,
+                                info=self._info, warn=self._warn)
+        self.submodule = submodule  # publish this part of the framework's model (by name)
+        self._skip_marked = False   # mark_skipped() was called for the step in progress
+
+    # how the loop reports (a framework's callback puts its own rank-zero messages here)
+    _info: Report = staticmethod(_info)
+    _warn: Report = staticmethod(_warn)
+
+    @property
+    def publisher(self):
+        """This rank's ``Publisher`` (None before training starts and on ranks that do not publish)."""
+        return self.loop.publisher
+
+    @property
+    def last_published(self) -> dict:
+        """{"version", "step", "manifest"} of the last committed version (this run or the
+        checkpoint it resumed from)."""
+        return self.loop.last_published
+
+    def flush(self) -> None:
+        """Wait until every queued publish is committed; raise if one failed."""
+        self.loop.flush()
+
+
+def _option(name):
+    return property(lambda self: getattr(self.loop, name), lambda self, v: setattr(self.loop, name, v),
+                    doc=f"the publishing loop's ``{name}``")
+
+
+for _name in OPTIONS:
+    setattr(LoopCallback, _name, _option(_name))
 
 
 class PublishLoop:
@@ -476,4 +514,4 @@ class PublishLoop:
         self._thread = self._queue = None
 
 
-__all__ = ["PublishLoop", "SKIP_MODES", "OPTIONS", "with_options"]
+__all__ = ["PublishLoop", "LoopCallback", "SKIP_MODES", "OPTIONS"]

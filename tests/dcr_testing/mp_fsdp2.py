@@ -16,10 +16,7 @@ Results go to ``<out>/<rank>.json`` like dcr_testing/mp_workers.py.
 from __future__ import annotations
 
 import datetime
-import json
 import os
-import time
-import traceback
 
 import torch
 
@@ -128,25 +125,5 @@ SCENARIOS = {"train": _train, "receive": _receive}
 
 
 def main(rank: int, world: int, port: int, spec: dict, scenario: str, out: str) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    res = {"rank": rank, "ok": False}
-    t0 = time.monotonic()
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=TIMEOUT)
-        SCENARIOS[scenario](rank, world, spec, res)
-        res["ok"] = True
-        res["seconds"] = time.monotonic() - t0
-    except BaseException:
-        res["traceback"] = traceback.format_exc()
-    tmp = os.path.join(out, f"{rank}.json.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(res, fh)
-    os.replace(tmp, os.path.join(out, f"{rank}.json"))
-    if res["ok"]:
-        dist.barrier()
-        dist.destroy_process_group()
-    else:
-        os._exit(0)  # a peer may be stuck in a collective: tearing the group down could block
+    from dcr_testing.procs import run_rank
+    run_rank(rank, world, port, out, lambda res: SCENARIOS[scenario](rank, world, spec, res), TIMEOUT)

@@ -2,8 +2,10 @@
 deadline so a hang fails the test instead of blocking CI."""
 import json
 import multiprocessing
+import os
 import socket
 import time
+import traceback
 
 # What the fork server imports once, before it forks any rank: everything any multi-process test's
 # ranks need. There is one fork server per test session and only the first launch starts it (later
@@ -47,3 +49,35 @@ def launch(target, world: int, make_args, out, deadline: float, preload=()):
             p.join(5)
     results = {r: json.loads((out / f"{r}.json").read_text()) for r in range(world) if (out / f"{r}.json").exists()}
     return results, {r: p.exitcode for r, p in enumerate(procs)}, hung
+
+
+def run_rank(rank: int, world: int, port: int, out: str, body, timeout, prepare=None) -> None:
+    """A rank's whole life: join the gloo group (``prepare()`` first, if given), run
+    ``body(res)`` and write ``res`` (``ok``, ``seconds``, or the ``traceback``) to
+    ``out/<rank>.json``; then leave the group together, or at once after a failure (a peer
+    may be stuck in a collective: tearing the group down could block)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    res = {"rank": rank, "ok": False}
+    t0 = time.monotonic()
+    try:
+        if prepare is not None:
+            prepare()
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=timeout)
+        body(res)
+        res["ok"] = True
+    except BaseException:
+        res["traceback"] = traceback.format_exc()
+    res["seconds"] = time.monotonic() - t0
+    tmp = os.path.join(out, f"{rank}.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(res, fh)
+    os.replace(tmp, os.path.join(out, f"{rank}.json"))
+    if res["ok"]:
+        dist.barrier()
+        dist.destroy_process_group()
+    else:
+        os._exit(0)
