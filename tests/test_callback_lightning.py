@@ -139,6 +139,20 @@ def test_a_failed_publish_fails_the_fit_with_a_clear_error(tmp_path, background)
     assert not cb.loop.uploading  # the upload thread was stopped
 
 
+def test_the_callback_copies_and_pickles_as_its_configuration(tmp_path):
+    # NeMo's Trainer deep-copies its callbacks to record its configuration; the upload thread's
+    # lock made that fail ("cannot pickle '_thread.lock' object")
+    import copy
+    import pickle
+    cb = DeltaPublishCallback(str(tmp_path / "store"), every_n_steps=3, dtype="bfloat16", background=False)
+    t = trainer(tmp_path, [cb], max_steps=3)
+    t.fit(Tiny())
+    for c in (copy.deepcopy(cb), pickle.loads(pickle.dumps(cb))):
+        assert (c.store, c.every_n_steps, c.dtype, c.background) == (cb.store, 3, "bfloat16", False)
+        assert c.last_published == cb.last_published and c.last_published["version"] == 0
+        assert c.publisher is None and not c.loop.started  # a copy has not started: it publishes on its own
+
+
 def test_resume_from_a_lightning_checkpoint_continues_the_chain(tmp_path):
     store = LocalStore(tmp_path / "store")
     ckpt = str(tmp_path / "run1.ckpt")

@@ -197,6 +197,23 @@ class PublishLoop:
         self._check_resume = False
         self._queued = 0               # publishes asked for in this run
 
+    # what a copy or a pickle of the loop leaves out: the running parts (NeMo's Trainer deep-copies
+    # its callbacks to record its configuration; a copy is a loop that has not started)
+    _RUNNING = {"publisher": None, "group": None, "started": False, "_queue": None, "_thread": None,
+                "_error": None, "_error_raised": False, "_queued": 0}
+
+    def __getstate__(self) -> dict:
+        state = {k: v for k, v in self.__dict__.items() if k not in self._RUNNING and k != "_lock"}
+        with self._lock:
+            state["_results"] = list(self._results)
+            state["_published"] = dict(self._published)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self.__dict__.update(self._RUNNING)
+        self._lock = threading.Lock()
+
     # ------------------------------------------------------------------ state
     @property
     def store_name(self) -> str:
