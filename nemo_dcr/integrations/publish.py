@@ -5,7 +5,7 @@
 The publishing itself (snapshot on the training thread, diff/encode/upload/commit in a
 background thread, failures raised in the training loop, the joint publish of sharded models,
 resume checks) is ``publish_loop.PublishLoop``, which the Hugging Face ``Trainer`` callback
-(``hf_trainer.py``) drives too; this module maps Lightning's hooks onto it: ``setup`` starts it,
+(``hf_trainer.py``) drives too; this module maps Lightning's hooks onto it: ``on_train_start`` starts it,
 ``on_train_batch_end`` tells it each optimizer step, the metrics go to ``trainer.loggers`` and
 the resume record into Lightning checkpoints (``state_dict`` / ``load_state_dict``).
 
@@ -13,7 +13,7 @@ Distributed runs: a plain LightningModule is replicated on every data-parallel r
 rank 0 alone publishes it. A Megatron model (``integrations/megatron.py``), a module with
 DTensor parameters (FSDP2, ``integrations/dtensor.py``) or a custom ``snapshot_fn`` is published
 jointly by every rank, each rank its own shards; the receipts are gathered over a dedicated
-gloo group made in ``setup`` (so the background thread's collectives never interleave with
+gloo group made in ``on_train_start`` (so the background thread's collectives never interleave with
 training's).
 """
 from __future__ import annotations
@@ -84,13 +84,14 @@ class DeltaPublishCallback(LoopCallback, Callback):
         self._skip_marked = True
 
     # ------------------------------------------------------------------ lightning hooks
-    def setup(self, trainer, pl_module, stage: str) -> None:
-        if stage == "fit":
-            self.loop.start(self._target(pl_module))
-
     def on_train_start(self, trainer, pl_module) -> None:
+        # started here, not in ``setup``: a module built in ``configure_model`` (NeMo's GPTModel, a
+        # model sharded with FSDP2 there) only exists, wrapped by its strategy, from here on, and
+        # whether every rank publishes its own part (a Megatron or DTensor model) depends on it
         self._last_seen_step = trainer.global_step
-        self.loop.train_start(self._target(pl_module), trainer.global_step, self._meta(trainer))
+        target = self._target(pl_module)
+        self.loop.start(target)
+        self.loop.train_start(target, trainer.global_step, self._meta(trainer))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         self.loop.raise_if_failed()

@@ -52,9 +52,10 @@ def launch(target, world: int, make_args, out, deadline: float, preload=()):
 
 
 def run_rank(rank: int, world: int, port: int, out: str, body, timeout, prepare=None) -> None:
-    """A rank's whole life: join the gloo group (``prepare()`` first, if given), run
-    ``body(res)`` and write ``res`` (``ok``, ``seconds``, or the ``traceback``) to
-    ``out/<rank>.json``; then leave the group together, or at once after a failure (a peer
+    """A rank's whole life: join the gloo group (``prepare()`` first, if given; ``port=None``:
+    ``body`` joins it itself, as a framework's strategy does), run ``body(res)`` and write
+    ``res`` (``ok``, ``seconds``, or the ``traceback``) to ``out/<rank>.json``; then leave the
+    group together, or at once after a failure (a peer
     may be stuck in a collective: tearing the group down could block)."""
     import torch
     import torch.distributed as dist
@@ -65,8 +66,9 @@ def run_rank(rank: int, world: int, port: int, out: str, body, timeout, prepare=
     try:
         if prepare is not None:
             prepare()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=timeout)
+        if port is not None:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timeout)
         body(res)
         res["ok"] = True
     except BaseException:
@@ -76,8 +78,8 @@ def run_rank(rank: int, world: int, port: int, out: str, body, timeout, prepare=
     with open(tmp, "w") as fh:
         json.dump(res, fh)
     os.replace(tmp, os.path.join(out, f"{rank}.json"))
-    if res["ok"]:
+    if res["ok"] and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
-    else:
+    elif not res["ok"]:
         os._exit(0)
