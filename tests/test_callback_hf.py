@@ -147,3 +147,25 @@ def test_resume_into_a_store_without_the_checkpoints_version_starts_a_keyframe(t
     recv = zeros_like(rec2.snaps[3])
     Follower(other, recv).sync()
     assert_state(recv, rec2.snaps[3])
+
+
+def test_ddp_over_two_processes_rank0_publishes_the_replicated_model(tmp_path):
+    from dcr_testing import mp_hf
+    from dcr_testing.procs import launch
+    refs, out = tmp_path / "refs", tmp_path / "out"
+    refs.mkdir()
+    out.mkdir()
+    spec = {"store": str(tmp_path / "store"), "refs": str(refs)}
+    res, codes, hung = launch(mp_hf.main, 2, lambda r, port: (r, 2, port, spec, str(out)), out, 180.0,
+                              preload=("transformers", "accelerate"))
+    assert not hung and all(res[r]["ok"] for r in (0, 1)), {r: res[r].get("traceback") for r in res} or codes
+    assert res[0]["world"] == 2 and not res[0]["joint"]
+    assert res[0]["publishes"] and not res[1]["publishes"]  # a replicated model: rank 0 alone
+    assert res[0]["published"]["version"] == 2 and res[1]["published"]["version"] is None
+    store = LocalStore(spec["store"])
+    recv = zeros_like(torch.load(refs / "r0-s1.pt"))
+    f = Follower(store, recv)
+    for v in range(3):
+        f.sync(v)
+        for r in (0, 1):  # DDP kept the replicas equal: either rank's weights are the version
+            assert_state(recv, torch.load(refs / f"r{r}-s{v + 1}.pt"))
