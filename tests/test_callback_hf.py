@@ -102,7 +102,10 @@ def test_a_failed_publish_fails_train_with_a_clear_error(tmp_path):
     assert not cb.loop.uploading
 
 
-def test_resume_from_a_trainer_checkpoint_continues_the_chain(tmp_path):
+@pytest.mark.parametrize("restore", [False, True], ids=["record", "restore_callback_states"])
+def test_resume_from_a_trainer_checkpoint_continues_the_chain(tmp_path, restore):
+    # restore_callback_states_from_checkpoint=True: the Trainer rebuilds the callback from its
+    # exported args and sets its attributes; otherwise the callback reads its record itself
     store = LocalStore(tmp_path / "store")
     rec = Recorder()
     t = make_trainer(tmp_path, [DeltaPublishTrainerCallback(store, dtype="bf16"), rec], max_steps=3,
@@ -120,7 +123,8 @@ def test_resume_from_a_trainer_checkpoint_continues_the_chain(tmp_path):
     assert_state(recv, rec.snaps[3])
 
     rec2 = Recorder()
-    t2 = make_trainer(tmp_path, [DeltaPublishTrainerCallback(store, dtype="bf16"), rec2], max_steps=6)
+    t2 = make_trainer(tmp_path, [DeltaPublishTrainerCallback(store, dtype="bf16"), rec2], max_steps=6,
+                      restore_callback_states_from_checkpoint=restore)
     t2.train(resume_from_checkpoint=ckpt)
     ms = manifests(store)
     assert [m.version for m in ms] == [0, 1, 2, 3, 4, 5]
