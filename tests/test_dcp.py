@@ -3,15 +3,13 @@ group of 3 processes (workers in dcr_testing/mp_dcp.py): from one process (the P
 from the CLI with 2 rank processes, and from the saving group itself right after it saved;
 each rank reads only its share of the saved shards through DCP; a plain receiver pulls every
 version bit for bit."""
-import time
-
 import pytest
 import torch
 
 from dcr_testing import assert_state
 from dcr_testing import mp_dcp as W
 from dcr_testing.cli import run_cli
-from dcr_testing.procs import launch
+from dcr_testing.procs import run_scenario
 from nemo_dcr.checkpoint.dcp import assign, load_shards, publish_dcp, read_layout
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores import LocalStore
@@ -22,14 +20,8 @@ DEADLINE = 120.0
 
 
 def run_group(world, spec, scenario, tmp_path):
-    out = tmp_path / f"out-{scenario}-{time.monotonic_ns()}"
-    out.mkdir()
-    results, codes, hung = launch(W.main, world, lambda r, port: (r, world, port, spec, scenario, str(out)), out,
-                                  DEADLINE, preload=("torch.distributed.checkpoint", "torch.distributed.tensor"))
-    assert not hung, f"ranks {hung} of {scenario!r} still running after {DEADLINE}s; exit codes {codes}"
-    failed = {r: res.get("traceback") for r, res in results.items() if not res["ok"]}
-    assert len(results) == world and not failed, f"{scenario}: {failed or codes}"
-    return results
+    return run_scenario(W.main, world, spec, scenario, tmp_path, DEADLINE,
+                        preload=("torch.distributed.checkpoint", "torch.distributed.tensor"))
 
 
 def model(k):

@@ -4,14 +4,12 @@ several processes (workers in dcr_testing/mp_fsdp2.py).
 Each trainer rank publishes its own blocks from the DTensor placements (no all-gather), fp32
 master weights published as bf16; what a plain receiver of whole tensors pulls, and what a
 receiver under another FSDP2 layout holds, equal the whole model (``full_tensor``) bit for bit."""
-import time
-
 import pytest
 import torch
 
 from dcr_testing import assert_bits_equal
 from dcr_testing import mp_fsdp2 as W
-from dcr_testing.procs import launch
+from dcr_testing.procs import run_scenario
 from nemo_dcr.stores import LocalStore
 from nemo_dcr.sync.follower import Follower
 
@@ -19,14 +17,8 @@ DEADLINE = 120.0
 
 
 def run_group(world, spec, scenario, tmp_path):
-    out = tmp_path / f"out-{scenario}-{time.monotonic_ns()}"
-    out.mkdir()
-    results, codes, hung = launch(W.main, world, lambda r, port: (r, world, port, spec, scenario, str(out)), out,
-                                  DEADLINE, preload=("torch.distributed.fsdp", "torch.distributed.tensor"))
-    assert not hung, f"ranks {hung} of {scenario!r} still running after {DEADLINE}s; exit codes {codes}"
-    failed = {r: res.get("traceback") for r, res in results.items() if not res["ok"]}
-    assert len(results) == world and not failed, f"{scenario}: {failed or codes}"
-    return results
+    return run_scenario(W.main, world, spec, scenario, tmp_path, DEADLINE,
+                        preload=("torch.distributed.fsdp", "torch.distributed.tensor"))
 
 
 def pull_whole(store, refs):

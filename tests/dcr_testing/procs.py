@@ -51,6 +51,19 @@ def launch(target, world: int, make_args, out, deadline: float, preload=()):
     return results, {r: p.exitcode for r, p in enumerate(procs)}, hung
 
 
+def run_scenario(main, world: int, spec: dict, scenario: str, tmp_path, deadline: float, preload=()) -> dict:
+    """``main(rank, world, port, spec, scenario, out)`` on ``world`` ranks (see :func:`launch`);
+    fails the test on a hang or any rank's failure (with its traceback). -> {rank: result}."""
+    out = tmp_path / f"out-{scenario}-{time.monotonic_ns()}"
+    out.mkdir()
+    results, codes, hung = launch(main, world, lambda r, port: (r, world, port, spec, scenario, str(out)), out,
+                                  deadline, preload=preload)
+    assert not hung, f"ranks {hung} of {scenario!r} still running after {deadline}s; exit codes {codes}"
+    failed = {r: res.get("traceback") for r, res in results.items() if not res["ok"]}
+    assert len(results) == world and not failed, f"{scenario}: {failed or codes}"
+    return results
+
+
 def run_rank(rank: int, world: int, port: int, out: str, body, timeout, prepare=None) -> None:
     """A rank's whole life: join the gloo group (``prepare()`` first, if given; ``port=None``:
     ``body`` joins it itself, as a framework's strategy does), run ``body(res)`` and write
