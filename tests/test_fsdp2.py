@@ -44,7 +44,7 @@ def test_fsdp2_ranks_publish_their_blocks_and_receivers_of_any_layout_follow(mes
     for n in mesh:
         world *= n
     res = run_group(world, spec, "train", tmp_path)
-    assert all(res[r]["sharded"] for r in res)  # a DTensor module is published jointly
+    assert all(res[r]["sharded"] and res[r]["joint"] for r in res)  # a DTensor module is published jointly
     assert [res[r]["versions"] for r in range(world)] == [list(range(W.STEPS + 1))] * world
     # fp32 master weights (FSDP2's mixed precision keeps them), published as bf16
     assert all(res[r]["dtypes"] in ([], ["torch.bfloat16"]) for r in res)

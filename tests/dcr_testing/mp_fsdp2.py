@@ -4,9 +4,10 @@ A trainer group builds the same small model on every rank (one seed), shards it 
 ``fully_shard`` on a 1-D mesh (FSDP: ``Shard(0)``, uneven last shards, an empty shard on the
 last rank) or a 2-D mesh (HSDP: ``(Replicate(), Shard(0))``), with FSDP2's mixed precision
 (fp32 master weights, bf16 compute), and publishes version 0 (the initial weights) and one
-version per optimizer step with ``module_snapshot(model, dtype="bfloat16")``: each rank its own
-blocks, no all-gather. As the reference, every rank then joins ``full_tensor()`` (test only)
-and rank 0 writes the whole model, cast to bf16, to ``<out>/ref-v<version>.pt``.
+version per optimizer step through ``PublishLoop`` (what the callbacks drive), which takes
+``module_snapshot(model, dtype="bfloat16")``: each rank its own blocks, no all-gather. As the
+reference, every rank then joins ``full_tensor()`` (test only) and rank 0 writes the whole
+model, cast to bf16, to ``<refs>/ref-v<version>.pt``.
 
 A receiver group holds the same model in bf16 under another FSDP2 layout (another world size)
 and follows the versions with ``RolloutLoader`` (the module itself: its DTensor blocks are
@@ -73,15 +74,17 @@ def open_store(spec: dict):
 
 
 def _train(rank, world, spec, res):
-    import torch.distributed as dist
-
+    from nemo_dcr.integrations.publish_loop import PublishLoop
     from nemo_dcr.integrations.snapshot import is_sharded, module_snapshot
-    from nemo_dcr.sync.publisher import Publisher
 
     model = build(spec["mesh"], mixed=True)
     res["sharded"] = is_sharded(model)
     opt = torch.optim.Adam(model.parameters(), lr=3e-2)
-    pub = Publisher(open_store(spec), group=dist.new_group(backend="gloo"), chunk_elems=CHUNK)
+    # what both callbacks drive: its own gloo group, the snapshot on this thread, the joint
+    # publish in the background
+    loop = PublishLoop(spec["root"], dtype="bfloat16", publish_initial=True, chunk_elems=CHUNK)
+    loop.start(model)
+    res["joint"] = loop.joint
     res["versions"], res["shards"] = [], []
     g = torch.Generator().manual_seed(7)
     for step in range(STEPS + 1):
@@ -91,14 +94,19 @@ def _train(rank, world, spec, res):
             loss.backward()
             opt.step()
             opt.zero_grad()
-        tensors, shards = module_snapshot(model, dtype="bfloat16")
-        res["versions"].append(pub.publish(tensors, shards, step=step).version)
+            loop.step_end(model, step)
+        else:
+            loop.train_start(model, 0)
+        loop.flush()
+        res["versions"].append(loop.last_published["version"])
+        tensors, shards = module_snapshot(model, dtype="bfloat16")  # what this rank published
         res["shards"].append({n: [list(s.offsets), list(s.shape)] for n, s in shards.items()})
         res.setdefault("names", sorted(tensors))
         res.setdefault("dtypes", sorted({str(t.dtype) for t in tensors.values()}))
         ref = full_state(model, torch.bfloat16)
         if rank == 0:
             torch.save(ref, os.path.join(spec["refs"], f"ref-v{step}.pt"))
+    loop.stop()
 
 
 def _receive(rank, world, spec, res):
