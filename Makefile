@@ -32,11 +32,11 @@ test: lint
 
 # The callbacks under NeMo 2's own stack (nemo_toolkit 2.7.3, lightning 2.4, megatron-core 0.15.3: NeMo 2.7 calls
 # get_megatron_optimizer with an argument 0.16 dropped) in their own environment, built once per machine and cached
-# outside the checkout like the vLLM one (~6 min); tests/envs/nemo-constraints.txt pins what pip resolved (numpy<2 for
+# outside the checkout like the vLLM one (3:49 here, pip's cache warm); tests/envs/nemo-constraints.txt pins what pip resolved (numpy<2 for
 # megatron-core 0.15, huggingface-hub<1 for NeMo's datasets, and the modules nemo.collections.llm imports that
 # nemo_toolkit[lightning] does not pull). Bump the stamp's number when that file changes. The project is not
 # installed there: PYTHONPATH. tests/test_nemo.py (MegatronStrategy TP=2 over gloo) and the Lightning callback's
-# NeMo-recipe and resume tests under Lightning 2.4; measured ~2 min on 2 busy cores (NeMo's imports ~50 s of it).
+# NeMo-recipe and resume tests under Lightning 2.4; measured 59 s on 2 busy cores (NeMo's imports ~40 s of it).
 NEMO_VERSION := 2.7.3
 NEMO_VENV ?= $(HOME)/.cache/nemo-dcr/venv-nemo-$(NEMO_VERSION)
 NEMO_STAMP := $(NEMO_VENV)/.installed-1
@@ -58,7 +58,8 @@ test-nemo: $(NEMO_STAMP)
 
 # verl's checkpoint-engine interface (tests/test_verl.py: the dcr engine against verl's own registry and classes) in
 # its own cached environment: verl 0.9.1 pulls ray, transformers 5.10 and its own pins. Its checkpoint_engine package
-# imports uvicorn and fastapi, which verl does not declare: installed here by name. ~3 min to build, ~20 s to test.
+# imports uvicorn and fastapi, which verl does not declare: installed here by name. 5:06 to build here (2 busy cores),
+# 15 s to test.
 VERL_VERSION := 0.9.1
 VERL_VENV ?= $(HOME)/.cache/nemo-dcr/venv-verl-$(VERL_VERSION)
 VERL_STAMP := $(VERL_VENV)/.installed-1
