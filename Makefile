@@ -32,9 +32,9 @@ test: lint
 
 # The callbacks under NeMo 2's own stack (nemo_toolkit 2.7.3, lightning 2.4, megatron-core 0.15.3: NeMo 2.7 calls
 # get_megatron_optimizer with an argument 0.16 dropped) in their own environment, built once per machine and cached
-# outside the checkout like the vLLM one (3:49 here, pip's cache warm); tests/envs/nemo-constraints.txt pins what pip resolved (numpy<2 for
-# megatron-core 0.15, huggingface-hub<1 for NeMo's datasets, and the modules nemo.collections.llm imports that
-# nemo_toolkit[lightning] does not pull). Bump the stamp's number when that file changes. The project is not
+# outside the checkout like the vLLM one (3:49 here, pip's cache warm); tests/envs/nemo-constraints.txt pins what
+# pip resolved (numpy<2 for megatron-core 0.15, huggingface-hub<1 for NeMo's datasets, and the modules
+# nemo.collections.llm imports that nemo_toolkit[lightning] does not pull). Bump the stamp's number when that file changes. The project is not
 # installed there: PYTHONPATH. tests/test_nemo.py (MegatronStrategy TP=2 over gloo) and the Lightning callback's
 # NeMo-recipe and resume tests under Lightning 2.4; measured 59 s on 2 busy cores (NeMo's imports ~40 s of it).
 NEMO_VERSION := 2.7.3
