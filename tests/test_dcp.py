@@ -54,7 +54,7 @@ def test_the_layout_is_dcps_own_metadata(saved):
                                                        model(0)["proj"][:, 3:6].contiguous().view(torch.int32))
 
 
-def test_chunks_that_do_not_tile_a_rectangle_are_refused(saved):
+def test_chunks_that_do_not_tile_a_rectangle_are_refused(saved, tmp_path, capsys):
     layout = read_layout(str(saved / "ckpt-0"), prefix="model.")
     from dataclasses import replace
     odd = {"embed": replace(layout["embed"], chunks=(layout["embed"].chunks[0], layout["embed"].chunks[2]))}
@@ -62,6 +62,12 @@ def test_chunks_that_do_not_tile_a_rectangle_are_refused(saved):
         assign(odd, 0, 1)
     with pytest.raises(DcrError, match="not a torch.distributed.checkpoint directory"):
         read_layout(str(saved))
+    root = tmp_path / "store"
+    r = run_cli(capsys, "publish", "--store", root)  # neither a checkpoint nor --dcp
+    assert r.returncode != 0 and "--dcp DIR" in r.stderr
+    r = run_cli(capsys, "publish", "--store", root, "--dcp", saved / "ckpt-0", "--prefix", "nothing.")
+    assert r.returncode != 0 and "holds no tensors under 'nothing.'" in r.stderr
+    assert not root.exists() or not any(root.iterdir())  # nothing written
 
 
 def test_dcp_checkpoints_published_three_ways_are_pulled_bit_for_bit(saved, tmp_path, capsys):
