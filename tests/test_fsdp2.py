@@ -70,3 +70,18 @@ def test_fsdp2_ranks_publish_their_blocks_and_receivers_of_any_layout_follow(mes
     rres = run_group(2, {**spec, "mesh": [2]}, "receive", tmp_path)
     assert rres[0]["versions"] == list(range(W.STEPS + 1))
     assert rres[0]["mismatches"] == []
+
+
+def test_fsdp2_on_the_callbacks_device_path(tmp_path, monkeypatch):
+    """The callbacks' device path (``device="on"``; its Triton kernels interpreted on CPU
+    tensors in the rank processes) captures each rank's DTensor blocks, as the host path copies
+    them: what a plain receiver pulls equals ``full_tensor()`` of every version bit for bit."""
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # (read when the ranks import the kernels)
+    refs = tmp_path / "refs"
+    refs.mkdir()
+    spec = {"root": str(tmp_path / "store"), "mesh": [3], "refs": str(refs), "device": "on"}
+    res = run_group(3, spec, "train", tmp_path)
+    assert all(res[r]["device"] and res[r]["joint"] for r in res)
+    assert [res[r]["versions"] for r in range(3)] == [list(range(W.STEPS + 1))] * 3
+    pull_whole(LocalStore(spec["root"]), refs)

@@ -82,7 +82,8 @@ def _train(rank, world, spec, res):
     opt = torch.optim.Adam(model.parameters(), lr=3e-2)
     # what both callbacks drive: its own gloo group, the snapshot on this thread, the joint
     # publish in the background
-    loop = PublishLoop(spec["root"], dtype="bfloat16", publish_initial=True, chunk_elems=CHUNK)
+    loop = PublishLoop(spec["root"], dtype="bfloat16", publish_initial=True, chunk_elems=CHUNK,
+                       device=spec.get("device", "auto"))
     loop.start(model)
     res["joint"] = loop.joint
     res["versions"], res["shards"] = [], []
@@ -98,6 +99,7 @@ def _train(rank, world, spec, res):
         else:
             loop.train_start(model, 0)
         loop.flush()
+        res["device"] = loop.device.active  # the device path (spec "device": "on") or the host copy
         res["versions"].append(loop.last_published["version"])
         tensors, shards = module_snapshot(model, dtype="bfloat16")  # what this rank published
         res["shards"].append({n: [list(s.offsets), list(s.shape)] for n, s in shards.items()})
