@@ -85,6 +85,10 @@ class DcrCheckpointEngine(CheckpointEngine):
 
     def init_process_group(self, rank: int = 0, role: str = "actor", **kwargs):
         self.rank, self.role = int(rank), role
+        if role == "actor" and self.rank == 0:
+            # the publisher (which creates a local store: a reader refuses a missing one) before any
+            # rollout worker reads: verl's manager inits every worker before the first update
+            self._open_publisher()
 
     def finalize(self):
         pass
@@ -103,11 +107,14 @@ class DcrCheckpointEngine(CheckpointEngine):
             return {}
         return await asyncio.to_thread(self._publish, tensors, global_steps)
 
-    def _publish(self, tensors: dict, step: int | None) -> dict:
+    def _open_publisher(self):
         from nemo_dcr.sync.publisher import Publisher
         if self._publisher is None:
             self._publisher = Publisher(self.store, keyframe_every=self.keyframe_every, **self.publisher_kwargs)
-        r = self._publisher.publish(tensors, step=step)
+        return self._publisher
+
+    def _publish(self, tensors: dict, step: int | None) -> dict:
+        r = self._open_publisher().publish(tensors, step=step)
         return {"dcr/version": float(r.version), "dcr/bytes": float(r.delta_bytes + r.keyframe_bytes),
                 "dcr/change_rate": float(r.change_rate), "dcr/publish_s": float(r.seconds)}
 
