@@ -5,6 +5,7 @@ training run (every part byte for byte, but creation time and publish id; deltas
 empty version), with the last published version kept in device or pinned memory; each capture
 between keyframes moves only its change streams and digests to the host (counted: O(changes));
 a Follower rebuilds every version bit-exactly."""
+import copy
 import os
 import warnings
 
@@ -134,6 +135,10 @@ def test_device_callback_publishes_the_host_paths_versions(tmp_path, keep):
     kept = cb.device.capture.kept
     assert all((t.device.type == "cpu") for t in kept.values())  # (CPU tensors here; on a GPU: where `keep` says)
     assert cb.device.capture.kept_bytes() == dense
+    # a copy (NeMo's Trainer deep-copies its callbacks) keeps the modes, none of the captured state
+    c = copy.deepcopy(cb)
+    assert c.device is not cb.device and (c.device.device, c.device.capture.keep) == ("on", keep)
+    assert not c.device.capture.kept and c.device.active is None
 
 
 def test_capture_refuses_a_keyframe_it_cannot_make_and_a_moved_store():
