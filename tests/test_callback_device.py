@@ -5,6 +5,7 @@ training run (every part byte for byte, but creation time and publish id; deltas
 empty version), with the last published version kept in device or pinned memory; each capture
 between keyframes moves only its change streams and digests to the host (counted: O(changes));
 a Follower rebuilds every version bit-exactly."""
+import copy
 import os
 import warnings
 
@@ -134,6 +135,10 @@ def test_device_callback_publishes_the_host_paths_versions(tmp_path, keep):
     kept = cb.device.capture.kept
     assert all((t.device.type == "cpu") for t in kept.values())  # (CPU tensors here; on a GPU: where `keep` says)
     assert cb.device.capture.kept_bytes() == dense
+    # a copy (NeMo's Trainer deep-copies its callbacks) keeps the modes, none of the captured state
+    c = copy.deepcopy(cb)
+    assert c.device is not cb.device and (c.device.device, c.device.capture.keep) == ("on", keep)
+    assert not c.device.capture.kept and c.device.active is None
 
 
 def test_capture_refuses_a_keyframe_it_cannot_make_and_a_moved_store():
@@ -150,3 +155,50 @@ def test_capture_refuses_a_keyframe_it_cannot_make_and_a_moved_store():
     cap.base.reset({"w": torch.zeros(200, dtype=torch.bfloat16)}, like=second)  # rebuilt from a store
     with pytest.raises(DcrError, match="store moved on"):
         cap.base.views(second)
+
+
+def test_the_hugging_face_callback_takes_the_device_path_too(tmp_path):
+    """DeltaPublishTrainerCallback drives the same PublishLoop: with ``device="on"`` its versions
+    are the host path's, part for part, from a real ``transformers.Trainer``."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from nemo_dcr.integrations import DeltaPublishTrainerCallback
+
+    class Tokens(torch.utils.data.Dataset):
+        ids = torch.randint(3, 64, (32, 12), generator=torch.Generator().manual_seed(1))
+
+        def __len__(self):
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+    def train(name, device):
+        cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        store = LocalStore(str(tmp_path / name))
+        cb = DeltaPublishTrainerCallback(store, keyframe_every=3, dtype="bfloat16", chunk_elems=256,
+                                         publish_initial=True, device=device, encoding="portable")  # (the
+        # interpreted class/rank kernel takes most of a capture's time: the Lightning test runs it)
+        args = transformers.TrainingArguments(output_dir=str(tmp_path / f"out-{name}"), max_steps=4,
+                                              per_device_train_batch_size=2, learning_rate=1e-3, report_to="none",
+                                              use_cpu=True, disable_tqdm=True, seed=0, save_strategy="no",
+                                              dataloader_num_workers=0)
+        transformers.Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[cb]).train()
+        return store, cb, module_snapshot(model, "bfloat16")[0]
+
+    ref, ref_cb, _ = train("host", "off")
+    dev, cb, last = train("dev", "on")
+    assert cb.device.active and not ref_cb.device.active
+    assert cb.state()["args"]["device"] == "on"  # what a Trainer checkpoint records of it
+    a, b = chain(ref), chain(dev)
+    assert [m.version for m in b] == list(range(5)) and [m.is_keyframe for m in b] == [True, False, False, True, False]
+    for ma, mb in zip(a, b, strict=True):
+        assert ma.target_digest == mb.target_digest
+        for pa, pb in zip(ma.parts + ma.keyframe_parts, mb.parts + mb.keyframe_parts, strict=True):
+            same_object(ref.get(pa.key), dev.get(pb.key))
+    state = {k: torch.zeros_like(v) for k, v in last.items()}
+    Follower(dev, state).sync()
+    assert_state(state, last)

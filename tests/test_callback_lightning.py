@@ -11,7 +11,7 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from dcr_testing import assert_bits_equal, assert_state, zeros_like  # noqa: E402
+from dcr_testing import FailingStore, assert_bits_equal, assert_state, zeros_like  # noqa: E402
 from nemo_dcr.errors import DcrError  # noqa: E402
 from nemo_dcr.integrations import DeltaPublishCallback, DeltaPublishError, module_snapshot  # noqa: E402
 from nemo_dcr.stores import LocalStore  # noqa: E402
@@ -148,23 +148,6 @@ def test_metrics_reach_callback_metrics_and_the_progress_bar(tmp_path):
     assert float(t.callback_metrics["dcr/version"]) == 2  # the background's last, after training
 
 
-class FailingStore:
-    """A LocalStore whose puts of delta objects start failing after ``ok`` of them."""
-
-    def __init__(self, root, ok):
-        self.inner, self.ok = LocalStore(root), ok
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-    def put(self, key, data):
-        if key.endswith(".dcr"):
-            if self.ok <= 0:
-                raise OSError(f"injected upload failure for {key}")
-            self.ok -= 1
-        return self.inner.put(key, data)
-
-
 @pytest.mark.parametrize("background", [True, False])
 def test_a_failed_publish_fails_the_fit_with_a_clear_error(tmp_path, background):
     store = FailingStore(tmp_path / "store", ok=2)  # version 0: delta-less keyframe; version 1: delta
@@ -177,7 +160,21 @@ def test_a_failed_publish_fails_the_fit_with_a_clear_error(tmp_path, background)
     assert "step 3" in msg and "injected upload failure" in msg and "OSError" in msg
     assert read_head(store.inner)[0].version == 1  # nothing half-published
     assert max(rec.snaps) < 8  # raised in the training loop, not at the end
-    assert cb._thread is None  # the upload thread was stopped
+    assert not cb.loop.uploading  # the upload thread was stopped
+
+
+def test_the_callback_copies_and_pickles_as_its_configuration(tmp_path):
+    # NeMo's Trainer deep-copies its callbacks to record its configuration; the upload thread's
+    # lock made that fail ("cannot pickle '_thread.lock' object")
+    import copy
+    import pickle
+    cb = DeltaPublishCallback(str(tmp_path / "store"), every_n_steps=3, dtype="bfloat16", background=False)
+    t = trainer(tmp_path, [cb], max_steps=3)
+    t.fit(Tiny())
+    for c in (copy.deepcopy(cb), pickle.loads(pickle.dumps(cb))):
+        assert (c.store, c.every_n_steps, c.dtype, c.background) == (cb.store, 3, "bfloat16", False)
+        assert c.last_published == cb.last_published and c.last_published["version"] == 0
+        assert c.publisher is None and not c.loop.started  # a copy has not started: it publishes on its own
 
 
 def test_resume_from_a_lightning_checkpoint_continues_the_chain(tmp_path):
@@ -391,7 +388,7 @@ def _ddp_rank(rank, world, port, root, out):
                            logger=False, enable_checkpointing=False, enable_progress_bar=False,
                            enable_model_summary=False)
             t.fit(Tiny())
-            r.update(ok=True, publishes=cb._publishes, joint=cb._joint, seconds=time.perf_counter() - t0)
+            r.update(ok=True, publishes=cb.loop.publishes, joint=cb.loop.joint, seconds=time.perf_counter() - t0)
             torch.save(rec.snaps, os.path.join(out, f"snaps-{mode}-{rank}.pt"))
         except Exception as e:  # noqa: BLE001
             import traceback

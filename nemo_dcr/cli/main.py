@@ -98,16 +98,44 @@ def _cmd_keygen(a):
     print(f"public key: {pub}")
 
 
+def _trusted_keys(a, signer) -> list:
+    """--trusted-key on publish: the public keys whose versions a signed publish may extend."""
+    if not a.trusted_key:
+        return []
+    from nemo_dcr.sync.signing import Verifier
+    if signer is None:
+        raise DcrError("--trusted-key on publish names keys whose versions a signed publish may extend: "
+                       "give --signing-key too")
+    return list(Verifier.from_sources(a.trusted_key).keys.values())
+
+
+def _cmd_publish_dcp(a):
+    from nemo_dcr.checkpoint.dcp import publish_dcp, publish_dcp_ranks
+    kw = dict(prefix=a.prefix, keyframe=a.keyframe or a.new_model, keyframe_every=a.keyframe_every, retain=a.retain,
+              encoding=a.encoding, level=a.level, dtype=a.dtype)
+    if a.ranks > 1:
+        if a.signing_key or a.namespace or a.trusted_key:  # key objects do not travel to the rank processes
+            raise DcrError("--ranks signs with $NEMO_DCR_SIGNING_KEY(_FILE) and $NEMO_DCR_NAMESPACE only, "
+                           "not --signing-key / --namespace / --trusted-key")
+        s = publish_dcp_ranks(a.store, a.dcp, a.ranks, **kw)
+    else:
+        signer = _signer(a)
+        r = publish_dcp(a.store, a.dcp, signer=signer, trusted_keys=_trusted_keys(a, signer), progress=None, **kw)
+        s = {"version": r.version, "base_version": r.manifest.base_version, "kind": r.manifest.kind,
+             "delta_bytes": r.delta_bytes, "keyframe_bytes": r.keyframe_bytes, "change_rate": r.change_rate}
+    base = f"on version {s['base_version']}" if s["base_version"] is not None else "(first version)"
+    print(f"published version {s['version']} {base} from {a.dcp} ({a.ranks} rank(s)): {s['kind']}; "
+          f"delta {s['delta_bytes']:,} B, keyframe {s['keyframe_bytes']:,} B, {100 * s['change_rate']:.4f} % changed")
+
+
 def _cmd_publish(a):
     from nemo_dcr.checkpoint.sync import publish_checkpoint
+    if (a.checkpoint is None) == (a.dcp is None):
+        raise DcrError("publish takes a safetensors CHECKPOINT or --dcp DIR (one of them)")
+    if a.dcp is not None:
+        return _cmd_publish_dcp(a)
     signer = _signer(a)
-    trusted = []
-    if a.trusted_key:
-        from nemo_dcr.sync.signing import Verifier
-        if signer is None:
-            raise DcrError("--trusted-key on publish names keys whose versions a signed publish may extend: "
-                           "give --signing-key too")
-        trusted = list(Verifier.from_sources(a.trusted_key).keys.values())
+    trusted = _trusted_keys(a, signer)
     r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
                            retain=a.retain, encoding=a.encoding, level=a.level, signer=signer, trusted_keys=trusted,
                            new_model=a.new_model)
@@ -317,7 +345,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     pb = sub.add_parser("publish", help="publish a checkpoint as the next version in a store")
     pb.add_argument("--store", required=True, help="s3://bucket/prefix, file:///path or a directory")
-    pb.add_argument("checkpoint", help="the checkpoint to publish (a .safetensors file or a directory)")
+    pb.add_argument("checkpoint", nargs="?",
+                    help="the checkpoint to publish (a .safetensors file or a directory; or give --dcp)")
+    pb.add_argument("--dcp", metavar="DIR", help="a torch.distributed.checkpoint directory: each saved shard as it is")
+    pb.add_argument("--prefix", help="--dcp: publish the entries under this prefix, without it (e.g. model.)")
+    pb.add_argument("--ranks", type=int, default=1,
+                    help="--dcp: publish from N local processes, each its share of the saving ranks' shards")
+    pb.add_argument("--dtype", help="--dcp: publish floating-point tensors in this dtype (e.g. bfloat16)")
     pb.add_argument("--keyframe-every", type=int, default=0,
                     help="also store the full state every K versions (0: only the first)")
     pb.add_argument("--keyframe", action="store_true", help="store the full state with this version")

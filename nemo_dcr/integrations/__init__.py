@@ -1,6 +1,8 @@
 """Framework integrations, importable as ``nemo_dcr.callbacks``.
 
 * ``DeltaPublishCallback`` (``publish.py``): Lightning callback, trainer side.
+* ``DeltaPublishTrainerCallback`` (``hf_trainer.py``): Hugging Face ``Trainer`` (and TRL) callback.
+  Both drive ``PublishLoop`` (``publish_loop.py``).
 * ``RolloutLoader`` (``rollout.py``): rollout side, any ``torch.nn.Module`` or dict of tensors.
 * ``DcrWorkerExtension``, ``refit``, ``refit_async`` (``vllm_worker.py``): vLLM (where each published
   element lands: ``vllm_layout.py``, probed from the model's own loader).
@@ -15,12 +17,15 @@ import importlib
 _EXPORTS = {
     "DeltaPublishCallback": "publish",
     "DeltaPublishError": "publish",
+    "DeltaPublishTrainerCallback": "hf_trainer",
+    "PublishLoop": "publish_loop",
     "RolloutLoader": "rollout",
     "DcrWorkerExtension": "vllm_worker",
     "refit": "vllm_worker",
     "refit_async": "vllm_worker",
     "module_snapshot": "snapshot",
     "module_tensors": "snapshot",
+    "module_views": "snapshot",
     "SnapshotFn": "snapshot",
     "megatron_snapshot": "megatron",
     "is_megatron_module": "megatron",

@@ -11,9 +11,9 @@ tensors against the kept snapshot of the previous publish, which it updates in p
 the compact change stream and a 16-byte digest per tensor to the host: O(changes) bytes, where
 the host path copied the whole model (``snapshot.module_snapshot``). Megatron models and plain
 modules alike: their live tensors (``module_tensors``; Megatron's ``megatron_snapshot(copy=False)``
-views, or device-side copies where a block is not a view) are captured where they are, with the
-shards the host path would publish. A custom ``snapshot_fn`` keeps the host path (what it returns
-is the caller's).
+views, or device-side copies where a block is not a view; a DTensor (FSDP2) module's local blocks,
+``dtensor.local_shards``) are captured where they are, with the shards the host path would
+publish. A custom ``snapshot_fn`` keeps the host path (what it returns is the caller's).
 
 A capture holds the whole state only where the version needs it: the first one (nothing kept
 yet) and keyframe versions (``keyframe_every``). Which version a capture becomes is known from
@@ -30,6 +30,7 @@ from nemo_dcr.device import kernels
 from nemo_dcr.device.capture import Captured, DeviceCapture
 from nemo_dcr.errors import DcrError
 
+from .dtensor import is_dtensor, local_shards
 from .snapshot import _megatron, is_megatron, module_tensors, parse_dtype
 
 log = logging.getLogger("nemo_dcr.callbacks")
@@ -39,7 +40,9 @@ DEVICE_MODES = ("auto", "on", "off")
 def live_tensors(module, dtype=None):
     """(tensors, shards) of ``module`` without a host copy: its own tensors, or for a Megatron
     model its local shards as views (device copies where a block is not one); floating-point
-    tensors cast to ``dtype`` on their device when one is given."""
+    tensors cast to ``dtype`` on their device when one is given. A module with DTensor parameters
+    (FSDP2): this rank's blocks of them (views of the local tensors) and their shards, each block
+    from one rank, as ``snapshot.module_snapshot`` takes them."""
     if is_megatron(module):
         m = _megatron()
         if hasattr(m, "force_param_sync"):  # a collective: every rank snapshots at the same step
@@ -50,6 +53,8 @@ def live_tensors(module, dtype=None):
             tensors, shards = m.megatron_snapshot(module, copy=True, device=None)
     else:
         tensors, shards = module_tensors(module), {}
+        if any(is_dtensor(t) for t in tensors.values()):
+            tensors, shards = local_shards(tensors, main_only=True)
     dt = parse_dtype(dtype)
     if dt is not None:
         tensors = {k: (v.to(dt) if v.is_floating_point() and v.dtype != dt else v) for k, v in tensors.items()}

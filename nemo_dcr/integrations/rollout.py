@@ -38,7 +38,7 @@ import torch
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.state.index_map import ShardSpec
 
-from .snapshot import module_tensors
+from .snapshot import module_views
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -261,7 +261,8 @@ class RolloutLoader:
     Args:
         store: store URL (a directory, ``file:///abs/dir``, ``s3://bucket/prefix``) or a Store.
         model_or_tensors: a ``torch.nn.Module`` (its parameters and persistent buffers, by
-            ``state_dict`` name) or a dict of name -> tensor to write into.
+            ``state_dict`` name; DTensor parameters as this rank's blocks of them, placed by
+            their placements) or a dict of name -> tensor to write into.
         shards: receiver name -> ``ShardSpec`` for tensors that are a shard of the published one.
         group: the rollout engine's own process group when it is sharded (every rank calls
             ``update`` together); None otherwise.
@@ -292,7 +293,9 @@ class RolloutLoader:
         from nemo_dcr.sync.group import Group
 
         if isinstance(model_or_tensors, torch.nn.Module):
-            live = module_tensors(model_or_tensors)
+            # DTensor parameters (FSDP2, TP): this rank's blocks, placed by their own placements
+            live, own = module_views(model_or_tensors)
+            shards = {**own, **dict(shards or {})}
         elif isinstance(model_or_tensors, Mapping):
             live = {k: (v.data if isinstance(v, torch.nn.Parameter) else v) for k, v in model_or_tensors.items()}
         else:

@@ -3,6 +3,10 @@
     tensors, shards = module_snapshot(model)              # any torch.nn.Module: whole tensors
     tensors, shards = take_snapshot(model)                # Megatron models: their local shards
 
+A module with DTensor parameters (FSDP2's ``fully_shard``, tensor parallelism) is snapshotted
+as this rank's blocks of them in canonical coordinates (``integrations/dtensor.py``), each block
+from one rank; such a snapshot is published jointly by every rank, like a Megatron model's.
+
 Names are the module's ``state_dict`` names (parameters and persistent buffers), so a receiver
 built from the same model class names its tensors the same way. A tensor reachable under two
 names (tied weights, e.g. ``lm_head.weight`` and ``model.embed_tokens.weight``) is taken once,
@@ -20,6 +24,8 @@ import torch
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
+
+from .dtensor import has_dtensors, is_dtensor, local_shards
 
 #: ``fn(module) -> (tensors, shards)``: ``tensors`` a dict of name -> *private* CPU tensor (the
 #: trainer goes on changing its own right after the call), ``shards`` name -> ShardSpec for the
@@ -41,6 +47,8 @@ def parse_dtype(dtype) -> torch.dtype | None:
 
 
 def _alias_key(t: torch.Tensor):
+    if is_dtensor(t):  # its storage is the local block's (a DTensor's own has no data pointer)
+        t = t.to_local()  # type: ignore[attr-defined]
     if t.device.type == "meta" or t.numel() == 0:
         return None
     return (t.device, t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
@@ -49,7 +57,8 @@ def _alias_key(t: torch.Tensor):
 def module_tensors(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The module's live tensors (no copy) by ``state_dict`` name: parameters and persistent
     buffers, each storage region once (tied weights under their first name). The values are
-    ``.data`` of the parameters: writing into them in place changes the live model."""
+    ``.data`` of the parameters: writing into them in place changes the live model. DTensor
+    parameters are returned as DTensors (:func:`module_views` gives their local blocks)."""
     out: dict[str, torch.Tensor] = {}
     seen = set()
     for name, t in module.state_dict(keep_vars=True).items():
@@ -78,12 +87,27 @@ def copy_tensors(tensors: Mapping[str, torch.Tensor], dtype=None) -> dict[str, t
     return out
 
 
+def module_views(module: torch.nn.Module, main_only: bool = False
+                 ) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
+    """``(tensors, shards)``: :func:`module_tensors` with each DTensor as this rank's local
+    block (a live view) and its place in the global tensor (see ``dtensor.local_shards``;
+    ``main_only=False``, a receiver's view: every block this rank holds)."""
+    return local_shards(module_tensors(module), main_only=main_only)
+
+
 def module_snapshot(module: torch.nn.Module, dtype=None) -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     """A private CPU copy (``.detach().to("cpu", copy=True)``) of the module's parameters and
-    persistent buffers, by ``state_dict`` name; every tensor whole (``shards == {}``).
+    persistent buffers, by ``state_dict`` name; every tensor whole (``shards == {}``), except
+    for DTensor parameters (FSDP2, TP): there each rank copies its own blocks, each block from
+    one rank only (plain tensors from global rank 0), with their ``ShardSpec``s; no all-gather.
     ``dtype`` (e.g. ``"bfloat16"``): publish floating-point tensors in that dtype, as the
-    rollout engine holds them (the trainer's own tensors are not changed)."""
-    return copy_tensors(module_tensors(module), dtype), {}
+    rollout engine holds them (the trainer's own tensors are not changed; a cast is per
+    element, so a cast shard is the shard of the cast tensor)."""
+    tensors = module_tensors(module)
+    if not any(is_dtensor(t) for t in tensors.values()):
+        return copy_tensors(tensors, dtype), {}
+    local, shards = local_shards(tensors, main_only=True)
+    return copy_tensors(local, dtype), shards
 
 
 def _megatron():
@@ -109,12 +133,19 @@ def is_megatron(module) -> bool:
         return False
 
 
+def is_sharded(module, snapshot_fn: SnapshotFn | None = None) -> bool:
+    """Whether every rank publishes its own part of the model jointly (a ``snapshot_fn``, a
+    Megatron model, DTensor parameters) rather than global rank 0 the whole replicated module."""
+    return snapshot_fn is not None or is_megatron(module) or (
+        isinstance(module, torch.nn.Module) and has_dtensors(module))
+
+
 def take_snapshot(module, snapshot_fn: SnapshotFn | None = None, dtype=None):
     """-> (tensors, shards, sharded): ``snapshot_fn(module)`` when given, else the Megatron
     snapshot for a Megatron model (integrations/megatron.py), else :func:`module_snapshot`.
-    ``sharded`` is False only for the plain-module snapshot, whose tensors every data-parallel
-    rank holds whole (one rank publishes them); snapshots of other kinds are published jointly
-    by every rank."""
+    ``sharded`` (see :func:`is_sharded`) is False only for a plain module, whose tensors every
+    data-parallel rank holds whole (one rank publishes them); snapshots of other kinds (DTensor
+    modules included) are published jointly by every rank."""
     if snapshot_fn is not None:
         tensors, shards = snapshot_fn(module)
         sharded = True
@@ -126,12 +157,12 @@ def take_snapshot(module, snapshot_fn: SnapshotFn | None = None, dtype=None):
         sharded = True
     else:
         tensors, shards = module_snapshot(module, dtype)
-        return tensors, shards, False
+        return tensors, shards, has_dtensors(module)
     if dtype is not None:
         dt = parse_dtype(dtype)
         tensors = {k: (v.to(dt) if v.is_floating_point() and v.dtype != dt else v) for k, v in tensors.items()}
     return dict(tensors), dict(shards or {}), sharded
 
 
-__all__ = ["SnapshotFn", "module_snapshot", "module_tensors", "copy_tensors", "take_snapshot", "is_megatron",
-           "parse_dtype"]
+__all__ = ["SnapshotFn", "module_snapshot", "module_tensors", "module_views", "copy_tensors", "take_snapshot",
+           "is_megatron", "is_sharded", "parse_dtype"]

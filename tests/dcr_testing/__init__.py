@@ -1,7 +1,8 @@
 """Helpers the tests import (fixtures live in tests/conftest.py, nothing here is a fixture).
 
 * this module: bit-exact comparisons and receiver states
-  (``from dcr_testing import assert_bits_equal, assert_state, bits, zeros_like``)
+  (``from dcr_testing import assert_bits_equal, assert_state, bits, zeros_like``), a store whose
+  uploads fail (``FailingStore``)
 * ``dcr_testing.shards``: shard layouts (``grid``, ``cut``)
 * ``dcr_testing.procs``: groups of worker processes with a deadline (``launch``, ``free_port``)
 * ``dcr_testing.s3``: the moto S3 server on 127.0.0.1 and ``S3Store``s on it
@@ -36,6 +37,25 @@ def assert_state(recv, state):
     assert sorted(recv) == sorted(state)
     for k in state:
         assert_bits_equal(recv[k], state[k], k)
+
+
+class FailingStore:
+    """A LocalStore at ``root`` whose puts of delta objects start failing after ``ok`` of them
+    (the callbacks' tests: a publish that fails in the background)."""
+
+    def __init__(self, root, ok):
+        from nemo_dcr.stores import LocalStore
+        self.inner, self.ok = LocalStore(root), ok
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def put(self, key, data):
+        if key.endswith(".dcr"):
+            if self.ok <= 0:
+                raise OSError(f"injected upload failure for {key}")
+            self.ok -= 1
+        return self.inner.put(key, data)
 
 
 @contextmanager

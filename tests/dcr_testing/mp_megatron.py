@@ -19,10 +19,7 @@ from __future__ import annotations
 
 import datetime
 import glob
-import json
 import os
-import time
-import traceback
 import zlib
 
 import torch
@@ -332,26 +329,7 @@ SCENARIOS = {"train": _train, "publish": _publish, "follow": _follow, "dp2": _dp
 def main(rank: int, world: int, port: int, scenario: str, args: dict, out: str) -> None:
     import warnings
 
-    import torch.distributed as dist
+    from dcr_testing.procs import run_rank
     warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)
-    res = {"rank": rank, "ok": False}
-    t0 = time.monotonic()
-    try:
-        cpu_shim()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=TIMEOUT)
-        SCENARIOS[scenario](rank, world, args, res, out)
-        res["ok"] = True
-    except BaseException:
-        res["traceback"] = traceback.format_exc()
-    res["seconds"] = time.monotonic() - t0
-    tmp = os.path.join(out, f"{rank}.json.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(res, fh)
-    os.replace(tmp, os.path.join(out, f"{rank}.json"))
-    if res["ok"]:
-        dist.barrier()
-        dist.destroy_process_group()
-    else:
-        os._exit(0)
+    run_rank(rank, world, port, out, lambda res: SCENARIOS[scenario](rank, world, args, res, out), TIMEOUT,
+             prepare=cpu_shim)

@@ -2,8 +2,10 @@
 deadline so a hang fails the test instead of blocking CI."""
 import json
 import multiprocessing
+import os
 import socket
 import time
+import traceback
 
 # What the fork server imports once, before it forks any rank: everything any multi-process test's
 # ranks need. There is one fork server per test session and only the first launch starts it (later
@@ -47,3 +49,50 @@ def launch(target, world: int, make_args, out, deadline: float, preload=()):
             p.join(5)
     results = {r: json.loads((out / f"{r}.json").read_text()) for r in range(world) if (out / f"{r}.json").exists()}
     return results, {r: p.exitcode for r, p in enumerate(procs)}, hung
+
+
+def run_scenario(main, world: int, spec: dict, scenario: str, tmp_path, deadline: float, preload=()) -> dict:
+    """``main(rank, world, port, spec, scenario, out)`` on ``world`` ranks (see :func:`launch`);
+    fails the test on a hang or any rank's failure (with its traceback). -> {rank: result}."""
+    out = tmp_path / f"out-{scenario}-{time.monotonic_ns()}"
+    out.mkdir()
+    results, codes, hung = launch(main, world, lambda r, port: (r, world, port, spec, scenario, str(out)), out,
+                                  deadline, preload=preload)
+    assert not hung, f"ranks {hung} of {scenario!r} still running after {deadline}s; exit codes {codes}"
+    failed = {r: res.get("traceback") for r, res in results.items() if not res["ok"]}
+    assert len(results) == world and not failed, f"{scenario}: {failed or codes}"
+    return results
+
+
+def run_rank(rank: int, world: int, port: int, out: str, body, timeout, prepare=None) -> None:
+    """A rank's whole life: join the gloo group (``prepare()`` first, if given; ``port=None``:
+    ``body`` joins it itself, as a framework's strategy does), run ``body(res)`` and write
+    ``res`` (``ok``, ``seconds``, or the ``traceback``) to ``out/<rank>.json``; then leave the
+    group together, or at once after a failure (a peer
+    may be stuck in a collective: tearing the group down could block)."""
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    res = {"rank": rank, "ok": False}
+    t0 = time.monotonic()
+    try:
+        if prepare is not None:
+            prepare()
+        if port is not None:
+            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                    timeout=timeout)
+        body(res)
+        res["ok"] = True
+    except BaseException:
+        res["traceback"] = traceback.format_exc()
+    res["seconds"] = time.monotonic() - t0
+    tmp = os.path.join(out, f"{rank}.json.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(res, fh)
+    os.replace(tmp, os.path.join(out, f"{rank}.json"))
+    if res["ok"] and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+    elif not res["ok"]:
+        os._exit(0)
