@@ -143,6 +143,10 @@ class CallbackDevice:
         job.index, self._taken = self._taken, self._taken + 1
         return job, self.shards
 
+    def failed(self) -> None:
+        """A publish failed (from the publish worker): the first version may never be known."""
+        self._first_known.set()
+
     def committed(self, job, version: int) -> None:
         """Capture ``job.index`` was published as ``version`` (from the publish worker)."""
         index = getattr(job, "index", None)

@@ -434,6 +434,7 @@ class PublishLoop:
                     self._error = DeltaPublishError(f"nemo-dcr: publishing the weights of step {job.step} to "
                                                     f"{self.store_name} failed: {type(e).__name__}: {e}")
                     self._error.__cause__ = e
+            self.device.failed()  # a capture waiting to learn the first version stops waiting
             return
         self.device.committed(job.tensors, res.version)
         m = res.manifest
