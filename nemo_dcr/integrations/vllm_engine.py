@@ -270,7 +270,7 @@ class EngineWeights:
         # loaded with (the same checkpoint)
         with self._restored(modules):
             cast(LoadableModel, self.model).load_weights(weights())
-            self._read_back(modules)
+            self._copy(modules, into_layers=False)
 
     # ------------------------------------------------------------------ rebuild
     def _restored(self, modules: Iterable[str]):
@@ -300,25 +300,19 @@ class EngineWeights:
                     info.reset()
         return ctx()
 
-    def _fill(self, modules: Iterable[str]) -> None:
-        """Copy the plain values into the restored (loaded-format) tensors of ``modules``."""
+    def _copy(self, modules: Iterable[str], *, into_layers: bool) -> None:
+        """Between the plain copies and the restored (loaded-format) tensors of ``modules``: into
+        the layers before a rebuild, back into the copies after ``load_weights`` wrote the layers."""
         _, _, utils = _reload_api()
         for name in modules:
-            mod = self.modules[name]
-            for tname, t in utils.get_layer_tensors(mod).items():
-                src = self.slot_plain.get(f"{name}.{tname}" if name else tname)
-                if src is not None and src is not t:
-                    t.data.copy_(src)
-
-    def _read_back(self, modules: Iterable[str]) -> None:
-        """Copy the restored tensors of ``modules`` (what ``load_weights`` wrote) into the plain copies."""
-        _, _, utils = _reload_api()
-        for name in modules:
-            mod = self.modules[name]
-            for tname, t in utils.get_layer_tensors(mod).items():
-                dst = self.slot_plain.get(f"{name}.{tname}" if name else tname)
-                if dst is not None and dst is not t and tuple(dst.shape) == tuple(t.shape):
-                    dst.copy_(t.detach())
+            for tname, t in utils.get_layer_tensors(self.modules[name]).items():
+                plain = self.slot_plain.get(f"{name}.{tname}" if name else tname)
+                if plain is None or plain is t:
+                    continue
+                if into_layers:
+                    t.data.copy_(plain)
+                elif tuple(plain.shape) == tuple(t.shape):
+                    plain.copy_(t.detach())
 
     def changed(self) -> tuple[list[str], list[str]]:
         """(modules whose plain copies changed, whole tensors that changed) since the last rebuild."""
@@ -352,10 +346,10 @@ class EngineWeights:
         the whole tensors ``names`` loaded again; then the attention layers reading them."""
         layerwise, _, _ = _reload_api()
         with self._restored(modules) as infos:
-            self._fill(modules)
+            self._copy(modules, into_layers=True)
             if names:
                 cast(LoadableModel, self.model).load_weights([(n, self.whole[n]) for n in names])
-                self._read_back(modules)
+                self._copy(modules, into_layers=False)
             for mod, info in infos:
                 if hasattr(mod, "_already_called_process_weights_after_loading"):
                     delattr(mod, "_already_called_process_weights_after_loading")

@@ -148,13 +148,7 @@ def reshape_box(shape: Sequence[int], offsets: Sequence[int], size: Sequence[int
     if any(int(x) == 0 for x in size):  # no element: the empty box
         return (0,) * len(new_shape), (0,) * len(new_shape)
     # strides of each dimension; the refinement's strides are the union of both shapes'
-    def strides(sh):
-        out, acc = [], 1
-        for d in reversed(sh):
-            out.append(acc)
-            acc *= d
-        return list(reversed(out))
-    a, b = strides(shape), strides(new_shape)
+    a, b = _strides(shape), _strides(new_shape)
     marks = sorted(set(a) | set(b) | {n}, reverse=True)  # n: the outermost boundary
     for hi, lo in zip(marks, marks[1:]):
         if hi % lo:
