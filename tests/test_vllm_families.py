@@ -48,8 +48,8 @@ def test_refit_equals_a_fresh_engine(kind, tmp_path):
     try:
         b = vm.engine(ck[2], weight_transfer_config={"backend": "dcr"})
         try:
-            zeroed = kind in vm.ZEROED_KV
-            fresh_a, fresh_b = vm.Observed(a, zeroed), vm.Observed(b, zeroed)
+            alone = kind in vm.ALONE
+            fresh_a, fresh_b = vm.Observed(a, alone), vm.Observed(b, alone)
             assert fresh_a.gen[0] != fresh_b.gen[0], "v0 and v2 must generate differently for the test to mean anything"
             assert a.collective_rpc("dcr_init", args=(up, 0)) == [0]
             vm.greedy(a, vm.OTHER)
@@ -65,7 +65,7 @@ def test_refit_equals_a_fresh_engine(kind, tmp_path):
             assert b.reset_prefix_cache()
             assert b.get_weight_version() == "2" and b.collective_rpc("dcr_version") == [2]
             assert b.collective_rpc("dcr_check") == [2]
-            refit_a, refit_b = vm.Observed(a, zeroed), vm.Observed(b, zeroed)
+            refit_a, refit_b = vm.Observed(a, alone), vm.Observed(b, alone)
         finally:
             vm.shutdown(b)
     finally:

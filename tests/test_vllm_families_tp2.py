@@ -45,8 +45,8 @@ def test_tp2_refit_equals_a_fresh_engine(kind, tmp_path):
     try:
         b = vm.engine(ck[2], tp=2)
         try:
-            zeroed = kind in vm.ZEROED_KV
-            fresh_a, fresh_b = vm.Observed(a, zeroed), vm.Observed(b, zeroed)
+            alone = kind in vm.ALONE
+            fresh_a, fresh_b = vm.Observed(a, alone), vm.Observed(b, alone)
             assert fresh_a.gen[0] != fresh_b.gen[0]
             for llm, store in ((a, up), (b, down)):
                 assert llm.collective_rpc("dcr_init", args=(store, 0)) == [0, 0]
@@ -55,7 +55,7 @@ def test_tp2_refit_equals_a_fresh_engine(kind, tmp_path):
                 assert refit(llm, store) == 2
                 assert llm.collective_rpc("dcr_check") == [2, 2]  # the whole state's digest, across both workers
             layouts = a.collective_rpc("dcr_layout")
-            refit_a, refit_b = vm.Observed(a, zeroed), vm.Observed(b, zeroed)
+            refit_a, refit_b = vm.Observed(a, alone), vm.Observed(b, alone)
         finally:
             vm.shutdown(b)
     finally:

