@@ -87,6 +87,19 @@ def test_indexes_come_before_their_chunks_in_segments_of_bounded_size(monkeypatc
     assert seen == sum(len(t.chunks) for t in DeltaReader.open(blob).header.tensors)
 
 
+def test_a_segment_full_of_pieces_ends_with_whole_tensors():
+    """A segment closed by its piece count (many small tensors: SEGMENT_PIECES) ends after a
+    tensor's last piece; before, that tensor's chunks were written again as a piece of the next
+    segment, and the reader refused the delta ("again after its last piece")."""
+    state = {f"layers.{i:05d}.bias": torch.full((3,), float(i)) for i in range(fmt.SEGMENT_PIECES + 500)}
+    blob = diff({}, state, format_version=3, workers=1)
+    r = DeltaReader.open(blob)
+    assert len(r.header.tensors) == len(state) and all(len(t.chunks) == 1 for t in r.header.tensors)
+    recv: dict = {}
+    apply(recv, blob)
+    assert_state(recv, state)
+
+
 def test_every_truncation_and_every_flipped_index_byte_is_a_format_error():
     base, target = states(4, 3000)
     blob = diff(base, target, format_version=3, chunk_elems=512)

@@ -137,12 +137,12 @@ class DeltaWriter:
 
     def end_tensor(self, entry: dict) -> None:
         """The tensor's whole entry (its target digest known now)."""
+        chunks, self._tensor, self._chunks = self._chunks, None, []  # ended: _flush must not continue it
         if self.segmented:
             piece = {k: v for k, v in entry.items() if k != "chunks"}
-            self._pieces.append({**piece, "chunks": self._chunks, "last": True})
+            self._pieces.append({**piece, "chunks": chunks, "last": True})
             if len(self._pieces) >= SEGMENT_PIECES:
                 self._flush()
-        self._tensor, self._chunks = None, []
 
     def add_payload(self, *parts: bytes) -> int:
         """Write one chunk payload; returns its offset."""
