@@ -62,9 +62,10 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     tensor in delta (same dtype and shape) found elsewhere, the same ``EncodedChunk``s the
     reference would make (the device path, ``nemo_dcr/device/trainer.py``), or None to let the
     reference encode that tensor.
-    ``format_version``: the delta's format version (``codec/versions.py``): 2 (default) digests
-    with BLAKE3; 1 with SHA-256 and BLAKE2b-64, for receivers older than version 2. A known base
-    digest of another algorithm than the version's is not reused (the base is hashed).
+    ``format_version``: the delta's format version (``codec/versions.py``): 3 (default) in
+    segments, its tensor digests summed from the changes; 2 digests with BLAKE3; 1 with SHA-256
+    and BLAKE2b-64, for receivers older than version 2. A known base digest of another algorithm
+    than the version's is not reused (the base is hashed).
     ``target_digests``: name -> the tensor digest of ``target[name]``, computed elsewhere (the
     trainer's device capture hashes on the device when it captures, ``device/capture.py``): that
     target is then not hashed, and may be a meta tensor where ``chunker`` also finds its chunks.

@@ -55,6 +55,7 @@ from nemo_dcr.errors import (
     BaseMismatchError,
     CorruptObjectError,
     DcrError,
+    DeltaFormatError,
     GroupError,
     PartialApplyError,
     TargetMismatchError,
@@ -64,7 +65,7 @@ from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
-from nemo_dcr.sync.versions import Head, Manifest, manifest_at, no_plan, plans, read_head, read_manifest
+from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans, read_head
 from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -335,7 +336,8 @@ class Follower:
         if self.is_current(head, version):
             return self._done(res, t0)
         tv = head.version if version is None else version
-        target = g.run(lambda: self._newest(head) if tv == head.version else manifest_at(self.store, tv, head),
+        target = g.run(lambda: head_manifest(self.store, head) if tv == head.version
+                       else manifest_at(self.store, tv, head),
                        f"read the manifest of version {tv}")
         if self._version is not None and target.version == self._version:
             assert self._digest is not None  # set together with _version (_verify)
@@ -384,12 +386,6 @@ class Follower:
                 feed.close()
                 self._bar.close()
             return self._done(res, t0)
-
-    def _newest(self, head: Head) -> Manifest:
-        """The manifest HEAD names: carried in HEAD from format 3 (checked with it, signature
-        included: no round trip before the parts), read from the store before."""
-        m = head.newest_manifest
-        return m if m is not None else read_manifest(self.store, head.manifest, head.manifest_sha256)
 
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None
@@ -535,19 +531,29 @@ class Follower:
 
     def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change, res: SyncResult) -> bool:
         """Apply a part of format 3 one segment at a time as its bytes arrive -> whether it was
-        (False, nothing applied: a part of format 1 or 2, applied once it is all there). A
-        download that fails leaves what was applied in the journal: ``_take`` raises its error."""
+        all applied so (False: a part of format 1 or 2, nothing applied; or bytes that do not
+        read as a delta, the segments before them applied: the part is applied once it is all
+        there and checked). A download that fails leaves what was applied in the journal:
+        ``_take`` raises its error."""
         stream = SegmentStream(arriving.buf, p.key)
         seen = 0
         journal = pend["journal"].setdefault(p.key, set())
         while True:
             filled, ended = arriving.wait(seen)
-            for r in stream.ready(filled):
-                t = time.perf_counter()
-                rep = apply(self.tensors, r, shards=self.shards, verify=False, resume=True, workers=self.workers,
-                            journal=journal, on_change=on_change, progress=False)
-                res.spans.add("apply", p.key, t)
-                res.changed += rep.elements_changed
+            try:
+                for r in stream.ready(filled):
+                    t = time.perf_counter()
+                    rep = apply(self.tensors, r, shards=self.shards, verify=False, resume=True,
+                                workers=self.workers, journal=journal, on_change=on_change, progress=False)
+                    res.spans.add("apply", p.key, t)
+                    res.changed += rep.elements_changed
+            except DeltaFormatError as e:
+                # bytes damaged on the way (a segment's index or a chunk fails its checksum,
+                # found before that segment wrote anything) are the download's to retry or
+                # report, with the object's sha256: the part is then taken whole, and what was
+                # applied already is skipped by its journal
+                log.info("nemo-dcr: %s no longer streamed (%s); applied once it is all there and checked", p.key, e)
+                return False
             if stream.streamable is False:
                 return False
             if ended:
