@@ -65,6 +65,7 @@ from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
+from nemo_dcr.sync.pace import LinkEstimate, Pacer
 from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans, read_head
 from nemo_dcr.util.progress import NullProgress, Progress
 
@@ -198,6 +199,8 @@ class Follower:
         self.retries, self.backoff, self.workers = retries, backoff, workers
         self.max_fallbacks = max_fallbacks
         self.prefetch, self.stream = max(0, int(prefetch)), bool(stream)
+        # the link to the store as this follower's downloads found it (sync/pace.py): paces them
+        self.link = LinkEstimate()
         self.progress = progress
         self._bar: Progress = NullProgress(0, "")
         self._version: int | None = None
@@ -326,7 +329,9 @@ class Follower:
         t0 = time.perf_counter()
         g = self.group
         if head is None:
+            t = time.monotonic()
             head = self.read_head()
+            self.link.round_trip(time.monotonic() - t)  # a small request: the link's round trip, or more
         if head is None:
             raise VersionNotFound("the store has no committed version yet")
         res = SyncResult(self._version, self._version, spans=Spans(t0))
@@ -691,14 +696,19 @@ def _parts(kind: str, m: Manifest) -> list:
 class _Feed:
     """The objects of a path's steps, downloaded in the background and handed over in the plan's
     order. Up to ``Follower.prefetch`` objects are downloading or downloaded, not yet taken, at
-    once, on that many threads: a request's round trip overlaps the other downloads instead of
-    adding to them (prefetch 0: each object downloaded when it is taken). A download that fails
-    stops further downloads; its error is raised by ``take`` of that object."""
+    once, on that many threads, paced by the link's bandwidth-delay product (``sync/pace.py``):
+    the next download starts when the running ones have about one BDP left, so a request's
+    round trip overlaps the other downloads instead of adding to them, and on a bandwidth-bound
+    link the objects come one after the other at the link's rate, the first one first (prefetch
+    0: each object downloaded when it is taken). A download that fails stops further downloads;
+    its error is raised by ``take`` of that object."""
 
     def __init__(self, follower: Follower, steps: list, spans: Spans):
         self._fetch = lambda p, arriving=None: follower._fetch(p, spans, arriving)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
         self._ahead = min(follower.prefetch, len(self._parts))
+        follower.link.age()
+        self.pacer = Pacer(follower.link)
         self._done: dict[int, tuple[bytes | bytearray | None, Exception | None]] = {}
         self._arriving: dict[int, _Arriving] = {}  # downloads under way (or done, not yet taken)
         self._next = 0    # the next object to start downloading
@@ -715,13 +725,17 @@ class _Feed:
         while True:
             with self._cond:
                 while not (self._stop or self._failed) and self._next < len(self._parts) \
-                        and self._next - self._taken >= self._ahead:
-                    self._cond.wait()  # as many ahead as allowed: wait for the consumer
+                        and (self._next - self._taken >= self._ahead or not self.pacer.ready()):
+                    # as many ahead as allowed: wait for the consumer; or the running downloads
+                    # have more than a BDP left: wait for their bytes
+                    self._cond.wait()
                 if self._stop or self._failed or self._next >= len(self._parts):
                     return
                 i = self._next
                 self._next += 1
-                arriving = self._arriving[i] = _Arriving(self._parts[i].size)
+                arriving = self._arriving[i] = _Arriving(self._parts[i].size,
+                                                         lambda n, i=i: self._received(i, n))
+                self.pacer.started(i, self._parts[i].size)
                 self._cond.notify_all()
             item: tuple[bytes | bytearray | None, Exception | None]
             try:
@@ -730,10 +744,16 @@ class _Feed:
                 item = (None, e)
             arriving.end()
             with self._cond:
+                self.pacer.ended(i)
                 self._done[i] = item
                 if item[1] is not None and self._failed is None:
                     self._failed = item[1]
                 self._cond.notify_all()
+
+    def _received(self, i: int, n: int) -> None:
+        with self._cond:
+            self.pacer.received(i, n)
+            self._cond.notify_all()  # a download waiting for the running ones' bytes looks again
 
     def take(self, part) -> bytes | bytearray:
         if not self._threads:
@@ -786,16 +806,19 @@ class _Arriving:
     """An object downloading into ``buf`` (its size, as the manifest says): how far it is
     filled, and whether the download ended (checked or not: ``_Feed.take`` says)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, on_wrote=None):
         self.buf = bytearray(size)
         self.filled = 0
         self.ended = False
         self._cond = threading.Condition()
+        self._on_wrote = on_wrote  # told the bytes of each attempt so far (the feed's pacing)
 
     def wrote(self, n: int) -> None:
         with self._cond:
             self.filled = max(self.filled, n)
             self._cond.notify_all()
+        if self._on_wrote is not None:
+            self._on_wrote(n)
 
     def end(self) -> None:
         with self._cond:
