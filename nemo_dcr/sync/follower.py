@@ -500,20 +500,27 @@ class Follower:
             # that cannot be had leaves the version pending (journal) and the path is given up.
             # A part of format 3 is applied segment by segment while it still arrives (each
             # chunk checked against its pre-image; the object's sha256 once it is all there)
+            # Each part's bytes are let go once it is applied: what is kept is its header (a
+            # keyframe's tensor names), so a keyframe sync holds the model and the parts in flight,
+            # not the model twice
+            applied = []
             for p in parts:
                 arriving = feed.arriving(p)
                 streamed = arriving is not None and self._apply_arriving(p, arriving, pend, on_change, res)
-                blobs.append(self._take(feed, kind, m, [p])[0])
-                if streamed:
-                    opened[id(blobs[-1])] = DeltaReader.open(blobs[-1])  # the whole object checked as well
-                    continue
-                gather([p], blobs[-1:])
-                apply_part(p, blobs[-1])
+                blob = self._take(feed, kind, m, [p])[0]
+                res.bytes += len(blob)
+                r = opened[id(blob)] = DeltaReader.open(blob)  # (streamed: the whole object checked as well)
+                if not streamed:
+                    gather([p], [blob])
+                    apply_part(p, blob)
+                del opened[id(blob)]
+                applied.append(DeltaReader.of_segment(b"", r.header, r.version, p.key))
+                del blob, r
             if kind == "keyframe":
-                remove_absent(self.tensors, [reader(b) for b in blobs], shards=self.shards)
+                remove_absent(self.tensors, applied, shards=self.shards)
         else:
             g.run(apply_parts, f"apply version {m.version}")
-        res.bytes += sum(len(b) for b in blobs)
+            res.bytes += sum(len(b) for b in blobs)
         t = time.perf_counter()
         try:
             self._verify(m, kind, full=resume)
@@ -602,7 +609,7 @@ class Follower:
             self._forget()
 
     # ------------------------------------------------------------------ helpers
-    def _fetch(self, part, spans: Spans | None = None, arriving: _Arriving | None = None) -> bytearray:
+    def _fetch(self, part, spans: Spans | None = None, arriving: _Arriving | None = None) -> bytearray | memoryview:
         """The object's bytes, streamed and hashed as they arrive into one buffer of the
         manifest's size (``arriving``'s, which reports how far it is filled), checked against the
         manifest's size and sha256 (retried: an object is immutable, so a retry writes the same
@@ -709,7 +716,7 @@ class _Feed:
         self._ahead = min(follower.prefetch, len(self._parts))
         follower.link.age()
         self.pacer = Pacer(follower.link)
-        self._done: dict[int, tuple[bytes | bytearray | None, Exception | None]] = {}
+        self._done: dict[int, tuple[bytes | bytearray | memoryview | None, Exception | None]] = {}
         self._arriving: dict[int, _Arriving] = {}  # downloads under way (or done, not yet taken)
         self._next = 0    # the next object to start downloading
         self._taken = 0   # the next object the consumer takes
@@ -737,7 +744,7 @@ class _Feed:
                                                          lambda n, i=i: self._received(i, n))
                 self.pacer.started(i, self._parts[i].size)
                 self._cond.notify_all()
-            item: tuple[bytes | bytearray | None, Exception | None]
+            item: tuple[bytes | bytearray | memoryview | None, Exception | None]
             try:
                 item = (self._fetch(self._parts[i], arriving), None)
             except Exception as e:  # handed to the consumer, raised there
@@ -755,7 +762,7 @@ class _Feed:
             self.pacer.received(i, n)
             self._cond.notify_all()  # a download waiting for the running ones' bytes looks again
 
-    def take(self, part) -> bytes | bytearray:
+    def take(self, part) -> bytes | bytearray | memoryview:
         if not self._threads:
             return self._fetch(part)
         with self._cond:
@@ -802,12 +809,26 @@ class _Feed:
         self._done.clear()
 
 
+#: downloads at least this large land in a mapping of their own, given back to the system when
+#: the object is let go (a heap buffer of that size is kept by the C library's arenas, per fetch
+#: thread: a keyframe sync peaked at 1.9x the model, 1.5x with each part let go once applied)
+MAPPED_MIN = 1 << 20
+
+
+def _buffer(size: int):
+    """A writable buffer of ``size`` bytes (a memoryview of an anonymous mapping when large)."""
+    if size < MAPPED_MIN:
+        return bytearray(size)
+    import mmap
+    return memoryview(mmap.mmap(-1, size))
+
+
 class _Arriving:
     """An object downloading into ``buf`` (its size, as the manifest says): how far it is
     filled, and whether the download ended (checked or not: ``_Feed.take`` says)."""
 
     def __init__(self, size: int, on_wrote=None):
-        self.buf = bytearray(size)
+        self.buf = _buffer(size)
         self.filled = 0
         self.ended = False
         self._cond = threading.Condition()
