@@ -89,19 +89,22 @@ class DeltaWriter:
         self.offset = PREAMBLE.size
         self.segmented = version >= SEGMENTED
         self._segments = 0
-        self._payload = bytearray()      # version 3: the open segment's payloads
+        self._payload: list = []         # version 3: the open segment's payloads (not joined: written one by one)
+        self._payload_len = 0
         self._pieces: list[dict] = []    # ... and its index
         self._tensor: dict | None = None  # the tensor being written: its fields
         self._chunks: list[dict] = []     # ... and its chunks in the open segment
 
     # -- version 3 segments ---------------------------------------------------------------
-    def _write_segment(self, index: dict, payload: bytes | bytearray = b"") -> None:
+    def _write_segment(self, index: dict, payload: list | tuple = ()) -> None:
         stored, raw_len = _index_bytes(index)
-        self.f.write(SEGMENT.pack(len(stored), raw_len, zlib.crc32(stored), len(payload)))
+        n = sum(len(p) for p in payload)
+        self.f.write(SEGMENT.pack(len(stored), raw_len, zlib.crc32(stored), n))
         self.f.write(stored)
-        if payload:
-            self.f.write(payload)
-        self.offset += SEGMENT.size + len(stored) + len(payload)
+        for p in payload:  # each stream as the encoder made it: no copy into one buffer first
+            if p:
+                self.f.write(p)
+        self.offset += SEGMENT.size + len(stored) + n
         self._segments += 1
 
     def _flush(self) -> None:
@@ -110,7 +113,7 @@ class DeltaWriter:
             self._chunks = []
         if self._pieces:
             self._write_segment({"tensors": self._pieces}, self._payload)
-        self._pieces, self._payload = [], bytearray()
+        self._pieces, self._payload, self._payload_len = [], [], 0
 
     def open(self, fields: dict) -> None:
         """The header's fields known before the first tensor (version 3 writes them first)."""
@@ -127,11 +130,11 @@ class DeltaWriter:
         object in versions 1 and 2, of its segment's payloads in version 3)."""
         if not self.segmented:
             return c.header(self.add_payload(c.pos_bytes, c.val_bytes))
-        h = c.header(len(self._payload))
-        self._payload += c.pos_bytes
-        self._payload += c.val_bytes
+        h = c.header(self._payload_len)
+        self._payload += (c.pos_bytes, c.val_bytes)
+        self._payload_len += len(c.pos_bytes) + len(c.val_bytes)
         self._chunks.append(h)
-        if len(self._payload) >= SEGMENT_BYTES:
+        if self._payload_len >= SEGMENT_BYTES:
             self._flush()
         return h
 
