@@ -160,8 +160,9 @@ class Follower:
         tensor). The mapping is used as given and consulted at every step, so a view that
         resolves names lazily (the rollout loader's) stays live. ``max_fallbacks``: paths given
         up on missing or corrupt objects before a sync fails. ``prefetch``: objects downloaded
-        ahead of the apply, that many at once (their bytes are held in memory; 0: no background
-        download).
+        ahead of the apply, at most that many at once, each started when the ones under way have
+        about one bandwidth-delay product left (``sync/pace.py``; their bytes are held in memory;
+        0: no background download).
         ``stream``: apply each part of a version once it checked out, before the version's
         later parts arrived, and a part of format 3 segment by segment while it still arrives
         (each chunk checked against its pre-image, the part's sha256 at its end; ignored in a
