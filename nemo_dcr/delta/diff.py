@@ -172,6 +172,11 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     def digest(which):
         digests[which] = tensor_digest(new if which == "target" else old, fv.tensor_digest, threads=1)
 
+    if old is not None and "base" not in digests and w.segmented:
+        # a segmented delta (version 3) names the base digest in the tensor's first piece, which
+        # may be written before its last chunk is encoded: hashed now, not beside the chunks
+        digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
+
     def job(r):
         c: EncodedChunk | None
         part = None  # the chunk's share of a summed target digest
@@ -201,8 +206,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
 
     chunks = []
     w.begin_tensor({"name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
-                    "region": spec.to_json(), **({"base_digest": known_base} if old is not None and known_base
-                                                 else {})})
+                    "region": spec.to_json(), **({"base_digest": digests["base"]} if "base" in digests else {})})
     # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
     # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
     wanted = ([] if summed or "target" in digests else ["target"]) \
