@@ -105,16 +105,22 @@ def test_a_keyframe_goes_on_when_the_manifest_it_follows_is_unreadable(store):
     assert_state(recv, states[2])
 
 
-def test_a_restarted_publisher_of_format_3_rebuilds_from_the_manifest_head_carries(store):
-    """Format 3: the newest manifest damaged in the store; HEAD carries it, so a restarted
-    publisher rebuilds its base and publishes the next delta (format 2 needed a keyframe)."""
-    states = [state(i) for i in range(3)]
+def followed(store, n: int):
+    """``n`` states, versions 0 and 1 of them published, and a follower holding version 1."""
+    states = [state(i) for i in range(n)]
     pub = Publisher(store, signer=None)
     pub.publish(states[0])
     pub.publish(states[1])
     recv = zeros_like(states[0])
     f = follower(store, recv)
     f.sync()
+    return states, pub, recv, f
+
+
+def test_a_restarted_publisher_of_format_3_rebuilds_from_the_manifest_head_carries(store):
+    """Format 3: the newest manifest damaged in the store; HEAD carries it, so a restarted
+    publisher rebuilds its base and publishes the next delta (format 2 needed a keyframe)."""
+    states, _, recv, f = followed(store, 3)
     damage(store, read_head(store)[0].manifest, "corrupt")
     r = Publisher(store, signer=None).publish(states[2])
     assert r.version == 2 and r.manifest.parts and r.manifest.base_version == 1
@@ -124,13 +130,7 @@ def test_a_restarted_publisher_of_format_3_rebuilds_from_the_manifest_head_carri
 
 @pytest.mark.parametrize("how", ["corrupt", "truncate"])
 def test_a_damaged_head_is_a_typed_error_everywhere_and_a_keyframe_replaces_it(store, how):
-    states = [state(i) for i in range(4)]
-    pub = Publisher(store, signer=None)
-    pub.publish(states[0])
-    pub.publish(states[1])
-    recv = zeros_like(states[0])
-    f = follower(store, recv)
-    f.sync()
+    states, pub, recv, f = followed(store, 4)
     damage(store, HEAD_KEY, how)
 
     with pytest.raises(ManifestError):  # the receiver keeps what it holds
