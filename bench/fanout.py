@@ -32,7 +32,7 @@ def measure(region, endpoint, args) -> dict:
     region.shape(None)
     prefix = f"fanout-{os.getpid()}"
     store = ne.s3_store(endpoint, prefix)
-    p = Publisher(store)
+    p = Publisher(store, format_version=args.format_version)
     p.publish(v0)
     r1 = p.publish(ne.changed(v0, args.change))
     region.shape(args.rate)
@@ -109,7 +109,8 @@ def run(args) -> dict:
     derive(res)
     res["notes"] = [note] if note else []
     res["config"] = {"receivers": args.receivers, "fanouts": args.fanouts, "quick": args.quick,
-                     "shaping": kind, "rtt_added_ms": args.rtt_ms, "receiver_workers_assumed": args.workers}
+                     "shaping": kind, "rtt_added_ms": args.rtt_ms, "receiver_workers_assumed": args.workers,
+                     "format_version": args.format_version}
     res["machine"] = ne.machine()
     res["targets"] = {"fanout_over_one": ne.TARGETS["fanout_over_one"]}
     res["extrapolated"] = extrapolate(res, args.workers)
@@ -128,7 +129,7 @@ def table(res: dict) -> str:
     c = res["config"]
     L = [f"link: {res['link_mbit']:g} Mbit/s, {c['shaping']}; {res['elements'] / 1e6:.0f}M BF16 elements, "
          f"{res['change']:.0%} change (injected), delta {res['delta_bytes'] / 1e6:.2f} MB, "
-         f"RTT {res['rtt'] * 1e3:.1f} ms",
+         f"RTT {res['rtt'] * 1e3:.1f} ms, format version {c['format_version']}",
          f"machine: {res['machine']['cpus']} CPUs, load {res['machine']['load_1min']:.2f}", "", "MEASURED",
          "| receivers | from | relays | to last s | / one receiver (<=1.25) | slow-link MB "
          "| slow-link copies of the delta |",

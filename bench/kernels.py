@@ -28,8 +28,10 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
     checks only) with the state digest moved by the changes (``ChangeDigest``) and compared with
     the target's: the O(changes) verification, no whole-tensor pass;
   * ``unverified`` -- ``apply(verify=False)``: the chunks alone;
-* ``fast-v1`` rows (encode and apply): the same fast paths writing and reading format version 1
-  (SHA-256 tensor digests, BLAKE2b-64 chunk digests) where version 2 (default) uses BLAKE3;
+* ``reference`` and ``fast`` write and read format version 2 (BLAKE3 tensor digests); ``fast-v1``
+  rows (encode and apply): the same fast paths in format version 1 (SHA-256 tensor digests,
+  BLAKE2b-64 chunk digests); ``fast-v3`` and ``fast-scatter``: version 3 (the default: segments,
+  tensor digests summed from the changes);
 * tensor digest of the shard per algorithm: SHA-256, BLAKE3 on 1 and 2 threads; chunk values
   digests (pre/post images) over the whole shard in chunks, as a keyframe's make them, on
   ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
@@ -128,12 +130,22 @@ def _apply_reference(recv: dict, blob: bytes, workers: int) -> None:
         verify_plan(p, run_plan(reader, p, report, workers))
 
 
+def _entries(blob: bytes) -> list:
+    """A delta's tensor entries, chunk offsets left out (format 3's move with the length of its
+    opening segment, which holds the creation time)."""
+    h = DeltaReader.open(blob).raw_header
+    return [{**t, "chunks": [{k: v for k, v in c.items() if k != "off"} for c in t.get("chunks", ())]}
+            for t in h["tensors"]]
+
+
 def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers: int, reps: int,
                  memcpy: float) -> list:
     n = base.numel()
     ob, nb = base.view(torch.int16), target.view(torch.int16)
     b, t = {"shard": base}, {"shard": target}
-    first = diff({}, b, encoding="overwrite", level=1, workers=workers)  # what published ``base``
+    # "reference" and "fast": format version 2 (BLAKE3 tensor digests); "fast-v3" and
+    # "fast-scatter" (the publisher now): version 3, the default
+    first = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=2)  # what published ``base``
     known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
     first1 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=1)
     known1 = {e.name: e.target_digest for e in DeltaReader.open(first1).header.tensors}
@@ -144,11 +156,12 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     # both as the publisher calls diff: the state digest's change summed from the changed elements
     def enc_ref():
         snap.copy_(target)
-        return diff(b, {"shard": snap}, workers=workers, on_change=ChangeDigest())
+        return diff(b, {"shard": snap}, workers=workers, on_change=ChangeDigest(), format_version=2)
 
     def enc_fast():
         snap.copy_(target)
-        return diff(b, {"shard": snap}, workers=workers, base_digests=known, on_change=ChangeDigest())
+        return diff(b, {"shard": snap}, workers=workers, base_digests=known, on_change=ChangeDigest(),
+                    format_version=2)
 
     def enc_fast_v1():  # format version 1: SHA-256 and BLAKE2b-64 digests
         snap.copy_(target)
@@ -168,20 +181,20 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
             pass
 
     blob = enc_fast()
-    if DeltaReader.open(blob).header.tensors != DeltaReader.open(enc_ref()).header.tensors:
+    if _entries(blob) != _entries(enc_ref()):
         raise AssertionError("the fast encode does not write the reference's header")
     held = torch.empty_like(base)  # the publisher's snapshot, at the base before each rep
 
     def enc_scatter(_):
         keep = _Changes({"shard": held})
-        out = diff({"shard": held}, t, workers=workers, base_digests=known, on_change=keep.also(ChangeDigest()))
+        out = diff({"shard": held}, t, workers=workers, base_digests=known3, on_change=keep.also(ChangeDigest()))
         keep.commit({"shard": held}, {}, t)
         return out
 
     blob1 = enc_fast_v1()
     blob3 = enc_fast_v3()
     held.copy_(base)
-    if DeltaReader.open(enc_scatter(None)).header.tensors != DeltaReader.open(blob).header.tensors \
+    if _entries(enc_scatter(None)) != _entries(blob3) \
             or not torch.equal(held.view(torch.int16), nb):
         raise AssertionError("the in-place encode differs, or its snapshot is not the target")
     rows = [_row("encode", "reference", _median(enc_ref, reps), memcpy),

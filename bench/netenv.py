@@ -614,6 +614,10 @@ def parser(doc: str):
     ap.add_argument("--workers", type=int, default=8, help="receiver workers assumed by the extrapolation")
     ap.add_argument("--rtt-ms", type=float, default=0.0,
                     help="round trip added across the link, in user space (a delaying proxy; tc here has no netem)")
+    from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
+    ap.add_argument("--format-version", type=int, choices=sorted(VERSIONS), default=FORMAT_VERSION,
+                    help=f"the publisher's delta format version (default {FORMAT_VERSION}; 3: HEAD carries the "
+                         "manifest, chunks stream inside an object)")
     return ap
 
 

@@ -57,7 +57,7 @@ def measure(region, endpoint, args) -> dict:
         raw_put = time.perf_counter() - t
         del raw
         store = ne.s3_store(endpoint, prefix)
-        pub = Publisher(store)
+        pub = Publisher(store, format_version=args.format_version)
         r0 = pub.publish(prev)
         stages = ne.stage_sums(r0.spans)
         out["publish"].append({"elements": elements, "raw_put": raw_put, "keyframe_publish": r0.seconds,
@@ -163,6 +163,7 @@ def run(args) -> dict:
         res["notes"].append(note)
     res["config"] = {"sizes": args.sizes, "changes": args.changes, "rates_mbit": args.rates, "reps": args.reps,
                      "quick": args.quick, "shaping": kind, "rtt_added_ms": args.rtt_ms,
+                     "format_version": args.format_version,
                      "receiver_workers_assumed": args.workers,
                      "changes_kind": "injected (random positions, relative nudges), not an optimizer's"}
     res["machine"] = ne.machine()
@@ -181,7 +182,7 @@ def _row_line(r: dict) -> str:
 
 def table(res: dict) -> str:
     c = res["config"]
-    L = [f"link emulation: {c['shaping']}; changes {c['changes_kind']}",
+    L = [f"link emulation: {c['shaping']}; changes {c['changes_kind']}; format version {c['format_version']}",
          f"machine: {res['machine']['cpus']} CPUs, load {res['machine']['load_1min']:.2f}", "",
          "MEASURED",
          "| elements | change | link Mbit/s | via | dense s | delta s | floor s | delta/floor (<=1.25) | speedup | "

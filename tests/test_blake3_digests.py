@@ -2,19 +2,20 @@
 than against our own hashing code: the tensor digest over exactly the bytes docs/format.md names,
 for every dtype, non-contiguous and empty tensors, whatever the ranges and threads; the chunk
 digests; and every check still firing with them (a wrong base, a wrong target, an unknown
-algorithm refused before the first write), next to version 1 deltas that still verify."""
+algorithm refused before the first write, in versions 2 and 3), next to version 1 deltas that
+still verify."""
 from __future__ import annotations
 
 import copy
-import io
 
 import blake3
 import pytest
 import torch
 
 from dcr_testing import assert_state
+from dcr_testing.deltas import rewrite
 from nemo_dcr import BaseMismatchError, DeltaReader, PartialApplyError, TargetMismatchError, apply, diff
-from nemo_dcr.codec.format import PREAMBLE, DeltaWriter
+from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.errors import DcrError, DeltaFormatError
 from nemo_dcr.state import digest
 from nemo_dcr.state.digest import RunningDigest, algo_of, tensor_digest, tensor_digest_like, values_digest
@@ -105,16 +106,16 @@ def _states(seed=0):
     return base, target
 
 
-@pytest.mark.parametrize("fv, tensor_prefix, values_algo", [(2, "blake3:", "blake3"), (1, "sha256:", "blake2b")])
+@pytest.mark.parametrize("fv, tensor_prefix, values_algo", [(3, "sd:", "blake3"), (2, "blake3:", "blake3"),
+                                                           (1, "sha256:", "blake2b")])
 def test_each_version_writes_its_digests(fv, tensor_prefix, values_algo):
     base, target = _states()
-    kwargs = {} if fv == 2 else {"format_version": 1}
-    r = DeltaReader.open(diff(base, target, chunk_elems=512, **kwargs))
+    r = DeltaReader.open(diff(base, target, chunk_elems=512, format_version=fv))
     assert r.version == fv and r.raw_header["format"] == fv
     chunks = 0
     for e in r.header.tensors:
         assert e.target_digest.startswith(tensor_prefix)
-        assert e.target_digest == tensor_digest(target[e.name], values_algo if fv == 2 else "sha256")
+        assert e.target_digest == tensor_digest(target[e.name], {3: "sd", 2: "blake3", 1: "sha256"}[fv])
         for c in e.chunks:
             chunks += 1
             assert c.values_algo == values_algo
@@ -129,6 +130,11 @@ def test_each_version_writes_its_digests(fv, tensor_prefix, values_algo):
     assert_state(recv, target)
 
 
+def test_the_default_format_version_is_3():
+    base, target = _states()
+    assert FORMAT_VERSION == 3 and DeltaReader.open(diff(base, target)).version == 3
+
+
 def test_a_format_version_is_checked():
     base, target = _states()
     with pytest.raises(DcrError, match="format version 4"):
@@ -139,33 +145,32 @@ def test_known_base_digests_of_another_algorithm_are_hashed():
     """A publisher's cached base digests reused only in their own algorithm: a version 1 delta
     never carries a "blake3:" digest its readers cannot check, nor a version 2 one a stale one."""
     base, target = _states()
-    known = {e.name: e.target_digest for e in DeltaReader.open(diff({}, base)).header.tensors}
+    known = {e.name: e.target_digest for e in DeltaReader.open(diff({}, base, format_version=2)).header.tensors}
     assert all(d.startswith("blake3:") for d in known.values())
     v1 = DeltaReader.open(diff(base, target, base_digests=known, format_version=1)).header
     assert all(e.base_digest.startswith("sha256:") for e in v1.tensors if e.base_digest)
-    v2 = DeltaReader.open(diff(base, target, base_digests=known)).header
+    v2 = DeltaReader.open(diff(base, target, base_digests=known, format_version=2)).header
     assert {e.name: e.base_digest for e in v2.tensors if e.base_digest} == \
         {k: d for k, d in known.items() if k in target}
+    v3 = DeltaReader.open(diff(base, target, base_digests=known, format_version=3)).header
+    assert {e.name: e.base_digest for e in v3.tensors if e.base_digest} == \
+        {k: tensor_digest(base[k], "sd") for k in known if k in target}
 
 
 def _rebuild(blob: bytes, mutate) -> bytes:
-    r = DeltaReader(blob)
-    h = copy.deepcopy(r.raw_header)
+    h = copy.deepcopy(DeltaReader(blob).raw_header)
     mutate(h)
-    out = io.BytesIO()
-    w = DeltaWriter(out, r.version)
-    w.add_payload(bytes(r.buf[PREAMBLE.size:r.payload_end]))
-    w.finish(h)
-    return out.getvalue()
+    return rewrite(blob, h)
 
 
 def _entry(h, name):
     return next(t for t in h["tensors"] if t["name"] == name)
 
 
-def test_a_wrong_target_is_caught_by_the_blake3_digest():
+@pytest.mark.parametrize("fv", [2, 3])
+def test_a_wrong_target_is_caught_by_the_tensor_digest(fv):
     base, target = _states()
-    blob = diff(base, target)
+    blob = diff(base, target, format_version=fv)
 
     def flip(h):  # the last hex digit of one target digest
         e = _entry(h, "a.bf16")
@@ -176,9 +181,10 @@ def test_a_wrong_target_is_caught_by_the_blake3_digest():
     assert isinstance(e.value.__cause__, TargetMismatchError) and "a.bf16" in str(e.value.__cause__)
 
 
-def test_a_wrong_base_is_caught_by_the_blake3_digests():
+@pytest.mark.parametrize("fv", [2, 3])
+def test_a_wrong_base_is_caught_by_the_tensor_and_chunk_digests(fv):
     base, target = _states()
-    blob = diff(base, target)
+    blob = diff(base, target, format_version=fv)
     wrong = {k: v.clone() for k, v in base.items()}
     wrong["a.bf16"].view(-1)[37] = 1.5  # a changed position: the chunk's pre-image differs
     snap = {k: v.clone() for k, v in wrong.items()}
@@ -191,12 +197,14 @@ def test_a_wrong_base_is_caught_by_the_blake3_digests():
 
 
 @pytest.mark.parametrize("field", ["target_digest", "base_digest"])
-def test_an_unknown_digest_algorithm_is_refused_before_the_first_write(field):
+@pytest.mark.parametrize("fv", [2, 3])
+def test_an_unknown_digest_algorithm_is_refused_before_the_first_write(field, fv):
     """Tensors are applied in name order; the last one names an algorithm this build does not
     know: the delta is refused when it is opened, with every tensor as it was."""
     base, target = _states()
     name = "c.i64"
-    blob = _rebuild(diff(base, target), lambda h: _entry(h, name).update({field: "blake9:" + "0" * 32}))
+    blob = _rebuild(diff(base, target, format_version=fv),
+                    lambda h: _entry(h, name).update({field: "blake9:" + "0" * 32}))
     recv = {k: v.clone() for k, v in base.items()}
     with pytest.raises(DeltaFormatError, match="unknown tensor digest algorithm 'blake9'"):
         apply(recv, blob)
@@ -248,6 +256,6 @@ def test_the_lightning_callback_takes_a_format_version(tmp_path):
     pytest.importorskip("lightning")
     from nemo_dcr.integrations import DeltaPublishCallback
     assert DeltaPublishCallback(str(tmp_path), format_version=1).format_version == 1
-    assert DeltaPublishCallback(str(tmp_path)).format_version == 2
+    assert DeltaPublishCallback(str(tmp_path)).format_version == FORMAT_VERSION == 3
     with pytest.raises(DcrError, match="format version 7"):
         DeltaPublishCallback(str(tmp_path), format_version=7)

@@ -17,7 +17,7 @@ pytest.importorskip("triton")
 pl = pytest.importorskip("lightning.pytorch")
 
 from dcr_testing import assert_state  # noqa: E402
-from nemo_dcr.codec.format import DeltaReader  # noqa: E402
+from dcr_testing.deltas import same_delta  # noqa: E402
 from nemo_dcr.device import kernels  # noqa: E402
 from nemo_dcr.device.capture import Captured, DeviceCapture  # noqa: E402
 from nemo_dcr.integrations import DeltaPublishCallback, module_snapshot  # noqa: E402
@@ -94,28 +94,21 @@ def chain(store):
         m = read_manifest(store, m.base_manifest)
 
 
-def same_object(a: bytes, b: bytes):
-    ra, rb = DeltaReader(a), DeltaReader(b)
-    ha, hb = dict(ra.raw_header), dict(rb.raw_header)
-    for h in (ha, hb):
-        h.pop("created"), h.get("meta", {}).pop("publish_id", None)
-    assert ha == hb
-    assert bytes(ra.buf[:ra.payload_end]) == bytes(rb.buf[:rb.payload_end])
-
-
-@pytest.mark.parametrize("keep", ["device", "pinned"])
-def test_device_callback_publishes_the_host_paths_versions(tmp_path, keep):
-    ref, ref_cb, truth = run(tmp_path, "host", device="off")
+@pytest.mark.parametrize("keep, fv", [("device", 3), ("pinned", 3), ("device", 2)])
+def test_device_callback_publishes_the_host_paths_versions(tmp_path, keep, fv):
+    ref, ref_cb, truth = run(tmp_path, "host", device="off", format_version=fv)
     captures: list[Captured] = []
-    dev, cb, truth_dev = run(tmp_path, "dev", captures, device="on", keep=keep)
+    dev, cb, truth_dev = run(tmp_path, "dev", captures, device="on", keep=keep, format_version=fv)
     assert cb.device.active and not ref_cb.device.active
+    # the device hashes each captured tensor for version 2 (BLAKE3); version 3 sums the changes
+    assert all(bool(c.digests) == (fv == 2) for c in captures if c.streams)
     a, b = chain(ref), chain(dev)
     assert [m.version for m in a] == [m.version for m in b] == list(range(7))  # initial + 6 steps (one empty)
     assert [m.is_keyframe for m in b] == [True, False, False, True, False, False, True]
     for ma, mb in zip(a, b, strict=True):
         assert ma.target_digest == mb.target_digest and ma.changed == mb.changed
         for pa, pb in zip(ma.parts + ma.keyframe_parts, mb.parts + mb.keyframe_parts, strict=True):
-            same_object(ref.get(pa.key), dev.get(pb.key))
+            same_delta(ref.get(pa.key), dev.get(pb.key))
     # every version rebuilt bit-exactly from the device path's store
     state = {k: torch.zeros_like(v) for k, v in truth_dev[6].items()}
     Follower(dev, state).sync()

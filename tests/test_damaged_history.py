@@ -37,10 +37,10 @@ def follower(store, recv):
     return Follower(store, recv, verifier=None, backoff=0.0)
 
 
-@pytest.mark.parametrize("how", ["corrupt", "delete"])
-def test_a_damaged_newest_manifest_stops_nothing_that_can_go_on(store, how):
+@pytest.mark.parametrize("how, fv", [("corrupt", 2), ("delete", 2), ("corrupt", 3), ("delete", 3)])
+def test_a_damaged_newest_manifest_stops_nothing_that_can_go_on(store, how, fv):
     states = [state(i) for i in range(5)]
-    pub = Publisher(store, signer=None)
+    pub = Publisher(store, signer=None, format_version=fv)
     pub.publish(states[0])
     held = zeros_like(states[0])
     f_held = follower(store, held)
@@ -48,13 +48,19 @@ def test_a_damaged_newest_manifest_stops_nothing_that_can_go_on(store, how):
     f_held.sync()
     damage(store, read_head(store)[0].manifest, how)
 
-    # a receiver that does not hold version 1 cannot read it: a typed error, nothing applied
     fresh = zeros_like(states[0])
     f_fresh = follower(store, fresh)
-    with pytest.raises(DcrError):
-        f_fresh.sync()
-    assert f_fresh.version is None
-    assert_state(fresh, zeros_like(states[0]))
+    if fv == 2:
+        # a receiver that does not hold version 1 cannot read it: a typed error, nothing applied
+        with pytest.raises(DcrError):
+            f_fresh.sync()
+        assert f_fresh.version is None
+        assert_state(fresh, zeros_like(states[0]))
+    else:  # format 3: HEAD carries version 1's manifest, so the copy in the store is not needed
+        assert f_fresh.sync().version == 1
+        assert_state(fresh, states[1])
+        fresh = zeros_like(states[0])
+        f_fresh = follower(store, fresh)
 
     # the publisher that wrote version 1 holds its manifest: it publishes the next delta, and the
     # receiver holding version 1 (and its manifest) follows it
@@ -68,7 +74,7 @@ def test_a_damaged_newest_manifest_stops_nothing_that_can_go_on(store, how):
     assert_state(fresh, zeros_like(states[0]))
 
     # a restarted publisher cannot rebuild its base: a clear error naming the remedy, which works
-    pub2 = Publisher(store, signer=None)
+    pub2 = Publisher(store, signer=None, format_version=fv)
     with pytest.raises(PublishError):
         pub2.publish(states[3])
     assert read_head(store)[0].version == 2  # nothing committed
@@ -81,12 +87,13 @@ def test_a_damaged_newest_manifest_stops_nothing_that_can_go_on(store, how):
 
 
 def test_a_keyframe_goes_on_when_the_manifest_it_follows_is_unreadable(store):
+    """Format 2 (HEAD names the manifest; format 3 carries it, see the test above)."""
     states = [state(i) for i in range(3)]
-    pub = Publisher(store, signer=None)
+    pub = Publisher(store, signer=None, format_version=2)
     pub.publish(states[0])
     pub.publish(states[1])
     damage(store, read_head(store)[0].manifest, "corrupt")
-    pub2 = Publisher(store, signer=None)
+    pub2 = Publisher(store, signer=None, format_version=2)
     with pytest.raises(PublishError, match="keyframe=True"):
         pub2.publish(states[2])
     r = pub2.publish(states[2], keyframe=True)  # before the fix: "commit failed: ManifestError"
@@ -98,15 +105,32 @@ def test_a_keyframe_goes_on_when_the_manifest_it_follows_is_unreadable(store):
     assert_state(recv, states[2])
 
 
-@pytest.mark.parametrize("how", ["corrupt", "truncate"])
-def test_a_damaged_head_is_a_typed_error_everywhere_and_a_keyframe_replaces_it(store, how):
-    states = [state(i) for i in range(4)]
+def followed(store, n: int):
+    """``n`` states, versions 0 and 1 of them published, and a follower holding version 1."""
+    states = [state(i) for i in range(n)]
     pub = Publisher(store, signer=None)
     pub.publish(states[0])
     pub.publish(states[1])
     recv = zeros_like(states[0])
     f = follower(store, recv)
     f.sync()
+    return states, pub, recv, f
+
+
+def test_a_restarted_publisher_of_format_3_rebuilds_from_the_manifest_head_carries(store):
+    """Format 3: the newest manifest damaged in the store; HEAD carries it, so a restarted
+    publisher rebuilds its base and publishes the next delta (format 2 needed a keyframe)."""
+    states, _, recv, f = followed(store, 3)
+    damage(store, read_head(store)[0].manifest, "corrupt")
+    r = Publisher(store, signer=None).publish(states[2])
+    assert r.version == 2 and r.manifest.parts and r.manifest.base_version == 1
+    assert f.sync().steps == [("delta", 2)]
+    assert_state(recv, states[2])
+
+
+@pytest.mark.parametrize("how", ["corrupt", "truncate"])
+def test_a_damaged_head_is_a_typed_error_everywhere_and_a_keyframe_replaces_it(store, how):
+    states, pub, recv, f = followed(store, 4)
     damage(store, HEAD_KEY, how)
 
     with pytest.raises(ManifestError):  # the receiver keeps what it holds

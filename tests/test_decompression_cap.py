@@ -40,7 +40,8 @@ def bombed_delta(frame: bytes):
     base = torch.zeros(4096)
     target = base.clone()
     target[torch.randperm(4096, generator=g)[:1024]] = torch.randn(1024, generator=g)
-    blob = diff({"w": base}, {"w": target}, encoding="xor", chunk_elems=4096, workers=1)
+    # (version 2's container: one payload area; the frames are checked alike in every version)
+    blob = diff({"w": base}, {"w": target}, encoding="xor", chunk_elems=4096, workers=1, format_version=2)
     r = DeltaReader(blob)
     h = json.loads(json.dumps(r.raw_header))
     (c,) = h["tensors"][0]["chunks"]
@@ -49,7 +50,7 @@ def bombed_delta(frame: bytes):
     pos = bytes(r.buf[lo:lo + c["plen"]])
     c.update(vlen=len(frame), crc=zlib.crc32(frame, zlib.crc32(pos)))
     out = io.BytesIO()
-    w = DeltaWriter(out)
+    w = DeltaWriter(out, 2)
     w.add_payload(pos + frame)
     c["off"] = PREAMBLE.size
     w.finish(h)

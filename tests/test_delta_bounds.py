@@ -19,11 +19,14 @@ from nemo_dcr import DcrError, DeltaFormatError, DeltaReader, apply, diff
 from nemo_dcr.codec.format import END_MAGIC, FOOTER, FORMAT_VERSION, MAGIC, PREAMBLE, DeltaWriter
 from nemo_dcr.codec.versions import VERSIONS
 
+V2 = 2  # the deltas crafted here have version 2's container (header at the end); version 3's
+#         segments are bounded the same way (tests/test_format_v3.py)
+
 
 def craft(raw_header: dict, payloads: list[bytes]) -> bytes:
     """A delta with these payloads back to back and this header, every checksum valid."""
     out = io.BytesIO()
-    w = DeltaWriter(out)
+    w = DeltaWriter(out, V2)
     for p in payloads:
         w.add_payload(p)
     w.finish(raw_header)
@@ -35,7 +38,7 @@ def with_header_bytes(blob: bytes, raw: bytes) -> bytes:
     r = DeltaReader(blob)
     stored = zstandard.ZstdCompressor(level=3).compress(raw)
     return (bytes(r.buf[:r.payload_end]) + stored
-            + FOOTER.pack(len(stored), len(raw), zlib.crc32(stored), FORMAT_VERSION, END_MAGIC))
+            + FOOTER.pack(len(stored), len(raw), zlib.crc32(stored), V2, END_MAGIC))
 
 
 def one_chunk_delta():
@@ -44,7 +47,7 @@ def one_chunk_delta():
     base = torch.zeros(4096)
     target = base.clone()
     target[torch.randperm(4096, generator=g)[:300]] = 1.0
-    blob = diff({"w": base}, {"w": target}, encoding="xor", chunk_elems=4096, workers=1)
+    blob = diff({"w": base}, {"w": target}, encoding="xor", chunk_elems=4096, workers=1, format_version=V2)
     r = DeltaReader(blob)
     (c,) = r.raw_header["tensors"][0]["chunks"]
     assert c["pz"] or c["vz"]
@@ -118,10 +121,11 @@ def test_header_that_decompresses_far_beyond_its_stored_size_is_refused():
         DeltaReader(bad)
 
 
-def test_header_raw_length_bound_leaves_real_headers_alone():
+@pytest.mark.parametrize("fv", [2, 3])
+def test_header_raw_length_bound_leaves_real_headers_alone(fv):
     """Many tiny tensors (the most compressible real header there is) still open."""
     state = {f"layers.{i:05d}.bias": torch.zeros(1) for i in range(3000)}
-    blob = diff({}, state, workers=1)
+    blob = diff({}, state, workers=1, format_version=fv)
     assert len(DeltaReader(blob).header.tensors) == 3000
 
 
@@ -134,7 +138,7 @@ def test_chunk_larger_than_the_headers_chunk_elems_is_refused():
     chunk = {"start": 0, "n": n, "k": n, "enc": "overwrite", "pos": "dense", "off": PREAMBLE.size, "plen": 0,
              "vlen": len(vals), "praw": 0, "vraw": 4 * n, "pz": False, "vz": True, "crc": crc, "pre": "",
              "post": "0" * 16}
-    header = {"format": FORMAT_VERSION, "chunk_elems": 1024, "base_digest": "", "target_digest": "",
+    header = {"format": V2, "chunk_elems": 1024, "base_digest": "", "target_digest": "",
               "tensors": [{"name": "w", "kind": "full", "dtype": "float32", "shape": [n],
                            "region": {"offsets": [0], "shape": [n]}, "target_digest": "sha256:0", "chunks": [chunk]}],
               "meta": {}}
@@ -205,7 +209,7 @@ def test_typed_header_is_what_the_writer_wrote():
 
 
 def test_container_constants_unchanged():
-    assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 2
+    assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 3
     assert sorted(VERSIONS) == [1, 2, 3]  # a reader still reads versions 1 and 2 (tests/test_golden.py)
     from nemo_dcr.codec.format import SEGMENT, TRAILER
     assert SEGMENT.format == "<IIII" and TRAILER.format == "<II8s"  # version 3 (docs/format.md)

@@ -13,6 +13,7 @@ os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
 from dcr_testing import assert_state  # noqa: E402
+from dcr_testing.deltas import same_delta  # noqa: E402
 from dcr_testing.device_cases import make_pair  # noqa: E402
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.delta import diff  # noqa: E402
@@ -50,15 +51,6 @@ def _states():
     return v0, v1
 
 
-def _same_delta(a: bytes, b: bytes):
-    ra, rb = DeltaReader(a), DeltaReader(b)
-    ha, hb = dict(ra.raw_header), dict(rb.raw_header)
-    for h in (ha, hb):  # when and in which publish: the rest must be equal
-        h.pop("created"), h.get("meta", {}).pop("publish_id", None)
-    assert ha == hb
-    assert bytes(ra.buf[:ra.payload_end]) == bytes(rb.buf[:rb.payload_end])
-
-
 @pytest.mark.parametrize("encoding", ["auto", "classes", "portable"])
 def test_delta_bytes_equal_the_reference(encoding):
     v0, v1 = _states()
@@ -68,7 +60,7 @@ def test_delta_bytes_equal_the_reference(encoding):
     ref = diff(v0, v1, encoding=encoding, chunk_elems=CHUNK, on_change=ref_change, progress=False)
     got = diff(*dev.views(v1), encoding=encoding, chunk_elems=CHUNK, on_change=dev_change, progress=False,
                chunker=dev.chunker)
-    _same_delta(got, ref)
+    same_delta(got, ref)
     assert dev_change.total == ref_change.total
     assert set(dev._pending) == {"w", "x", "i", "b", "d", "f8"}  # the device pass took these, not the rest
     dev.commit(v1)
@@ -91,7 +83,7 @@ def test_publisher_on_the_device_publishes_the_reference_versions(tmp_path, capl
             assert a.changed == b.changed
             for pa, pb in zip(a.manifest.parts + a.manifest.keyframe_parts,
                               b.manifest.parts + b.manifest.keyframe_parts, strict=True):
-                _same_delta(ref.store.get(pa.key), dev.store.get(pb.key))
+                same_delta(ref.store.get(pa.key), dev.store.get(pb.key))
     assert "device path (Triton kernels, interpreted)" in caplog.text
     assert_state(dev.published[0], {k: v.contiguous() for k, v in v2.items()})
     recv = {k: torch.zeros_like(v) for k, v in v0.items()}

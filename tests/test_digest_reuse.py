@@ -49,13 +49,14 @@ def test_diff_with_known_base_digests_gives_the_same_delta():
     assert_state(recv, target)
 
 
-def test_known_base_digest_is_what_the_delta_claims():
+@pytest.mark.parametrize("fv, prefix", [(2, "blake3:"), (3, "sd:")])
+def test_known_base_digest_is_what_the_delta_claims(fv, prefix):
     """A wrong known digest is written as is (the caller vouches for its private base), and every
     receiver holding the real base refuses the delta before writing: nothing is hidden."""
     base, target = _states()
-    blob = diff(base, target, chunk_elems=4096, base_digests={"w": "blake3:" + "0" * 32})
+    blob = diff(base, target, chunk_elems=4096, base_digests={"w": prefix + "0" * 32}, format_version=fv)
     entry = {e.name: e for e in DeltaReader.open(blob).header.tensors}["w"]
-    assert entry.base_digest == "blake3:" + "0" * 32
+    assert entry.base_digest == prefix + "0" * 32
     recv = {k: v.clone() for k, v in base.items()}
     with pytest.raises(BaseMismatchError):
         apply(recv, blob)
@@ -80,7 +81,8 @@ def test_publisher_reuses_its_snapshot_digests(tmp_path):
 
 
 def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
-    """After the first version the publisher's diff hashes only the target, not its snapshot."""
+    """Format version 2: after the first version the publisher's diff hashes only the target,
+    not its snapshot."""
     import sys
 
     diff_mod = sys.modules["nemo_dcr.delta.diff"]  # (the package's ``diff`` attribute is the function)
@@ -88,7 +90,7 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     real = diff_mod.tensor_digest
     monkeypatch.setattr(diff_mod, "tensor_digest", lambda t, *a, **k: hashed.append(t.data_ptr()) or real(t, *a, **k))
     base, target = _states()
-    pub = Publisher(LocalStore(tmp_path / "store"), chunk_elems=4096)
+    pub = Publisher(LocalStore(tmp_path / "store"), chunk_elems=4096, format_version=2)
     pub.publish(base)  # the first version: a keyframe, each tensor hashed once
     assert len(hashed) == len(base)
     hashed.clear()
@@ -105,3 +107,40 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     next(iter(third.values())).view(-1)[0] += 1
     pub.publish(third)  # a delta after a delta: the digests the previous delta wrote are reused too
     assert len(hashed) == len(third)
+
+
+def test_publisher_of_format_3_hashes_no_tensor_whole(tmp_path, monkeypatch):
+    """Format version 3 (the default): the tensor digests are sums, the keyframe's summed from
+    its chunks and each delta's from the base's and the changes: no tensor is hashed whole by a
+    publish, and a follower checking every digest agrees."""
+    import sys
+
+    from nemo_dcr.state import digest, statedigest
+    diff_mod = sys.modules["nemo_dcr.delta.diff"]
+    hashed = []
+    for mod, fn in ((diff_mod, "tensor_digest"), (statedigest, "tensor_contrib"), (digest, "RunningDigest")):
+        real = getattr(mod, fn)
+        monkeypatch.setattr(mod, fn, lambda *a, _real=real, **k: hashed.append(a[0]) or _real(*a, **k))
+    base, target = _states()
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store, chunk_elems=4096)
+    assert pub.format_version == 3
+    third = {k: v.clone() for k, v in target.items()}
+    next(iter(third.values())).view(-1)[0] += 1
+    pub.publish(base)  # the keyframe: its tensor digests summed from its chunks; only the
+    assert hashed == list(base)  # first state digest (keyed by name) is a pass of its own
+    hashed.clear()
+    for s in (target, third):
+        pub.publish(s)
+    assert hashed == []  # the deltas: O(changes)
+    monkeypatch.undo()
+    recv = zeros_like(base)
+    fol = Follower(store, recv)
+    fol.sync(0)
+    for v, s in ((1, target), (2, third)):
+        fol.sync(v)
+        assert_state(recv, s)
+        assert fol.manifest is not None and fol.manifest.parts
+        for p in fol.manifest.parts:
+            for e in DeltaReader.open(store.get(p.key)).header.tensors:
+                assert e.target_digest == digest.tensor_digest(s[e.name], "sd"), e.name

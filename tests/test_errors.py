@@ -9,13 +9,13 @@ Rules checked throughout:
 from __future__ import annotations
 
 import copy
-import io
 import random
 
 import pytest
 import torch
 
 from dcr_testing import deadline
+from dcr_testing.deltas import rewrite
 from nemo_dcr import (
     BaseMismatchError,
     DcrError,
@@ -27,7 +27,7 @@ from nemo_dcr import (
     apply,
     diff,
 )
-from nemo_dcr.codec.format import FOOTER, PREAMBLE, DeltaWriter
+from nemo_dcr.codec.format import FOOTER, PREAMBLE, TRAILER
 from nemo_dcr.state.dtypes import int_view
 
 # ----------------------------------------------------------------------------- helpers
@@ -94,22 +94,19 @@ def states():
     return small_states()
 
 
-@pytest.fixture(scope="module")
-def blob(states):
+@pytest.fixture(scope="module", params=[2, 3], ids=["v2", "v3"])
+def blob(states, request):
+    """The delta in format version 2 (header at the end) and 3 (segments, the default)."""
     base, target = states
-    return diff(base, target, chunk_elems=8, workers=1)
+    return diff(base, target, chunk_elems=8, workers=1, format_version=request.param)
 
 
 def rebuild(blob_bytes: bytes, mutate) -> bytes:
-    """Same payloads, a header changed by ``mutate`` -- written with valid checksums."""
-    r = DeltaReader(blob_bytes)
-    h = copy.deepcopy(r.raw_header)
+    """Same payloads, a header changed by ``mutate`` -- written with valid checksums, in the
+    delta's own version."""
+    h = copy.deepcopy(DeltaReader(blob_bytes).raw_header)
     mutate(h)
-    out = io.BytesIO()
-    w = DeltaWriter(out)
-    w.add_payload(bytes(r.buf[PREAMBLE.size:r.payload_end]))
-    w.finish(h)
-    return out.getvalue()
+    return rewrite(blob_bytes, h)
 
 
 def try_apply(state, delta, **kw):
@@ -133,6 +130,9 @@ def test_small_delta_is_sane(states, blob):
     assert "overwrite" in encs and encs & {"xor", "add"} and encs <= {"xor", "add", "overwrite"}
     s = clone_state(base)
     apply(s, blob)
+    assert states_equal(s, target)
+    s = clone_state(base)  # rebuilt with its own header: the crafted deltas below differ by their change alone
+    apply(s, rebuild(blob, lambda h: None))
     assert states_equal(s, target)
 
 
@@ -236,8 +236,8 @@ def _chunk(h, name="a", i=0):
 
 
 HEADER_TAMPERS = {
-    "format": lambda h: h.update(format=1),  # the container says 2
-    "format-unknown": lambda h: h.update(format=3),
+    "format": lambda h: h.update(format=1),  # the container says 2 (3)
+    "format-unknown": lambda h: h.update(format=4),
     "tensors-not-list": lambda h: h.update(tensors={}),
     "duplicate-name": lambda h: h["tensors"].append(copy.deepcopy(h["tensors"][0])),
     "unknown-kind": lambda h: _first(h, "a").update(kind="patch"),
@@ -388,18 +388,23 @@ def test_foreign_files_are_format_errors(tmp_path, states, blob):
 
 def test_unsupported_versions(states, blob):
     base, _ = states
-    for pos in (8, len(blob) - 12):  # preamble version, footer version
+    version = DeltaReader(blob).version
+    # preamble version, and the footer's (version 2) or the trailer's (version 3)
+    positions = (8, len(blob) - (12 if version == 2 else TRAILER.size))
+    for pos in positions:
+        for other in (4, 5 - version):  # unknown; the other container's
+            bad = bytearray(blob)
+            bad[pos:pos + 4] = other.to_bytes(4, "little")
+            with pytest.raises(DeltaFormatError):
+                apply(clone_state(base), bytes(bad))
+    if version == 2:
+        # a version 2 delta relabelled 1 in preamble and footer: its header says 2 (and its
+        # chunk digests are not BLAKE2b), so it is refused as it is, not read as version 1
         bad = bytearray(blob)
-        bad[pos:pos + 4] = (3).to_bytes(4, "little")
-        with pytest.raises(DeltaFormatError, match="version"):
+        for pos in positions:
+            bad[pos:pos + 4] = (1).to_bytes(4, "little")
+        with pytest.raises(DeltaFormatError, match="format field"):
             apply(clone_state(base), bytes(bad))
-    # a version 2 delta relabelled 1 in preamble and footer: its header says 2 (and its chunk
-    # digests are not BLAKE2b), so it is refused as it is, not read as version 1
-    bad = bytearray(blob)
-    for pos in (8, len(blob) - 12):
-        bad[pos:pos + 4] = (1).to_bytes(4, "little")
-    with pytest.raises(DeltaFormatError, match="format field"):
-        apply(clone_state(base), bytes(bad))
 
 
 # ----------------------------------------------------------------------------- wrong base

@@ -91,12 +91,12 @@ def test_finding_the_checkpoint_version_reads_recent_manifests_only(tmp_path):
     r = pull_checkpoint(store, str(out))
     assert r.sync.steps == [("delta", 29)]
     assert_state(load_file(str(out)), chain[29])
-    # version 29 (HEAD's) and 28 (the checkpoint's), then the sync's read of its target (29);
-    # before: all 30, then 29 and 28 again, then 29
-    assert store.manifest_reads == 3
+    # version 28 (the checkpoint's): 29's is carried in HEAD (format 3), for the search and for
+    # the sync's target; format 2 read 29, 28, then 29 again; before that: all 30, then 29, 28, 29
+    assert store.manifest_reads == 1
     store.manifest_reads = 0
     assert verify_checkpoint(store, str(out))[0] == 29
-    assert store.manifest_reads == 1
+    assert store.manifest_reads == 0  # HEAD's, carried in HEAD
 
 
 def test_a_checkpoint_of_no_recent_version_reads_no_further_than_a_keyframe_pays(tmp_path):
@@ -108,14 +108,15 @@ def test_a_checkpoint_of_no_recent_version_reads_no_further_than_a_keyframe_pays
     stranger = tmp_path / "out.safetensors"
     save_file({"w": torch.zeros(64, 32).bfloat16(), "b": torch.zeros(32)}, str(stranger))
     found = locate(store, state_contrib(load_file(str(stranger))).hex(), worth_fetching=True)
-    # 10 above the keyframe, 5 below it (deltas of ~720 B against a keyframe of ~3.9 KB)
-    assert found.manifest is None and found.read == 15 and "cost more than that keyframe" in found.ended
+    # 10 above the keyframe, 4 below it (format 3: deltas of ~1 KB against a keyframe of ~4.1 KB)
+    assert found.manifest is None and found.read == 14 and "cost more than that keyframe" in found.ended
     store.manifest_reads = 0
     r = pull_checkpoint(store, str(stranger))
     assert r.sync.steps[0] == ("keyframe", 30) and r.sync.version == 39
     assert_state(load_file(str(stranger)), chain[39])
-    # and the pull's own (version 39, the chain down to keyframe 30): before, 51
-    assert store.manifest_reads == 15 + 11
+    # and the pull's own (version 39, the chain down to keyframe 30): before, 51; version 39's
+    # manifest, HEAD's, is carried in HEAD (format 3) for both
+    assert store.manifest_reads == (14 - 1) + (11 - 1)
 
 
 def test_key_rotation_a_receiver_trusting_the_new_key_pulls_past_versions_of_the_old(tmp_path):

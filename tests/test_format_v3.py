@@ -87,6 +87,44 @@ def test_indexes_come_before_their_chunks_in_segments_of_bounded_size(monkeypatc
     assert seen == sum(len(t.chunks) for t in DeltaReader.open(blob).header.tensors)
 
 
+def test_a_segment_full_of_pieces_ends_with_whole_tensors():
+    """A segment closed by its piece count (many small tensors: SEGMENT_PIECES) ends after a
+    tensor's last piece; before, that tensor's chunks were written again as a piece of the next
+    segment, and the reader refused the delta ("again after its last piece")."""
+    state = {f"layers.{i:05d}.bias": torch.full((3,), float(i)) for i in range(fmt.SEGMENT_PIECES + 500)}
+    blob = diff({}, state, format_version=3, workers=1)
+    r = DeltaReader.open(blob)
+    assert len(r.header.tensors) == len(state) and all(len(t.chunks) == 1 for t in r.header.tensors)
+    recv: dict = {}
+    apply(recv, blob)
+    assert_state(recv, state)
+
+
+@pytest.mark.parametrize("known", [False, True])
+def test_a_tensor_in_several_segments_without_a_known_base_digest(monkeypatch, known):
+    """A delta whose base digests are not known beforehand (the CLI's diff of two checkpoints, a
+    restarted publisher's first delta): a tensor's first piece names its base digest, as its
+    last does. Before, the first piece went out without it while the digest was hashed beside the
+    chunks, and the reader refused the delta ("ends without its last piece")."""
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 2048)
+    base, target = states(6)
+    known_digests = {k: tensor_digest(v, "sd") for k, v in base.items()} if known else None
+    blob = diff(base, target, format_version=3, chunk_elems=1 << 12, base_digests=known_digests)
+    r = DeltaReader.open(blob)
+    pieces = [p for index in _segments(blob) for p in index.get("tensors", []) if p["name"] == "w"]
+    assert len(pieces) > 3 and r.header.entry("w").base_digest == tensor_digest(base["w"], "sd")
+    recv = {k: v.clone() for k, v in base.items()}
+    apply(recv, blob)
+    assert_state(recv, target)
+
+
+def _segments(blob):
+    pos = fmt.PREAMBLE.size
+    while pos < len(blob) - fmt.TRAILER.size:
+        index, _, pos = fmt.read_segment(blob, pos, len(blob) - fmt.TRAILER.size, AssertionError)
+        yield index
+
+
 def test_every_truncation_and_every_flipped_index_byte_is_a_format_error():
     base, target = states(4, 3000)
     blob = diff(base, target, format_version=3, chunk_elems=512)

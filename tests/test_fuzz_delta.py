@@ -9,7 +9,6 @@ never another exception, a hang or a partial write reported as success.
 from __future__ import annotations
 
 import copy
-import io
 import os
 import random
 import zlib
@@ -18,10 +17,11 @@ import pytest
 import torch
 
 from dcr_testing import bits, deadline
+from dcr_testing.deltas import rewrite
 from dcr_testing.fuzz_cases import fuzz_states
 from nemo_dcr import DcrError, DeltaReader, apply, diff, inspect
 from nemo_dcr.codec import native
-from nemo_dcr.codec.format import PREAMBLE, DeltaWriter
+from nemo_dcr.codec.format import PREAMBLE
 
 SEED = 20261201
 # per family and backend: ~900 mutated deltas in a few seconds; a longer campaign:
@@ -34,22 +34,13 @@ BLOBS = {
     "auto": diff(BASE, TARGET, chunk_elems=64, workers=1),
     "portable": diff(BASE, TARGET, encoding="portable", chunk_elems=64, workers=1),
     "keyframe": diff({}, TARGET, encoding="overwrite", chunk_elems=64, workers=1),
+    "auto-v2": diff(BASE, TARGET, chunk_elems=64, workers=1, format_version=2),
 }
 
 
 def equal(a, b) -> bool:
     return set(a) == set(b) and all(a[k].dtype == b[k].dtype and a[k].shape == b[k].shape
                                     and torch.equal(bits(a[k]), bits(b[k])) for k in a)
-
-
-def rewrite(blob: bytes, raw_header: dict, payload: bytes | None = None) -> bytes:
-    """Same (or given) payload area, this header, every checksum valid."""
-    r = DeltaReader(blob)
-    out = io.BytesIO()
-    w = DeltaWriter(out)
-    w.add_payload(bytes(r.buf[PREAMBLE.size:r.payload_end]) if payload is None else payload)
-    w.finish(raw_header)
-    return out.getvalue()
 
 
 # ----------------------------------------------------------------------------- mutators

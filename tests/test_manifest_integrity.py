@@ -14,7 +14,7 @@ from nemo_dcr.errors import DcrError, ManifestError
 from nemo_dcr.stores import LocalStore
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
-from nemo_dcr.sync.versions import HEAD_KEY, Manifest, read_head, walk
+from nemo_dcr.sync.versions import HEAD_KEY, Manifest, canonical_sha256, read_head, read_manifest, walk
 
 
 def state(seed=0):
@@ -86,10 +86,11 @@ def test_one_edited_byte_in_head_is_caught(published, tmp_path):
     assert read_head(store)[0].version == 0
 
 
-def test_head_and_base_links_name_the_very_manifest(tmp_path):
+@pytest.mark.parametrize("fv", [2, 3])
+def test_head_and_base_links_name_the_very_manifest(tmp_path, fv):
     store = LocalStore(str(tmp_path / "s"))
     s = state(1)
-    pub = Publisher(store)
+    pub = Publisher(store, format_version=fv)
     pub.publish(s)
     s["b"][0] += 1
     pub.publish(s)
@@ -100,7 +101,20 @@ def test_head_and_base_links_name_the_very_manifest(tmp_path):
     forged = Manifest(**{**m1.__dict__, "step": 99})
     store.put(head.manifest, forged.to_bytes())
     with pytest.raises(ManifestError, match="not the manifest its referrer recorded"):
-        Follower(store, zeros_like(s)).sync()
+        read_manifest(store, head.manifest, head.manifest_sha256)
+    if fv == 2:
+        with pytest.raises(ManifestError, match="not the manifest its referrer recorded"):
+            Follower(store, zeros_like(s)).sync()
+    else:  # HEAD carries the manifest: the forged copy in the store is not read ...
+        assert head.newest_manifest == m1 and Follower(store, zeros_like(s)).sync().version == 1
+        d = json.loads(store.get(HEAD_KEY))  # ... and the forged one carried in a re-sealed HEAD is refused
+        d["newest"] = forged.stored()
+        d.pop("checksum")
+        d["checksum"] = canonical_sha256(d)
+        store.put(HEAD_KEY, json.dumps(d).encode())
+        with pytest.raises(ManifestError, match="not the manifest its referrer recorded"):
+            Follower(store, zeros_like(s)).sync()
+        store.put(HEAD_KEY, head.to_bytes())
     store.put(head.manifest, m1.to_bytes())
     base = Manifest.from_bytes(store.get(m1.base_manifest), m1.base_manifest)
     store.put(base.key, Manifest(**{**base.__dict__, "step": 5}).to_bytes())
@@ -110,7 +124,7 @@ def test_head_and_base_links_name_the_very_manifest(tmp_path):
 
 def test_format_1_stores_stay_readable_and_are_upgraded_by_the_next_publish(tmp_path):
     """Stores written before checksums: manifests with format 1 and no checksum, a HEAD without
-    digests. Read unverified; the next commit writes format 2 and seals HEAD."""
+    digests. Read unverified; the next commit writes format 3 (the default) and seals HEAD."""
     store = LocalStore(str(tmp_path / "s"))
     s = state(2)
     pub = Publisher(store)
@@ -124,7 +138,7 @@ def test_format_1_stores_stay_readable_and_are_upgraded_by_the_next_publish(tmp_
             d["format"] = 1
             store.put(key, json.dumps(d, sort_keys=True, indent=1).encode())
     h = json.loads(store.get(HEAD_KEY))
-    for k in ("checksum", "manifest_sha256", "keyframe_sha256", "format"):
+    for k in ("checksum", "manifest_sha256", "keyframe_sha256", "format", "newest"):
         h.pop(k)
     store.put(HEAD_KEY, json.dumps(h, sort_keys=True).encode())
     assert read_head(store)[0].format == 1
@@ -135,7 +149,7 @@ def test_format_1_stores_stay_readable_and_are_upgraded_by_the_next_publish(tmp_
     s["b"][3] -= 2
     Publisher(store).publish(s)  # a restarted trainer on the old store
     head = read_head(store)[0]
-    assert head.format == 2 and head.manifest_sha256 and head.keyframe_sha256
+    assert head.format == 3 and head.manifest_sha256 and head.keyframe_sha256 and head.newest_manifest is not None
     assert f.sync().steps == [("delta", 2)]
     assert_state(recv, s)
 

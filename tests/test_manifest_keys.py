@@ -46,10 +46,12 @@ def edit(store, key, fn):
 
 
 def crafted(store, fn):
-    """Apply ``fn`` to HEAD's manifest and relink HEAD to it (as an attacker would)."""
+    """Apply ``fn`` to HEAD's manifest and relink HEAD to it (as an attacker would; a format-3
+    HEAD carries the manifest: the crafted one then)."""
     head, _ = read_head(store)
     sha = edit(store, head.manifest, fn)
-    edit(store, HEAD_KEY, lambda d: d.update(manifest_sha256=sha))
+    new = json.loads(store.get(head.manifest))
+    edit(store, HEAD_KEY, lambda d: d.update(manifest_sha256=sha, **({"newest": new} if "newest" in d else {})))
     return head
 
 
@@ -148,10 +150,11 @@ def test_a_crafted_manifest_through_a_relay(tmp_path):
     (tmp_path / "secret.dcr").write_bytes(b"SECRET")
     r = RelayProc(store.url)
     try:
-        crafted(store, lambda d: d["parts"][0].update(key="../secret.dcr"))
+        head = crafted(store, lambda d: d["parts"][0].update(key="../secret.dcr"))
         recv = zeros_like(s)
-        with pytest.raises(ManifestError, match="part key"):
+        with pytest.raises(ManifestError, match="part key"):  # (format 3: the crafted one in HEAD)
             Follower(open_store(r.url), recv, verifier=None).sync()
+        open_store(r.url).get(head.manifest)  # the manifest object itself, through the relay
         st = open_store(r.url).stats()
         assert st["bad_objects"] >= 1  # the relay did not cache the crafted manifest either
         # the relay is up, and serves the good version-0 objects

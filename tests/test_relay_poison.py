@@ -39,10 +39,10 @@ def _forge_head_and_manifest(store, liar, child):
     return sc, key
 
 
-def _tree(tmp_path, *relay_args, signer=None):
+def _tree(tmp_path, *relay_args, signer=None, format_version=3):
     store = open_store(tmp_path / "store")
     state = model()
-    pub = Publisher(store, signer=signer)
+    pub = Publisher(store, signer=signer, format_version=format_version)
     pub.publish(state)
     train_step(state, 1)
     pub.publish(state)
@@ -58,7 +58,8 @@ def _tree(tmp_path, *relay_args, signer=None):
 
 
 def test_a_forged_manifest_is_not_kept_and_receivers_recover_once_the_parent_is_honest(tmp_path):
-    store, state, parent, liar, child = _tree(tmp_path)
+    """Format 2: HEAD names the manifest, and receivers read the manifest object."""
+    store, state, parent, liar, child = _tree(tmp_path, format_version=2)
     try:
         head, _ = read_head(store)
         key, fake = _forge(store, head)
@@ -82,8 +83,9 @@ def test_a_forged_manifest_is_not_kept_and_receivers_recover_once_the_parent_is_
 def test_a_forged_head_vouches_only_until_an_honest_head_records_another_identity(tmp_path):
     """The liar forges HEAD too, recording its forged manifest's identity: the child keeps the
     forgery (HEAD vouched for it) but drops it, and its version's objects, as soon as it reads
-    an honest HEAD that records another identity for that key."""
-    store, state, parent, liar, child = _tree(tmp_path, "--poll-interval", "0.05")
+    an honest HEAD that records another identity for that key. (Format 2: a format-3 HEAD
+    carries the manifest, and the forgery would have to be in HEAD.)"""
+    store, state, parent, liar, child = _tree(tmp_path, "--poll-interval", "0.05", format_version=2)
     try:
         sc, key = _forge_head_and_manifest(store, liar, child)
         assert liar.served[key] == 1  # kept: the (forged) HEAD vouched for it
@@ -94,6 +96,31 @@ def test_a_forged_head_vouches_only_until_an_honest_head_records_another_identit
         st = sc.stats()
         assert st["withdrawn_objects"] >= 1, st
         assert sc.get(key) == store.get(key)
+    finally:
+        child.stop()
+        liar.stop()
+        parent.stop()
+
+
+def test_a_forged_manifest_object_is_not_needed_with_format_3(tmp_path):
+    """Format 3: HEAD carries the manifest it records. A receiver reads no manifest object, and
+    the child relay checks the parts against HEAD's copy (vouched for by HEAD): the forged
+    manifest object is never fetched, the parts are kept, a second receiver is served from the
+    child's cache."""
+    store, state, parent, liar, child = _tree(tmp_path)
+    try:
+        head, _ = read_head(store)
+        assert head.newest is not None
+        key, fake = _forge(store, head)
+        liar.forged[key] = fake
+        for _ in range(2):
+            f = Follower(HttpStore(child.url), zeros_like(state), verifier=None)
+            assert f.sync().version == 1
+            assert_state(f.tensors, state)
+        assert liar.served.get(key, 0) == 0
+        st = HttpStore(child.url).stats()
+        parts = [p.key for p in head.newest_manifest.parts]
+        assert all(st["upstream_fetches_by_key"].get(p) == 1 for p in parts), st  # kept: fetched once
     finally:
         child.stop()
         liar.stop()

@@ -31,9 +31,9 @@ def step(s, i):
     s["b"][i % 33] += 1.0
 
 
-def publish(store, n, signer, s=None, keyframe_every=3):
+def publish(store, n, signer, s=None, keyframe_every=3, format_version=3):
     s = state() if s is None else s
-    pub = Publisher(store, signer=signer, keyframe_every=keyframe_every)
+    pub = Publisher(store, signer=signer, keyframe_every=keyframe_every, format_version=format_version)
     snaps = []
     for i in range(n):
         if i:
@@ -160,8 +160,9 @@ def test_another_namespace_is_refused(store):
 
 
 def test_an_edited_signed_manifest_or_head_is_refused(tmp_path):
+    """Format 2: HEAD names the manifest, read from the store on its own."""
     store = LocalStore(tmp_path / "s")
-    publish(store, 3, Signer(KEY, "run-a"))
+    publish(store, 3, Signer(KEY, "run-a"), format_version=2)
     head, _ = read_head(store)
     ver = Verifier([KEY.public_key()])
     # the manifest's step edited, its checksum and HEAD's digest of it fixed: HEAD's signature breaks
@@ -186,6 +187,51 @@ def test_an_edited_signed_manifest_or_head_is_refused(tmp_path):
     store.put(head.manifest, saved[head.manifest])
     rewrite(store, HEAD_KEY, lambda d: d.pop("signature"))
     refused(store, Verifier([KEY.public_key()]), UnsignedError, "HEAD .*not signed")
+
+
+def _edit_newest(store, edit, fix_head=True, sign_with=None):
+    """The attacker, format 3: edit the manifest HEAD carries and fix its checksum, and (with
+    ``fix_head``) HEAD's record of it; HEAD's own checksum always."""
+    def change(d):
+        m = d["newest"]
+        edit(m)
+        m.pop("checksum")
+        m["checksum"] = canonical_sha256(m)
+        if fix_head:
+            d["manifest_sha256"] = Manifest.from_stored(m).sha256
+    rewrite(store, HEAD_KEY, change, sign_with=sign_with)
+
+
+def test_an_edited_signed_manifest_in_head_is_refused(tmp_path):
+    """Format 3: HEAD carries the manifest it names, covered by HEAD's signature and checked
+    with its own; the stored copy is refused wherever it is read."""
+    store = LocalStore(tmp_path / "s")
+    publish(store, 3, Signer(KEY, "run-a"))
+    head, _ = read_head(store)
+    assert head.format == 3 and head.newest is not None
+    ver = Verifier([KEY.public_key()])
+    saved = {k: store.get(k) for k in (HEAD_KEY, head.manifest)}
+    _edit_newest(store, lambda m: m.update(step=99))  # the manifest's step, HEAD's digest of it fixed
+    refused(store, ver, SignatureError, "HEAD .*signature does not match")
+    _edit_newest(store, lambda m: None, sign_with=Signer(OTHER, "run-a"))  # ... and re-signed by another key
+    refused(store, ver, SignatureError, "does not trust")
+    store.put(HEAD_KEY, saved[HEAD_KEY])
+    _edit_newest(store, lambda m: m["parts"][0].update(sha256="0" * 64), fix_head=False)  # HEAD's record kept
+    refused(store, Verifier([KEY.public_key()]), ManifestError, "not the manifest its referrer recorded")
+    store.put(HEAD_KEY, saved[HEAD_KEY])
+    _edit_newest(store, lambda m: m["parts"][0].update(sha256="0" * 64))  # a part's sha256 swapped
+    refused(store, Verifier([KEY.public_key()]), SignatureError, "signature does not match")
+    store.put(HEAD_KEY, saved[HEAD_KEY])
+    rewrite(store, HEAD_KEY, lambda d: d.pop("signature"))  # the signature removed altogether: unsigned
+    refused(store, Verifier([KEY.public_key()]), UnsignedError, "HEAD .*not signed")
+    # HEAD intact, the stored manifest edited: a follower of HEAD has the signed copy in HEAD...
+    store.put(HEAD_KEY, saved[HEAD_KEY])
+    rewrite(store, head.manifest, lambda d: d.update(step=99))
+    recv = zeros_like(state())
+    assert Follower(store, recv, verifier=Verifier([KEY.public_key()])).sync().version == head.version
+    # ... and anyone reading the stored one is refused by its signature
+    with pytest.raises(SignatureError, match=f"manifest {head.manifest}: the signature does not match"):
+        Verifier([KEY.public_key()]).check_manifest(Manifest.from_bytes(store.get(head.manifest), head.manifest))
 
 
 def test_a_rolled_back_head_is_refused_once_a_newer_version_was_verified(store):
@@ -234,12 +280,16 @@ def test_a_namespace_pinned_on_first_use_refuses_another_runs_versions(tmp_path)
     assert_state(recv, snaps[0])
 
 
-def test_a_manifest_copied_to_another_versions_key_is_refused(tmp_path):
+@pytest.mark.parametrize("fv", [2, 3])
+def test_a_manifest_copied_to_another_versions_key_is_refused(tmp_path, fv):
     store = LocalStore(tmp_path / "s")
-    publish(store, 3, Signer(KEY, "run-a"))
+    publish(store, 3, Signer(KEY, "run-a"), format_version=fv)
     head, _ = read_head(store)
     old = [k for k in store.list("versions/000000000000/") if k.endswith("manifest.json")][0]
-    store.put(head.manifest, store.get(old))  # version 0's signed manifest where version 2's was
+    if fv == 2:
+        store.put(head.manifest, store.get(old))  # version 0's signed manifest where version 2's was
+    else:  # ... where HEAD carries version 2's
+        rewrite(store, HEAD_KEY, lambda d: d.update(newest=json.loads(store.get(old))))
     rec, keys = reader(store)
     with pytest.raises(ManifestError, match="names itself"):
         Follower(rec, zeros_like(state()), verifier=Verifier([KEY.public_key()])).sync()

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dcr_testing import assert_bits_equal
+from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta import diff
 from nemo_dcr.errors import CorruptObjectError
 from nemo_dcr.state.statedigest import state_contrib
@@ -225,6 +226,57 @@ def test_two_parts_stream_or_check_all_first(tmp_path, stream):
     assert f.version == 1 and r.version == 1
     for k, v in seq[1].items():
         assert_bits_equal(tensors[k], v)
+    f.check()
+
+
+class DamagedOnceStore(LocalStore):
+    """The first download of each object whose key contains ``damage`` arrives with one byte
+    flipped at ``at`` of its size (bytes damaged on the way; the object in the store is good),
+    and ends only once ``seen`` is set (bounded): the receiver has read what arrived."""
+
+    def __init__(self, root, damage, at=0.5):
+        super().__init__(root)
+        self.damage, self.at, self.damaged = damage, at, set()
+        self.seen = threading.Event()
+
+    def get_stream(self, key, offset=0):
+        size, chunks = super().get_stream(key, offset)
+        if self.damage not in key or key in self.damaged:
+            return size, chunks
+        self.damaged.add(key)
+        data = bytearray(b"".join(chunks))
+        data[int(len(data) * self.at)] ^= 0x10
+
+        def damaged():
+            yield from (bytes(data[i:i + 1024]) for i in range(0, len(data), 1024))
+            self.seen.wait(GATE)
+        return size, damaged()
+
+
+@pytest.mark.parametrize("at", [0.3, 0.5, 0.9])
+def test_a_part_damaged_on_the_way_is_downloaded_again_while_streaming(tmp_path, monkeypatch, at):
+    """A streaming follower applies a format-3 part segment by segment; a byte damaged on the
+    way fails a segment's checksum (index or chunk) before that segment writes: the download is
+    retried (the object's sha256) and the part finished from the good copy, the segments applied
+    before skipped by the journal. Before, the format error ended the sync."""
+    store = DamagedOnceStore(tmp_path / "s", damage="/part-00000.dcr", at=at)
+    real = Follower._apply_arriving
+
+    def arriving(self, *a, **kw):  # the damaged download ends once the stream is done with it
+        try:
+            return real(self, *a, **kw)
+        finally:
+            store.seen.set()
+    monkeypatch.setattr(Follower, "_apply_arriving", arriving)
+    seq = states(2)
+    res = publish_all(store, seq)
+    assert DeltaReader.open(store.get(res[1].manifest.parts[0].key)).version == 3
+    held = {k: v.clone() for k, v in seq[0].items()}
+    f = Follower(store, held, version=0, stream=True, retries=1, backoff=0.0)
+    r = f.sync()
+    assert r.version == 1 and store.damaged == {res[1].manifest.parts[0].key}
+    for k, v in seq[1].items():
+        assert_bits_equal(held[k], v)
     f.check()
 
 

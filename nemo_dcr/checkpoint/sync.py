@@ -73,12 +73,12 @@ def _refuse_unrelated(store, path: str, tensors: dict) -> None:
     without a layout, or a store whose HEAD cannot be read, is left to the publisher)."""
     import math
 
-    from nemo_dcr.sync.versions import read_manifest
+    from nemo_dcr.sync.versions import head_manifest
     try:
         head, _ = read_head(store)
         if head is None:
             return
-        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        m = head_manifest(store, head)
         layout = (m.meta or {}).get("layout")
         if layout is None:
             return

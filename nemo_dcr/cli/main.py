@@ -326,8 +326,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--chunk-elems", type=int, default=1 << 20, help="elements per chunk (bounds memory)")
     d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
     d.add_argument("--format-version", type=int, choices=sorted(VERSIONS), default=FORMAT_VERSION,
-                   help=f"delta format version (default {FORMAT_VERSION}: BLAKE3 digests); 1 for receivers older "
-                        "than version 2 (SHA-256 and BLAKE2b digests)")
+                   help=f"delta format version (default {FORMAT_VERSION}: segments, summed tensor digests); 2 "
+                        "(BLAKE3 digests) or 1 (SHA-256 and BLAKE2b) for receivers older than version 3 or 2")
     d.set_defaults(func=_cmd_diff)
 
     ap = sub.add_parser("apply", help="apply DELTA to BASE and write the verified result to OUT atomically")

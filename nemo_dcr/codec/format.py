@@ -12,7 +12,7 @@ The header sits at the end so a delta can be written in one streaming pass with 
 a reader seeks to the fixed 32-byte footer first.
 
 Version 3 puts each chunk's index before the chunk, so a receiver decodes and applies the chunks
-of an object while the rest of it still arrives (the writer holds one segment, ~1 MiB):
+of an object while the rest of it still arrives (the writer holds one segment, ~128 KiB):
 
     preamble  as above (version 3)
     segments  each: u32 index stored length | u32 index raw length | u32 crc32(index stored)
@@ -60,7 +60,11 @@ def header_bound(stored_len: int) -> int:
 SEGMENT = struct.Struct("<IIII")  # version 3: index stored length, raw length, crc32, payload length
 TRAILER = struct.Struct("<II8s")  # version 3: format version, segments, END_MAGIC
 SEGMENTED = 3                     # the first version whose container is segments
-SEGMENT_BYTES = 1 << 20           # payload bytes a version-3 writer gathers before it writes a segment
+# payload bytes a version-3 writer gathers before it writes a segment: a delta part of a few
+# hundred KB (a 32 MB part at 1-3 %) is then several segments, applied while the rest arrives
+# (at 1 MiB it was one, applied once all of it was there); a segment's own cost is its ~16-byte
+# header and its pieces' names and digests in the index (~0.1-0.3 % of 128 KiB)
+SEGMENT_BYTES = 128 << 10
 SEGMENT_PIECES = 1024             # ... or tensor pieces (many unchanged tensors make no payload)
 MAX_SEGMENTS = 1 << 24
 
@@ -89,19 +93,22 @@ class DeltaWriter:
         self.offset = PREAMBLE.size
         self.segmented = version >= SEGMENTED
         self._segments = 0
-        self._payload = bytearray()      # version 3: the open segment's payloads
+        self._payload: list = []         # version 3: the open segment's payloads (not joined: written one by one)
+        self._payload_len = 0
         self._pieces: list[dict] = []    # ... and its index
         self._tensor: dict | None = None  # the tensor being written: its fields
         self._chunks: list[dict] = []     # ... and its chunks in the open segment
 
     # -- version 3 segments ---------------------------------------------------------------
-    def _write_segment(self, index: dict, payload: bytes | bytearray = b"") -> None:
+    def _write_segment(self, index: dict, payload: list | tuple = ()) -> None:
         stored, raw_len = _index_bytes(index)
-        self.f.write(SEGMENT.pack(len(stored), raw_len, zlib.crc32(stored), len(payload)))
+        n = sum(len(p) for p in payload)
+        self.f.write(SEGMENT.pack(len(stored), raw_len, zlib.crc32(stored), n))
         self.f.write(stored)
-        if payload:
-            self.f.write(payload)
-        self.offset += SEGMENT.size + len(stored) + len(payload)
+        for p in payload:  # each stream as the encoder made it: no copy into one buffer first
+            if p:
+                self.f.write(p)
+        self.offset += SEGMENT.size + len(stored) + n
         self._segments += 1
 
     def _flush(self) -> None:
@@ -110,7 +117,7 @@ class DeltaWriter:
             self._chunks = []
         if self._pieces:
             self._write_segment({"tensors": self._pieces}, self._payload)
-        self._pieces, self._payload = [], bytearray()
+        self._pieces, self._payload, self._payload_len = [], [], 0
 
     def open(self, fields: dict) -> None:
         """The header's fields known before the first tensor (version 3 writes them first)."""
@@ -127,22 +134,22 @@ class DeltaWriter:
         object in versions 1 and 2, of its segment's payloads in version 3)."""
         if not self.segmented:
             return c.header(self.add_payload(c.pos_bytes, c.val_bytes))
-        h = c.header(len(self._payload))
-        self._payload += c.pos_bytes
-        self._payload += c.val_bytes
+        h = c.header(self._payload_len)
+        self._payload += (c.pos_bytes, c.val_bytes)
+        self._payload_len += len(c.pos_bytes) + len(c.val_bytes)
         self._chunks.append(h)
-        if len(self._payload) >= SEGMENT_BYTES:
+        if self._payload_len >= SEGMENT_BYTES:
             self._flush()
         return h
 
     def end_tensor(self, entry: dict) -> None:
         """The tensor's whole entry (its target digest known now)."""
+        chunks, self._tensor, self._chunks = self._chunks, None, []  # ended: _flush must not continue it
         if self.segmented:
             piece = {k: v for k, v in entry.items() if k != "chunks"}
-            self._pieces.append({**piece, "chunks": self._chunks, "last": True})
+            self._pieces.append({**piece, "chunks": chunks, "last": True})
             if len(self._pieces) >= SEGMENT_PIECES:
                 self._flush()
-        self._tensor, self._chunks = None, []
 
     def add_payload(self, *parts: bytes) -> int:
         """Write one chunk payload; returns its offset."""

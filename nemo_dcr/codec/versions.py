@@ -32,7 +32,7 @@ class Version:
 
 
 VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3")}
-FORMAT_VERSION = 2  # what a writer writes unless asked for another
+FORMAT_VERSION = 3  # what a writer writes unless asked for another
 
 
 def version(number: int) -> Version:

@@ -24,9 +24,10 @@ from dataclasses import dataclass, field
 import torch
 
 from nemo_dcr.codec import ordered
-from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, locate_chunk
+from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, decode_dense, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
+from nemo_dcr.codec.positions import DENSE
 from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
@@ -226,6 +227,11 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         if journal is not None:
             journal.add(key)
         return out
+    if c.pos == DENSE and on_change is None and t.identity and t.fa.contiguous:
+        out = _apply_range(reader, t, c, in_journal)
+        if journal is not None and out[0] == "applied":
+            journal.add(key)
+        return out
     idx, vals, held = _decode(reader, t, c)
     glob, local, vals = _locate(t, c, idx, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
@@ -248,6 +254,21 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
     if on_change is not None:
         on_change(t.plan.name, t.dtype, t.region_map.spec.global_shape, glob, cur, new)
     return "applied", int(local.numel())
+
+
+def _apply_range(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: bool):
+    """A ``dense`` chunk (every element of its range: a keyframe's, a tensor sent whole) into a
+    region held whole and contiguous, with no one told of the changes: written into the range
+    itself. The general path makes three int64 arrays of the chunk's length (positions, canonical,
+    local) and scatters through them: 5x the chunk's BF16 bytes of scratch per worker, which the
+    C library's arenas kept (a keyframe sync peaked at 2.3x the model for 2 MiB tensors)."""
+    view = t.fa.read(c.start, c.end)  # (a view: contiguous)
+    vals = decode_dense(c, reader.payload(c), t.w).to(view.device)
+    need_cur = t.xor_ok and t.plan.action != Action.CREATE
+    if t.plan.checks_chunks and _check(t, c, view, in_journal):
+        return "already", 0
+    view.copy_(new_bits(t.plan.name, c, t.dtype, view if need_cur else None, vals, t.xor_ok))
+    return "applied", c.n
 
 
 def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int | None = None, bar=None,

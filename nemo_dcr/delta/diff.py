@@ -62,9 +62,10 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     tensor in delta (same dtype and shape) found elsewhere, the same ``EncodedChunk``s the
     reference would make (the device path, ``nemo_dcr/device/trainer.py``), or None to let the
     reference encode that tensor.
-    ``format_version``: the delta's format version (``codec/versions.py``): 2 (default) digests
-    with BLAKE3; 1 with SHA-256 and BLAKE2b-64, for receivers older than version 2. A known base
-    digest of another algorithm than the version's is not reused (the base is hashed).
+    ``format_version``: the delta's format version (``codec/versions.py``): 3 (default) in
+    segments, its tensor digests summed from the changes; 2 digests with BLAKE3; 1 with SHA-256
+    and BLAKE2b-64, for receivers older than version 2. A known base digest of another algorithm
+    than the version's is not reused (the base is hashed).
     ``target_digests``: name -> the tensor digest of ``target[name]``, computed elsewhere (the
     trainer's device capture hashes on the device when it captures, ``device/capture.py``): that
     target is then not hashed, and may be a meta tensor where ``chunker`` also finds its chunks.
@@ -171,6 +172,11 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     def digest(which):
         digests[which] = tensor_digest(new if which == "target" else old, fv.tensor_digest, threads=1)
 
+    if old is not None and "base" not in digests and w.segmented:
+        # a segmented delta (version 3) names the base digest in the tensor's first piece, which
+        # may be written before its last chunk is encoded: hashed now, not beside the chunks
+        digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
+
     def job(r):
         c: EncodedChunk | None
         part = None  # the chunk's share of a summed target digest
@@ -200,8 +206,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
 
     chunks = []
     w.begin_tensor({"name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
-                    "region": spec.to_json(), **({"base_digest": known_base} if old is not None and known_base
-                                                 else {})})
+                    "region": spec.to_json(), **({"base_digest": digests["base"]} if "base" in digests else {})})
     # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
     # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
     wanted = ([] if summed or "target" in digests else ["target"]) \

@@ -91,6 +91,9 @@ class DeviceCapture:
         self.keep, self.chunk_elems, self.encoding = keep, int(chunk_elems), encoding
         self.kept: dict[str, torch.Tensor] = {}
         self._digests: dict[str, str] = {}
+        # the streamed tensors' target digests, hashed on the device: what format version 2 writes
+        # (BLAKE3); format 3's are sums the publisher's diff updates from the changes alone
+        self.hash_targets = True
         self.base = CaptureBase(self, level)
 
     def kept_bytes(self) -> int:
@@ -133,7 +136,8 @@ class DeviceCapture:
                 bits(s)[host.pos] = host.new
             out.streams[name] = host
             out.d2h_bytes += ch.nbytes()
-            out.digests[name] = tensor_digest(t)  # on the device for a CUDA tensor: 16 bytes cross
+            if self.hash_targets:
+                out.digests[name] = tensor_digest(t)  # on the device for a CUDA tensor: 16 bytes cross
             if full:
                 out.host[name] = _host(t)
                 out.d2h_bytes += t.numel() * t.element_size()
@@ -146,9 +150,10 @@ class DeviceCapture:
         empty = torch.empty(0, dtype=torch.int64)
         for name, s in self.kept.items():
             out.shapes[name] = _meta(s)
-            if name not in self._digests:
-                self._digests[name] = tensor_digest(s)
-            out.digests[name] = self._digests[name]
+            if self.hash_targets:
+                if name not in self._digests:
+                    self._digests[name] = tensor_digest(s)
+                out.digests[name] = self._digests[name]
             iv = INT_VIEW[s.element_size()]
             cls = empty if tries_classes(self.encoding, s.dtype) else None
             out.streams[name] = DeviceChanges(pos=empty, old=torch.empty(0, dtype=iv), new=torch.empty(0, dtype=iv),

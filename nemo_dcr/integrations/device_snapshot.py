@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 
-from nemo_dcr.codec.versions import FORMAT_VERSION
+from nemo_dcr.codec.versions import FORMAT_VERSION, version
 from nemo_dcr.device import kernels
 from nemo_dcr.device.capture import Captured, DeviceCapture
 from nemo_dcr.errors import DcrError
@@ -85,16 +85,18 @@ class CallbackDevice:
 
     def wants(self, module, snapshot_fn=None, format_version: int = FORMAT_VERSION) -> bool:
         """Whether this publish takes the device path (decided once, at the first publish, and
-        logged): ``device`` is not "off", no ``snapshot_fn``, format version 2 (the device coder
-        makes its digests), triton installed, and the weights on a CUDA device (or, with "on"
-        under TRITON_INTERPRET=1, on the CPU: how the tests run it)."""
+        logged): ``device`` is not "off", no ``snapshot_fn``, a format version whose chunk digests
+        are BLAKE3's (2 and 3: the device coder makes those), triton installed, and the weights on
+        a CUDA device (or, with "on" under TRITON_INTERPRET=1, on the CPU: how the tests run it).
+        The capture hashes each tensor on the device only for a version whose tensor digests are
+        BLAKE3 (2); version 3's are summed from the changes by the publisher's diff."""
         if self.active is None:
             why = None
             if self.device == "off":
                 why = "device='off'"
             elif snapshot_fn is not None:
                 why = "a custom snapshot_fn"
-            elif format_version != FORMAT_VERSION:
+            elif version(format_version).values_digest != "blake3":
                 why = f"format version {format_version}"
             elif not kernels.available():
                 why = 'triton is not installed (pip install "nemo-dcr[gpu]")'
@@ -104,6 +106,7 @@ class CallbackDevice:
             if why is not None and self.device == "on":
                 raise DcrError(f"device='on' but the callback's device path cannot run: {why}")
             self.active = why is None
+            self.capture.hash_targets = version(format_version).tensor_digest == "blake3"
             if self.active:
                 log.info("nemo-dcr callback: device path (snapshot kept in %s memory; per publish only the "
                          "changes come to the host)", "device" if self.capture.keep == "device" else "pinned host")

@@ -68,8 +68,8 @@ class DeltaPublishCallback(LoopCallback, Callback):
         chunk_elems: elements per delta chunk.
         workers: threads for encoding (None: the library's default).
         slow_publish_s: publishes taking longer than this are reported at INFO level.
-        format_version: delta format version (2, BLAKE3 digests; 1 while receivers older than
-            version 2 follow the store).
+        format_version: delta format version (3 by default; 2 or 1 while receivers older than
+            version 3 or 2 follow the store).
         device: ``auto`` (default): weights on a CUDA device are diffed there at each publish
             and only the change stream (and a digest per tensor) comes to the host; ``on``: that,
             or an error where it cannot run; ``off``: a host copy of the weights per publish.

@@ -316,8 +316,25 @@ class S3Store(Store):
 
         def chunks() -> Iterator[bytes]:
             body = r["Body"]
+            # read1: pass on what arrived (up to 1 MiB) without waiting for a whole MiB, as the
+            # relay client does: a receiver applies a format-3 object's segments while the rest
+            # arrives, and paces its downloads by what the link delivers (botocore's iter_chunks
+            # waits for each full chunk: an object under 1 MiB came in one piece, at its end)
+            read1 = getattr(getattr(body, "_raw_stream", None), "read1", None)
             try:
-                yield from body.iter_chunks(MiB)
+                if read1 is None:
+                    yield from body.iter_chunks(MiB)
+                    return
+                got, want = 0, size - offset
+                while got < want:
+                    b = read1(min(MiB, want - got))
+                    if not b:
+                        raise StoreError(f"S3 get_stream {self._where(key)}: the download broke off after {got} "
+                                         f"of {want} bytes")
+                    got += len(b)
+                    yield b
+            except StoreError:
+                raise
             except Exception as e:  # a dropped connection mid-body: the reader may resume
                 c = self._classify("get_stream", key, e)
                 raise (c if isinstance(c, StoreError) else StoreError(

@@ -55,6 +55,7 @@ from nemo_dcr.errors import (
     BaseMismatchError,
     CorruptObjectError,
     DcrError,
+    DeltaFormatError,
     GroupError,
     PartialApplyError,
     TargetMismatchError,
@@ -64,7 +65,8 @@ from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
-from nemo_dcr.sync.versions import Head, Manifest, manifest_at, no_plan, plans, read_head, read_manifest
+from nemo_dcr.sync.pace import LinkEstimate, Pacer
+from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans, read_head
 from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -158,8 +160,9 @@ class Follower:
         tensor). The mapping is used as given and consulted at every step, so a view that
         resolves names lazily (the rollout loader's) stays live. ``max_fallbacks``: paths given
         up on missing or corrupt objects before a sync fails. ``prefetch``: objects downloaded
-        ahead of the apply, that many at once (their bytes are held in memory; 0: no background
-        download).
+        ahead of the apply, at most that many at once, each started when the ones under way have
+        about one bandwidth-delay product left (``sync/pace.py``; their bytes are held in memory;
+        0: no background download).
         ``stream``: apply each part of a version once it checked out, before the version's
         later parts arrived, and a part of format 3 segment by segment while it still arrives
         (each chunk checked against its pre-image, the part's sha256 at its end; ignored in a
@@ -197,6 +200,8 @@ class Follower:
         self.retries, self.backoff, self.workers = retries, backoff, workers
         self.max_fallbacks = max_fallbacks
         self.prefetch, self.stream = max(0, int(prefetch)), bool(stream)
+        # the link to the store as this follower's downloads found it (sync/pace.py): paces them
+        self.link = LinkEstimate()
         self.progress = progress
         self._bar: Progress = NullProgress(0, "")
         self._version: int | None = None
@@ -325,7 +330,9 @@ class Follower:
         t0 = time.perf_counter()
         g = self.group
         if head is None:
+            t = time.monotonic()
             head = self.read_head()
+            self.link.round_trip(time.monotonic() - t)  # a small request: the link's round trip, or more
         if head is None:
             raise VersionNotFound("the store has no committed version yet")
         res = SyncResult(self._version, self._version, spans=Spans(t0))
@@ -335,7 +342,8 @@ class Follower:
         if self.is_current(head, version):
             return self._done(res, t0)
         tv = head.version if version is None else version
-        target = g.run(lambda: self._newest(head) if tv == head.version else manifest_at(self.store, tv, head),
+        target = g.run(lambda: head_manifest(self.store, head) if tv == head.version
+                       else manifest_at(self.store, tv, head),
                        f"read the manifest of version {tv}")
         if self._version is not None and target.version == self._version:
             assert self._digest is not None  # set together with _version (_verify)
@@ -384,12 +392,6 @@ class Follower:
                 feed.close()
                 self._bar.close()
             return self._done(res, t0)
-
-    def _newest(self, head: Head) -> Manifest:
-        """The manifest HEAD names: carried in HEAD from format 3 (checked with it, signature
-        included: no round trip before the parts), read from the store before."""
-        m = head.newest_manifest
-        return m if m is not None else read_manifest(self.store, head.manifest, head.manifest_sha256)
 
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None
@@ -499,20 +501,27 @@ class Follower:
             # that cannot be had leaves the version pending (journal) and the path is given up.
             # A part of format 3 is applied segment by segment while it still arrives (each
             # chunk checked against its pre-image; the object's sha256 once it is all there)
+            # Each part's bytes are let go once it is applied: what is kept is its header (a
+            # keyframe's tensor names), so a keyframe sync holds the model and the parts in flight,
+            # not the model twice
+            applied = []
             for p in parts:
                 arriving = feed.arriving(p)
                 streamed = arriving is not None and self._apply_arriving(p, arriving, pend, on_change, res)
-                blobs.append(self._take(feed, kind, m, [p])[0])
-                if streamed:
-                    opened[id(blobs[-1])] = DeltaReader.open(blobs[-1])  # the whole object checked as well
-                    continue
-                gather([p], blobs[-1:])
-                apply_part(p, blobs[-1])
+                blob = self._take(feed, kind, m, [p])[0]
+                res.bytes += len(blob)
+                r = opened[id(blob)] = DeltaReader.open(blob)  # (streamed: the whole object checked as well)
+                if not streamed:
+                    gather([p], [blob])
+                    apply_part(p, blob)
+                del opened[id(blob)]
+                applied.append(DeltaReader.of_segment(b"", r.header, r.version, p.key))
+                del blob, r
             if kind == "keyframe":
-                remove_absent(self.tensors, [reader(b) for b in blobs], shards=self.shards)
+                remove_absent(self.tensors, applied, shards=self.shards)
         else:
             g.run(apply_parts, f"apply version {m.version}")
-        res.bytes += sum(len(b) for b in blobs)
+            res.bytes += sum(len(b) for b in blobs)
         t = time.perf_counter()
         try:
             self._verify(m, kind, full=resume)
@@ -535,19 +544,29 @@ class Follower:
 
     def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change, res: SyncResult) -> bool:
         """Apply a part of format 3 one segment at a time as its bytes arrive -> whether it was
-        (False, nothing applied: a part of format 1 or 2, applied once it is all there). A
-        download that fails leaves what was applied in the journal: ``_take`` raises its error."""
+        all applied so (False: a part of format 1 or 2, nothing applied; or bytes that do not
+        read as a delta, the segments before them applied: the part is applied once it is all
+        there and checked). A download that fails leaves what was applied in the journal:
+        ``_take`` raises its error."""
         stream = SegmentStream(arriving.buf, p.key)
         seen = 0
         journal = pend["journal"].setdefault(p.key, set())
         while True:
             filled, ended = arriving.wait(seen)
-            for r in stream.ready(filled):
-                t = time.perf_counter()
-                rep = apply(self.tensors, r, shards=self.shards, verify=False, resume=True, workers=self.workers,
-                            journal=journal, on_change=on_change, progress=False)
-                res.spans.add("apply", p.key, t)
-                res.changed += rep.elements_changed
+            try:
+                for r in stream.ready(filled):
+                    t = time.perf_counter()
+                    rep = apply(self.tensors, r, shards=self.shards, verify=False, resume=True,
+                                workers=self.workers, journal=journal, on_change=on_change, progress=False)
+                    res.spans.add("apply", p.key, t)
+                    res.changed += rep.elements_changed
+            except DeltaFormatError as e:
+                # bytes damaged on the way (a segment's index or a chunk fails its checksum,
+                # found before that segment wrote anything) are the download's to retry or
+                # report, with the object's sha256: the part is then taken whole, and what was
+                # applied already is skipped by its journal
+                log.info("nemo-dcr: %s no longer streamed (%s); applied once it is all there and checked", p.key, e)
+                return False
             if stream.streamable is False:
                 return False
             if ended:
@@ -591,7 +610,7 @@ class Follower:
             self._forget()
 
     # ------------------------------------------------------------------ helpers
-    def _fetch(self, part, spans: Spans | None = None, arriving: _Arriving | None = None) -> bytearray:
+    def _fetch(self, part, spans: Spans | None = None, arriving: _Arriving | None = None) -> bytearray | memoryview:
         """The object's bytes, streamed and hashed as they arrive into one buffer of the
         manifest's size (``arriving``'s, which reports how far it is filled), checked against the
         manifest's size and sha256 (retried: an object is immutable, so a retry writes the same
@@ -685,15 +704,20 @@ def _parts(kind: str, m: Manifest) -> list:
 class _Feed:
     """The objects of a path's steps, downloaded in the background and handed over in the plan's
     order. Up to ``Follower.prefetch`` objects are downloading or downloaded, not yet taken, at
-    once, on that many threads: a request's round trip overlaps the other downloads instead of
-    adding to them (prefetch 0: each object downloaded when it is taken). A download that fails
-    stops further downloads; its error is raised by ``take`` of that object."""
+    once, on that many threads, paced by the link's bandwidth-delay product (``sync/pace.py``):
+    the next download starts when the running ones have about one BDP left, so a request's
+    round trip overlaps the other downloads instead of adding to them, and on a bandwidth-bound
+    link the objects come one after the other at the link's rate, the first one first (prefetch
+    0: each object downloaded when it is taken). A download that fails stops further downloads;
+    its error is raised by ``take`` of that object."""
 
     def __init__(self, follower: Follower, steps: list, spans: Spans):
         self._fetch = lambda p, arriving=None: follower._fetch(p, spans, arriving)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
         self._ahead = min(follower.prefetch, len(self._parts))
-        self._done: dict[int, tuple[bytes | bytearray | None, Exception | None]] = {}
+        follower.link.age()
+        self.pacer = Pacer(follower.link)
+        self._done: dict[int, tuple[bytes | bytearray | memoryview | None, Exception | None]] = {}
         self._arriving: dict[int, _Arriving] = {}  # downloads under way (or done, not yet taken)
         self._next = 0    # the next object to start downloading
         self._taken = 0   # the next object the consumer takes
@@ -709,27 +733,37 @@ class _Feed:
         while True:
             with self._cond:
                 while not (self._stop or self._failed) and self._next < len(self._parts) \
-                        and self._next - self._taken >= self._ahead:
-                    self._cond.wait()  # as many ahead as allowed: wait for the consumer
+                        and (self._next - self._taken >= self._ahead or not self.pacer.ready()):
+                    # as many ahead as allowed: wait for the consumer; or the running downloads
+                    # have more than a BDP left: wait for their bytes
+                    self._cond.wait()
                 if self._stop or self._failed or self._next >= len(self._parts):
                     return
                 i = self._next
                 self._next += 1
-                arriving = self._arriving[i] = _Arriving(self._parts[i].size)
+                arriving = self._arriving[i] = _Arriving(self._parts[i].size,
+                                                         lambda n, i=i: self._received(i, n))
+                self.pacer.started(i, self._parts[i].size)
                 self._cond.notify_all()
-            item: tuple[bytes | bytearray | None, Exception | None]
+            item: tuple[bytes | bytearray | memoryview | None, Exception | None]
             try:
                 item = (self._fetch(self._parts[i], arriving), None)
             except Exception as e:  # handed to the consumer, raised there
                 item = (None, e)
             arriving.end()
             with self._cond:
+                self.pacer.ended(i)
                 self._done[i] = item
                 if item[1] is not None and self._failed is None:
                     self._failed = item[1]
                 self._cond.notify_all()
 
-    def take(self, part) -> bytes | bytearray:
+    def _received(self, i: int, n: int) -> None:
+        with self._cond:
+            self.pacer.received(i, n)
+            self._cond.notify_all()  # a download waiting for the running ones' bytes looks again
+
+    def take(self, part) -> bytes | bytearray | memoryview:
         if not self._threads:
             return self._fetch(part)
         with self._cond:
@@ -776,20 +810,37 @@ class _Feed:
         self._done.clear()
 
 
+#: downloads at least this large land in a mapping of their own, given back to the system when
+#: the object is let go (a heap buffer of that size is kept by the C library's arenas, per fetch
+#: thread: a keyframe sync peaked at 1.9x the model, 1.5x with each part let go once applied)
+MAPPED_MIN = 1 << 20
+
+
+def _buffer(size: int):
+    """A writable buffer of ``size`` bytes (a memoryview of an anonymous mapping when large)."""
+    if size < MAPPED_MIN:
+        return bytearray(size)
+    import mmap
+    return memoryview(mmap.mmap(-1, size))
+
+
 class _Arriving:
     """An object downloading into ``buf`` (its size, as the manifest says): how far it is
     filled, and whether the download ended (checked or not: ``_Feed.take`` says)."""
 
-    def __init__(self, size: int):
-        self.buf = bytearray(size)
+    def __init__(self, size: int, on_wrote=None):
+        self.buf = _buffer(size)
         self.filled = 0
         self.ended = False
         self._cond = threading.Condition()
+        self._on_wrote = on_wrote  # told the bytes of each attempt so far (the feed's pacing)
 
     def wrote(self, n: int) -> None:
         with self._cond:
             self.filled = max(self.filled, n)
             self._cond.notify_all()
+        if self._on_wrote is not None:
+            self._on_wrote(n)
 
     def end(self) -> None:
         with self._cond:

@@ -46,10 +46,10 @@ from nemo_dcr.sync.versions import (
     Manifest,
     Part,
     commit,
+    head_manifest,
     key_version,
     new_publish_id,
     read_head,
-    read_manifest,
     version_dir,
 )
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -116,8 +116,9 @@ class Publisher:
         about this many dense bytes each, so that part j+1 encodes while part j uploads and a
         receiver applies part j while part j+1 downloads (0: one object per rank).
         ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
-        ``format_version``: of every delta and keyframe part (``codec/versions.py``; 1 while
-        receivers older than format version 2 still follow the store).
+        ``format_version``: of every delta and keyframe part (``codec/versions.py``; 2 or 1
+        while receivers older than format version 3 or 2 still follow the store), and of the
+        manifests and HEAD (format 3: HEAD carries the newest manifest).
 
         Signed chains: a store whose versions are signed takes only versions signed by a key
         that verifies its chain. Before anything is written, HEAD (and, on a restore, every
@@ -463,7 +464,7 @@ class Publisher:
         if known is not None and known.key == head.manifest and known.sha256 == head.manifest_sha256:
             return known
         try:
-            return read_manifest(self.store, head.manifest, head.manifest_sha256)
+            return head_manifest(self.store, head)
         except (ManifestError, VersionNotFound) as e:
             if not keyframe:
                 raise PublishError(f"the manifest of version {head.version}, the base of this one, is unreadable "

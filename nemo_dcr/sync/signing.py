@@ -270,7 +270,7 @@ def holds_signed_versions(store: Store, head: Head) -> str | None:
     not, as far as HEAD, its manifest and that one's base show; a manifest that cannot be read
     says nothing)."""
     from nemo_dcr.errors import DcrError
-    from nemo_dcr.sync.versions import read_manifest
+    from nemo_dcr.sync.versions import head_manifest, read_manifest
 
     def signed(sig, what):
         return f"{what} is signed (key {sig.get('key')!r}, namespace {sig.get('namespace')!r})" \
@@ -279,7 +279,7 @@ def holds_signed_versions(store: Store, head: Head) -> str | None:
     if head.signature is not None:
         return signed(head.signature, f"the store's HEAD (version {head.version})")
     try:
-        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        m = head_manifest(store, head)
         if m.signature is not None:
             return signed(m.signature, f"the manifest of version {m.version}")
         if m.base_manifest is not None:

@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 __all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
-           "no_plan", "locate", "Found", "canonical_sha256", "is_manifest_key", "is_store_key"]
+           "no_plan", "locate", "Found", "canonical_sha256", "is_manifest_key", "is_store_key", "head_manifest"]
 
 log = logging.getLogger("nemo_dcr.sync")
 
@@ -151,7 +151,9 @@ class Manifest:
     world_size: int = 1
     step: int | None = None
     meta: dict = field(default_factory=dict)      # free-form (the CLI keeps the file layout here)
-    created: float = field(default_factory=time.time)
+    # to the millisecond: every digit then counts (HEAD carries the manifest from format 3, and
+    # one edited digit of a 17-digit float can parse to the same number, passing HEAD's checksum)
+    created: float = field(default_factory=lambda: round(time.time(), 3))
     format: int = FORMAT
     base_sha256: str | None = None        # the base manifest's sha256 (format 2): links are checked
     signature: dict | None = None         # the publisher's signature (nemo_dcr.sync.signing); None: unsigned
@@ -366,12 +368,19 @@ def _base_of(store: Store, m: Manifest, known: Manifest | None = None) -> Manife
     return read_manifest(store, m.base_manifest, m.base_sha256)
 
 
+def head_manifest(store: Store, head: Head) -> Manifest:
+    """The manifest ``head`` names: carried in HEAD from format 3 (checked with HEAD, and through
+    a verifying store signature included: no round trip), read from the store before."""
+    m = head.newest_manifest
+    return m if m is not None else read_manifest(store, head.manifest, head.manifest_sha256)
+
+
 def walk(store: Store, start: Head | Manifest, *, missing_ok: bool = True) -> Iterator[Manifest]:
     """The manifests of the chain from ``start`` (HEAD or a manifest) back through base links,
     newest first, each checked against the digest its referrer recorded. Stops at a version
     without a base, or (``missing_ok``) at one retention removed; a damaged manifest raises."""
     try:
-        m = read_manifest(store, start.manifest, start.manifest_sha256) if isinstance(start, Head) else start
+        m = head_manifest(store, start) if isinstance(start, Head) else start
     except VersionNotFound:
         if missing_ok:
             return
@@ -432,7 +441,7 @@ def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetchin
     spent = 0                  # bytes of the deltas walked at and below it
     try:
         found.read += 1
-        m = read_manifest(store, head.manifest, head.manifest_sha256)
+        m = head_manifest(store, head)
         while True:
             if m.target_digest == digest:
                 found.manifest = m

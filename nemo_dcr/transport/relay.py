@@ -111,7 +111,7 @@ class Relay:
                                observe=self.metrics.fetch_seconds.observe if self.metrics else None)
         self.heads = HeadWatcher(upstream, self.workers, self.stats, poll_interval=poll_interval,
                                  upstream_wait=upstream_wait, on_new_version=self._new_version,
-                                 on_head=self.fetcher.ids.observe_head,
+                                 on_head=self.fetcher.observe_head,
                                  observe=self.metrics.head_read_seconds.observe if self.metrics else None)
         self._pruning = False
 
