@@ -22,6 +22,7 @@ if HERE not in sys.path:
 
 
 def plot_reload(res: dict, out: str, plt) -> list:
+    import reload
     rows = res["rows"]
     big = max(r["elements"] for r in rows)
     rates = sorted({r["link_mbit"] for r in rows})
@@ -46,9 +47,7 @@ def plot_reload(res: dict, out: str, plt) -> list:
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
-    # the reload the text of docs/results.md walks through: the largest model at 3 % (or the change
-    # rate nearest it), the slowest link, via S3; chosen by value, not by the rows' order
-    r = max(rows, key=lambda r: (r["elements"], -abs(r["change"] - 0.03), -r["link_mbit"], r["via"] == "s3"))
+    r = reload.timeline_row(rows)
     spans = r["delta"]["spans"]
     stages = list(dict.fromkeys(s[0] for s in spans))
     fig, ax = plt.subplots(figsize=(8, 0.5 + 0.45 * len(stages)))
