@@ -202,7 +202,7 @@ def decode_route(request, monkeypatch):
     if request.param == "scan":
         yield request.param
         return
-    monkeypatch.setattr(sys.modules["nemo_dcr.delta.apply"], "_on_host", lambda t: False)
+    monkeypatch.setattr(sys.modules["nemo_dcr.delta.apply"], "on_host", lambda t: False)
     calls = []
     real = classes.locate
     monkeypatch.setattr(classes, "locate", lambda *a: calls.append(1) or real(*a))

@@ -47,11 +47,14 @@ def published(tmp_path_factory):
     return root
 
 
-def test_group_sharded_differently_decodes_classes_chunks_bit_exactly(published, tmp_path):
+@pytest.mark.parametrize("route", ["gather", "gather-located"])
+def test_group_sharded_differently_decodes_classes_chunks_bit_exactly(published, tmp_path, route):
+    """``gather-located``: as on a GPU engine's TP workers, the chunks held whole located against
+    the bits where they are, the group's exchanges fed from there (gather_workers.follow_located)."""
     out = tmp_path / f"out-{time.monotonic_ns()}"
     out.mkdir()
     spec = {"kind": "local", "root": published}
-    res, codes, hung = launch(W.main, G.WORLD, lambda r, port: (r, G.WORLD, port, spec, "gather", str(out)), out,
+    res, codes, hung = launch(W.main, G.WORLD, lambda r, port: (r, G.WORLD, port, spec, route, str(out)), out,
                               DEADLINE)
     assert not hung, f"ranks {hung} still running after {DEADLINE}s; results so far: {res}"
     failed = [r for r in range(G.WORLD) if not res.get(r, {}).get("ok")]
@@ -66,6 +69,11 @@ def test_group_sharded_differently_decodes_classes_chunks_bit_exactly(published,
         assert res[r]["unchanged"] and res[r]["version_after_error"] == 1
     assert res[0]["held"] == sorted(G.LAYOUT)  # (rank 0 applies the replica and broadcasts it)
     assert "cols_f16" not in res[2]["held"]
+    if route == "gather-located":
+        # rows_f32's chunks held whole inside a rank's rows went through the group's located
+        # decode; the replica's chunks through apply's
+        assert all(res[r]["located"]["group_locate"] > 0 for r in range(G.WORLD)), [res[r]["located"] for r in res]
+        assert all(res[r]["located"]["locate"] >= res[r]["located"]["group_locate"] for r in range(G.WORLD))
 
 
 def test_alone_a_receiver_holding_part_of_a_classes_chunk_is_refused_before_writing(published):

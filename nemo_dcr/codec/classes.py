@@ -60,7 +60,7 @@ def context(bits: torch.Tensor, rows, mant: int) -> torch.Tensor:
     integer view) besides the bits at the changed positions: each element's class, clamped to the
     table's range, as ``class - lo`` (uint8; 0 for a table without rows)."""
     if not rows:
-        return torch.zeros(bits.numel(), dtype=torch.uint8)
+        return torch.zeros(bits.numel(), dtype=torch.uint8, device=bits.device)
     lo, hi = rows[0][0], rows[-1][0]
     return (_classes(unsigned(bits), bits.element_size(), mant).clamp(lo, hi) - lo).to(torch.uint8)
 

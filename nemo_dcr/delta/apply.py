@@ -110,7 +110,7 @@ def _target_of(plan: Plan) -> _Target:
 
 # ----------------------------------------------------------------------------- the four steps
 
-def _on_host(t: torch.Tensor) -> bool:
+def on_host(t: torch.Tensor) -> bool:
     """Whether the C kernels can read ``t``'s memory. Elsewhere (a GPU) a chunk is decoded on the
     host from its payload alone and only its changes go where ``t`` is (``_decode``)."""
     return t.device.type == "cpu"
@@ -135,7 +135,7 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
         local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end, device=dev)))
         base = t.fa.gather(local)
     try:
-        if _on_host(base):
+        if on_host(base):
             return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True)
         idx, vals = locate_chunk(c, reader.payload(c), base, t.dtype)
         return idx, vals, base[idx]
@@ -199,8 +199,11 @@ def _write(t: _Target, c: ChunkEntry, local: torch.Tensor, cur: torch.Tensor | N
 
 def _apply_decoded(t: _Target, c: ChunkEntry, d: Decoded, on_change: OnChange | None):
     """Write the positions of a chunk decoded elsewhere (``Decoded``) that this receiver holds,
-    each checked against the base bits the whole chunk was checked with."""
-    glob, local, both = _locate(t, c, d.idx, torch.stack([d.old, d.new], 1))
+    each checked against the base bits the whole chunk was checked with. Decoded on the host (a
+    chunk held in part: its positions come from the group's classes), the changes go where the
+    tensor is: O(changes)."""
+    dev = t.tensor.device
+    glob, local, both = _locate(t, c, d.idx.to(dev), torch.stack([d.old, d.new], 1).to(dev))
     old, new = both[:, 0], both[:, 1]
     cur = t.fa.gather(local)
     if torch.equal(cur, new):

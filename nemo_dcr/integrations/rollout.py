@@ -21,9 +21,10 @@ tensors (pinned when CUDA is available), applies each version to it and copies t
 changed to the device: host memory of one copy of the weights, and each changed tensor's whole
 bytes to the device per version. ``staging=False`` applies in place on the device instead:
 each chunk is decoded on the host and only its changes cross (``delta/apply.py``), the checks
-and the state-digest update run where the tensors are. It takes whole tensors (a sharded
-engine's group decodes ``classes`` chunks with the whole base gathered on the host, so it keeps
-staging) and is checked on CPU tensors by the tests and on a GPU by ``tests/gpu/run_gpu.py``.
+and the state-digest update run where the tensors are. A sharded engine's group does the same:
+its ``classes`` chunks held in part are classed on the device and only the packed classes and
+the base bits at the changed positions cross (``sync/chunk_gather.py``). Checked on CPU tensors
+by the tests (the device route forced) and on a GPU by ``tests/gpu/run_gpu.py``.
 """
 from __future__ import annotations
 
@@ -314,9 +315,6 @@ class RolloutLoader:
         if staging == "auto":
             staging = any(t.device.type != "cpu" for t in live.values())
         self.staging = bool(staging)
-        if not self.staging and self.group.active and any(t.device.type != "cpu" for t in live.values()):
-            raise DcrError("staging=False with tensors on a device takes a receiver of whole tensors: a "
-                           "sharded engine's group decodes classes chunks over the host; use staging=True")
         if self.staging:
             pin = torch.cuda.is_available()
             with self._writing():

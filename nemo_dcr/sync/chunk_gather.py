@@ -19,6 +19,13 @@ published whole) cannot decode it alone, but the ranks of its group together hol
    decodes the values and checks the chunk's pre- and post-image digests as a whole-chunk holder
    does, and ``apply`` writes only the positions it holds (``nemo_dcr.delta.apply.Decoded``).
 
+Tensors on a device (a GPU engine's TP workers) are not staged through the host: each rank's bits
+of a chunk are gathered and classed where they are, and what crosses to the host is what the
+exchanges carry (the packed classes, 1-8 bits per element of a chunk held in part, and the base
+bits at the changed positions), plus the changes themselves. A chunk a rank holds whole inside a
+tensor it holds in part is located against its bits on the device (``chunk.locate_chunk``), as
+``apply`` does for a whole tensor there; ``apply`` then writes the decoded changes on the device.
+
 Every stage that can fail on one rank runs under ``Group.run``: a bad base on any rank is the same
 typed error on every rank, and nothing was written anywhere. Without a group (one receiver) the
 same code refuses, before the first write, what it cannot decode.
@@ -31,10 +38,10 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dcr.codec import classes
-from nemo_dcr.codec.chunk import CLASSES, decode_chunk
+from nemo_dcr.codec.chunk import CLASSES, decode_chunk, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
-from nemo_dcr.delta.apply import Decoded, undecodable
+from nemo_dcr.delta.apply import Decoded, on_host, undecodable
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError
 from nemo_dcr.state.digest import values_digest
@@ -85,10 +92,10 @@ def _pack(v: torch.Tensor, bits: int) -> torch.Tensor:
     per = 8 // bits
     if per == 1:
         return v
-    pad = torch.zeros(-(-v.numel() // per) * per, dtype=torch.uint8)
+    pad = torch.zeros(-(-v.numel() // per) * per, dtype=torch.uint8, device=v.device)
     pad[: v.numel()] = v
     pad = pad.reshape(-1, per)
-    out = torch.zeros(pad.shape[0], dtype=torch.uint8)
+    out = torch.zeros(pad.shape[0], dtype=torch.uint8, device=v.device)
     for j in range(per):
         out |= pad[:, j] << (j * bits)
     return out
@@ -106,9 +113,11 @@ def _has_classes(e: TensorEntry) -> bool:
     return e.kind == TensorKind.DELTA and e.region is not None and any(c.enc == CLASSES for c in e.chunks)
 
 
-def _chunk_positions(e: TensorEntry, c: ChunkEntry) -> torch.Tensor:
+def _chunk_positions(e: TensorEntry, c: ChunkEntry, device=None) -> torch.Tensor:
+    """The chunk's canonical positions, computed on ``device`` (where a receiver's tensor is: its
+    indices are not built on the host and copied over)."""
     assert e.region is not None  # _has_classes
-    return IndexMap(e.region).to_global(torch.arange(c.start, c.start + c.n, dtype=torch.int64))
+    return IndexMap(e.region).to_global(torch.arange(c.start, c.start + c.n, dtype=torch.int64, device=device))
 
 
 def _my_plans(readers: Sequence[DeltaReader], tensors: Mapping, shards: Mapping) -> dict:
@@ -158,7 +167,8 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict]) -> list[_Share]
 
 
 def _own_bits(p: Plan, glob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's bits at the chunk positions it holds, in chunk order; the mask of those)."""
+    """(this rank's bits at the chunk positions it holds, in chunk order; the mask of those), where
+    the tensor and ``glob`` are."""
     assert p.recv is not None  # plan_entry gives every held tensor its shard spec
     local, mask = IndexMap(p.recv).to_local(glob)
     return FlatAccess(p.held).gather(local), mask
@@ -166,10 +176,14 @@ def _own_bits(p: Plan, glob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _decode(p: Plan, c: ChunkEntry, payload, base: torch.Tensor, where: str) -> Decoded:
     """Decode chunk ``c`` against ``base`` (its true bits at the changed positions, its classes
-    elsewhere) and check it as a whole-chunk holder does."""
+    elsewhere) and check it as a whole-chunk holder does; where ``base`` is (a device: the streams
+    decoded on the host, placed against ``base`` there, as ``apply`` does)."""
     dtype = p.entry.torch_dtype
     try:
-        idx, new = decode_chunk(c, payload, dtype.itemsize, base=base, dtype=dtype)
+        if on_host(base):
+            idx, new = decode_chunk(c, payload, dtype.itemsize, base=base, dtype=dtype)
+        else:
+            idx, new = locate_chunk(c, payload, base, dtype)
     except DeltaFormatError:  # checksum-valid, so: not coded against these bits
         idx, new = None, None
     if idx is None or values_digest(base[idx], c.values_algo) != c.pre:
@@ -217,7 +231,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
 
     def own(s: _Share) -> tuple[torch.Tensor, torch.Tensor]:
         p = plans[(s.part, s.name)]
-        return _own_bits(p, _chunk_positions(p.entry, s.chunk))
+        return _own_bits(p, _chunk_positions(p.entry, s.chunk, p.held.device))
 
     received = 0
     idx_of: dict = {}  # share key -> the changed positions (chunk order)
@@ -227,7 +241,8 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             packed = [torch.empty(0, dtype=torch.uint8)]
             for s in mine:
                 mant = classes.MANTISSA[plans[(s.part, s.name)].entry.torch_dtype]
-                packed.append(_pack(classes.context(own(s)[0], s.chunk.cls, mant), s.bits))
+                # classed where the bits are; only the packed classes cross to the host
+                packed.append(_pack(classes.context(own(s)[0], s.chunk.cls, mant), s.bits).cpu())
             return torch.cat(packed)
 
         sizes = [sum(s.nbytes(r) for s in shares) for r in range(world)]
@@ -253,8 +268,9 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                 idx = _positions(p, s.chunk, readers[s.part].payload(s.chunk), ctx)
                 idx_of[s.key], ctx_of[s.key] = idx, ctx
                 bits, mask = own(s)
-                at = mask[idx]  # the changed positions held here
-                sent[s.key] = bits[mask.cumsum(0)[idx[at]] - 1].numpy().tobytes()
+                i = idx.to(mask.device)
+                at = mask[i]  # the changed positions held here
+                sent[s.key] = bits[mask.cumsum(0)[i[at]] - 1].cpu().numpy().tobytes()
             return sent
 
         olds = group.run(positions, "decode the positions of the classes chunks held in part", gather=True)
@@ -271,7 +287,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                 if c.enc != CLASSES:
                     continue
                 key = (i, name, c.start)
-                bits, mask = _own_bits(p, _chunk_positions(p.entry, c))
+                bits, mask = _own_bits(p, _chunk_positions(p.entry, c, p.held.device))
                 payload = readers[i].payload(c)
                 if not bool(mask.any()) or not c.k:
                     d = Decoded.nothing(bits_dtype)

@@ -6,6 +6,8 @@ Every process computes the same deterministic global state for a version and kee
 shard of it. The trainer (the test process) publishes versions 0..2 before the ranks start."""
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from dcr_testing import bits as int_bits
@@ -147,3 +149,63 @@ def follow(rank, world, spec, res):
     _update_to(loader, tensors, 2, rank, res)
     loader.check()  # the whole state's digest, all-reduced over the group
     res["held"] = sorted(tensors)
+
+
+def follow_located(rank, world, spec, res):
+    """``follow`` as it runs for tensors on a GPU (a vLLM engine's TP workers, ``staging=False``):
+    every chunk held whole is located against the bits where they are (``chunk.locate_chunk``,
+    the streams decoded on the host without the base), in ``apply`` and in the group's decode
+    alike; chosen here for CPU tensors, so that the test can read them. Counts the locates."""
+    from nemo_dcr.codec import classes
+    from nemo_dcr.sync import chunk_gather
+
+    apply_mod = importlib.import_module("nemo_dcr.delta.apply")  # (nemo_dcr.delta.apply is also a function)
+    apply_mod.on_host = chunk_gather.on_host = lambda t: False
+    calls = {"locate": 0, "group_locate": 0}
+    real_locate, real_chunk_locate = classes.locate, chunk_gather.locate_chunk
+
+    def locate(*a):
+        calls["locate"] += 1
+        return real_locate(*a)
+
+    def group_locate(*a):
+        calls["group_locate"] += 1
+        return real_chunk_locate(*a)
+
+    classes.locate, chunk_gather.locate_chunk = locate, group_locate
+    follow(rank, world, spec, res)
+    res["located"] = calls
+
+
+def follow_device(rank, world, spec, res):
+    """The group on the device, as a GPU engine's TP workers run it: each rank's shards moved to
+    ``$DCR_GROUP_DEVICE`` (tests/gpu/run_gpu.py: ``cuda``, the ranks sharing one GPU), a
+    ``RolloutLoader(staging=False)`` following versions 1 and 2 in place there, the bytes each
+    update moved between host and device counted (``Traffic``, every thread) and each version
+    compared bit for bit with the rank's shards of the trainer's state."""
+    import os
+
+    import torch.distributed as dist
+
+    from dcr_testing.mp_workers import open_spec
+    from dcr_testing.traffic import Traffic
+    from nemo_dcr.integrations.rollout import RolloutLoader
+
+    device = torch.device(os.environ.get("DCR_GROUP_DEVICE", "cpu"))
+    group = dist.new_group(list(range(world)))
+    host, shards = local_state(0, rank)
+    tensors = {n: t.to(device) for n, t in host.items()}
+    loader = RolloutLoader(open_spec(spec), tensors, shards, group=group, version=0, staging=False)
+    res["versions"], res["traffic"] = [], []
+    res["held_bytes"] = sum(t.numel() * t.element_size() for t in host.values())
+    res["held_elements"] = sum(t.numel() for t in host.values())
+    for v in (1, 2):
+        with Traffic() as moved:
+            assert loader.update(v) == v
+        res["versions"].append(loader.version)
+        res["traffic"].append({"version": v, "h2d": moved.h2d, "d2h": moved.d2h})
+        bad = _differs({n: t.cpu() for n, t in tensors.items()}, local_state(v, rank)[0])
+        if bad:
+            raise AssertionError(f"version {v}: rank {rank} differs on {device} in {bad}")
+    loader.check()
+    res["device"] = str(next(iter(tensors.values())).device)

@@ -248,8 +248,20 @@ def _gather_follow(rank, world, spec, res):
     follow(rank, world, spec, res)
 
 
+def _gather_follow_located(rank, world, spec, res):
+    from dcr_testing.gather_workers import follow_located
+    follow_located(rank, world, spec, res)
+
+
+def _gather_follow_device(rank, world, spec, res):
+    from dcr_testing.gather_workers import follow_device
+    follow_device(rank, world, spec, res)
+
+
 SCENARIOS = {
     "gather": _gather_follow,
+    "gather-located": _gather_follow_located,
+    "gather-device": _gather_follow_device,
     "restore": _restore_download_fails,
     "joint": _joint_publish_and_follow,
     "die": _die_mid_upload,

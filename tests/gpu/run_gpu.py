@@ -29,6 +29,11 @@ Skips cleanly (exit 0, "SKIP: ..." on stdout) without CUDA or triton. Otherwise:
    bytes of digest per tensor); the capture's time (the training stall) against a device memcpy
    of the state and against the host path's copy of it. And the device BLAKE3 digest
    (``device/blake3.py``) against the host's on sizes across chunk and program boundaries.
+2c. **A receiver group on the device** (issue 24): three ranks over gloo sharing the GPU hold
+   the tensors of tests/dcr_testing/gather_workers.py sharded differently from the trainer
+   (``classes`` chunks held in part by several ranks), on the device with ``staging=False`` (the
+   vLLM worker at TP>1); each update bit-exact, each rank's host<->device bytes counted and held
+   to O(changes) down and the packed classes plus O(changes) up.
 3. **Bench** (``--bench-elems`` BF16 elements, default 256M; ``--quick`` 64M), 1 % and 5 %
    change: device memcpy of the shard; the fused diff (compact only, and with the ``classes``
    class/rank pass) with the snapshot update; the host coder on the compact stream; the device
@@ -92,6 +97,7 @@ except ImportError:
     skip('triton is not installed (pip install "nemo-dcr[gpu]")')
 
 from dcr_testing.device_cases import FLOATS, INTS, make_pair  # noqa: E402
+from dcr_testing.traffic import Traffic  # noqa: E402 (counts every thread's copies: receivers apply on workers)
 from nemo_dcr.codec.chunk import CHOICES, encode_chunk  # noqa: E402
 from nemo_dcr.codec.format import DeltaReader  # noqa: E402
 from nemo_dcr.delta import diff  # noqa: E402
@@ -133,32 +139,6 @@ def eq_bits(a, b, what):
     a, b = a.cpu(), b.cpu()
     if a.dtype != b.dtype or a.shape != b.shape or not torch.equal(bits(a.contiguous()), bits(b.contiguous())):
         raise AssertionError(f"{what}: bits differ")
-
-
-class Traffic(torch.overrides.TorchFunctionMode):
-    """Counts the bytes that cross between host and device inside it: ``.to``/``.cpu``/``.cuda``
-    results on another device type than their source, and ``copy_`` between two. (Under
-    ``--interpret`` everything is on the CPU and it counts nothing.)"""
-
-    def __init__(self):
-        super().__init__()
-        self.h2d = self.d2h = 0
-
-    def _count(self, src, dst):
-        if isinstance(src, torch.Tensor) and isinstance(dst, torch.Tensor) and src.device.type != dst.device.type:
-            n = dst.numel() * dst.element_size()
-            if dst.device.type == "cpu":
-                self.d2h += n
-            else:
-                self.h2d += n
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.Tensor.to, torch.Tensor.cpu, torch.Tensor.cuda) and args:
-            self._count(args[0], out)
-        elif func is torch.Tensor.copy_ and len(args) > 1:
-            self._count(args[1], args[0])
-        return out
 
 
 def _header(c):
@@ -229,11 +209,19 @@ def kernels_section():
 # ----------------------------------------------------------------------------- 2. end to end
 
 def _same_part(a: bytes, b: bytes):
-    ra, rb = DeltaReader(a), DeltaReader(b)
+    """The same part but for its creation time and publish id: header fields, and every chunk's
+    payload bytes (compared chunk by chunk: in format 3 the chunks' offsets move with the length
+    of the opening segment, which holds the creation time)."""
+    ra, rb = DeltaReader.open(a), DeltaReader.open(b)
     ha, hb = dict(ra.raw_header), dict(rb.raw_header)
     for h in (ha, hb):
         h.pop("created"), h.get("meta", {}).pop("publish_id", None)
-    if ha != hb or bytes(ra.buf[:ra.payload_end]) != bytes(rb.buf[:rb.payload_end]):
+        h["tensors"] = [{**t, "chunks": [{k: v for k, v in c.items() if k != "off"} for c in t.get("chunks", ())]}
+                        for t in h["tensors"]]
+    same = ha == hb and all(bytes(ra.payload(ca)) == bytes(rb.payload(cb))
+                            for ea, eb in zip(ra.header.tensors, rb.header.tensors, strict=True)
+                            for ca, cb in zip(ea.chunks, eb.chunks, strict=True))
+    if not same:
         raise AssertionError("a part differs from the reference publisher's")
 
 
@@ -384,6 +372,61 @@ def capture_section():
     check("callback capture, kept in pinned host memory", lambda: capture_case("pinned"))
 
 
+# ----------------------------------------------------------------------------- 2c. a receiver group
+
+def group_case():
+    """Three receiver ranks (gloo; on a GPU machine they share the one device) hold the tensors of
+    tests/dcr_testing/gather_workers.py sharded differently from the trainer, which publishes them
+    whole with ``classes`` chunks: every chunk of a column-split tensor is held in part by every
+    rank. On the device with ``staging=False`` (what the vLLM worker runs at TP>1), each update is
+    bit-exact, and the bytes each rank moved are O(changes) down (decoded changes and streams) and
+    up the packed classes of the chunks it holds in part plus O(changes), never a staging copy."""
+    import pathlib
+
+    from dcr_testing import gather_workers as G
+    from dcr_testing import mp_workers as W
+    from dcr_testing.procs import launch
+    with tempfile.TemporaryDirectory() as tmp:
+        root = os.path.join(tmp, "store")
+        pub = Publisher(root, chunk_elems=G.CHUNK, encoding="classes")
+        for v in range(3):
+            pub.publish(G.global_state(v), step=v)
+        store = LocalStore(root)
+        from nemo_dcr.sync.versions import manifest_at
+        changes = {v: sum(c.k for p in manifest_at(store, v).parts
+                          for e in DeltaReader.open(store.get(p.key)).header.tensors for c in e.chunks)
+                   for v in (1, 2)}
+        out = pathlib.Path(tmp) / "out"
+        out.mkdir()
+        os.environ["DCR_GROUP_DEVICE"] = DEV.type
+        res, codes, hung = launch(W.main, G.WORLD, lambda r, port: (r, G.WORLD, port, {"kind": "local", "root": root},
+                                                                    "gather-device", str(out)), out, 300.0)
+        if hung or any(not res.get(r, {}).get("ok") for r in range(G.WORLD)):
+            raise AssertionError(f"hung {hung}; " + "; ".join(str(res.get(r, {}).get("traceback"))[-800:]
+                                                             for r in range(G.WORLD)))
+        rows = []
+        for r in range(G.WORLD):
+            if res[r]["versions"] != [1, 2] or res[r]["device"].split(":")[0] != DEV.type:
+                raise AssertionError(f"rank {r}: {res[r]}")
+            for t in res[r]["traffic"]:
+                k = changes[t["version"]]
+                rows.append({"rank": r, **t, "changes": k, "held_bytes": res[r]["held_bytes"]})
+                print(f"     rank {r} version {t['version']}: {t['h2d']} B down, {t['d2h']} B up, {k} changes, "
+                      f"{res[r]['held_bytes']} B held", flush=True)
+                # down: per change of a chunk decoded here or by the group, its position and old
+                # and new bits, or its decoded streams; up: the classes (<= 1 B per element held)
+                # and the base bits at the changes
+                up_bound = res[r]["held_elements"] + 32 * k + 2048
+                if DEV.type != "cpu" and (t["h2d"] > 64 * k + 2048 or t["d2h"] > up_bound):
+                    raise AssertionError(f"rank {r}, version {t['version']}: {t['h2d']} B down, {t['d2h']} B up for "
+                                         f"{k} changes, {res[r]['held_bytes']} B held: not O(changes)")
+        RESULTS["e2e"]["group"] = rows
+
+
+def group_section():
+    check("receiver group (3 ranks, classes chunks held in part) on the device, staging=False", group_case)
+
+
 # ----------------------------------------------------------------------------- 3. bench
 
 def timed(fn, reps=3):
@@ -476,6 +519,7 @@ def main():
     kernels_section()
     e2e_section()
     capture_section()
+    group_section()
     if not ARGS.no_bench:
         check("bench", bench_section)
     RESULTS["seconds"] = time.perf_counter() - t0

@@ -16,8 +16,9 @@ tests/gpu/run_vllm_refit.py`` (the CPU build repacks linear weights; the worker 
    model with AdamW in float32 and publishes a bf16 snapshot after every step.
 4. After each publish ``refit(llm, store)`` brings the engine to the new version in place; with
    TP=1 every worker's per-tensor digests must equal the trainer's bf16 snapshot (bit-exact);
-   with TP>1 the follower's own digest check (every version) and ``dcr_check`` must pass (TP>1
-   publishes with ``encoding="portable"``: a TP worker holds part of each tensor).
+   with TP>1 the follower's own digest check (every version) and ``dcr_check`` must pass (the
+   default encoding: a TP worker holds part of each tensor, and its ``classes`` chunks are decoded
+   by the TP group with the weights left on the device, ``sync/chunk_gather.py``).
 5. Reload check: the refit engine's greedy outputs must equal those of a fresh engine that
    loads a checkpoint of the final weights (same weights, same kernels: same tokens).
 
@@ -97,7 +98,7 @@ def main(argv=None) -> int:
     init_dir = os.path.join(work, "initial")
     model = tiny_llama()
     save_bf16(model, init_dir)
-    pub = Publisher(store, encoding="portable" if args.tp > 1 else "auto")
+    pub = Publisher(store)  # the default encoding at every TP size (TP>1: the group decodes classes chunks)
     pub.publish(module_snapshot(model, dtype="bfloat16")[0], step=0, meta={"initial": True})
 
     t0 = time.time()
