@@ -321,10 +321,19 @@ def locate_chunk(h: ChunkEntry, payload, base: torch.Tensor, dtype: torch.dtype)
     O(changes)); only they cross, and ``classes.locate`` places them against ``base`` there.
     ``classes.RankPastClass`` (a ``DeltaFormatError``): the streams do not fit ``base``. What
     ``decode_chunk`` does with the fused C scan, for a base the C kernel cannot read."""
+    w = base.element_size()
+    cls, rank, d = (x.to(base.device) for x in chunk_streams(h, payload, w, dtype))
+    idx, un = classes.locate(unsigned(base), h.cls, cls, rank, d, w, classes.MANTISSA[dtype])
+    return idx, to_bits(un, w).view(base.dtype)
+
+
+def chunk_streams(h: ChunkEntry, payload, w: int, dtype: torch.dtype):
+    """A ``classes`` chunk's streams decoded on the host without its base -> per change (class,
+    rank among the base chunk's elements of that class in index order, value difference), int64;
+    O(changes). ``locate_chunk`` places them against a base held anywhere; a receiver group whose
+    ranks hold the chunk between them places them from the ranks' class counts
+    (``sync/chunk_gather.py``)."""
     if zlib.crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
-    w = base.element_size()
     pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
-    cls, rank, d = (x.to(base.device) for x in classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant))
-    idx, un = classes.locate(unsigned(base), h.cls, cls, rank, d, w, mant)
-    return idx, to_bits(un, w).view(base.dtype)
+    return classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant)

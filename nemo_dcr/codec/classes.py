@@ -302,7 +302,6 @@ def locate(uo: torch.Tensor, rows, cls: torch.Tensor, rank: torch.Tensor, d: tor
     unsigned bits ``uo`` -> (positions, increasing; new unsigned bits at them). Torch ops on
     whatever device the tensors are (the device receiver's path too): each change is the
     ``rank``-th member of its class in ``_by_class``'s order."""
-    mask = (1 << (8 * w)) - 1
     if rank.numel() == 0:
         return torch.empty(0, dtype=torch.int64, device=uo.device), uo[:0].clone()
     lo, hi = rows[0][0], rows[-1][0]
@@ -313,7 +312,13 @@ def locate(uo: torch.Tensor, rows, cls: torch.Tensor, rank: torch.Tensor, d: tor
     idx = members[at]
     o = torch.argsort(idx)
     idx, d = idx[o], d[o]
-    return idx, unkey((key(uo[idx], w, True) + d) & mask, w, True)
+    return idx, new_values(uo[idx], d, w)
+
+
+def new_values(uo: torch.Tensor, d: torch.Tensor, w: int) -> torch.Tensor:
+    """The new unsigned bits of changes from their old unsigned bits and decoded differences (the
+    value stream codes each as a difference in the format's monotone order)."""
+    return unkey((key(uo, w, True) + d) & ((1 << (8 * w)) - 1), w, True)
 
 
 def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int):

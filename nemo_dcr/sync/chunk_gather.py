@@ -2,29 +2,32 @@
 of the receiver's group, before the first write (docs/design.md "Receivers sharded differently").
 
 A ``classes`` chunk codes its changes against the *whole* base chunk (the trainer rank's region, in
-chunks of the region's flat order): the positions per class of each base element's exponent, the
-values as a difference from the base bits at the changed positions. A receiver rank holding only
-part of the chunk (a vLLM TP worker holding its rows or columns of a tensor a trainer rank
-published whole) cannot decode it alone, but the ranks of its group together hold every position:
+chunks of the region's flat order): each change as its base element's exponent class and its rank
+among the chunk's elements of that class in index order, the value as a difference from the base
+bits there. A receiver rank holding only part of the chunk (a vLLM TP worker holding its rows or
+columns of a tensor a trainer rank published whole) cannot place the changes alone, but the ranks
+of its group together hold every position:
 
 1. every rank lists, for the version's entries with ``classes`` chunks, where its tensor sits in
    the canonical tensor (its ``ShardSpec``): one small all-gather;
 2. from those layouts alone every rank derives the same list of chunks that some rank holds only
-   part of (no rank decides alone, so every rank enters the same exchanges); a chunk the group
-   together does not hold whole is refused here, before anything is written;
-3. one exchange carries every rank's *classes* of its elements of those chunks (what the decoder
-   reads from the base besides the changed positions: the clamped exponent class, packed in 1, 2,
-   4 or 8 bits per element), from which each rank holding part of a chunk decodes its positions;
-4. a second exchange carries the base bits at those positions (O(changes)); each rank then
-   decodes the values and checks the chunk's pre- and post-image digests as a whole-chunk holder
-   does, and ``apply`` writes only the positions it holds (``nemo_dcr.delta.apply.Decoded``).
+   part of (no rank decides alone, so every rank enters the same exchanges), and which rank
+   answers for each position (the lowest holding it), as runs of consecutive positions; a chunk
+   the group together does not hold whole is refused here, before anything is written;
+3. one exchange carries, per run, how many of its base elements fall in each class: from those
+   counts every rank finds, for each change, the run and so the rank holding it, and that rank
+   where in the run it is;
+4. a second exchange carries, per change, its position and the base bits there (O(changes)); each
+   rank then decodes the values and checks the chunk's pre- and post-image digests as a
+   whole-chunk holder does, and ``apply`` writes only the positions it holds
+   (``nemo_dcr.delta.apply.Decoded``).
 
-Tensors on a device (a GPU engine's TP workers) are not staged through the host: each rank's bits
-of a chunk are gathered and classed where they are, and what crosses to the host is what the
-exchanges carry (the packed classes, 1-8 bits per element of a chunk held in part, and the base
-bits at the changed positions), plus the changes themselves. A chunk a rank holds whole inside a
-tensor it holds in part is located against its bits on the device (``chunk.locate_chunk``), as
-``apply`` does for a whole tensor there; ``apply`` then writes the decoded changes on the device.
+What crosses between ranks, and to the host from a device, is the class counts (a few bytes per
+class per run: a row of a column-split tensor is one run) and O(changes); no rank's bits of a
+chunk leave it. Tensors on a device (a GPU engine's TP workers) are not staged through the host:
+the counts and the located changes are computed where the weights are; a chunk a rank holds whole
+inside a tensor it holds in part is located against its bits there (``chunk.locate_chunk``), as
+``apply`` does for a whole tensor; ``apply`` then writes the decoded changes on the device.
 
 Every stage that can fail on one rank runs under ``Group.run``: a bad base on any rank is the same
 typed error on every rank, and nothing was written anywhere. Without a group (one receiver) the
@@ -38,9 +41,10 @@ from dataclasses import dataclass
 import torch
 
 from nemo_dcr.codec import classes
-from nemo_dcr.codec.chunk import CLASSES, decode_chunk, locate_chunk
+from nemo_dcr.codec.chunk import CLASSES, chunk_streams, decode_chunk, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
+from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.delta.apply import Decoded, on_host, undecodable
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError
@@ -65,48 +69,34 @@ class Gathered:
 
 @dataclass(frozen=True)
 class _Share:
-    """One chunk to decode together: which of its positions (in chunk order) each rank holds."""
+    """One chunk to decode together: which of its positions (in chunk order) each rank holds, and
+    the runs of positions each rank answers for (those no lower rank holds)."""
 
     part: int
     name: str
     chunk: ChunkEntry
     masks: dict[int, torch.Tensor]  # rank -> bool mask over the chunk's positions
+    runs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # rank -> (starts, ends) of its runs, increasing
 
     @property
     def key(self) -> tuple[int, str, int]:
         return self.part, self.name, self.chunk.start
 
     @property
-    def bits(self) -> int:
-        return classes.context_bits(self.chunk.cls)
+    def classes(self) -> int:
+        rows = self.chunk.cls
+        return rows[-1][0] - rows[0][0] + 1 if rows else 1
 
-    def nbytes(self, rank: int) -> int:
-        """Bytes of ``rank``'s packed classes of the chunk."""
-        m = self.masks.get(rank)
-        per = 8 // self.bits
-        return 0 if m is None else -(-int(m.sum()) // per)
-
-
-def _pack(v: torch.Tensor, bits: int) -> torch.Tensor:
-    """uint8 values below ``2 ** bits`` (bits 1, 2, 4 or 8), ``8 // bits`` to a byte."""
-    per = 8 // bits
-    if per == 1:
-        return v
-    pad = torch.zeros(-(-v.numel() // per) * per, dtype=torch.uint8, device=v.device)
-    pad[: v.numel()] = v
-    pad = pad.reshape(-1, per)
-    out = torch.zeros(pad.shape[0], dtype=torch.uint8, device=v.device)
-    for j in range(per):
-        out |= pad[:, j] << (j * bits)
-    return out
+    def count_bytes(self, rank: int) -> int:
+        """Bytes of ``rank``'s class counts of the chunk (int32 per class per run)."""
+        return len(self.runs[rank][0]) * self.classes * 4 if rank in self.runs else 0
 
 
-def _unpack(b: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    per = 8 // bits
-    if per == 1:
-        return b[:n]
-    mask = (1 << bits) - 1
-    return torch.stack([(b >> (j * bits)) & mask for j in range(per)], 1).reshape(-1)[:n]
+def _runs(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A bool mask -> (starts, ends) of its runs of True."""
+    z = torch.zeros(1, dtype=torch.int8)
+    d = torch.diff(m.to(torch.int8), prepend=z, append=z)
+    return (d == 1).nonzero().flatten(), (d == -1).nonzero().flatten()
 
 
 def _has_classes(e: TensorEntry) -> bool:
@@ -158,11 +148,15 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict]) -> list[_Share]
             if all(bool(m.all()) for m in masks.values()):
                 continue  # nobody holds part of it
             held = torch.zeros(c.n, dtype=torch.bool)
-            for m in masks.values():
-                held |= m
+            runs = {}
+            for rank in sorted(masks):  # a position held by several ranks is answered for by the lowest
+                own = masks[rank] & ~held
+                held |= masks[rank]
+                if bool(own.any()):
+                    runs[rank] = _runs(own)
             if not bool(held.all()):
                 raise undecodable(e.name, c)
-            out.append(_Share(key[0], e.name, c, masks))
+            out.append(_Share(key[0], e.name, c, masks, runs))
     return out
 
 
@@ -194,19 +188,63 @@ def _decode(p: Plan, c: ChunkEntry, payload, base: torch.Tensor, where: str) -> 
     return Decoded(idx, base[idx], new)
 
 
-def _positions(p: Plan, c: ChunkEntry, payload, ctx: torch.Tensor) -> torch.Tensor:
-    """The changed positions of chunk ``c``, from the classes of its base elements alone."""
+def _answered(p: Plan, s: _Share, me: int):
+    """The positions of chunk ``s`` this rank answers for, where its tensor is: (their places in
+    the chunk, their bits, their classes - lo, the index of this rank's run each is in)."""
+    dev = p.held.device
+    starts, ends = (t.to(dev) for t in s.runs[me])
+    lengths = ends - starts
+    run_of = torch.repeat_interleave(torch.arange(starts.numel(), device=dev), lengths)
+    pos = starts[run_of] + torch.arange(run_of.numel(), device=dev) - (torch.cumsum(lengths, 0) - lengths)[run_of]
+    bits, _ = _own_bits(p, _chunk_positions(p.entry, s.chunk, dev)[pos])
+    ctx = classes.context(bits, s.chunk.cls, classes.MANTISSA[p.entry.torch_dtype]).to(torch.int64)
+    return pos, bits, ctx, run_of
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """A chunk's changes placed from every rank's class counts: per change (in stream order), the
+    class - lo, the rank answering for its position, that rank's run and the change's place among
+    the run's elements of its class; and the value differences."""
+
+    cls: torch.Tensor
+    owner: torch.Tensor
+    run: torch.Tensor
+    within: torch.Tensor
+    d: torch.Tensor
+
+
+def _place(p: Plan, s: _Share, payload, counts: dict[int, torch.Tensor]) -> _Placed:
+    """Every change of chunk ``s`` to the run holding it, from the runs' class counts (every rank
+    holding part of the chunk computes the same). A change past the last of its class: the streams
+    do not fit the group's base."""
     dtype = p.entry.torch_dtype
-    stand_in = classes.stand_in(ctx, c.cls, classes.MANTISSA[dtype], _bits_dtype(dtype))
+    lo = s.chunk.cls[0][0] if s.chunk.cls else 0
     try:
-        return decode_chunk(c, payload, dtype.itemsize, base=stand_in, dtype=dtype)[0]
+        cls, rank, d = chunk_streams(s.chunk, payload, dtype.itemsize, dtype)
     except DeltaFormatError:
-        raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base (its classes "
-                                "gathered from the receiver group)") from None
-
-
-def _last(ranks: list[int], me: int) -> list[int]:
-    return [r for r in ranks if r != me] + ([me] if me in ranks else [])
+        raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base") from None
+    cls = cls - lo
+    holders = sorted(s.runs)
+    starts = torch.cat([s.runs[r][0] for r in holders])
+    owner = torch.cat([torch.full((len(s.runs[r][0]),), r, dtype=torch.int64) for r in holders])
+    local = torch.cat([torch.arange(len(s.runs[r][0])) for r in holders])
+    n = torch.cat([counts[r] for r in holders])  # [runs, classes]
+    o = torch.argsort(starts)
+    owner, local, n = owner[o], local[o], n[o]
+    upto = torch.cumsum(n, 0)  # of each class, in the runs up to and including each
+    bad = (cls < 0) | (cls >= s.classes)
+    if not bool(bad.any()):
+        bad = rank >= upto[-1][cls]
+    if bool(bad.any()):
+        raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base (its class "
+                                "counts gathered from the receiver group)")
+    run = torch.empty_like(rank)
+    for c in torch.unique(cls).tolist():
+        at = cls == c
+        run[at] = torch.searchsorted(upto[:, c].contiguous(), rank[at], right=True)
+    within = rank - (upto - n)[run, cls]
+    return _Placed(cls, owner[run], local[run], within, d)
 
 
 def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -227,54 +265,82 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
     layouts = group.run(layout, "list the classes chunks held in part", gather=True)
     shares = group.run(lambda: _shares(readers, layouts), "find the classes chunks to decode together")
     me, world = group.rank, group.world_size
-    mine = [s for s in shares if me in s.masks]
-
-    def own(s: _Share) -> tuple[torch.Tensor, torch.Tensor]:
-        p = plans[(s.part, s.name)]
-        return _own_bits(p, _chunk_positions(p.entry, s.chunk, p.held.device))
 
     received = 0
-    idx_of: dict = {}  # share key -> the changed positions (chunk order)
-    ctx_of: dict = {}  # share key -> the classes of the chunk's base elements
+    placed: dict = {}  # share key -> _Placed
+    found: list[dict] = [{} for _ in range(world)]  # rank -> share key -> (its changes' positions, base bits)
     if shares:
-        def contexts():
-            packed = [torch.empty(0, dtype=torch.uint8)]
-            for s in mine:
-                mant = classes.MANTISSA[plans[(s.part, s.name)].entry.torch_dtype]
-                # classed where the bits are; only the packed classes cross to the host
-                packed.append(_pack(classes.context(own(s)[0], s.chunk.cls, mant), s.bits).cpu())
-            return torch.cat(packed)
+        def counts():
+            mine = [torch.empty(0, dtype=torch.uint8)]
+            for s in shares:
+                if me in s.runs:
+                    _, _, ctx, run_of = _answered(plans[(s.part, s.name)], s, me)
+                    n = torch.bincount(run_of * s.classes + ctx, minlength=len(s.runs[me][0]) * s.classes)
+                    mine.append(n.to(torch.int32).cpu().view(torch.uint8))
+            return torch.cat(mine)
 
-        sizes = [sum(s.nbytes(r) for s in shares) for r in range(world)]
-        bufs = group.all_gather_bytes(group.run(contexts, "read the classes to gather"), sizes)
+        sizes = [sum(s.count_bytes(r) for s in shares) for r in range(world)]
+        bufs = group.all_gather_bytes(group.run(counts, "count the classes of the chunks held in part"), sizes)
         received += sum(n for r, n in enumerate(sizes) if r != me)
 
-        def positions():
-            # this rank's share of the base bits at the changed positions: every rank holding a
-            # part of a chunk decodes the same positions from the same classes
+        def locate():
             offs, sent = [0] * world, {}
             for s in shares:
                 got = {}
-                for r in sorted(s.masks):  # (every rank walks every buffer to its next chunk)
-                    n = s.nbytes(r)
-                    got[r] = _unpack(bufs[r][offs[r]: offs[r] + n], s.bits, int(s.masks[r].sum()))
+                for r in sorted(s.runs):  # (every rank walks every buffer to its next chunk)
+                    n = s.count_bytes(r)
+                    raw = bufs[r][offs[r]: offs[r] + n].clone()  # (aligned for the int32 view)
+                    got[r] = raw.view(torch.int32).to(torch.int64).reshape(-1, s.classes)
                     offs[r] += n
                 if me not in s.masks:
                     continue
-                ctx = torch.empty(s.chunk.n, dtype=torch.uint8)
-                for r in _last(sorted(s.masks), me):
-                    ctx[s.masks[r]] = got[r]
                 p = plans[(s.part, s.name)]
-                idx = _positions(p, s.chunk, readers[s.part].payload(s.chunk), ctx)
-                idx_of[s.key], ctx_of[s.key] = idx, ctx
-                bits, mask = own(s)
-                i = idx.to(mask.device)
-                at = mask[i]  # the changed positions held here
-                sent[s.key] = bits[mask.cumsum(0)[i[at]] - 1].cpu().numpy().tobytes()
+                pl = placed[s.key] = _place(p, s, readers[s.part].payload(s.chunk), got)
+                if me not in s.runs:
+                    continue
+                mine = (pl.owner == me).nonzero().flatten()
+                pos, bits, ctx, run_of = _answered(p, s, me)
+                dev = pos.device
+                # this rank's elements grouped by (run, class), in index order within each group
+                group_of = run_of * s.classes + ctx
+                order = torch.argsort(group_of, stable=True)
+                size = torch.bincount(group_of, minlength=len(s.runs[me][0]) * s.classes)
+                first = torch.cumsum(size, 0) - size
+                at = (pl.run[mine] * s.classes + pl.cls[mine]).to(dev)
+                el = order[first[at] + pl.within[mine].to(dev)]
+                # (which changes they are, every rank knows: pl.owner; a position in a chunk fits int32)
+                sent[s.key] = (pos[el].to(torch.int32).cpu(), bits[el].cpu())
             return sent
 
-        olds = group.run(positions, "decode the positions of the classes chunks held in part", gather=True)
-        received += sum(len(b) for r, d in enumerate(olds) if r != me for b in d.values())
+        found = group.run(locate, "place the changes of the classes chunks held in part", gather=True)
+        received += sum(sum(t.numel() * t.element_size() for t in v) for r, d in enumerate(found) if r != me
+                        for v in d.values())
+
+    def together(p: Plan, s: _Share) -> Decoded:
+        """Chunk ``s`` from the changes every rank placed: checked as a whole-chunk holder does."""
+        c, pl = s.chunk, placed[s.key]
+        bits_dtype = _bits_dtype(p.entry.torch_dtype)
+        idx = torch.full((c.k,), -1, dtype=torch.int64)
+        old = torch.empty(c.k, dtype=bits_dtype)
+        for r in sorted(s.runs):
+            if s.key in found[r]:
+                where, b = found[r][s.key]
+                i = (pl.owner == r).nonzero().flatten()
+                if i.numel() != where.numel():
+                    raise BaseMismatchError(f"{p.name}: chunk at element {c.start}: rank {r} placed {where.numel()} of "
+                                            f"its {i.numel()} changes")
+                idx[i], old[i] = where.to(torch.int64), b
+        o = torch.argsort(idx)
+        idx, old, d = idx[o], old[o], pl.d[o]
+        where = f"its changes placed by ranks {sorted(s.runs)} of the receiver group"
+        if pl.d.numel() != c.k or bool((idx < 0).any()) or bool((idx[1:] <= idx[:-1]).any()) \
+                or values_digest(old, c.values_algo) != c.pre:
+            raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base ({where})")
+        new = to_bits(classes.new_values(unsigned(old), d, old.element_size()), old.element_size()).view(bits_dtype)
+        if values_digest(new, c.values_algo) != c.post:
+            raise DeltaFormatError(f"{p.name}: chunk at element {c.start} decodes to values that do not match its "
+                                   "post-image digest")
+        return Decoded(idx, old, new)
 
     def decode_mine():
         out: list[dict] = [{} for _ in readers]
@@ -287,23 +353,14 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                 if c.enc != CLASSES:
                     continue
                 key = (i, name, c.start)
+                if key in by_key and me in by_key[key].masks:
+                    out[i][(name, c.start)] = together(p, by_key[key])
+                    continue
                 bits, mask = _own_bits(p, _chunk_positions(p.entry, c, p.held.device))
-                payload = readers[i].payload(c)
                 if not bool(mask.any()) or not c.k:
-                    d = Decoded.nothing(bits_dtype)
-                elif key not in by_key:  # (_shares: then this rank holds the whole chunk)
-                    d = _decode(p, c, payload, bits, "held here")
-                else:
-                    s, idx = by_key[key], idx_of[key]
-                    old = torch.empty(idx.numel(), dtype=bits_dtype)
-                    for r in _last(sorted(s.masks), me):  # what this rank holds is what it checks
-                        if olds[r][key]:
-                            old[s.masks[r][idx]] = torch.frombuffer(bytearray(olds[r][key]), dtype=bits_dtype)
-                    base = classes.stand_in(ctx_of[key], c.cls, classes.MANTISSA[p.entry.torch_dtype], bits_dtype)
-                    base[idx] = old
-                    d = _decode(p, c, payload, base, f"its bits gathered from ranks {sorted(s.masks)} of the "
-                                "receiver group")
-                out[i][(name, c.start)] = d
+                    out[i][(name, c.start)] = Decoded.nothing(bits_dtype)
+                else:  # (_shares: this rank holds the whole chunk)
+                    out[i][(name, c.start)] = _decode(p, c, readers[i].payload(c), bits, "held here")
         return out
 
     decoded = group.run(decode_mine, "decode the classes chunks held in part")
