@@ -268,7 +268,7 @@ class EngineWeights:
 
         # every weight is routed as at load time; layers not restored receive the values they were
         # loaded with (the same checkpoint)
-        with self._restored(modules):
+        with self._as_at_load(), self._restored(modules):
             cast(LoadableModel, self.model).load_weights(weights())
             self._copy(modules, into_layers=False)
 
@@ -340,10 +340,24 @@ class EngineWeights:
         self._seen = self._versions()
         return rebuilt
 
+    def _as_at_load(self):
+        """Context: torch's default dtype the model's, as vLLM's loader has it while it loads and
+        processes (a tensor a layer's processing makes with the default dtype, e.g. the empty
+        ``kv_b_proj.weight`` vLLM-CPU's AMX MLA leaves, is then the fresh engine's)."""
+        import contextlib
+        if self.model_dtype is None:
+            return contextlib.nullcontext()
+        from vllm.utils.torch_utils import set_default_torch_dtype
+        return set_default_torch_dtype(self.model_dtype)
+
     @torch.no_grad()
     def rebuild(self, modules: list[str], names: list[str] = ()) -> int:  # type: ignore[assignment]
         """vLLM's layerwise reload over ``modules`` with the plain copies as the loaded weights and
         the whole tensors ``names`` loaded again; then the attention layers reading them."""
+        with self._as_at_load():
+            return self._rebuild(modules, names)
+
+    def _rebuild(self, modules: list[str], names) -> int:
         layerwise, _, _ = _reload_api()
         with self._restored(modules) as infos:
             self._copy(modules, into_layers=True)
@@ -356,6 +370,7 @@ class EngineWeights:
                 _process(mod)
                 if hasattr(mod, "update_param_tp_status"):
                     cast(TpStatusLayer, mod).update_param_tp_status()
+                _keep_consumed(mod, info)
                 layerwise._copy_and_restore_kernel_tensors(mod, info)
         done = set(modules)
         touched = {id(self.modules[m]) for m in modules}
@@ -384,6 +399,20 @@ class EngineWeights:
                 return None
             return p.part.view(k) if k.is_contiguous() else None
         return None
+
+
+def _keep_consumed(mod: torch.nn.Module, info) -> None:
+    """Before the processed tensors are copied into the kernel tensors: a kernel tensor of another
+    shape than what the layer's processing gives was replaced at load time by a later layer that
+    consumed it (vLLM-CPU's AMX MLA packs ``kv_b_proj.weight`` into its own ``W_UK``/``W_UV`` and
+    frees it: an empty tensor). That layer is rebuilt after this one and reads the tensor again,
+    so the processed tensor itself is kept (nothing to copy into), and that layer frees it again."""
+    params, buffers = info.kernel_tensors
+    for kind in (params, buffers):
+        for name, k in list(kind.items()):
+            new = getattr(mod, name, None)
+            if isinstance(new, torch.Tensor) and tuple(new.shape) != tuple(k.shape):
+                kind[name] = new
 
 
 def _process(mod: torch.nn.Module) -> None:

@@ -152,6 +152,17 @@ def _reload_api():
     return layerwise, meta, utils
 
 
+def _loaded_dtype(mod: torch.nn.Module, t: torch.Tensor) -> torch.dtype:
+    """The dtype ``mod`` loads ``t`` in. A tensor vLLM's reload does not restore (a ``bias``) is
+    seen as the processing left it, which may have widened it (vLLM-CPU's AMX path turns a small
+    linear layer's bias into float32 after loading); the layer's own ``params_dtype`` is what its
+    loader wrote."""
+    dtype = getattr(mod, "params_dtype", None)
+    if not t.is_meta and t.is_floating_point() and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    return t.dtype
+
+
 class _Restored:
     """Every module of ``model`` in loaded format on the meta device, kernel tensors kept aside
     (what vLLM's in-place reload does first); :meth:`materialize` gives chosen modules float64
@@ -181,7 +192,7 @@ class _Restored:
                 self.meta_tensors[mname] = dict(utils.get_layer_tensors(mod))
                 for tname, t in self.meta_tensors[mname].items():
                     key = f"{mname}.{tname}" if mname else tname
-                    self.slots[key] = Slot(key, mname, tname, tuple(t.shape), t.dtype)
+                    self.slots[key] = Slot(key, mname, tname, tuple(t.shape), _loaded_dtype(mod, t))
                     k = kparams.get(tname, kbuffers.get(tname))
                     if k is not None:
                         self.kernel[key] = k

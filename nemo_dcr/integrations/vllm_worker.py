@@ -47,6 +47,7 @@ whole), LoRA adapters.
 from __future__ import annotations
 
 import hashlib
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -56,6 +57,7 @@ from nemo_dcr.errors import DcrError
 from .rollout import RolloutLoader
 from .vllm_types import ModelRunner
 
+_log = logging.getLogger(__name__)
 
 def _tp_group():
     """vLLM's gloo group of this worker's TP ranks (None outside vLLM); refuses pipeline parallelism."""
@@ -157,6 +159,8 @@ class DcrWorkerExtension:
         try:
             return {"version": self.dcr_update(store, version)}
         except Exception as e:  # noqa: BLE001 - handed to the driver, raised there
+            if not isinstance(e, DcrError):  # not one of ours: where it came from is in the worker's log
+                _log.warning("dcr_update failed in this worker", exc_info=True)
             return {"version": self.dcr_version(), "error": f"{type(e).__name__}: {e}"}
 
     def _dcr_receiver(self) -> DcrWorkerExtension:
