@@ -65,19 +65,6 @@ def context(bits: torch.Tensor, rows, mant: int) -> torch.Tensor:
     return (_classes(unsigned(bits), bits.element_size(), mant).clamp(lo, hi) - lo).to(torch.uint8)
 
 
-def context_bits(rows) -> int:
-    """Bits per element that ``context`` needs: 1, 2, 4 or 8."""
-    span = rows[-1][0] - rows[0][0] if rows else 0
-    return next(b for b in (1, 2, 4, 8) if span < (1 << b))
-
-
-def stand_in(ctx: torch.Tensor, rows, mant: int, bits_dtype: torch.dtype) -> torch.Tensor:
-    """Base bits with the classes ``ctx`` (from ``context``): a chunk decodes against them to its
-    true positions; its values need the true base bits at those positions."""
-    lo = rows[0][0] if rows else 0
-    return ((ctx.to(torch.int64) + lo) << mant).to(bits_dtype)
-
-
 # ----------------------------------------------------------------------------- Rice, reference
 
 def choose_k(v: torch.Tensor) -> int:

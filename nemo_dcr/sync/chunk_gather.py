@@ -60,8 +60,8 @@ __all__ = ["Gathered", "decode_partial"]
 @dataclass(frozen=True)
 class Gathered:
     """What ``decode_partial`` found: per part, the chunks decoded for ``apply(decoded=...)``;
-    ``received``: bytes this rank received from the others (the classes of their parts of the
-    chunks, their base bits at the changed positions; padding excluded)."""
+    ``received``: bytes this rank received from the others (their runs' class counts, the
+    positions and base bits of the changes they hold; padding excluded)."""
 
     decoded: list[dict[tuple[str, int], Decoded]]
     received: int = 0
