@@ -296,6 +296,7 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     res = run(a.steps, a.model, a.size, baseline=not a.no_baseline, lr=a.lr)
     if a.json:
+        os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)  # (runs/ in a fresh clone)
         with open(a.json, "w") as f:
             json.dump(res, f, indent=1)
     r = res["rewards"]
