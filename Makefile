@@ -116,7 +116,7 @@ test-vllm: $(VLLM_DEPS_STAMP)
 		-n 2 --dist loadgroup tests/test_vllm_*.py
 
 # TRL's GRPOTrainer with its rollouts from a stock vLLM engine that nemo-dcr refits after every step
-# (bench/rl_trl_vllm.py; tests/test_trl_vllm.py). Not part of `make test`: ~3-4 min on 2 shared cores, most of it
+# (bench/rl_trl_vllm.py; tests/test_trl_vllm.py). Not part of `make test`: ~1 min on 2 quiet cores (3-4 shared), most of it
 # three engine starts. TRL gets its own venv, cached beside the vLLM one and layered on it: a .pth file adds the
 # vLLM venv's site-packages, and pip (run from it) adds only what TRL needs beyond them (trl, accelerate, datasets,
 # pandas, pyarrow, ...): trl 1.16 takes vLLM's transformers 5.19 and changes none of its packages.
