@@ -319,6 +319,9 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
     def together(p: Plan, s: _Share) -> Decoded:
         """Chunk ``s`` from the changes every rank placed: checked as a whole-chunk holder does."""
         c, pl = s.chunk, placed[s.key]
+        if pl.d.numel() != c.k:
+            raise DeltaFormatError(f"{p.name}: chunk at element {c.start} holds {pl.d.numel()} changes, "
+                                   f"its entry {c.k}")
         bits_dtype = _bits_dtype(p.entry.torch_dtype)
         idx = torch.full((c.k,), -1, dtype=torch.int64)
         old = torch.empty(c.k, dtype=bits_dtype)
@@ -333,8 +336,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         o = torch.argsort(idx)
         idx, old, d = idx[o], old[o], pl.d[o]
         where = f"its changes placed by ranks {sorted(s.runs)} of the receiver group"
-        if pl.d.numel() != c.k or bool((idx < 0).any()) or bool((idx[1:] <= idx[:-1]).any()) \
-                or values_digest(old, c.values_algo) != c.pre:
+        if bool((idx < 0).any()) or bool((idx[1:] <= idx[:-1]).any()) or values_digest(old, c.values_algo) != c.pre:
             raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base ({where})")
         new = to_bits(classes.new_values(unsigned(old), d, old.element_size()), old.element_size()).view(bits_dtype)
         if values_digest(new, c.values_algo) != c.post:
