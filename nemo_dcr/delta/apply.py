@@ -200,8 +200,8 @@ def _write(t: _Target, c: ChunkEntry, local: torch.Tensor, cur: torch.Tensor | N
 def _apply_decoded(t: _Target, c: ChunkEntry, d: Decoded, on_change: OnChange | None):
     """Write the positions of a chunk decoded elsewhere (``Decoded``) that this receiver holds,
     each checked against the base bits the whole chunk was checked with. Decoded on the host (a
-    chunk held in part: its positions come from the group's classes), the changes go where the
-    tensor is: O(changes)."""
+    chunk held in part: its positions placed from the group's class counts), the changes go where
+    the tensor is: O(changes)."""
     dev = t.tensor.device
     glob, local, both = _locate(t, c, d.idx.to(dev), torch.stack([d.old, d.new], 1).to(dev))
     old, new = both[:, 0], both[:, 1]

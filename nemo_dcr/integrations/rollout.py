@@ -23,8 +23,8 @@ bytes to the device per version. ``staging=False`` applies in place on the devic
 each chunk is decoded on the host and only its changes cross (``delta/apply.py``), the checks
 and the state-digest update run where the tensors are. A sharded engine's group does the same:
 its ``classes`` chunks held in part are classed on the device and only per-run class counts and
-the changes cross (``sync/chunk_gather.py``). Checked on CPU tensors
-by the tests (the device route forced) and on a GPU by ``tests/gpu/run_gpu.py``.
+the changes cross (``sync/chunk_gather.py``). Checked on CPU tensors by the tests (the device
+route forced) and on a GPU by ``tests/gpu/run_gpu.py``.
 """
 from __future__ import annotations
 

@@ -299,6 +299,8 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                 if me not in s.runs:
                     continue
                 mine = (pl.owner == me).nonzero().flatten()
+                # gathered and classed again, not kept from counts(): kept for every chunk of a
+                # version it would be ~3 int64 per element held, several times the weights
                 pos, bits, ctx, run_of = _answered(p, s, me)
                 dev = pos.device
                 # this rank's elements grouped by (run, class), in index order within each group
