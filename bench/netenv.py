@@ -301,12 +301,12 @@ class _Proxy:
                 if not data:
                     break
                 bucket.take(len(data))
+                if counter is not None:  # before it is passed on: a reader that has it sees it counted
+                    counter[0] += len(data)
                 if late is not None:
                     late.put((time.monotonic() + delay, data))
                 else:
                     dst.sendall(data)
-                if counter is not None:
-                    counter[0] += len(data)
         except OSError:
             pass
         finally:

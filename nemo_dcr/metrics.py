@@ -61,6 +61,7 @@ class RelayMetrics:
         "withdrawn_objects": ("withdrawn_objects", "cached objects dropped when HEAD recorded another identity"),
         "upstream_head_reads": ("upstream_head_reads", "HEAD reads of the upstream"),
         "head_waits": ("head_waits", "long polls parked"),
+        "head_not_modified": ("head_not_modified", "HEAD reads answered 304: the child held that HEAD"),
         "evicted_old_versions": ("evicted_old_version_objects", "objects of versions retention removed, dropped"),
     }
     GAUGES = {

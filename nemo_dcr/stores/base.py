@@ -100,6 +100,15 @@ class Store(abc.ABC):
     def get_with_tag(self, key: str) -> tuple[bytes, str]:
         """``(bytes, tag)``, a consistent pair: the tag is that of exactly these bytes."""
 
+    def get_if_changed(self, key: str, tag: str) -> tuple[bytes, str] | None:
+        """``(bytes, tag)`` as :meth:`get_with_tag`, or None while the object's tag is still
+        ``tag``: a conditional read, so that polling an unchanged object (HEAD, which carries the
+        newest manifest from format 3: up to ~16 KB) costs a response's headers on S3
+        (``If-None-Match``: 304) and through a relay, not its bytes. This default reads the
+        object and compares (a local directory has no link to save)."""
+        data, now = self.get_with_tag(key)
+        return None if now == tag else (data, now)
+
     def exists(self, key: str) -> bool:
         """Whether the object exists (this default asks for its size)."""
         try:

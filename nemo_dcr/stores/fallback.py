@@ -113,14 +113,20 @@ class FallbackStore(ReadOnlyStore):
     def get_with_tag(self, key: str) -> tuple[bytes, str]:
         return self._try(key, lambda s: s.get_with_tag(key))[1]
 
+    def get_if_changed(self, key: str, tag: str) -> tuple[bytes, str] | None:
+        # a source that took over answers for the same object: the tag is the store's (a relay
+        # passes its upstream's on), so an unchanged object is still recognised
+        return self._try(key, lambda s: s.get_if_changed(key, tag))[1]
+
     def size(self, key: str) -> int:
         return self._try(key, lambda s: s.size(key))[1]
 
     def list(self, prefix: str = "") -> list[str]:
         return self._try(f"list({prefix!r})", lambda s: s.list(prefix))[1]
 
-    def wait_head(self, newer_than: int | None, wait: float) -> tuple[bytes, str] | None:
-        return self._try("HEAD", lambda s: wait_head(s, newer_than, wait))[1]
+    def wait_head(self, newer_than: int | None, wait: float,
+                  last: tuple[bytes, str] | None = None) -> tuple[bytes, str] | None:
+        return self._try("HEAD", lambda s: wait_head(s, newer_than, wait, last))[1]
 
     def report(self, receiver: str, version: int | None) -> None:
         for s in self.sources:  # whichever serves the next HEAD read carries it

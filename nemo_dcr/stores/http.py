@@ -117,17 +117,29 @@ def write_stream_to_file(size: int, chunks: Iterator[bytes], path: str | os.Path
             pass
 
 
-def wait_head(store: Store, newer_than: int | None, wait: float) -> tuple[bytes, str] | None:
+def wait_head(store: Store, newer_than: int | None, wait: float,
+              last: tuple[bytes, str] | None = None) -> tuple[bytes, str] | None:
     """The head pointer ``(bytes, tag)``, or None when there is none. A store that can long-poll
     (a relay) answers as soon as a version newer than ``newer_than`` is committed, or after
-    ``wait`` seconds; any other store answers at once (the caller polls)."""
+    ``wait`` seconds; any other store answers at once (the caller polls). ``last``: the pair
+    this caller read before; while HEAD still has its tag the read is conditional (headers
+    only, no body) and ``last`` itself is returned."""
     fn = getattr(store, "wait_head", None)
     if fn is not None:
-        return fn(newer_than, wait)
+        return fn(newer_than, wait, last)
+    return read_head_since(store, last)
+
+
+def read_head_since(store: Store, last: tuple[bytes, str] | None) -> tuple[bytes, str] | None:
+    """HEAD's ``(bytes, tag)`` now, or None when there is none; ``last`` (the pair read before)
+    when it is unchanged, found by a conditional read."""
     try:
-        return store.get_with_tag(HEAD_PATH)
+        if last is None:
+            return store.get_with_tag(HEAD_PATH)
+        r = store.get_if_changed(HEAD_PATH, last[1])
     except NotFound:
         return None
+    return last if r is None else r
 
 
 class ReadOnlyStore(Store):
@@ -247,7 +259,7 @@ class HttpStore(ReadOnlyStore):
                 conn.close()
                 raise StoreUnavailable(f"{what}: cannot reach {self.url}: "
                                        f"{getattr(e, 'strerror', None) or type(e).__name__}") from None
-            if 200 <= resp.status < 300 or resp.status == 416:
+            if 200 <= resp.status < 300 or resp.status in (304, 416):  # 304: asked If-None-Match
                 return conn, resp
             try:
                 body = resp.read(4096) if method != "HEAD" else b""
@@ -338,6 +350,18 @@ class HttpStore(ReadOnlyStore):
         resp, body = self._small("GET", self._path(key), key, headers=self._report if key == HEAD_PATH else None)
         return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
 
+    def get_if_changed(self, key: str, tag: str) -> tuple[bytes, str] | None:
+        headers = {**(self._report if key == HEAD_PATH else {}), "If-None-Match": tag}
+        resp, body = self._small("GET", self._path(key), key, headers=headers)
+        return self._unless_same(resp, body, tag)
+
+    @staticmethod
+    def _unless_same(resp, body: bytes, tag: str) -> tuple[bytes, str] | None:
+        if resp.status == 304:
+            return None
+        now = resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
+        return None if now == tag else (body, now)  # a server that ignores If-None-Match
+
     def size(self, key: str) -> int:
         resp, _ = self._small("HEAD", self._path(key), key)
         try:
@@ -355,18 +379,26 @@ class HttpStore(ReadOnlyStore):
         except (ValueError, KeyError, TypeError, StoreError):
             raise StoreUnavailable(f"list({prefix!r}): {self.url} sent a malformed listing") from None
 
-    def wait_head(self, newer_than: int | None, wait: float) -> tuple[bytes, str] | None:
+    def wait_head(self, newer_than: int | None, wait: float,
+                  last: tuple[bytes, str] | None = None) -> tuple[bytes, str] | None:
         """Long poll: the head pointer as soon as it names a version newer than ``newer_than``
-        (None: any), or after ``wait`` seconds as it is then; None when the store has none."""
+        (None: any), or after ``wait`` seconds as it is then; None when the store has none.
+        ``last``: returned itself when the answer would be the same bytes (a 304)."""
         q = {"wait": f"{max(0.0, float(wait)):g}"}
         if newer_than is not None:
             q["newer_than"] = str(int(newer_than))
+        headers = dict(self._report)
+        if last is not None:
+            headers["If-None-Match"] = last[1]
         try:
             resp, body = self._small("GET", f"{self._base}/{HEAD_PATH}?{urlencode(q)}", HEAD_PATH,
-                                     timeout=self.timeout + float(wait), headers=self._report)
+                                     timeout=self.timeout + float(wait), headers=headers)
         except NotFound:
             return None
-        return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
+        if last is None:
+            return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
+        r = self._unless_same(resp, body, last[1])
+        return last if r is None else r
 
     def stats(self) -> dict:
         """The relay's counters (upstream fetches per key, cache hits, ...)."""

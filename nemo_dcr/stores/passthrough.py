@@ -20,6 +20,9 @@ class PassThroughStore(Store):
     def get_with_tag(self, key: str) -> tuple[bytes, str]:
         return self.inner.get_with_tag(key)
 
+    def get_if_changed(self, key: str, tag: str) -> tuple[bytes, str] | None:
+        return self.inner.get_if_changed(key, tag)
+
     def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         return self.inner.get_stream(key, offset)
 

@@ -271,6 +271,21 @@ class S3Store(Store):
     def get_with_tag(self, key: str) -> tuple[bytes, str]:
         return self._get_object(key)
 
+    def get_if_changed(self, key: str, tag: str) -> tuple[bytes, str] | None:
+        from botocore.exceptions import ClientError
+
+        def go():
+            try:
+                r = self.client.get_object(Bucket=self.bucket, Key=self._full(key), IfNoneMatch=tag)
+            except ClientError as e:
+                if (e.response.get("ResponseMetadata", {}) or {}).get("HTTPStatusCode") == 304:
+                    return None  # Not Modified: the object's ETag is still ``tag``
+                raise
+            with r["Body"] as body:
+                data = body.read()
+            return data, r["ETag"]
+        return self._call("get", key, go)
+
     def get_to_file(self, key: str, path: str | os.PathLike) -> None:
         full = self._full(key)
         dest = os.path.abspath(os.fspath(path))

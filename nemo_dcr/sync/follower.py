@@ -63,10 +63,11 @@ from nemo_dcr.errors import (
 )
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
+from nemo_dcr.stores.http import read_head_since, wait_head
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.pace import LinkEstimate, Pacer
-from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans, read_head
+from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans
 from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -208,6 +209,8 @@ class Follower:
         self._held: Manifest | None = None        # the manifest of the verified state
         self._digest: StateDigest | None = None  # global digest of the verified state
         self._pending: dict | None = None        # a version whose apply was interrupted
+        # rank 0: HEAD as last read ((bytes, tag), Head), so that the next read is conditional
+        self._head_read: tuple[tuple[bytes, str], Head] | None = None
         if manifest is not None and version not in (None, manifest.version):
             raise ValueError(f"version {version} and the manifest of version {manifest.version} given")
         if manifest is None and version is not None:
@@ -264,8 +267,23 @@ class Follower:
         """The store's HEAD, read by rank 0 and the same on every rank (a damaged HEAD raises
         ManifestError on every rank)."""
         g = self.group
-        return self._seen(g.run(lambda: read_head(self.store)[0] if g.rank == 0 else None, "read the store's HEAD",
-                                src=0))
+        return self._seen(g.run(lambda: self._head_from(read_head_since(self.store, self._last_head()))
+                                if g.rank == 0 else None, "read the store's HEAD", src=0))
+
+    def _last_head(self) -> tuple[bytes, str] | None:
+        return self._head_read[0] if self._head_read is not None else None
+
+    def _head_from(self, pair: tuple[bytes, str] | None) -> Head | None:
+        """HEAD from a read's ``(bytes, tag)``, kept for the next (conditional) read; the very
+        pair kept is an unchanged HEAD, not parsed again."""
+        if pair is None:
+            self._head_read = None
+            return None
+        if self._head_read is not None and pair is self._head_read[0]:
+            return self._head_read[1]
+        head = Head.from_bytes(pair[0])
+        self._head_read = (pair, head)
+        return head
 
     def latest(self) -> int | None:
         head = self.read_head()
@@ -279,7 +297,6 @@ class Follower:
         answer comes as soon as the relay learns of the version; any other store is read every
         ``poll_interval`` seconds. In a group rank 0 waits and every rank gets its answer.
         Pass the HEAD on: ``f.sync(head=f.wait())``."""
-        from nemo_dcr.stores.http import wait_head
         g = self.group
         newer = self._version if newer_than is None else newer_than
 
@@ -287,8 +304,8 @@ class Follower:
             deadline = time.monotonic() + max(0.0, float(timeout))
             while True:
                 t0 = time.monotonic()
-                r = wait_head(self.store, newer, max(0.0, min(deadline - t0, 60.0)))
-                head = Head.from_bytes(r[0]) if r is not None else None
+                head = self._head_from(wait_head(self.store, newer, max(0.0, min(deadline - t0, 60.0)),
+                                                 self._last_head()))
                 if head is not None and (newer is None or head.version > newer):
                     return head
                 left = deadline - time.monotonic()

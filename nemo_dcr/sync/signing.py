@@ -453,6 +453,11 @@ class VerifiedStore(PassThroughStore):
         data, tag = self.inner.get_with_tag(key)
         return self._checked(key, data), tag
 
+    def get_if_changed(self, key: str, tag: str) -> tuple[bytes, str] | None:
+        # unchanged: the caller holds the bytes of ``tag``, checked when they were read
+        r = self.inner.get_if_changed(key, tag)
+        return None if r is None else (self._checked(key, r[0]), r[1])
+
     def get_stream(self, key: str, offset: int = 0) -> tuple[int, Iterator[bytes]]:
         if not self._signed(key):
             return self.inner.get_stream(key, offset)
@@ -466,9 +471,9 @@ class VerifiedStore(PassThroughStore):
         data = self.get(key)
         write_stream_to_file(len(data), iter([data]), path)
 
-    def wait_head(self, newer_than: int | None, wait: float):
-        res = wait_head(self.inner, newer_than, wait)
-        if res is not None:
+    def wait_head(self, newer_than: int | None, wait: float, last: tuple[bytes, str] | None = None):
+        res = wait_head(self.inner, newer_than, wait, last)
+        if res is not None and res is not last:  # ``last`` was checked when it was read
             self._checked(HEAD_KEY, res[0])
         return res
 

@@ -17,8 +17,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from nemo_dcr.errors import DcrError
-from nemo_dcr.stores.base import NotFound, Store
-from nemo_dcr.stores.http import HEAD_PATH, wait_head
+from nemo_dcr.stores.base import Store
+from nemo_dcr.stores.http import read_head_since, wait_head
 from nemo_dcr.sync.versions import Head
 from nemo_dcr.transport.workers import Workers
 
@@ -102,10 +102,9 @@ class HeadWatcher:
     def _read(self):
         self.stats["upstream_head_reads"] += 1
         t0 = time.perf_counter()
-        try:
-            return self.upstream.get_with_tag(HEAD_PATH)
-        except NotFound:
-            return None
+        st = self.current
+        try:  # conditional: an unchanged HEAD crosses the upstream link as headers only
+            return read_head_since(self.upstream, (st.data, st.tag) if st is not None else None)
         finally:
             if self.observe is not None:
                 self.observe(time.perf_counter() - t0)
@@ -165,9 +164,10 @@ class HeadWatcher:
             before = self.current
             try:
                 v = before.version if before is not None else None
+                last = (before.data, before.tag) if before is not None else None
                 self.stats["upstream_head_polls"] += 1
                 self._observe(_parse(await self._poll_workers.run(
-                    wait_head, self.upstream, v, self.upstream_wait)))
+                    wait_head, self.upstream, v, self.upstream_wait, last)))
                 failures = 0
             except Exception as e:
                 failures += 1

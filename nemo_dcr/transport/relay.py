@@ -59,6 +59,14 @@ def _aiohttp():
     return web
 
 
+def _tags(header: str | None) -> list[str]:
+    """The entity tags an ``If-None-Match`` header lists (weak ones compared as strong: a
+    relay's tags are its upstream's, each naming exact bytes)."""
+    if not header:
+        return []
+    return [t.strip().removeprefix("W/") for t in header.split(",") if t.strip()]
+
+
 def byte_range(header: str | None, size: int):
     """``Range: bytes=FIRST-[LAST]`` of an object of ``size`` bytes -> ``(start, end)``
     inclusive; None: no (usable) range, the whole object; False: unsatisfiable (416). A LAST past
@@ -100,6 +108,7 @@ class Relay:
             "requests": 0, "refused": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0,
             "upstream_fetches": 0, "upstream_fetches_by_key": {}, "upstream_errors": 0,
             "bad_objects": 0, "upstream_head_reads": 0, "upstream_head_polls": 0, "head_waits": 0,
+            "head_not_modified": 0,
             "evicted_old_versions": 0, "withdrawn_objects": 0,
         }
         self.receivers = Receivers()
@@ -254,6 +263,11 @@ class Relay:
             st = await self.heads.fresh()
         if st is None:
             raise NotFound(HEAD_PATH)
+        if st.tag in _tags(request.headers.get("If-None-Match")):
+            # the child holds these bytes: a poll of an unchanged HEAD costs headers, not the
+            # manifest HEAD carries (RFC 9110 13.1.2)
+            self.stats["head_not_modified"] += 1
+            return web.Response(status=304, headers={"ETag": st.tag, "Cache-Control": "no-store"})
         return web.Response(body=st.data, headers={"ETag": st.tag, "Cache-Control": "no-store",
                                                    "Content-Type": "application/json"})
 
