@@ -10,7 +10,7 @@ import torch
 from dcr_testing import assert_state
 from nemo_dcr import DeltaReader, apply, diff
 from nemo_dcr.codec import format as fmt
-from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.errors import DeltaFormatError, PartialApplyError, TargetMismatchError
 from nemo_dcr.state import digest as digest_mod
 from nemo_dcr.state.digest import tensor_digest
 
@@ -39,6 +39,53 @@ def test_version_3_round_trips_and_its_digests_are_the_sums_of_the_tensors():
     recv = {k: v.clone() for k, v in base.items()}
     apply(recv, blob)  # verify=True: every tensor digest checked (the "sd" sum, from the tensor alone)
     assert_state(recv, target)
+
+
+def test_a_verified_apply_reads_each_tensor_once_the_target_follows_from_the_changes(monkeypatch):
+    """``apply(verify=True)``: each base digest is the sum over the held tensor (read once); the
+    target's is that sum moved by the changes written (before: each tensor was hashed a second
+    time after its chunks, O(model) again: 228 ms against 138 ms for 64M BF16 at 1 %). Raw bits
+    of every kind, sparse chunks and dense ones (a tensor changed whole)."""
+    import sys
+
+    from nemo_dcr.state import statedigest
+    apply_mod = sys.modules["nemo_dcr.delta.apply"]  # (the package's ``apply`` is the function)
+    g = torch.Generator().manual_seed(7)
+    odd = torch.tensor([float("nan"), -0.0, 1e-40, float("inf"), -float("inf"), 0.0], dtype=torch.float32)
+    base = {"w": torch.randn(200_000, generator=g).bfloat16(), "h": torch.randn(4099, generator=g).half(),
+            "f": torch.cat([torch.randn(1000, generator=g), odd]), "i": torch.randint(-9, 9, (77, 5), generator=g),
+            "all": torch.randn(5000, generator=g)}
+    target = {k: v.clone() for k, v in base.items()}
+    target["w"].view(-1)[::53] = torch.randn(200_000 // 53 + 1, generator=g).bfloat16()
+    target["h"][::7] = -target["h"][::7]
+    target["f"].view(torch.int32)[-6:] = torch.tensor([0x7FC01234, -(1 << 31), 1, 0x7F800000, -8388608, 5],
+                                                      dtype=torch.int32)  # a NaN payload, -0.0, ...
+    target["i"][3] = 0
+    target["all"] += 1.0  # every element: dense chunks
+    blob = diff(base, target, format_version=3, chunk_elems=1 << 14)
+    hashed, running = [], []
+    real = statedigest.tensor_contrib
+    monkeypatch.setattr(statedigest, "tensor_contrib", lambda *a, **kw: hashed.append(a[0]) or real(*a, **kw))
+    real_running = apply_mod.RunningDigest
+    monkeypatch.setattr(apply_mod, "RunningDigest", lambda *a, **kw: running.append(a) or real_running(*a, **kw))
+    recv = {k: v.clone() for k, v in base.items()}
+    report = apply(recv, blob)
+    assert_state(recv, target)
+    assert report.tensors_changed == len(target) and not report.unverified
+    assert len(hashed) == len(target) and running == []  # the base checks only
+
+    def flip(h):  # a target digest that the changes do not reach
+        e = next(t for t in h["tensors"] if t["name"] == "all")
+        e["target_digest"] = e["target_digest"][:-1] + ("0" if e["target_digest"][-1] != "0" else "1")
+    import copy
+
+    from dcr_testing.deltas import rewrite
+    h = copy.deepcopy(DeltaReader(blob).raw_header)
+    flip(h)
+    recv = {k: v.clone() for k, v in base.items()}
+    with pytest.raises(PartialApplyError) as e:
+        apply(recv, rewrite(blob, h))
+    assert isinstance(e.value.__cause__, TargetMismatchError) and "all" in str(e.value.__cause__)
 
 
 def test_a_reader_of_versions_1_and_2_refuses_version_3_clearly():

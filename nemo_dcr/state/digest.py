@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
@@ -120,6 +121,39 @@ def sum_digest_change(digest: str, dtype: torch.dtype, shape, idx: torch.Tensor,
     elif old is not None:
         d = d - changes_contrib(SUM_NAME, dtype, shape, idx, old)
     return _PREFIX["sd"] + d.hex()
+
+
+class MovedSumDigest:
+    """A tensor's ``"sd"`` digest moved from a known one (``start``: the digest of the bits it
+    held before, checked) by the changes written since, reported from any thread: O(changes)
+    where ``RunningDigest`` hashes every element again. ``advance`` and ``hexdigest`` as
+    ``RunningDigest``'s, so ``apply`` checks a target either way."""
+
+    def __init__(self, start: str, dtype: torch.dtype, shape):
+        from nemo_dcr.state.statedigest import StateDigest
+        self._sum = StateDigest.from_hex(start[len(_PREFIX["sd"]):])
+        self._dtype, self._shape = dtype, tuple(shape)
+        self._lock = threading.Lock()
+
+    def advance(self, end: int) -> None:
+        pass  # nothing to hash: the changes came with ``change``
+
+    def change(self, idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The elements at flat ``idx`` went from ``old`` to ``new`` bits."""
+        from nemo_dcr.state.statedigest import change_contrib
+        part = change_contrib(SUM_NAME, self._dtype, self._shape, idx.cpu(), old.cpu(), new.cpu())
+        with self._lock:
+            self._sum = self._sum + part
+
+    def replace(self, start: int, old: torch.Tensor, new: torch.Tensor) -> None:
+        """The flat elements from ``start`` went from ``old`` to ``new`` bits (a dense range)."""
+        part = sum_digest_range(self._dtype, self._shape, new, start) \
+            - sum_digest_range(self._dtype, self._shape, old, start)
+        with self._lock:
+            self._sum = self._sum + part
+
+    def hexdigest(self) -> str:
+        return sum_digest_text(self._sum)
 
 
 def sum_digest_range(dtype: torch.dtype, shape, bits: torch.Tensor, start: int):
