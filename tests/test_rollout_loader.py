@@ -343,6 +343,66 @@ def test_sharded_receiver_group_with_a_replicated_tensor(tmp_path):
 
 
 
+def _kv_state(v):
+    s = _group_state(v)
+    g = torch.Generator().manual_seed(12)
+    s["K"] = torch.randn(2, 6, generator=g).bfloat16()  # two kv heads
+    for i in range(1, v + 1):
+        s["K"].view(torch.int16)[i % 2, i % 6] -= 5
+    return s
+
+
+def _kv_rank(rank, world, port, store, out):
+    """A TP=4 receiver of a model with 2 kv heads: W split by rows over the 4 ranks, each kv head
+    held by two ranks (0 and 1 hold head 0, 2 and 3 head 1), norm on every rank."""
+    import datetime
+
+    import torch.distributed as dist
+    res = {"ok": False}
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=30))
+        rows, head = 8 // world, rank * 2 // world
+        recv = {"W": torch.zeros(rows, 6, dtype=torch.bfloat16), "K": torch.zeros(1, 6, dtype=torch.bfloat16),
+                "norm": torch.zeros(6)}
+        loader = RolloutLoader(store, recv, shards={"W": ShardSpec.of((8, 6), (rank * rows, 0), (rows, 6)),
+                                                    "K": ShardSpec.of((2, 6), (head, 0), (1, 6))}, group=None)
+        res["hidden"] = sorted(loader.tensors.hidden)
+        res["exact"] = []
+        for v in range(3):
+            loader.update(v)
+            want = _kv_state(v)
+            res["exact"].append(all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in (
+                (recv["W"], want["W"][rank * rows:(rank + 1) * rows]), (recv["K"], want["K"][head:head + 1]),
+                (recv["norm"].view(torch.int16), want["norm"].view(torch.int16)))))
+        loader.check()
+        res["ok"] = True
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def test_receiver_group_with_kv_heads_each_held_by_two_of_four_ranks(tmp_path):
+    """Replicas held by different sets of ranks (kv heads at TP above their count): each set's
+    lowest rank applies and sends to its set only. Before, every rank broadcast from its own
+    set's owner in one collective over the whole group: ranks 0-1 and 2-3 disagreed on the
+    source."""
+    store = str(tmp_path / "store")
+    pub = Publisher(store)
+    for v in range(3):
+        pub.publish(_kv_state(v))
+    out = tmp_path / "out"
+    out.mkdir()
+    found, codes, hung = launch(_kv_rank, 4, lambda r, port: (r, 4, port, store, str(out)), out, 120)
+    assert not hung and sorted(found) == [0, 1, 2, 3], f"ranks hung {hung}, exit codes {codes}"
+    for r in range(4):
+        assert found[r]["ok"], found[r].get("error")
+        assert found[r]["exact"] == [True, True, True]
+    assert [found[r]["hidden"] for r in range(4)] == [[], ["K", "norm"], ["norm"], ["K", "norm"]]
+
+
 def test_rollout_yaml_configures_the_loader(tmp_path):
     yaml = pytest.importorskip("yaml")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

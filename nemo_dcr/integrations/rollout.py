@@ -327,7 +327,7 @@ class RolloutLoader:
         unknown = set(self.shards.shards) - set(self.recv)
         if unknown:
             raise DcrError(f"shards names tensors the receiver does not hold: {sorted(unknown)[:5]}")
-        self._replicas: list = []  # (receiver name, owner's group rank), same order on every rank
+        self._replicas: list = []  # (receiver name, the group ranks holding it), same on every rank
         self._replica_versions: dict = {}
         if self.group.active:
             self._plan_replicas(self.shards.shards)
@@ -415,7 +415,9 @@ class RolloutLoader:
     def _plan_replicas(self, shards: Mapping) -> None:
         """In a group, a tensor (region) held whole by several ranks (a TP engine's norms, kv
         heads replicated over ranks) must be counted in the state digest once: the lowest rank
-        holding it applies the deltas to it and broadcasts it to the others after each update."""
+        holding it applies the deltas to it and sends it to the others holding it after each
+        update. Different ranks may hold different regions of one tensor, each by a set of its
+        own (2 kv heads at TP=4: ranks 0-1 hold one, 2-3 the other)."""
         def region(name, t):
             spec = shards.get(name) or ShardSpec.full(t.shape)
             return tuple(spec.global_shape), tuple(spec.offsets), tuple(spec.shape), spec.index_shape, str(t.dtype)
@@ -423,10 +425,17 @@ class RolloutLoader:
         mine = {name: region(name, t) for name, t in self.recv.items()}
         every = self.group.all_gather(mine)
         me = self.group.rank
-        for name in sorted(mine):
-            holders = [r for r, d in enumerate(every) if d.get(name) == mine[name]]
-            if len(holders) > 1:
-                self._replicas.append((name, holders[0]))
+        sets: dict = {}  # (name, region) -> the ranks holding it, in rank order
+        for r, held in enumerate(every):
+            for name, reg in held.items():
+                sets.setdefault((name, reg), []).append(r)
+        # every rank lists every set, in one order: the sends and receives of _sync_replicas
+        # then pair up in the same order on every rank
+        for (name, _), holders in sorted(sets.items(), key=lambda kv: (kv[0][0], kv[1][0])):
+            if len(holders) < 2:
+                continue
+            self._replicas.append((name, tuple(holders)))
+            if me in holders:
                 if holders[0] != me:
                     self.tensors.hidden.add(name)
                 self._replica_versions[name] = self._counter(self.recv[name])
@@ -447,24 +456,34 @@ class RolloutLoader:
 
         me = self.group.rank
         changed = {}
-        for name, owner in self._replicas:
-            if owner == me:
+        for name, holders in self._replicas:
+            if holders[0] == me:
                 v = self._counter(self.recv[name])
                 changed[name] = v is None or v != self._replica_versions[name]
         every = self.group.all_gather(changed)
-        for name, owner in self._replicas:
-            if not every[owner].get(name):
+
+        def rank_of(r: int) -> int:
+            return dist.get_global_rank(self.group.group, r) if self.group.group is not None else r
+
+        for name, holders in self._replicas:
+            owner = holders[0]
+            if me not in holders or not every[owner].get(name):
                 continue
             t = self.recv[name]
             bits = int_view(t)
             buf = bits if bits.is_contiguous() and bits.device.type == "cpu" else bits.detach().cpu().contiguous()
-            src = dist.get_global_rank(self.group.group, owner) if self.group.group is not None else owner
-            # as bytes: gloo has no 16-bit integer type (a bf16 tensor's int16 view fails to broadcast)
-            dist.broadcast(buf.reshape(-1).view(torch.uint8), src=src, group=self.group.group)
+            # as bytes: gloo has no 16-bit integer type (a bf16 tensor's int16 view fails to send);
+            # point to point within the set, so that the other sets' transfers are not waited on
+            flat = buf.reshape(-1).view(torch.uint8)
+            if owner == me:
+                for r in holders[1:]:
+                    dist.send(flat, dst=rank_of(r), group=self.group.group)
+            else:
+                dist.recv(flat, src=rank_of(owner), group=self.group.group)
             if buf is not bits:
                 bits.copy_(buf)
             elif owner != me and self._counter(t) is not None:
-                # a collective writes behind autograd's back: the version counter, which those that
+                # a receive writes behind autograd's back: the version counter, which those that
                 # watch this tensor for changes read (the vLLM worker rebuilds the layers whose plain
                 # copies changed), would still say "unchanged" on the receiving ranks
                 torch.autograd.graph.increment_version(t)
