@@ -1,0 +1,36 @@
+"""Tensor parallelism above the kv head count, with the real engine: Qwen2 (4 query heads, 2 kv
+heads) on 4 CPU workers, so each kv head is held by two workers (vLLM replicates kv heads when
+TP exceeds their number, as TP=8 does for a 4-kv-head model). The receiver group applies each
+replicated region on the lowest worker holding it and sends it to the other; before, the workers
+of the two pairs disagreed on the source of one group-wide broadcast and the refit hung.
+
+One engine on v0 is refitted to v2 and compared with a fresh engine started on v2: every engine
+tensor on every worker, tokens and logprobs (``vm.assert_same_engine``). Runs in the vLLM venv
+(``make test-vllm``); ~3 min on 2 cores (two engines of 4 workers each)."""
+from __future__ import annotations
+
+from dcr_testing import vllm_models as vm
+
+vm.require_vllm()
+
+from nemo_dcr.integrations.vllm_worker import refit  # noqa: E402
+
+
+def test_tp4_with_kv_heads_replicated_over_worker_pairs(tmp_path):
+    ck = vm.chain("qwen2", tmp_path / "ck", rate=0.01)
+    store = vm.store_of(tmp_path / "store", ck)
+    a = vm.engine(ck[0], tp=4)
+    try:
+        b = vm.engine(ck[2], tp=4)
+        try:
+            fresh_b = vm.Observed(b, False)
+            assert a.collective_rpc("dcr_init", args=(store, 0)) == [0, 0, 0, 0]
+            assert refit(a, store, 1) == 1
+            assert refit(a, store) == 2
+            assert a.collective_rpc("dcr_check") == [2, 2, 2, 2]  # the state digest, each region once
+            refit_a = vm.Observed(a, False)
+        finally:
+            vm.shutdown(b)
+    finally:
+        vm.shutdown(a)
+    vm.assert_same_engine(refit_a, fresh_b, "qwen2 TP=4: v0 refitted to v2")
