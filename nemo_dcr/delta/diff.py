@@ -166,7 +166,11 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     found = None if chunker is None or old is None else chunker(name, old, new, chunk_elems, encoding, level, keep)
     region_map = IndexMap(spec) if on_change is not None else None
     digests = {"base": known_base} if old is not None and known_base else {}
-    if known_target and found is not None:
+    # a target digest known already: the device capture's (its chunks found there too), or, for
+    # a tensor sent whole in format 3, the sum a delta of the same version reached from the
+    # changes (a keyframe published beside a delta: its chunks are not summed a second time)
+    reuse = bool(known_target) and (found is not None or (summed and old is None))
+    if reuse:
         digests["target"] = known_target
 
     def digest(which):
@@ -190,7 +194,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
             c = encode_chunk(of.read(s, e).cpu() if of is not None else None, nb, s, encoding, level,
                              keep_changes=keep, is_float=new.dtype.is_floating_point,
                              dtype=new.dtype, values_algo=fv.values_digest)
-            if summed and old is None:
+            if summed and old is None and not reuse:
                 part = sum_digest_range(new.dtype, new.shape, nb, s)
         if c is not None and keep:
             # keep_changes=True (and the chunker is told the same): every chunk carries its changes
@@ -199,7 +203,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
             if on_change is not None:
                 assert region_map is not None
                 on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
-            if summed and old is not None:
+            if summed and old is not None and not reuse:
                 part = change_contrib(SUM_NAME, new.dtype, new.shape, (idx + s).cpu(), oldv.cpu(), newv.cpu())
             c.changes = None
         return c, (e - s) * new.element_size(), part
@@ -225,7 +229,7 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
             f.exception()
     for f in hashing:
         f.result()
-    if summed:
+    if summed and not reuse:
         start = StateDigest.from_hex(digests["base"][len("sd:"):]) if old is not None else StateDigest.zero()
         digests["target"] = sum_digest_text(start + total)
     entry = {

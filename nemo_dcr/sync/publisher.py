@@ -392,12 +392,16 @@ class Publisher:
             else:
                 new_digest = None  # the first version's O(model) digest: after the encode, beside its uploads
             if kf:
+                # beside a delta, the tensors' (format 3) digests are known from it: the delta
+                # summed them from the changes, and the keyframe's chunks are not summed again
+                known = dict(digests) if head is not None and self._base is not None else None
                 for j, names in enumerate(split_parts({}, snap, self.part_bytes)):
                     uploads.encode(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", f"keyframe part {j}",
                                    j, lambda w, names=names, j=j: diff(
                                        {}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
                                        chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
-                                       progress=bar, format_version=self.format_version, out=w), digests)
+                                       progress=bar, format_version=self.format_version, out=w,
+                                       target_digests=known), digests)
             if new_digest is None:
                 # the last objects are still being made durable (fsync, CompleteMultipartUpload)
                 # on their threads: this pass over the model runs meanwhile
