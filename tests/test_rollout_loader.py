@@ -291,8 +291,9 @@ def _group_state(v):
     return s
 
 
-def _group_rank(rank, world, port, store, out):
-    """A TP=2 receiver: W split by rows, norm replicated on both ranks."""
+def _as_rank(rank, world, port, out, body):
+    """Run ``body(res)`` as rank ``rank`` of a gloo group; ``res`` (with ``ok`` or ``error``) goes
+    to ``out/<rank>.json``."""
     import datetime
 
     import torch.distributed as dist
@@ -300,6 +301,18 @@ def _group_rank(rank, world, port, store, out):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=30))
+        body(res)
+        res["ok"] = True
+        dist.destroy_process_group()
+    except Exception as e:  # noqa: BLE001
+        res["error"] = f"{type(e).__name__}: {e}"
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(res, f)
+
+
+def _group_rank(rank, world, port, store, out):
+    """A TP=2 receiver: W split by rows, norm replicated on both ranks."""
+    def body(res):
         rows = 8 // world
         recv = {"W": torch.zeros(rows, 6, dtype=torch.bfloat16), "norm": torch.zeros(6)}
         loader = RolloutLoader(store, recv, shards={"W": ShardSpec.of((8, 6), (rank * rows, 0), (rows, 6))},
@@ -315,26 +328,28 @@ def _group_rank(rank, world, port, store, out):
                                                  want["W"][rank * rows:(rank + 1) * rows].view(torch.int16))
                                      and torch.equal(recv["norm"].view(torch.int32), want["norm"].view(torch.int32))))
         loader.check()
-        res["ok"] = True
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001
-        res["error"] = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(res, f)
+    _as_rank(rank, world, port, out, body)
 
 
-def test_sharded_receiver_group_with_a_replicated_tensor(tmp_path):
+def _run_group(tmp_path, state, rank_fn, world: int) -> list:
+    """Versions 0-2 of ``state`` published, then ``rank_fn`` run by ``world`` gloo ranks; their
+    results, each checked to have ended well."""
     store = str(tmp_path / "store")
     pub = Publisher(store)
     for v in range(3):
-        pub.publish(_group_state(v))
+        pub.publish(state(v))
     out = tmp_path / "out"
     out.mkdir()
-    found, codes, hung = launch(_group_rank, 2, lambda r, port: (r, 2, port, store, str(out)), out, 90)
-    assert not hung and sorted(found) == [0, 1], f"ranks hung {hung}, exit codes {codes}"
-    res = [found[r] for r in range(2)]
+    found, codes, hung = launch(rank_fn, world, lambda r, port: (r, world, port, store, str(out)), out, 30 * world + 30)
+    assert not hung and sorted(found) == list(range(world)), f"ranks hung {hung}, exit codes {codes}"
+    for r in range(world):
+        assert found[r]["ok"], found[r].get("error")
+    return [found[r] for r in range(world)]
+
+
+def test_sharded_receiver_group_with_a_replicated_tensor(tmp_path):
+    res = _run_group(tmp_path, _group_state, _group_rank, 2)
     for r in range(2):
-        assert res[r]["ok"], res[r].get("error")
         assert res[r]["versions"] == [0, 1, 2] and all(res[r]["exact"])
     assert res[0]["hidden"] == [] and res[1]["hidden"] == ["norm"]  # rank 0 applies it, rank 1 receives it
     # the received copy is marked changed like the applied one (the vLLM worker rebuilds a replicated
@@ -355,13 +370,7 @@ def _kv_state(v):
 def _kv_rank(rank, world, port, store, out):
     """A TP=4 receiver of a model with 2 kv heads: W split by rows over the 4 ranks, each kv head
     held by two ranks (0 and 1 hold head 0, 2 and 3 head 1), norm on every rank."""
-    import datetime
-
-    import torch.distributed as dist
-    res = {"ok": False}
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=30))
+    def body(res):
         rows, head = 8 // world, rank * 2 // world
         recv = {"W": torch.zeros(rows, 6, dtype=torch.bfloat16), "K": torch.zeros(1, 6, dtype=torch.bfloat16),
                 "norm": torch.zeros(6)}
@@ -376,12 +385,7 @@ def _kv_rank(rank, world, port, store, out):
                 (recv["W"], want["W"][rank * rows:(rank + 1) * rows]), (recv["K"], want["K"][head:head + 1]),
                 (recv["norm"].view(torch.int16), want["norm"].view(torch.int16)))))
         loader.check()
-        res["ok"] = True
-        dist.destroy_process_group()
-    except Exception as e:  # noqa: BLE001
-        res["error"] = f"{type(e).__name__}: {e}"
-    with open(os.path.join(out, f"{rank}.json"), "w") as f:
-        json.dump(res, f)
+    _as_rank(rank, world, port, out, body)
 
 
 def test_receiver_group_with_kv_heads_each_held_by_two_of_four_ranks(tmp_path):
@@ -389,18 +393,9 @@ def test_receiver_group_with_kv_heads_each_held_by_two_of_four_ranks(tmp_path):
     lowest rank applies and sends to its set only. Before, every rank broadcast from its own
     set's owner in one collective over the whole group: ranks 0-1 and 2-3 disagreed on the
     source."""
-    store = str(tmp_path / "store")
-    pub = Publisher(store)
-    for v in range(3):
-        pub.publish(_kv_state(v))
-    out = tmp_path / "out"
-    out.mkdir()
-    found, codes, hung = launch(_kv_rank, 4, lambda r, port: (r, 4, port, store, str(out)), out, 120)
-    assert not hung and sorted(found) == [0, 1, 2, 3], f"ranks hung {hung}, exit codes {codes}"
-    for r in range(4):
-        assert found[r]["ok"], found[r].get("error")
-        assert found[r]["exact"] == [True, True, True]
-    assert [found[r]["hidden"] for r in range(4)] == [[], ["K", "norm"], ["norm"], ["K", "norm"]]
+    res = _run_group(tmp_path, _kv_state, _kv_rank, 4)
+    assert all(r["exact"] == [True, True, True] for r in res)
+    assert [r["hidden"] for r in res] == [[], ["K", "norm"], ["norm"], ["K", "norm"]]
 
 
 def test_rollout_yaml_configures_the_loader(tmp_path):
