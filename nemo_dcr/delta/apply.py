@@ -256,6 +256,7 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
     if journal is not None:
         journal.add(key)
     if t.moved is not None:
+        assert cur is not None  # an APPLY plan's chunks are checked against what is held: gathered
         t.moved.change(idx + c.start, cur, new)
     if on_change is not None:
         on_change(t.plan.name, t.dtype, t.region_map.spec.global_shape, glob, cur, new)
@@ -330,11 +331,12 @@ def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: 
         report_gone(plan.name, plan.held, plan.recv, on_change)
     running: RunningDigest | MovedSumDigest | None = None
     if verify and _verifies(plan):
-        if plan.action == Action.APPLY and algo_of(plan.target) == "sd" \
-                and algo_of(plan.entry.base_digest or "") == "sd":
+        base = plan.entry.base_digest
+        if plan.action == Action.APPLY and algo_of(plan.target) == "sd" and base is not None \
+                and algo_of(base) == "sd":
             # the base's sum was checked (plan_entry), and a sum moves with the changes: the
             # target is checked in O(changes), not by reading the tensor again
-            running = MovedSumDigest(plan.entry.base_digest, t.dtype, plan.sent.shape)
+            running = MovedSumDigest(base, t.dtype, plan.sent.shape)
             t = replace(t, moved=running)
         else:
             running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target))

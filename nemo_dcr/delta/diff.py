@@ -169,8 +169,8 @@ def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chun
     # a target digest known already: the device capture's (its chunks found there too), or, for
     # a tensor sent whole in format 3, the sum a delta of the same version reached from the
     # changes (a keyframe published beside a delta: its chunks are not summed a second time)
-    reuse = bool(known_target) and (found is not None or (summed and old is None))
-    if reuse:
+    reuse = known_target is not None and (found is not None or (summed and old is None))
+    if known_target is not None and reuse:
         digests["target"] = known_target
 
     def digest(which):
