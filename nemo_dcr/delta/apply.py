@@ -35,7 +35,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.util.parallel import ordered_map
+from nemo_dcr.util.parallel import default_workers, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
 
 
@@ -449,9 +449,14 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     entries: Sequence[TensorEntry] = reader.header.tensors
     if held_only:  # one rank of a group: tensors it does not hold are other ranks' to apply
         entries = [e for e in entries if e.name in tensors]
-    # the base digests of all entries, hashed on the worker threads; nothing is changed yet
-    plans = list(ordered_map(lambda e: plan_entry(e, tensors.get(e.name), shards.get(e.name), verify=verify,
-                                                  resume=resume), entries, workers))
+    # the base digests of all entries, hashed on the worker threads; nothing is changed yet.
+    # Fewer entries than workers: one after the other here, each digest spread over the workers
+    # itself (on a worker thread the state-digest kernel's ranges run inline: one core hashed a
+    # lone 64M tensor while the other idled)
+    def plan(e: TensorEntry) -> Plan:
+        return plan_entry(e, tensors.get(e.name), shards.get(e.name), verify=verify, resume=resume)
+    few = len(entries) < (workers or default_workers())
+    plans = [plan(e) for e in entries] if few else list(ordered_map(plan, entries, workers))
     _refuse_undecodable(plans, journal, decoded)
     refuse_misfits(tensors, [p.entry for p in plans if p.action == Action.CREATE], shards)
     report = ApplyReport()
