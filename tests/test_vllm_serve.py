@@ -211,10 +211,10 @@ async def _async_observe(engine, tag) -> vm.Observed:
 def _async_engine(path: str):
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
-    os.environ.update(vm.bind_env(1))
     args = AsyncEngineArgs(model=path, **vm.ENGINE_ARGS)
     vm.STARTS["engine"] += 1
-    return AsyncLLM.from_engine_args(args)
+    with vm.bound(1):
+        return AsyncLLM.from_engine_args(args)
 
 
 @pytest.fixture(scope="module")

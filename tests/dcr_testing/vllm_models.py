@@ -5,6 +5,7 @@ token ids (engines start with ``skip_tokenizer_init=True``), so no tokenizer is 
 """
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -237,19 +238,28 @@ def bind_env(tp: int) -> dict:
                                                   for i in range(tp)) if per else "nobind"}
 
 
-def engine(path: str, tp: int = 1, **kw):
-    """A stock vLLM engine on ``path``, with the nemo-dcr worker extension, as the user guide says."""
-    from vllm import LLM
+@contextlib.contextmanager
+def bound(tp: int):
+    """``bind_env(tp)`` in this process's environment while an engine starts (its workers read it
+    then), taken out again after: left behind, a TP=1 engine's one-CPU list was the next TP=4
+    engine's, which refused to start ("CPU id list ['1'] doesn't match local world size 4")."""
     bind = bind_env(tp)
-    os.environ.update(bind)  # read while the workers are started, in the constructor
-    args = dict(ENGINE_ARGS, tensor_parallel_size=tp)
-    args.update(kw)
-    STARTS["engine"] += 1
+    os.environ.update(bind)
     try:
-        return LLM(model=path, **args)
+        yield
     finally:
         for k in bind:
             os.environ.pop(k, None)
+
+
+def engine(path: str, tp: int = 1, **kw):
+    """A stock vLLM engine on ``path``, with the nemo-dcr worker extension, as the user guide says."""
+    from vllm import LLM
+    args = dict(ENGINE_ARGS, tensor_parallel_size=tp)
+    args.update(kw)
+    STARTS["engine"] += 1
+    with bound(tp):  # read while the workers are started, in the constructor
+        return LLM(model=path, **args)
 
 
 def sampling(n: int = 8):
