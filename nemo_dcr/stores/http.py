@@ -348,6 +348,11 @@ class HttpStore(ReadOnlyStore):
 
     def get_with_tag(self, key: str) -> tuple[bytes, str]:
         resp, body = self._small("GET", self._path(key), key, headers=self._report if key == HEAD_PATH else None)
+        return self._pair(resp, body)
+
+    @staticmethod
+    def _pair(resp, body: bytes) -> tuple[bytes, str]:
+        """``(bytes, tag)`` of an answer: the server's ETag, or the bytes' SHA-256 without one."""
         return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
 
     def get_if_changed(self, key: str, tag: str) -> tuple[bytes, str] | None:
@@ -359,8 +364,8 @@ class HttpStore(ReadOnlyStore):
     def _unless_same(resp, body: bytes, tag: str) -> tuple[bytes, str] | None:
         if resp.status == 304:
             return None
-        now = resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
-        return None if now == tag else (body, now)  # a server that ignores If-None-Match
+        pair = HttpStore._pair(resp, body)
+        return None if pair[1] == tag else pair  # a server that ignores If-None-Match
 
     def size(self, key: str) -> int:
         resp, _ = self._small("HEAD", self._path(key), key)
@@ -396,7 +401,7 @@ class HttpStore(ReadOnlyStore):
         except NotFound:
             return None
         if last is None:
-            return body, resp.getheader("ETag") or hashlib.sha256(body).hexdigest()
+            return self._pair(resp, body)
         r = self._unless_same(resp, body, last[1])
         return last if r is None else r
 
