@@ -11,7 +11,9 @@ which ``--changes`` of the elements (default 1 % and 5 %) changed: one optimizer
 weights change.
 Timed (median of ``--reps``), per change rate, each result checked bit for bit:
 
-* ``memcpy`` -- ``dst.copy_(shard)`` on one torch thread: the unit every ratio is in;
+* ``memcpy`` -- ``dst.copy_(shard)`` on one torch thread: the unit every ratio is in, the median
+  of samples timed at the start and beside each row (``Memcpy``; each row keeps the one beside
+  it, ``memcpy_seconds``, so that drift during the run shows);
 * encode side (``diff+encode+snapshot-update``: what a publish costs before its upload):
   * ``reference`` -- the snapshot copied, then ``diff`` hashing base and target and summing the
     state digest's change (the publisher before issue #12: both whole-tensor digests every version);
@@ -54,6 +56,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import sys
 import tempfile
 import time
@@ -116,9 +119,39 @@ def make_target(base: torch.Tensor, rate: float, seed: int = 1) -> torch.Tensor:
     return _step(base, z, hi)
 
 
+class Memcpy:
+    """The unit of every ratio: ``dst.copy_(shard)`` on one torch thread. Timed at the start and
+    again beside each row (right after the row's own timing, ``_row``; median of ``reps`` each);
+    every ratio is to the median of all those samples (``run``), and each row keeps the one timed
+    beside it (``memcpy_seconds``) so that drift shows. On this project's VM the memcpy of the
+    134 MB shard took 8.5-29.6 ms within one hour (2026-12-03, nothing else running), and a ratio
+    to a single memcpy timed at the start moved with it: the follower's apply read 2.3x or 4x
+    depending on the minute."""
+
+    def __init__(self, shard: torch.Tensor, reps: int = 3):
+        self.shard, self.dst, self.reps = shard, torch.empty_like(shard), reps
+        self.samples: list[float] = []
+
+    def __call__(self, reps: int | None = None) -> float:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            t = _median(lambda: self.dst.copy_(self.shard), reps or self.reps)
+        finally:
+            torch.set_num_threads(threads)
+        self.samples.append(t)
+        return t
+
+    def unit(self) -> float:
+        return statistics.median(self.samples)
+
+
 def _row(side, path, seconds, memcpy, device="cpu", h2d_bytes=0, d2h_bytes=0, **extra) -> dict:
-    return {"side": side, "path": path, "device": device, "seconds": seconds, "x_memcpy": seconds / memcpy,
-            "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, **extra}
+    """``memcpy``: the unit (seconds), or a ``Memcpy`` to time beside this row (``run`` then
+    sets every row's ``x_memcpy`` to the median of its samples)."""
+    beside = memcpy() if callable(memcpy) else memcpy
+    return {"side": side, "path": path, "device": device, "seconds": seconds, "x_memcpy": seconds / beside,
+            "memcpy_seconds": beside, "h2d_bytes": h2d_bytes, "d2h_bytes": d2h_bytes, **extra}
 
 
 def _apply_reference(recv: dict, blob: bytes, workers: int) -> None:
@@ -140,7 +173,7 @@ def _entries(blob: bytes) -> list:
 
 
 def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers: int, reps: int,
-                 memcpy: float) -> list:
+                 memcpy: Memcpy | float) -> list:
     n = base.numel()
     ob, nb = base.view(torch.int16), target.view(torch.int16)
     b, t = {"shard": base}, {"shard": target}
@@ -235,7 +268,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     return rows
 
 
-def tensor_digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float) -> list:
+def tensor_digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | float) -> list:
     """The whole-tensor digest per algorithm (BLAKE3 on 1 and 2 threads), and the chunk values
     digests over the whole shard as a keyframe's overwrite chunks make them (one per chunk, on
     ``workers`` threads), per format version's algorithm."""
@@ -254,7 +287,7 @@ def tensor_digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: floa
     return rows
 
 
-def digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float) -> list:
+def digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | float) -> list:
     n = base.numel()
     part = base[:min(n, _REF_DIGEST_MAX)]
     lib = native.lib
@@ -278,7 +311,7 @@ def _raw_write(path: str, data) -> None:
     os.unlink(path)
 
 
-def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: float, tmp: str) -> list:
+def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | float, tmp: str) -> list:
     state = {"shard": base}
     raw = base.view(torch.uint8).numpy().data
     k = [0]
@@ -321,16 +354,13 @@ def _load() -> str:
 def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick: bool = False) -> dict:
     t0 = time.perf_counter()
     base = make_shard(elems)
-    dst = torch.empty_like(base)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    memcpy = _median(lambda: dst.copy_(base), max(5, reps * 3))
-    torch.set_num_threads(threads)
+    memcpy = Memcpy(base)
+    memcpy(max(5, reps * 3))
     out = {"config": {"elements": elems, "bytes": 2 * elems, "dtype": "bfloat16", "changes": list(changes),
                       "reps": reps, "workers": workers, "quick": quick, "chunk_elems": DEFAULT_CHUNK},
            "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                        "torch": torch.__version__, "backend": native.backend(), "load_before": _load()},
-           "memcpy_seconds": memcpy, "rows": []}
+           "memcpy_seconds": None, "rows": []}
     for rate in changes:
         target = make_target(base, rate)
         for r in encode_apply(base, target, rate, workers, reps, memcpy):
@@ -341,6 +371,10 @@ def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick
     with tempfile.TemporaryDirectory(prefix="dcr-bench-kernels-") as tmp:
         for r in keyframe_rows(base, workers, reps, memcpy, tmp):
             out["rows"].append({"change": None, **r})
+    unit = out["memcpy_seconds"] = memcpy.unit()
+    out["memcpy_samples"] = memcpy.samples
+    for r in out["rows"]:
+        r["x_memcpy"] = r["seconds"] / unit
     out["machine"]["load_after"] = _load()
     out["seconds_total"] = time.perf_counter() - t0
     return out
@@ -352,12 +386,12 @@ def format_table(r: dict) -> str:
              f"memcpy {1e3 * r['memcpy_seconds']:.1f} ms "
              f"({c['bytes'] / r['memcpy_seconds'] / 1e9:.2f} GB/s, 1 thread); "
              f"load {r['machine']['load_before']} -> {r['machine']['load_after']}",
-             "", "| change | side | path | device | ms | x memcpy |", "|---|---|---|---|---:|---:|"]
+             "", "| change | side | path | device | ms | memcpy ms | x memcpy |", "|---|---|---|---|---:|---:|---:|"]
     for row in r["rows"]:
         ch = "" if row["change"] is None else f"{100 * row['change']:g} %"
         extra = f" ({row['x_raw_write']:.2f}x raw write)" if "x_raw_write" in row else ""
         lines.append(f"| {ch} | {row['side']} | {row['path']} | {row['device']} | {1e3 * row['seconds']:.1f} | "
-                     f"{row['x_memcpy']:.2f}x{extra} |")
+                     f"{1e3 * row['memcpy_seconds']:.1f} | {row['x_memcpy']:.2f}x{extra} |")
     return "\n".join(lines)
 
 
