@@ -125,8 +125,8 @@ class Memcpy:
     every ratio is to the median of all those samples (``run``), and each row keeps the one timed
     beside it (``memcpy_seconds``) so that drift shows. On this project's VM the memcpy of the
     134 MB shard took 8.5-29.6 ms within one hour (2026-12-03, nothing else running), and a ratio
-    to a single memcpy timed at the start moved with it: the follower's apply read 2.3x or 4x
-    depending on the minute."""
+    to a single memcpy timed at the start moved with it: the follower's apply read 1.9x in one
+    run and 4.3x in another (docs/results.md, "Format version 3, fourth turn")."""
 
     def __init__(self, shard: torch.Tensor, reps: int = 3):
         self.shard, self.dst, self.reps = shard, torch.empty_like(shard), reps
