@@ -814,7 +814,12 @@ SD_ALL(_avx512, __attribute__((target("avx512f,avx512bw,prefer-vector-width=512"
  * 64-bit lanes. Here 16 elements per step in 32-bit lanes: the index mixing and each lane's
  * weight r as 32-bit vectors, and the sums in 64-bit lanes, the even elements' r * x by one
  * vpmuludq (which reads the low half of each 64-bit lane) and the odd ones' after a 32-bit
- * shift. Same sums as SD_LOOP, element for element; the tail (n % 16) goes to the plain loop. */
+ * shift. Two rewrites that change no result save 10 of the ~105 instructions per step: a lane's
+ * mix opens with h ^= h >> 16 on h = u ^ t, which is (u ^ u >> 16) ^ (t ^ t >> 16), so the u half
+ * is done once for the four lanes and the t half is a constant; and the sum of r adds each
+ * 64-bit lane whole (r_even + 2^32 r_odd) beside the odd halves it needs anyway for the
+ * products, the even ones recovered at the block's end. Same sums as SD_LOOP, element for
+ * element; the tail (n % 16) goes to the plain loop. */
 __attribute__((target("avx512f,avx512bw")))
 static inline __m512i sd_mix16(__m512i h, __m512i m1, __m512i m2) {
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
@@ -830,14 +835,14 @@ __attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_
     const __m512i m1 = _mm512_set1_epi32((int)0x7FEB352Du), m2 = _mm512_set1_epi32((int)0x31848BABu);
     const __m512i vs1 = _mm512_set1_epi32((int)s1), vs2 = _mm512_set1_epi32((int)s2);
     const __m512i one = _mm512_set1_epi32(1), pm1 = _mm512_set1_epi32((int)(SD_P - 1));
-    const __m512i low = _mm512_set1_epi64(0xFFFFFFFFLL);
     const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    const __m512i vt[4] = {_mm512_set1_epi32((int)t[0]), _mm512_set1_epi32((int)t[1]),
-                           _mm512_set1_epi32((int)t[2]), _mm512_set1_epi32((int)t[3])};
+    /* each lane's key with its mix's first step applied: t ^ t >> 16 (see above) */
+    const __m512i vt[4] = {_mm512_set1_epi32((int)(t[0] ^ t[0] >> 16)), _mm512_set1_epi32((int)(t[1] ^ t[1] >> 16)),
+                           _mm512_set1_epi32((int)(t[2] ^ t[2] >> 16)), _mm512_set1_epi32((int)(t[3] ^ t[3] >> 16))};
     for (int64_t b0 = 0; b0 < n16; b0 += SD_BLOCK) {
         const int64_t b1 = b0 + SD_BLOCK < n16 ? b0 + SD_BLOCK : n16;
-        __m512i sr[4], sx[4], sy[4];
-        for (int l = 0; l < 4; l++) sr[l] = sx[l] = sy[l] = _mm512_setzero_si512();
+        __m512i sw[4], so[4], sx[4], sy[4];  /* sw: r's 64-bit lanes whole, so: their odd halves */
+        for (int l = 0; l < 4; l++) sw[l] = so[l] = sx[l] = sy[l] = _mm512_setzero_si512();
         for (int64_t i = b0; i < b1; i += 16) {
             __m512i lo, hi;
             if (gidx) {
@@ -856,6 +861,7 @@ __attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_
             }
             __m512i u = sd_mix16(_mm512_xor_si512(lo, vs1), m1, m2);
             u = sd_mix16(_mm512_xor_si512(_mm512_xor_si512(u, vs2), hi), m1, m2);
+            const __m512i v = _mm512_xor_si512(u, _mm512_srli_epi32(u, 16));  /* every lane's first mix step */
             const __m512i xv = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i)));
             const __m512i xo = _mm512_srli_epi64(xv, 32);
             __m512i yv = xv, yo = xo;
@@ -864,18 +870,24 @@ __attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_
                 yo = _mm512_srli_epi64(yv, 32);
             }
             for (int l = 0; l < 4; l++) {
-                __m512i r = _mm512_srli_epi32(sd_mix16(_mm512_xor_si512(u, vt[l]), m1, m2), 1);
-                r = _mm512_min_epu32(_mm512_max_epu32(r, one), pm1);
+                __m512i h = _mm512_mullo_epi32(_mm512_xor_si512(v, vt[l]), m1);  /* sd_mix16 after its first step */
+                h = _mm512_mullo_epi32(_mm512_xor_si512(h, _mm512_srli_epi32(h, 15)), m2);
+                h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+                __m512i r = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(h, 1), one), pm1);
                 const __m512i ro = _mm512_srli_epi64(r, 32);
-                sr[l] = _mm512_add_epi64(sr[l], _mm512_add_epi64(_mm512_and_si512(r, low), ro));
+                sw[l] = _mm512_add_epi64(sw[l], r);
+                so[l] = _mm512_add_epi64(so[l], ro);
                 sx[l] = _mm512_add_epi64(sx[l], _mm512_add_epi64(_mm512_mul_epu32(r, xv), _mm512_mul_epu32(ro, xo)));
                 if (OLD)
                     sy[l] = _mm512_add_epi64(sy[l], _mm512_add_epi64(_mm512_mul_epu32(r, yv), _mm512_mul_epu32(ro, yo)));
             }
         }
-        /* a block's sums: r < 2^31 over 2 * 256 elements per 64-bit lane (< 2^41), r * x < 2^47 (< 2^57) */
+        /* a block's sums: r < 2^31 over 256 elements per 64-bit lane half (< 2^39; sw wraps mod 2^64,
+         * and sw - 2^32 so is the even halves' sum exactly), r * x < 2^47 over 2 * 256 (< 2^57) */
         for (int l = 0; l < 4; l++) {
-            acc[l][0] = sd_mod(acc[l][0] + sd_mod((uint64_t)_mm512_reduce_add_epi64(sr[l])));
+            const uint64_t odd = (uint64_t)_mm512_reduce_add_epi64(so[l]);
+            const uint64_t even = (uint64_t)_mm512_reduce_add_epi64(sw[l]) - (odd << 32);
+            acc[l][0] = sd_mod(acc[l][0] + sd_mod(even + odd));
             acc[l][1] = sd_mod(acc[l][1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(sx[l])));
             if (OLD) old[l][1] = sd_mod(old[l][1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(sy[l])));
         }
