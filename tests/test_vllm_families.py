@@ -44,32 +44,29 @@ def test_refit_equals_a_fresh_engine(kind, tmp_path):
     ck = vm.chain(kind, tmp_path / "ck")
     up = vm.store_of(tmp_path / "up", ck)
     down = vm.store_of(tmp_path / "down", ck[::-1])
-    a = vm.engine(ck[0])
+    a, b = vm.engine(ck[0]), None
     try:
         b = vm.engine(ck[2], weight_transfer_config={"backend": "dcr"})
-        try:
-            alone = kind in vm.ALONE
-            fresh_a, fresh_b = vm.Observed(a, alone), vm.Observed(b, alone)
-            assert fresh_a.gen[0] != fresh_b.gen[0], "v0 and v2 must generate differently for the test to mean anything"
-            assert a.collective_rpc("dcr_init", args=(up, 0)) == [0]
-            vm.greedy(a, vm.OTHER)
-            assert refit(a, up, 2) == 2
-            assert a.collective_rpc("dcr_check") == [2]
-            layout = a.collective_rpc("dcr_layout")[0]
+        alone = kind in vm.ALONE
+        fresh_a, fresh_b = vm.Observed(a, alone), vm.Observed(b, alone)
+        assert fresh_a.gen[0] != fresh_b.gen[0], "v0 and v2 must generate differently for the test to mean anything"
+        assert a.collective_rpc("dcr_init", args=(up, 0)) == [0]
+        vm.greedy(a, vm.OTHER)
+        assert refit(a, up, 2) == 2
+        assert a.collective_rpc("dcr_check") == [2]
+        layout = a.collective_rpc("dcr_layout")[0]
 
-            vm.greedy(b, vm.OTHER)
-            b.init_weight_transfer_engine({"init_info": {"store": down, "version": 0}})
-            b.start_weight_update()
-            b.update_weights({"update_info": {"version": 2}})
-            b.finish_weight_update("2")
-            assert b.reset_prefix_cache()
-            assert b.get_weight_version() == "2" and b.collective_rpc("dcr_version") == [2]
-            assert b.collective_rpc("dcr_check") == [2]
-            refit_a, refit_b = vm.Observed(a, alone), vm.Observed(b, alone)
-        finally:
-            vm.shutdown(b)
+        vm.greedy(b, vm.OTHER)
+        b.init_weight_transfer_engine({"init_info": {"store": down, "version": 0}})
+        b.start_weight_update()
+        b.update_weights({"update_info": {"version": 2}})
+        b.finish_weight_update("2")
+        assert b.reset_prefix_cache()
+        assert b.get_weight_version() == "2" and b.collective_rpc("dcr_version") == [2]
+        assert b.collective_rpc("dcr_check") == [2]
+        refit_a, refit_b = vm.Observed(a, alone), vm.Observed(b, alone)
     finally:
-        vm.shutdown(a)
+        vm.shutdown(a, b)  # side by side
     vm.assert_same_engine(refit_a, fresh_b, f"{kind}: v0 refitted to v2 (LLM, refit)")
     vm.assert_same_engine(refit_b, fresh_a, f"{kind}: v2 refitted to v0 (weight-transfer API)")
     # every published tensor is written where it lands, O(changes): nothing is reloaded whole

@@ -41,25 +41,22 @@ def test_tp2_refit_equals_a_fresh_engine(kind, tmp_path):
     up = vm.store_of(tmp_path / "up", ck)
     down = vm.store_of(tmp_path / "down", ck[::-1])
     assert _uses_classes(up) and _uses_classes(down)  # chunks the workers decode together
-    a = vm.engine(ck[0], tp=2)
+    a, b = vm.engine(ck[0], tp=2), None
     try:
         b = vm.engine(ck[2], tp=2)
-        try:
-            alone = kind in vm.ALONE
-            fresh_a, fresh_b = vm.Observed(a, alone), vm.Observed(b, alone)
-            assert fresh_a.gen[0] != fresh_b.gen[0]
-            for llm, store in ((a, up), (b, down)):
-                assert llm.collective_rpc("dcr_init", args=(store, 0)) == [0, 0]
-                vm.greedy(llm, vm.OTHER)
-                assert refit(llm, store, 1) == 1  # a chain: one version, then the next on top
-                assert refit(llm, store) == 2
-                assert llm.collective_rpc("dcr_check") == [2, 2]  # the whole state's digest, across both workers
-            layouts = a.collective_rpc("dcr_layout")
-            refit_a, refit_b = vm.Observed(a, alone), vm.Observed(b, alone)
-        finally:
-            vm.shutdown(b)
+        alone = kind in vm.ALONE
+        fresh_a, fresh_b = vm.Observed(a, alone), vm.Observed(b, alone)
+        assert fresh_a.gen[0] != fresh_b.gen[0]
+        for llm, store in ((a, up), (b, down)):
+            assert llm.collective_rpc("dcr_init", args=(store, 0)) == [0, 0]
+            vm.greedy(llm, vm.OTHER)
+            assert refit(llm, store, 1) == 1  # a chain: one version, then the next on top
+            assert refit(llm, store) == 2
+            assert llm.collective_rpc("dcr_check") == [2, 2]  # the whole state's digest, across both workers
+        layouts = a.collective_rpc("dcr_layout")
+        refit_a, refit_b = vm.Observed(a, alone), vm.Observed(b, alone)
     finally:
-        vm.shutdown(a)
+        vm.shutdown(a, b)  # side by side
     vm.assert_same_engine(refit_a, fresh_b, f"{kind} TP=2: v0 refitted to v2")
     vm.assert_same_engine(refit_b, fresh_a, f"{kind} TP=2: v2 refitted to v0")
     for lay in layouts:

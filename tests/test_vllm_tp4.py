@@ -19,18 +19,15 @@ from nemo_dcr.integrations.vllm_worker import refit  # noqa: E402
 def test_tp4_with_kv_heads_replicated_over_worker_pairs(tmp_path):
     ck = vm.chain("qwen2", tmp_path / "ck", rate=0.01)
     store = vm.store_of(tmp_path / "store", ck)
-    a = vm.engine(ck[0], tp=4)
+    a, b = vm.engine(ck[0], tp=4), None
     try:
         b = vm.engine(ck[2], tp=4)
-        try:
-            fresh_b = vm.Observed(b, False)
-            assert a.collective_rpc("dcr_init", args=(store, 0)) == [0, 0, 0, 0]
-            assert refit(a, store, 1) == 1
-            assert refit(a, store) == 2
-            assert a.collective_rpc("dcr_check") == [2, 2, 2, 2]  # the state digest, each region once
-            refit_a = vm.Observed(a, False)
-        finally:
-            vm.shutdown(b)
+        fresh_b = vm.Observed(b, False)
+        assert a.collective_rpc("dcr_init", args=(store, 0)) == [0, 0, 0, 0]
+        assert refit(a, store, 1) == 1
+        assert refit(a, store) == 2
+        assert a.collective_rpc("dcr_check") == [2, 2, 2, 2]  # the state digest, each region once
+        refit_a = vm.Observed(a, False)
     finally:
-        vm.shutdown(a)
+        vm.shutdown(a, b)  # side by side
     vm.assert_same_engine(refit_a, fresh_b, "qwen2 TP=4: v0 refitted to v2")
