@@ -87,13 +87,16 @@ test-verl: $(VERL_STAMP)
 VLLM_VERSION := 0.32.0
 VLLM_VENV ?= $(HOME)/.cache/nemo-dcr/venv-vllm-$(VLLM_VERSION)
 VLLM_STAMP := $(VLLM_VENV)/.installed-1
-VLLM_TEST_DEPS := "pytest>=8" "pytest-xdist>=3.5" "hypothesis>=6.100" "boto3>=1.34" "moto[server]>=5" "aiohttp>=3.9" \
+VLLM_TEST_DEPS := "pytest>=8,<9" "pytest-xdist>=3.5" "hypothesis>=6.100" "boto3>=1.34" "moto[server]>=5" "aiohttp>=3.9" \
 	"zstandard>=0.22" "safetensors>=0.4" tqdm numpy "blake3>=1.0" "prometheus_client>=0.20"
 # Dependencies the checkout gained after a cached venv was built (blake3: format version 2) are
 # added to it in place by this second stamp, instead of a rebuild (a new .installed-N costs the
 # whole ~5 min build): bump its number, not VLLM_STAMP's, when VLLM_TEST_DEPS grows (and in
-# nemo_dcr/chaos/engine.py, which takes a venv with this stamp as complete).
-VLLM_DEPS_STAMP := $(VLLM_VENV)/.deps-3
+# nemo_dcr/chaos/engine.py, which takes a venv with this stamp as complete). pytest < 9 (.deps-4):
+# pytest 9 ignores how pytest-xdist 3.8 (the newest) names a test's group, so `--dist loadgroup`
+# fell back to `load` without a word, and both test processes started a grouped module's engines
+# (tests/conftest.py now refuses to run that way).
+VLLM_DEPS_STAMP := $(VLLM_VENV)/.deps-4
 $(VLLM_STAMP):
 	$(PY) -m venv $(VLLM_VENV)
 	$(VLLM_VENV)/bin/python -m pip install --quiet --upgrade pip

@@ -49,3 +49,17 @@ def pytest_terminal_summary(terminalreporter):
     if vm is not None and any(vm.STARTS.values()):
         terminalreporter.write_line(f"vLLM engines started: {vm.STARTS['engine']} in this test process, each the "
                                     "default way (engine-core and worker processes)")
+
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item):
+    """Under ``--dist loadgroup`` (``make test-vllm``) pytest-xdist keeps the tests of an
+    ``xdist_group`` in one process by adding the group to their node ids; a module fixture's
+    engines then start once. pytest 9 ignores the way xdist 3.8 sets those ids, and the groups
+    fell apart without a word: each test process started the module's engines again (~1.5 min
+    of the suite). Such a test fails here, before its fixtures start anything."""
+    if getattr(item.config.option, "loadgroup", False) and item.get_closest_marker("xdist_group") is not None \
+            and "@" not in item.nodeid:
+        pytest.fail(f"pytest-xdist's --dist loadgroup did not group {item.nodeid} under this pytest "
+                    f"({pytest.__version__}); the vLLM venv pins pytest < 9 (Makefile, VLLM_TEST_DEPS)", pytrace=False)

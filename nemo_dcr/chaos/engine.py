@@ -35,8 +35,9 @@ def vllm_python() -> str | None:
     """The vLLM venv's python (``NEMO_DCR_VLLM_PYTHON``, or ``make venv-vllm``'s), None when absent."""
     py = os.environ.get("NEMO_DCR_VLLM_PYTHON") or os.path.expanduser(
         f"~/.cache/nemo-dcr/venv-vllm-{VLLM_VERSION}/bin/python")
-    # the Makefile's last stamp: the venv has the checkout's dependencies too (prometheus_client since .deps-3)
-    stamp = os.path.join(os.path.dirname(os.path.dirname(py)), ".deps-3")
+    # the Makefile's last stamp: the venv has the checkout's dependencies too (prometheus_client since .deps-3,
+    # pytest < 9 since .deps-4)
+    stamp = os.path.join(os.path.dirname(os.path.dirname(py)), ".deps-4")
     if not os.path.exists(py) or ("NEMO_DCR_VLLM_PYTHON" not in os.environ and not os.path.exists(stamp)):
         return None
     return py
