@@ -51,7 +51,6 @@ def pytest_terminal_summary(terminalreporter):
                                     "default way (engine-core and worker processes)")
 
 
-
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item):
     """Under ``--dist loadgroup`` (``make test-vllm``) pytest-xdist keeps the tests of an
