@@ -354,22 +354,94 @@ def test_a_streaming_follower_applies_a_format_3_object_while_it_arrives(tmp_pat
     pub = Publisher(store, format_version=3, signer=None, chunk_elems=4096)
     pub.publish(base)
     recv = zeros_like(base)
-    f = Follower(store, recv, verifier=None, stream=True)
+    f = Follower(store, recv, verifier=None, stream=True, on_write=lambda name, idx, new: wrote.set())
     f.sync()
     pub.publish(target)
+    wrote.clear()
     store.hold = True
-    seen = {}
-
-    def watching(apply_fn):
-        def run(*a, **kw):
-            r = apply_fn(*a, **kw)
-            if r.elements_changed:
-                seen["first"] = True
-                wrote.set()
-            return r
-        return run
-    import nemo_dcr.sync.follower as fol
-    monkeypatch.setattr(fol, "apply", watching(fol.apply))
     r = f.sync()
-    assert seen and r.steps == [("delta", 1)] and f.version == 1
+    assert wrote.is_set() and r.steps == [("delta", 1)] and f.version == 1
     assert_state(recv, target)
+
+
+def _stream_case(monkeypatch, seed=9):
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 256)  # ~5 chunks of w's 49 a segment
+    base, target = states(seed, 200_000)
+    base.pop("gone")
+    blob = diff(base, target, format_version=3, chunk_elems=1 << 12)
+    return base, target, blob
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_apply_stream_writes_each_segment_as_it_comes_and_ends_where_apply_does(monkeypatch, workers):
+    """``apply_stream``: the segments of an arriving object, all their chunks in one stream over
+    the workers (issue 25: one ``apply`` per segment made each segment a barrier). The segments
+    are handed over one at a time: the chunks of the first ones are written before the later
+    ones are read, and the receiver ends at the target, as ``apply`` of the whole object."""
+    import threading
+
+    from nemo_dcr.delta import apply_stream
+    from nemo_dcr.state.statedigest import ChangeDigest, state_contrib
+    base, target, blob = _stream_case(monkeypatch)
+    readers = fmt.SegmentStream(memoryview(blob)).ready(len(blob))
+    assert len(readers) > 10
+    recv = {k: v.clone() for k, v in base.items()}
+    wrote = threading.Event()
+    change = ChangeDigest()
+
+    def on_change(*a):
+        change(*a)
+        wrote.set()
+
+    def segments():
+        yield readers[0]
+        assert wrote.wait(30), "the first segment was not written before the next one was asked for"
+        yield from readers[1:]
+
+    journal: set = set()
+    rep = apply_stream(recv, segments(), workers=workers, journal=journal, on_change=on_change)
+    assert_state(recv, target)
+    whole = {k: v.clone() for k, v in base.items()}
+    ref = apply(whole, blob, verify=False)
+    assert (rep.chunks_applied, rep.elements_changed) == (ref.chunks_applied, ref.elements_changed)
+    assert rep.tensors_added == ["new"] and len(journal) == ref.chunks_applied
+    assert state_contrib(base) + change.total == state_contrib(target)
+
+
+def test_apply_stream_raises_a_damaged_segment_as_is_after_the_ones_before_it(monkeypatch):
+    """A segment whose chunk fails its checksum is refused before its first write, as a
+    ``DeltaFormatError`` (what a follower takes as bytes damaged on the way: it applies the whole
+    object once checked), once every segment before it is written; their chunks are in the
+    journal, so applying the whole object afterwards skips them and ends at the target."""
+    from nemo_dcr.delta import ApplyReport, apply_stream
+    base, target, blob = _stream_case(monkeypatch)
+    readers = fmt.SegmentStream(memoryview(blob)).ready(len(blob))
+    bad = 4
+    c = readers[bad].header.tensors[0].chunks[0]
+    damaged = bytearray(blob)
+    damaged[c.off] ^= 0xFF
+    readers = fmt.SegmentStream(memoryview(bytes(damaged))).ready(len(blob))
+    recv = {k: v.clone() for k, v in base.items()}
+    journal: set = set()
+    rep = ApplyReport()
+    with pytest.raises(DeltaFormatError, match="checksum"):
+        apply_stream(recv, iter(readers), workers=2, journal=journal, report=rep)
+    before = {(t.name, ch.start) for r in readers[:bad] for t in r.header.tensors for ch in t.chunks}
+    assert journal == before and rep.chunks_applied == len(before)
+    apply(recv, blob, resume=True, journal=journal)  # the whole object, checked, verified
+    assert_state(recv, target)
+
+
+def test_apply_stream_on_a_wrong_base_is_a_partial_apply_once_something_was_written(monkeypatch):
+    """A chunk whose pre-image differs, after other chunks were written: ``PartialApplyError``
+    (the receiver changed), as ``apply`` says it."""
+    from nemo_dcr.delta import apply_stream
+    from nemo_dcr.errors import BaseMismatchError
+    base, target, blob = _stream_case(monkeypatch)
+    readers = fmt.SegmentStream(memoryview(blob)).ready(len(blob))
+    recv = {k: v.clone() for k, v in base.items()}
+    last = (base["w"].numel() - 1) // 97 * 97  # the last change (states: every 97th element)
+    recv["w"].view(torch.int16)[last] ^= 1  # the base differs there only: in the last chunk
+    with pytest.raises(PartialApplyError, match="does not match its base") as e:
+        apply_stream(recv, iter(readers), workers=2, journal=set())
+    assert isinstance(e.value.__cause__, BaseMismatchError)

@@ -12,7 +12,7 @@ The header sits at the end so a delta can be written in one streaming pass with 
 a reader seeks to the fixed 32-byte footer first.
 
 Version 3 puts each chunk's index before the chunk, so a receiver decodes and applies the chunks
-of an object while the rest of it still arrives (the writer holds one segment, ~128 KiB):
+of an object while the rest of it still arrives (the writer holds one segment, ~32 KiB):
 
     preamble  as above (version 3)
     segments  each: u32 index stored length | u32 index raw length | u32 crc32(index stored)
@@ -62,9 +62,11 @@ TRAILER = struct.Struct("<II8s")  # version 3: format version, segments, END_MAG
 SEGMENTED = 3                     # the first version whose container is segments
 # payload bytes a version-3 writer gathers before it writes a segment: a delta part of a few
 # hundred KB (a 32 MB part at 1-3 %) is then several segments, applied while the rest arrives
-# (at 1 MiB it was one, applied once all of it was there); a segment's own cost is its ~16-byte
-# header and its pieces' names and digests in the index (~0.1-0.3 % of 128 KiB)
-SEGMENT_BYTES = 128 << 10
+# (at 1 MiB it was one, applied once all of it was there). At 128 KiB a 155 KB part (10M BF16
+# at 1 %) was a segment of 128 KiB and a short one: nothing was applied before ~83 % of it had
+# come. At 32 KiB a segment's own cost, its ~16-byte header and its pieces' names and digests
+# in the index, is ~0.6-0.8 % of a delta's bytes (docs/results.md, issue 25's sixth turn)
+SEGMENT_BYTES = 32 << 10
 SEGMENT_PIECES = 1024             # ... or tensor pieces (many unchanged tensors make no payload)
 MAX_SEGMENTS = 1 << 24
 

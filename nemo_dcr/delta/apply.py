@@ -20,6 +20,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import NoReturn
 
 import torch
 
@@ -369,20 +370,46 @@ def run_plans(reader: DeltaReader, plans: Sequence[Plan], report: ApplyReport, w
     map of its own). Entries start and finish in order: ``done(plan, tensor)`` is called for
     each as it finishes, after its target digest checked out; ``reached`` gets each plan as it
     starts (a plan that writes, reached: the receiver may have changed)."""
+    _run_segments([(reader, plans)], report, workers, bar, journal, on_change, verify, decoded, done, reached)
+
+
+class _Failed:
+    """An item of ``_run_segments``' stream that raises ``error`` in its turn: the error of
+    planning a later segment reaches the caller once every chunk before it is written."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, bar, journal: set | None,
+                  on_change: OnChange | None, verify: bool, decoded: DecodedChunks | None, done,
+                  reached: list | None) -> None:
+    """``run_plans`` over ``(reader, plans)`` pairs, all their chunks in one stream over the
+    workers. ``segments`` may block for the next pair (a delta still arriving): the workers
+    write the chunks handed out already meanwhile, and no pair waits for the one before it to
+    be written whole (one stream per pair made each segment of an arriving object a barrier at
+    which a worker idled). An error ``segments`` raises reaches the caller as is, after the
+    chunks of the pairs before it."""
 
     def items():
-        for p in plans:
-            if reached is not None:
-                reached.append(p)
-            r = _start(p, report, on_change, verify)
-            if r.t is None or not p.entry.chunks:
-                yield r, None
-            else:
-                for c in p.entry.chunks:
-                    yield r, c
+        try:
+            for reader, plans in segments:
+                for p in plans:
+                    if reached is not None:
+                        reached.append(p)
+                    r = _start(p, report, on_change, verify)
+                    if r.t is None or not p.entry.chunks:
+                        yield reader, r, None
+                    else:
+                        for c in p.entry.chunks:
+                            yield reader, r, c
+        except Exception as e:  # noqa: BLE001 - raised in its turn, by ``one``
+            yield _Failed(e)
 
     def one(item):
-        r, c = item
+        if isinstance(item, _Failed):
+            raise item.error
+        reader, r, c = item
         return r, c, (None if c is None else _apply_chunk(reader, r.t, c, journal, on_change, decoded))
 
     for r, c, res in ordered_map(one, items(), workers):
@@ -444,8 +471,76 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     """
     t0 = time.perf_counter()
     reader = DeltaReader.open(delta)
-    reader.check_payloads()
     shards = shards or {}
+    plans = _checked_plans(tensors, reader, shards, verify, resume, journal, decoded, held_only, workers)
+    report = ApplyReport()
+    reached: list[Plan] = []
+    changed: list[str] = []  # tensors added to or removed from ``tensors`` (in-place writes: ``reached``)
+    try:
+        with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
+            run_plans(reader, plans, report, workers, bar, journal, on_change, verify, decoded,
+                      done=_hand_over(tensors, report, changed), reached=reached)
+    except DcrError as e:
+        _raise_partial(e, changed, reached)
+    report.seconds = time.perf_counter() - t0
+    return report
+
+
+def apply_stream(tensors: MutableMapping[str, torch.Tensor], segments: Iterable[DeltaReader], *,
+                 shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None,
+                 journal: set | None = None, on_change: OnChange | None = None,
+                 report: ApplyReport | None = None) -> ApplyReport:
+    """Apply the segments of a version-3 object while it arrives (the readers
+    ``codec.format.SegmentStream`` makes; ``segments`` may block for the next one): for each,
+    what ``apply(segment, verify=False, resume=True)`` does, with the chunks of all of them in one
+    stream over the workers, so that no segment waits for the one before it to be written whole.
+
+    A segment's chunk checksums, plans and refusals are checked before its first write; an error
+    found so (a ``DeltaFormatError`` for bytes damaged on the way) is raised as it is, once the
+    segments before it are written. A failure while writing raises ``PartialApplyError`` as
+    ``apply`` does. ``journal``: the chunks written, as ``apply`` keeps it (what a retry of the
+    whole object skips). ``report``: filled in place (what was written, also when it raises)."""
+    t0 = time.perf_counter()
+    shards = shards or {}
+    report = report if report is not None else ApplyReport()
+    reached: list[Plan] = []
+    changed: list[str] = []
+
+    def planned():
+        it = iter(segments)
+        while True:
+            try:  # the next segment read (it may fail to), then checked: both before its first write
+                reader = next(it, None)
+                if reader is None:
+                    return
+                plans = _checked_plans(tensors, reader, shards, False, True, journal, None, False, 1)
+            except DcrError as e:
+                raise _Refused(e) from None
+            yield reader, plans
+
+    try:
+        _run_segments(planned(), report, workers, None, journal, on_change, False, None,
+                      _hand_over(tensors, report, changed), reached)
+    except _Refused as r:
+        raise r.error from None
+    except DcrError as e:
+        _raise_partial(e, changed, reached)
+    report.seconds += time.perf_counter() - t0
+    return report
+
+
+class _Refused(Exception):
+    """A segment of ``apply_stream`` refused before its first write (``error``): raised as is."""
+
+    def __init__(self, error: DcrError):
+        super().__init__(str(error))
+        self.error = error
+
+
+def _checked_plans(tensors, reader: DeltaReader, shards, verify: bool, resume: bool, journal: set | None,
+                   decoded: DecodedChunks | None, held_only: bool, workers: int | None) -> list[Plan]:
+    """The plans of a delta's entries, everything checked that can be before the first write."""
+    reader.check_payloads()
     entries: Sequence[TensorEntry] = reader.header.tensors
     if held_only:  # one rank of a group: tensors it does not hold are other ranks' to apply
         entries = [e for e in entries if e.name in tensors]
@@ -459,10 +554,11 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     plans = [plan(e) for e in entries] if few else list(ordered_map(plan, entries, workers))
     _refuse_undecodable(plans, journal, decoded)
     refuse_misfits(tensors, [p.entry for p in plans if p.action == Action.CREATE], shards)
-    report = ApplyReport()
-    reached: list[Plan] = []
-    changed: list[str] = []  # tensors added to or removed from ``tensors`` (in-place writes: ``reached``)
+    return plans
 
+
+def _hand_over(tensors: MutableMapping[str, torch.Tensor], report: ApplyReport, changed: list):
+    """``done`` for ``run_plans``: a created tensor to ``tensors`` once written, a removed one out."""
     def done(p: Plan, out):
         if p.action == Action.CREATE:
             tensors[p.name] = out
@@ -471,20 +567,16 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
             del tensors[p.name]
             changed.append(p.name)
             report.tensors_removed.append(p.name)
+    return done
 
-    try:
-        with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
-            run_plans(reader, plans, report, workers, bar, journal, on_change, verify, decoded, done=done,
-                      reached=reached)
-    except DcrError as e:
-        # a created tensor is built aside and only then handed to ``tensors``: reaching it
-        # changes nothing (a receiver that refuses it, such as the rollout loader's, is unchanged)
-        if changed or any(p.action.writes and p.action != Action.CREATE for p in reached):
-            raise PartialApplyError(f"apply stopped after changing tensors in place: {e}. "
-                                    "Call apply again with resume=True to finish, or reload the base.") from e
-        raise
-    report.seconds = time.perf_counter() - t0
-    return report
+
+def _raise_partial(e: DcrError, changed: list, reached: list) -> NoReturn:
+    # a created tensor is built aside and only then handed to ``tensors``: reaching it
+    # changes nothing (a receiver that refuses it, such as the rollout loader's, is unchanged)
+    if changed or any(p.action.writes and p.action != Action.CREATE for p in reached):
+        raise PartialApplyError(f"apply stopped after changing tensors in place: {e}. "
+                                "Call apply again with resume=True to finish, or reload the base.") from e
+    raise e
 
 
 def creates(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec | None) -> bool:

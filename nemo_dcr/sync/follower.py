@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nemo_dcr.codec.format import DeltaReader, SegmentStream
-from nemo_dcr.delta import apply, remove_absent
+from nemo_dcr.delta import ApplyReport, apply, apply_stream, remove_absent
 from nemo_dcr.delta.apply import refuse_misfits
 from nemo_dcr.errors import (
     BaseMismatchError,
@@ -560,35 +560,44 @@ class Follower:
         return report
 
     def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change, res: SyncResult) -> bool:
-        """Apply a part of format 3 one segment at a time as its bytes arrive -> whether it was
-        all applied so (False: a part of format 1 or 2, nothing applied; or bytes that do not
-        read as a delta, the segments before them applied: the part is applied once it is all
-        there and checked). A download that fails leaves what was applied in the journal:
-        ``_take`` raises its error."""
+        """Apply a part of format 3 segment by segment as its bytes arrive -> whether it was all
+        applied so (False: a part of format 1 or 2, nothing applied; or bytes that do not read
+        as a delta, the segments before them applied: the part is applied once it is all there
+        and checked). The segments' chunks go to the workers as one stream (``apply_stream``): a
+        worker goes on to the next segment's chunks while the last ones of a segment are written.
+        A download that fails leaves what was applied in the journal: ``_take`` raises its error."""
         stream = SegmentStream(arriving.buf, p.key)
-        seen = 0
         journal = pend["journal"].setdefault(p.key, set())
-        while True:
-            filled, ended = arriving.wait(seen)
-            try:
+        first: list[float] = []  # when the first segment was there: the apply span's start
+
+        def segments():
+            seen = 0
+            while True:
+                filled, ended = arriving.wait(seen)
                 for r in stream.ready(filled):
-                    t = time.perf_counter()
-                    rep = apply(self.tensors, r, shards=self.shards, verify=False, resume=True,
-                                workers=self.workers, journal=journal, on_change=on_change, progress=False)
-                    res.spans.add("apply", p.key, t)
-                    res.changed += rep.elements_changed
-            except DeltaFormatError as e:
-                # bytes damaged on the way (a segment's index or a chunk fails its checksum,
-                # found before that segment wrote anything) are the download's to retry or
-                # report, with the object's sha256: the part is then taken whole, and what was
-                # applied already is skipped by its journal
-                log.info("nemo-dcr: %s no longer streamed (%s); applied once it is all there and checked", p.key, e)
-                return False
-            if stream.streamable is False:
-                return False
-            if ended:
-                return True
-            seen = filled
+                    if not first:
+                        first.append(time.perf_counter())
+                    yield r
+                if stream.streamable is False or ended:
+                    return
+                seen = filled
+
+        rep = ApplyReport()
+        try:
+            apply_stream(self.tensors, segments(), shards=self.shards, workers=self.workers, journal=journal,
+                         on_change=on_change, report=rep)
+        except DeltaFormatError as e:
+            # bytes damaged on the way (a segment's index or a chunk fails its checksum,
+            # found before that segment wrote anything) are the download's to retry or
+            # report, with the object's sha256: the part is then taken whole, and what was
+            # applied already is skipped by its journal
+            log.info("nemo-dcr: %s no longer streamed (%s); applied once it is all there and checked", p.key, e)
+            return False
+        finally:
+            res.changed += rep.elements_changed
+            if first:
+                res.spans.add("apply", p.key, first[0])
+        return stream.streamable is not False
 
     def _refuse_misfits(self, readers: list) -> None:
         """Before any write: a version that does not fit a receiver taking no new tensors
