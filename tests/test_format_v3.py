@@ -383,7 +383,7 @@ def test_apply_stream_writes_each_segment_as_it_comes_and_ends_where_apply_does(
     from nemo_dcr.delta import apply_stream
     from nemo_dcr.state.statedigest import ChangeDigest, state_contrib
     base, target, blob = _stream_case(monkeypatch)
-    readers = fmt.SegmentStream(memoryview(blob)).ready(len(blob))
+    readers = list(fmt.SegmentStream(memoryview(blob)).ready(len(blob)))
     assert len(readers) > 10
     recv = {k: v.clone() for k, v in base.items()}
     wrote = threading.Event()
@@ -415,12 +415,12 @@ def test_apply_stream_raises_a_damaged_segment_as_is_after_the_ones_before_it(mo
     journal, so applying the whole object afterwards skips them and ends at the target."""
     from nemo_dcr.delta import ApplyReport, apply_stream
     base, target, blob = _stream_case(monkeypatch)
-    readers = fmt.SegmentStream(memoryview(blob)).ready(len(blob))
+    readers = list(fmt.SegmentStream(memoryview(blob)).ready(len(blob)))
     bad = 4
     c = readers[bad].header.tensors[0].chunks[0]
     damaged = bytearray(blob)
     damaged[c.off] ^= 0xFF
-    readers = fmt.SegmentStream(memoryview(bytes(damaged))).ready(len(blob))
+    readers = list(fmt.SegmentStream(memoryview(bytes(damaged))).ready(len(blob)))
     recv = {k: v.clone() for k, v in base.items()}
     journal: set = set()
     rep = ApplyReport()
@@ -438,10 +438,31 @@ def test_apply_stream_on_a_wrong_base_is_a_partial_apply_once_something_was_writ
     from nemo_dcr.delta import apply_stream
     from nemo_dcr.errors import BaseMismatchError
     base, target, blob = _stream_case(monkeypatch)
-    readers = fmt.SegmentStream(memoryview(blob)).ready(len(blob))
+    readers = list(fmt.SegmentStream(memoryview(blob)).ready(len(blob)))
     recv = {k: v.clone() for k, v in base.items()}
     last = (base["w"].numel() - 1) // 97 * 97  # the last change (states: every 97th element)
     recv["w"].view(torch.int16)[last] ^= 1  # the base differs there only: in the last chunk
     with pytest.raises(PartialApplyError, match="does not match its base") as e:
         apply_stream(recv, iter(readers), workers=2, journal=set())
     assert isinstance(e.value.__cause__, BaseMismatchError)
+
+
+def test_a_stream_finished_checks_what_opening_the_object_checks_beyond_its_segments(monkeypatch):
+    """``SegmentStream.finish``: once every segment was taken, the closing segment and the
+    trailer, without parsing the object a second time -> its tensor names, as the whole header
+    has them. A damaged trailer or a stream cut short is a ``DeltaFormatError``."""
+    base, target, blob = _stream_case(monkeypatch)
+    s = fmt.SegmentStream(memoryview(blob))
+    assert len(list(s.ready(len(blob)))) > 10
+    assert s.finish() == DeltaReader.open(blob).header.names == sorted(target)
+    for at, what in ((len(blob) - 1, "end marker"), (len(blob) - fmt.TRAILER.size + 4, "segments")):
+        bad = bytearray(blob)
+        bad[at] ^= 0xFF
+        s = fmt.SegmentStream(memoryview(bytes(bad)))
+        list(s.ready(len(bad)))
+        with pytest.raises(DeltaFormatError, match=what):
+            s.finish()
+    s = fmt.SegmentStream(memoryview(blob))
+    next(iter(s.ready(len(blob))))  # one segment taken, the rest not
+    with pytest.raises(DeltaFormatError, match="no closing segment"):
+        s.finish()

@@ -30,7 +30,7 @@ import mmap
 import os
 import struct
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import BinaryIO, NoReturn
 
 import zstandard
@@ -450,17 +450,19 @@ class SegmentStream:
     def _fail(self, why: str) -> NoReturn:
         raise DeltaFormatError(f"{self.name}: {why}")
 
-    def ready(self, filled: int) -> list[DeltaReader]:
-        out: list[DeltaReader] = []
+    def ready(self, filled: int) -> Iterator[DeltaReader]:
+        """The readers of the segments complete within the first ``filled`` bytes, in order,
+        each parsed when the caller takes it (a part all there: its first segment is applied
+        while the rest are still to be parsed)."""
         if self.streamable is None:
             if filled < PREAMBLE.size:
-                return out
+                return
             magic, number, _ = PREAMBLE.unpack_from(self.buf, 0)
             if magic != MAGIC:
                 self._fail("not a nemo-dcr delta (bad magic)")
             self.streamable, self.version = number >= SEGMENTED and number in VERSIONS, number
         if not self.streamable:
-            return out
+            return
         limit = len(self.buf) - TRAILER.size
         while self.pos + SEGMENT.size <= min(filled, limit) and self.merger.closed is None:
             stored_len, _, _, payload_len = SEGMENT.unpack_from(self.buf, self.pos)
@@ -489,5 +491,39 @@ class SegmentStream:
             if not entries:
                 continue
             header = parse_header({**self.merger.opened, "tensors": entries}, self.pos, VERSIONS[self.version])
-            out.append(DeltaReader.of_segment(self.buf, header, self.version, self.name))
-        return out
+            yield DeltaReader.of_segment(self.buf, header, self.version, self.name)
+
+    def wanted(self, filled: int) -> int:
+        """With the first ``filled`` bytes there: how many must be there before ``ready`` can
+        give another segment (a receiver waits for those, not for each read of its download)."""
+        if self.streamable is False or self.merger.closed is not None:
+            return len(self.buf) + 1  # nothing more to give: what comes is the end of the download
+        if self.streamable is None or self.pos + SEGMENT.size > filled:
+            return min(len(self.buf), max(PREAMBLE.size, self.pos + SEGMENT.size))
+        stored_len, _, _, payload_len = SEGMENT.unpack_from(self.buf, self.pos)
+        return min(len(self.buf), self.pos + SEGMENT.size + stored_len + payload_len)
+
+    def finish(self) -> list[str]:
+        """Once the whole object is there (its size and sha256 checked) and every segment was
+        taken: what ``DeltaReader.open`` checks beyond the segments (the closing segment last, the
+        trailer) -> the names of its tensors, in order. The object is not parsed a second time."""
+        limit = len(self.buf) - TRAILER.size
+        if not self.streamable or self.merger.closed is None or self.pos != limit:
+            self._fail("truncated or damaged: no closing segment where the trailer begins")
+        tversion, nseg, end = TRAILER.unpack_from(self.buf, limit)
+        if end != END_MAGIC:
+            self._fail("truncated or damaged: end marker missing")
+        if tversion != self.version:
+            self._fail("preamble and trailer disagree on the format version")
+        if self.merger.count != nseg:
+            self._fail(f"the trailer counts {nseg} segments, the object holds {self.merger.count}")
+        names = [t["name"] for t in self.merger.tensors]
+        if len(set(names)) != len(names):
+            self._fail("a tensor named twice")
+        for t in self.merger.tensors:  # (each piece was parsed: the order across a tensor's pieces)
+            end = 0
+            for c in t.get("chunks", ()):
+                if c["start"] < end:
+                    self._fail(f"{t['name']}: chunk range")
+                end = c["start"] + c["n"]
+        return names

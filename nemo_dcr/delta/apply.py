@@ -623,11 +623,19 @@ def remove_absent(tensors: MutableMapping[str, torch.Tensor], deltas: Iterable, 
     """After applying every part of a keyframe (a delta against nothing, which names every tensor
     of the target): drop the tensors ``tensors`` holds that no part names, so the receiver ends
     with exactly the target's tensor set. Returns the names removed."""
-    named = set()
+    named: list[str] = []
     for d in deltas:
-        named.update(DeltaReader.open(d).header.names)
+        named += DeltaReader.open(d).header.names
+    return remove_unnamed(tensors, named, shards=shards, on_change=on_change)
+
+
+def remove_unnamed(tensors: MutableMapping[str, torch.Tensor], named: Iterable[str], *,
+                   shards: Mapping[str, ShardSpec] | None = None,
+                   on_change: OnChange | None = None) -> list:
+    """``remove_absent`` given the names the keyframe's parts hold (a streaming receiver has them
+    from the segments it read: ``SegmentStream.finish``)."""
     shards = shards or {}
-    gone = sorted(set(tensors) - named)
+    gone = sorted(set(tensors) - set(named))
     for name in gone:
         report_gone(name, tensors[name], shards.get(name), on_change)
         del tensors[name]

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from nemo_dcr.codec.format import DeltaReader, SegmentStream
-from nemo_dcr.delta import ApplyReport, apply, apply_stream, remove_absent
+from nemo_dcr.delta import ApplyReport, apply, apply_stream, remove_absent, remove_unnamed
 from nemo_dcr.delta.apply import refuse_misfits
 from nemo_dcr.errors import (
     BaseMismatchError,
@@ -518,24 +518,29 @@ class Follower:
             # that cannot be had leaves the version pending (journal) and the path is given up.
             # A part of format 3 is applied segment by segment while it still arrives (each
             # chunk checked against its pre-image; the object's sha256 once it is all there)
-            # Each part's bytes are let go once it is applied: what is kept is its header (a
-            # keyframe's tensor names), so a keyframe sync holds the model and the parts in flight,
-            # not the model twice
-            applied = []
+            # Each part's bytes are let go once it is applied: what is kept is its tensor names
+            # (a keyframe's), so a keyframe sync holds the model and the parts in flight, not the
+            # model twice
+            named: list[str] = []
             for p in parts:
                 arriving = feed.arriving(p)
-                streamed = arriving is not None and self._apply_arriving(p, arriving, pend, on_change, res)
+                streamed = self._apply_arriving(p, arriving, pend, on_change, res) if arriving is not None else None
                 blob = self._take(feed, kind, m, [p])[0]
                 res.bytes += len(blob)
-                r = opened[id(blob)] = DeltaReader.open(blob)  # (streamed: the whole object checked as well)
-                if not streamed:
+                if streamed is not None:
+                    # its segments were read and checked as they came: the rest of what opening
+                    # the object checks (closing segment, trailer), without parsing it again
+                    named += streamed.finish()
+                else:
+                    r = opened[id(blob)] = DeltaReader.open(blob)
                     gather([p], [blob])
                     apply_part(p, blob)
-                del opened[id(blob)]
-                applied.append(DeltaReader.of_segment(b"", r.header, r.version, p.key))
-                del blob, r
+                    del opened[id(blob)]
+                    named += r.header.names
+                    del r
+                del blob
             if kind == "keyframe":
-                remove_absent(self.tensors, applied, shards=self.shards)
+                remove_unnamed(self.tensors, named, shards=self.shards)
         else:
             g.run(apply_parts, f"apply version {m.version}")
             res.bytes += sum(len(b) for b in blobs)
@@ -559,28 +564,30 @@ class Follower:
             hook(name, glob, new)
         return report
 
-    def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change, res: SyncResult) -> bool:
-        """Apply a part of format 3 segment by segment as its bytes arrive -> whether it was all
-        applied so (False: a part of format 1 or 2, nothing applied; or bytes that do not read
-        as a delta, the segments before them applied: the part is applied once it is all there
-        and checked). The segments' chunks go to the workers as one stream (``apply_stream``): a
-        worker goes on to the next segment's chunks while the last ones of a segment are written.
-        A download that fails leaves what was applied in the journal: ``_take`` raises its error."""
+    def _apply_arriving(self, p, arriving: _Arriving, pend: dict, on_change,
+                        res: SyncResult) -> SegmentStream | None:
+        """Apply a part of format 3 segment by segment as its bytes arrive -> its stream when it
+        was all applied so (``finish()`` it once the object checked out), or None: a part of
+        format 1 or 2, nothing applied; or bytes that do not read as a delta, the segments before
+        them applied: the part is applied once it is all there and checked. The segments' chunks
+        go to the workers as one stream (``apply_stream``): a worker goes on to the next
+        segment's chunks while the last ones of a segment are written. A download that fails
+        leaves what was applied in the journal: ``_take`` raises its error."""
         stream = SegmentStream(arriving.buf, p.key)
         journal = pend["journal"].setdefault(p.key, set())
         first: list[float] = []  # when the first segment was there: the apply span's start
 
         def segments():
-            seen = 0
+            filled = 0
             while True:
-                filled, ended = arriving.wait(seen)
+                # woken when the next segment can be there, not at each read of the download
+                filled, ended = arriving.wait(stream.wanted(filled) - 1)
                 for r in stream.ready(filled):
                     if not first:
                         first.append(time.perf_counter())
                     yield r
                 if stream.streamable is False or ended:
                     return
-                seen = filled
 
         rep = ApplyReport()
         try:
@@ -592,12 +599,12 @@ class Follower:
             # report, with the object's sha256: the part is then taken whole, and what was
             # applied already is skipped by its journal
             log.info("nemo-dcr: %s no longer streamed (%s); applied once it is all there and checked", p.key, e)
-            return False
+            return None
         finally:
             res.changed += rep.elements_changed
             if first:
                 res.spans.add("apply", p.key, first[0])
-        return stream.streamable is not False
+        return None if stream.streamable is False else stream
 
     def _refuse_misfits(self, readers: list) -> None:
         """Before any write: a version that does not fit a receiver taking no new tensors
