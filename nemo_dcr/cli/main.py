@@ -7,7 +7,7 @@ import os
 import sys
 
 from nemo_dcr import __version__
-from nemo_dcr.codec.names import CHOICES, DEFAULT_LEVEL  # torch-free: --help and relay do not import torch
+from nemo_dcr.codec.names import CHOICES, DEFAULT_CHUNK, DEFAULT_LEVEL  # torch-free: --help, relay
 from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DcrError
 
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="auto (default): per chunk, classes where it pays, else the smallest of all; "
                         "portable: the smallest of xor, add and overwrite (receivers sharded finer than the sender)")
     d.add_argument("--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level, 1..22 (default {DEFAULT_LEVEL})")
-    d.add_argument("--chunk-elems", type=int, default=1 << 20, help="elements per chunk (bounds memory)")
+    d.add_argument("--chunk-elems", type=int, default=DEFAULT_CHUNK, help="elements per chunk (bounds memory)")
     d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
     d.add_argument("--format-version", type=int, choices=sorted(VERSIONS), default=FORMAT_VERSION,
                    help=f"delta format version (default {FORMAT_VERSION}: segments, summed tensor digests); 2 "

@@ -15,5 +15,13 @@ CHOICES = (AUTO, PORTABLE, OVERWRITE, XOR, ADD, CLASSES)  # what ``encoding=`` a
 #: exponent plane better (37 % vs 42 % of its bytes) and 2.5x faster, and deltas come out within
 #: 2 % either way (`classes` chunks use no zstd). Decoders do not care which level wrote a stream.
 DEFAULT_LEVEL = 1
+#: elements per delta chunk (bounds encode/apply scratch). 4Mi, not 1Mi: each chunk costs ~0.1-0.2
+#: ms of fixed work on either side (its call into the C kernels, its scratch, its header entry and
+#: class table, its pre-image check and digest call), which at 1Mi was a third of a delta's encode
+#: and apply. 64M BF16 at 1 %: encode 39-43 -> 29-37 ms, apply 27-32 -> 20-24 ms, 1.2 % fewer bytes;
+#: a keyframe no slower (8Mi made it ~1.6x slower: fewer chunks than the workers can share).
+#: docs/results.md, issue 25's sixth turn
+DEFAULT_CHUNK = 1 << 22
 
-__all__ = ["OVERWRITE", "XOR", "ADD", "CLASSES", "ENCODINGS", "AUTO", "PORTABLE", "CHOICES", "DEFAULT_LEVEL"]
+__all__ = ["OVERWRITE", "XOR", "ADD", "CLASSES", "ENCODINGS", "AUTO", "PORTABLE", "CHOICES", "DEFAULT_LEVEL",
+           "DEFAULT_CHUNK"]

@@ -20,7 +20,7 @@ from nemo_dcr import __version__
 from nemo_dcr.codec.chunk import AUTO, CHOICES, EncodedChunk, encode_chunk
 from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
-from nemo_dcr.codec.names import DEFAULT_LEVEL  # re-exported by nemo_dcr.delta
+from nemo_dcr.codec.names import DEFAULT_CHUNK, DEFAULT_LEVEL  # re-exported by nemo_dcr.delta
 from nemo_dcr.codec.versions import Version, version
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
@@ -31,8 +31,6 @@ from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import StateDigest, change_contrib
 from nemo_dcr.util.parallel import background, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
-
-DEFAULT_CHUNK = 1 << 20  # elements per chunk: bounds encode/apply scratch
 
 #: ``chunker(name, old, new, chunk_elems, encoding, level, keep_changes)``: a tensor's chunks
 #: found elsewhere (the device path), or None (the reference encodes it); see ``diff``.

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from nemo_dcr.codec.names import DEFAULT_CHUNK
 from nemo_dcr.device.diff import DeviceChanges, bits, diff_
 from nemo_dcr.device.encode import encode_changes_chunks, tries_classes
 from nemo_dcr.device.trainer import KEEP, runs_here
@@ -85,7 +86,7 @@ class Captured(Mapping):
 class DeviceCapture:
     """The kept snapshot (device or pinned memory) and the capture against it."""
 
-    def __init__(self, keep: str = "device", chunk_elems: int = 1 << 20, encoding: str = "auto", level: int = 3):
+    def __init__(self, keep: str = "device", chunk_elems: int = DEFAULT_CHUNK, encoding: str = "auto", level: int = 3):
         if keep not in KEEP:
             raise DcrError(f"keep must be one of {KEEP}, not {keep!r}")
         self.keep, self.chunk_elems, self.encoding = keep, int(chunk_elems), encoding

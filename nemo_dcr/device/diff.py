@@ -1,7 +1,7 @@
 """Trainer side of the device path: diff the live shard against the published snapshot where
 both live, update the snapshot in place, and hand the host only the compact change stream.
 
-    ch = diff_(snapshot, live, chunk_elems=1 << 20)          # device work
+    ch = diff_(snapshot, live, chunk_elems=1 << 22)          # device work
     chunks = encode.encode_changes_chunks(ch, "auto", 3)    # host, O(changes)
 
 ``chunks`` are exactly what ``codec/chunk.encode_chunk`` makes of each chunk of (snapshot

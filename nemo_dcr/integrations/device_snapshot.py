@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 
+from nemo_dcr.codec.names import DEFAULT_CHUNK
 from nemo_dcr.codec.versions import FORMAT_VERSION, version
 from nemo_dcr.device import kernels
 from nemo_dcr.device.capture import Captured, DeviceCapture
@@ -64,7 +65,7 @@ def live_tensors(module, dtype=None):
 class CallbackDevice:
     """The callback's choice of path, its capture and what it knows of the version numbers."""
 
-    def __init__(self, device: str = "auto", keep: str = "device", chunk_elems: int = 1 << 20,
+    def __init__(self, device: str = "auto", keep: str = "device", chunk_elems: int = DEFAULT_CHUNK,
                  encoding: str = "auto", level: int = 3, keyframe_every: int = 0):
         if device not in DEVICE_MODES:
             raise ValueError(f"device must be one of {DEVICE_MODES}, not {device!r}")
