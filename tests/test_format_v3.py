@@ -466,3 +466,21 @@ def test_a_stream_finished_checks_what_opening_the_object_checks_beyond_its_segm
     next(iter(s.ready(len(blob))))  # one segment taken, the rest not
     with pytest.raises(DeltaFormatError, match="no closing segment"):
         s.finish()
+
+
+def test_a_stream_waits_for_whole_segments_not_for_each_read(monkeypatch):
+    """``SegmentStream.wanted``: with some bytes there, how many must be before ``ready`` can give
+    the next segment: its header first, then its index and payloads; once the closing segment is
+    read, more than the object (what comes then is the end of the download)."""
+    base, target, blob = _stream_case(monkeypatch)
+    s = fmt.SegmentStream(memoryview(blob))
+    filled, got = 0, 0
+    while True:
+        want = s.wanted(filled)
+        if want > len(blob):
+            break
+        assert filled < want <= len(blob)
+        assert not list(s.ready(want - 1))  # one byte short: nothing new
+        filled = want
+        got += len(list(s.ready(filled)))
+    assert got == len(list(fmt.SegmentStream(memoryview(blob)).ready(len(blob)))) and s.finish()

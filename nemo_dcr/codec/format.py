@@ -496,7 +496,8 @@ class SegmentStream:
     def wanted(self, filled: int) -> int:
         """With the first ``filled`` bytes there: how many must be there before ``ready`` can
         give another segment (a receiver waits for those, not for each read of its download)."""
-        if self.streamable is False or self.merger.closed is not None:
+        if self.streamable is False or self.merger.closed is not None \
+                or self.pos + SEGMENT.size > len(self.buf) - TRAILER.size:
             return len(self.buf) + 1  # nothing more to give: what comes is the end of the download
         if self.streamable is None or self.pos + SEGMENT.size > filled:
             return min(len(self.buf), max(PREAMBLE.size, self.pos + SEGMENT.size))
