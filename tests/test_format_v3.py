@@ -484,3 +484,25 @@ def test_a_stream_waits_for_whole_segments_not_for_each_read(monkeypatch):
         filled = want
         got += len(list(s.ready(filled)))
     assert got == len(list(fmt.SegmentStream(memoryview(blob)).ready(len(blob)))) and s.finish()
+
+
+def test_a_keyframe_is_cut_in_chunks_of_at_most_keyframe_chunk_a_delta_in_chunk_elems(tmp_path):
+    """Deltas use ``chunk_elems`` (``DEFAULT_CHUNK``, 4Mi: each chunk's fixed work is a third of a
+    1Mi chunk's cost); a keyframe's dense chunks at most ``KEYFRAME_CHUNK`` (1Mi), so that the
+    chunks in flight of a keyframe publish or sync hold 1Mi-element copies, not 4Mi."""
+    from nemo_dcr.codec.names import DEFAULT_CHUNK, KEYFRAME_CHUNK
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.publisher import Publisher
+    g = torch.Generator().manual_seed(11)
+    base = {"w": torch.randn(DEFAULT_CHUNK + 5, generator=g).bfloat16()}
+    target = {"w": base["w"].clone()}
+    target["w"][::101] = torch.randn(target["w"][::101].numel(), generator=g).bfloat16()
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store, keyframe_every=1, signer=None)
+    pub.publish(base)
+    m = pub.publish(target).manifest
+    delta = DeltaReader.open(store.get(m.parts[0].key)).header
+    key = DeltaReader.open(store.get(m.keyframe_parts[0].key)).header
+    assert delta.chunk_elems == DEFAULT_CHUNK and delta.tensors[0].chunks[0].n == DEFAULT_CHUNK
+    assert key.chunk_elems == KEYFRAME_CHUNK == 1 << 20
+    assert len(key.tensors[0].chunks) == DEFAULT_CHUNK // KEYFRAME_CHUNK + 1

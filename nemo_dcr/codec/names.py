@@ -22,6 +22,11 @@ DEFAULT_LEVEL = 1
 #: a keyframe no slower (8Mi made it ~1.6x slower: fewer chunks than the workers can share).
 #: docs/results.md, issue 25's sixth turn
 DEFAULT_CHUNK = 1 << 22
+#: elements per chunk of a keyframe (a tensor sent whole), at most: 1Mi. Its chunks are dense
+#: (byte planes, zstd), so a chunk's fixed work is small beside its bytes, while each chunk in
+#: flight holds several copies of them: at 4Mi the publisher held 1.90x a 0.25 GiB model beyond
+#: the caller's tensors (1.26x at 1Mi), and a keyframe sync kept more (bench/memory.py)
+KEYFRAME_CHUNK = 1 << 20
 
 __all__ = ["OVERWRITE", "XOR", "ADD", "CLASSES", "ENCODINGS", "AUTO", "PORTABLE", "CHOICES", "DEFAULT_LEVEL",
-           "DEFAULT_CHUNK"]
+           "DEFAULT_CHUNK", "KEYFRAME_CHUNK"]

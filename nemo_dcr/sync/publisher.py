@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_dcr.codec import versions as format_versions
+from nemo_dcr.codec.names import KEYFRAME_CHUNK
 from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.changes import OnChange
@@ -399,7 +400,8 @@ class Publisher:
                     uploads.encode(out["keyframe_parts"], f"{d}/{_part_name('key', rank, j)}", f"keyframe part {j}",
                                    j, lambda w, names=names, j=j: diff(
                                        {}, _only(host, names), shards=shards, encoding="overwrite", level=self.level,
-                                       chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
+                                       chunk_elems=min(self.chunk_elems, KEYFRAME_CHUNK), workers=self.workers,
+                                       meta={**meta, "part": j},
                                        progress=bar, format_version=self.format_version, out=w,
                                        target_digests=known), digests)
             if new_digest is None:
