@@ -18,9 +18,8 @@ DEFAULT_LEVEL = 1
 #: elements per delta chunk (bounds encode/apply scratch). 4Mi, not 1Mi: each chunk costs ~0.1-0.2
 #: ms of fixed work on either side (its call into the C kernels, its scratch, its header entry and
 #: class table, its pre-image check and digest call), which at 1Mi was a third of a delta's encode
-#: and apply. 64M BF16 at 1 %: encode 39-43 -> 29-37 ms, apply 27-32 -> 20-24 ms, 1.2 % fewer bytes;
-#: a keyframe no slower (8Mi made it ~1.6x slower: fewer chunks than the workers can share).
-#: docs/results.md, issue 25's sixth turn
+#: and apply. 64M BF16 at 1 %: encode 39-43 -> 29-37 ms, apply 27-32 -> 20-24 ms, 1.2 % fewer bytes
+#: (docs/results.md, issue 25's sixth turn). A keyframe's chunks stay smaller: KEYFRAME_CHUNK
 DEFAULT_CHUNK = 1 << 22
 #: elements per chunk of a keyframe (a tensor sent whole), at most: 1Mi. Its chunks are dense
 #: (byte planes, zstd), so a chunk's fixed work is small beside its bytes, while each chunk in
