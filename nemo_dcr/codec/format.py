@@ -258,11 +258,7 @@ class DeltaReader:
         offsets made absolute), then parsed as versions 1 and 2 are."""
         if self.size < PREAMBLE.size + TRAILER.size:
             self._fail(f"{self.size} bytes is too short to be a nemo-dcr delta")
-        tversion, nseg, end = TRAILER.unpack_from(self.buf, self.size - TRAILER.size)
-        if end != END_MAGIC:
-            self._fail("truncated or damaged: end marker missing")
-        if tversion != number:
-            self._fail("preamble and trailer disagree on the format version")
+        nseg = read_trailer(self.buf, self.size, number, self._fail)
         limit = self.size - TRAILER.size
         merged = SegmentMerger(self._fail)
         pos = PREAMBLE.size
@@ -319,6 +315,17 @@ HEADER_LEVEL = 15
 # (Level 3: 0.2 ms, 1.2 KB more.) Any level decodes; the v3 goldens' indexes were written at 15.
 SEGMENT_LEVEL = 6
 HEADER_STRONG_MAX = 1 << 20
+
+
+def read_trailer(buf, size: int, number: int, fail: Callable[[str], NoReturn]) -> int:
+    """The version-3 trailer at the end of ``buf[:size]``, checked against the preamble's format
+    version ``number`` -> the segment count it names."""
+    tversion, nseg, end = TRAILER.unpack_from(buf, size - TRAILER.size)
+    if end != END_MAGIC:
+        fail("truncated or damaged: end marker missing")
+    if tversion != number:
+        fail("preamble and trailer disagree on the format version")
+    return nseg
 
 
 def read_segment(buf, pos: int, limit: int, fail: Callable[[str], NoReturn]) -> tuple[dict, int, int]:
@@ -511,11 +518,7 @@ class SegmentStream:
         limit = len(self.buf) - TRAILER.size
         if not self.streamable or self.merger.closed is None or self.pos != limit:
             self._fail("truncated or damaged: no closing segment where the trailer begins")
-        tversion, nseg, end = TRAILER.unpack_from(self.buf, limit)
-        if end != END_MAGIC:
-            self._fail("truncated or damaged: end marker missing")
-        if tversion != self.version:
-            self._fail("preamble and trailer disagree on the format version")
+        nseg = read_trailer(self.buf, len(self.buf), self.version, self._fail)
         if self.merger.count != nseg:
             self._fail(f"the trailer counts {nseg} segments, the object holds {self.merger.count}")
         names = [t["name"] for t in self.merger.tensors]
