@@ -220,9 +220,9 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     held = torch.empty_like(base)  # the publisher's snapshot, at the base before each rep
 
     def enc_scatter(_):
-        keep = _Changes({"shard": held})
+        keep = _Changes({"shard": held}, {}, early=True)
         out = diff({"shard": held}, t, workers=workers, base_digests=known3, on_change=keep.also(ChangeDigest()))
-        keep.commit({"shard": held}, {}, t)
+        keep.commit(t)
         return out
 
     blob1 = enc_fast_v1()

@@ -156,3 +156,125 @@ def test_a_schema_change_takes_a_fresh_copy(tmp_path):
     recv = zeros_like(seq[0])
     Follower(store, recv).sync()
     assert_state(recv, grown)
+
+
+def _sparse(n=3, seed=1):
+    """``n`` versions changing ~1/20 of their elements (under ``_Changes.MAX_SHARE``), NaN
+    payloads and -0.0 among the new values."""
+    g = torch.Generator().manual_seed(seed)
+    out = [{"w": torch.randn(64, 48, generator=g).to(torch.bfloat16), "b": torch.randn(40, 30, generator=g)}]
+    for i in range(1, n):
+        s = {k: v.clone() for k, v in out[-1].items()}
+        flat = s["w"].view(-1)
+        flat[i::20] = torch.randn(flat[i::20].numel(), generator=g).to(torch.bfloat16)
+        s["w"].view(torch.int16).view(-1)[7 + i] = 0x7FC0 + i  # a NaN payload
+        s["b"].view(-1)[i::23] = -0.0
+        out.append(s)
+    return out
+
+
+@pytest.mark.parametrize("fv", [2, 3])
+def test_a_publish_that_fails_after_its_changes_went_in_takes_them_out(tmp_path, fv):
+    """Format 3 writes each chunk's changes into the snapshot while the diff runs (the diff reads
+    no base chunk after it reported its changes); versions 1 and 2 at the commit. A commit that
+    loses its race comes after the whole diff: the snapshot must still end at the base."""
+    store = LocalStore(tmp_path / "s")
+    seq = _sparse(3)
+    pub = Publisher(store, chunk_elems=512, format_version=fv)
+    pub.publish(seq[0])
+    other = Publisher(store, chunk_elems=512, format_version=fv)
+    real, seen = pub._commit, []
+
+    def racing(*a, **k):
+        seen.append({k: v.clone() for k, v in pub.published[0].items()})
+        other.publish(seq[2])
+        return real(*a, **k)
+    pub._commit = racing
+    with pytest.raises(CommitConflict):
+        pub.publish(seq[1])
+    assert_state(seen[0], seq[1] if fv == 3 else seq[0])  # where the diff left the snapshot
+    assert_state(pub.published[0], seq[0])
+    pub._commit = real
+    pub.publish(seq[1])
+    recv = zeros_like(seq[0])
+    Follower(store, recv).sync()
+    assert_state(recv, seq[1])
+
+
+def test_a_diff_that_fails_midway_leaves_the_snapshot_the_base(tmp_path, monkeypatch):
+    """The version is split into parts (one tensor each): the second part's encode fails after
+    the first part's changes went into the snapshot."""
+    store = LocalStore(tmp_path / "s")
+    seq = _sparse(3)
+    pub = Publisher(store, chunk_elems=512, part_bytes=1)
+    pub.publish(seq[0])
+    real, calls = publisher_mod.diff, []
+
+    def failing(base, target, **kw):
+        calls.append(sorted(target))
+        if len(calls) == 2:
+            raise OSError("injected: encode failed")
+        return real(base, target, **kw)
+    monkeypatch.setattr(publisher_mod, "diff", failing)
+    with pytest.raises(PublishError, match="injected"):
+        pub.publish(seq[1])
+    assert len(calls) == 2 and calls[0] != calls[1]
+    assert_state(pub.published[0], seq[0])
+    monkeypatch.setattr(publisher_mod, "diff", real)
+    r = pub.publish(seq[2])
+    assert r.manifest.base_version == 0
+    recv = zeros_like(seq[0])
+    Follower(store, recv).sync()
+    assert_state(recv, seq[2])
+
+
+def test_a_version_that_turns_out_dense_midway_takes_its_early_changes_out(tmp_path):
+    """The first chunks' changes went into the snapshot before the count passed ``MAX_SHARE``:
+    they are taken out again, and a failed publish of such a version leaves the base."""
+    store = LocalStore(tmp_path / "s")
+    g = torch.Generator().manual_seed(3)
+    base = {"w": torch.randn(64, 64, generator=g).to(torch.bfloat16)}
+    dense = {"w": base["w"].clone()}
+    dense["w"].view(-1)[::16] += 1  # 1/16 of the first chunks: under the limit
+    dense["w"].view(-1)[2048:] += 1  # then every element: over it
+    pub = Publisher(store, chunk_elems=256)
+    pub.publish(base)
+    real = pub._commit
+
+    def failing(*a, **k):
+        raise OSError("injected: commit failed")
+    pub._commit = failing
+    with pytest.raises(OSError, match="injected"):
+        pub.publish(dense)
+    assert_state(pub.published[0], base)
+    pub._commit = real
+    pub.publish(dense)
+    assert_state(pub.published[0], dense)
+    recv = zeros_like(base)
+    Follower(store, recv).sync()
+    assert_state(recv, dense)
+
+
+def test_a_snapshot_that_cannot_be_restored_is_rebuilt_from_the_store(tmp_path, monkeypatch):
+    store = LocalStore(tmp_path / "s")
+    seq = _sparse(3)
+    pub = Publisher(store, chunk_elems=512)
+    pub.publish(seq[0])
+    real = pub._commit
+
+    def failing(*a, **k):
+        raise OSError("injected: commit failed")
+
+    def broken(self):
+        raise RuntimeError("injected: undo failed")
+    pub._commit = failing
+    monkeypatch.setattr(publisher_mod._Changes, "undo", broken)
+    with pytest.raises(OSError, match="injected: commit failed"):
+        pub.publish(seq[1])
+    assert pub.published is None  # forgotten, not left half-written
+    pub._commit = real
+    r = pub.publish(seq[2])  # rebuilt from the store, then a delta against version 0
+    assert r.manifest.base_version == 0
+    recv = zeros_like(seq[0])
+    Follower(store, recv).sync()
+    assert_state(recv, seq[2])

@@ -52,7 +52,10 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     where no spec fits it). ``on_change(name, dtype, global_shape, global_idx, old_bits,
     new_bits)`` sees every changed element, from worker threads (it must be thread-safe):
     ``old_bits`` None for a tensor sent whole, ``new_bits`` None for the elements of a tensor
-    that is removed or replaced by one of another dtype or shape (``delta/changes.py``).
+    that is removed or replaced by one of another dtype or shape (``delta/changes.py``). In
+    format 3 (segmented) a chunk's base elements are read only before its changes are reported,
+    so ``on_change`` may write them into ``base`` (the publisher's snapshot does); versions 1 and
+    2 may still be hashing the base beside the chunks.
     ``base_digests``: name -> the tensor digest of ``base[name]`` as a previous ``diff`` wrote it
     (its ``target_digest``), for a base the caller keeps private and unchanged since (the
     publisher's snapshot): that base is then not hashed again. A name missing is hashed.

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from nemo_dcr.codec import versions as format_versions
+from nemo_dcr.codec.format import SEGMENTED
 from nemo_dcr.codec.names import KEYFRAME_CHUNK
 from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
@@ -202,8 +203,9 @@ class Publisher:
         # the host path diffs the caller's tensors in place against its snapshot and brings the
         # snapshot to them after the commit, by the changes (O(changes)), where it can: same
         # tensors (names, dtypes, shapes, shards) on the CPU, continuing from its own last version
-        keep = _Changes(self._base) if not dev and self._base is not None and self._continues(tensors, shards, head) \
-            else None
+        # (during the diff already where the format lets it: _Changes; undone if the publish fails)
+        keep = _Changes(self._base, self._shards or {}, early=self.format_version >= SEGMENTED) \
+            if not dev and self._base is not None and self._continues(tensors, shards, head) else None
 
         def upload():
             # the device path keeps its own snapshot and diffs the live tensors against it
@@ -227,18 +229,23 @@ class Publisher:
                 local["snap"], local["shards"], head, version, publish_id, kf, spans, keep)
             return receipt
 
-        receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
-                         note="no version committed")
-        t = time.perf_counter()
-        manifest, new_head = g.run(
-            lambda: self._commit(receipts, head, tag, version, publish_id, step, meta) if g.rank == 0 else None,
-            f"committing version {version}", src=0)
+        try:
+            receipts = g.run(upload, f"publishing version {version}", error=PublishError, gather=True,
+                             note="no version committed")
+            t = time.perf_counter()
+            manifest, new_head = g.run(
+                lambda: self._commit(receipts, head, tag, version, publish_id, step, meta) if g.rank == 0 else None,
+                f"committing version {version}", src=0)
+        except BaseException:
+            if keep is not None:
+                self._undo(keep)
+            raise
         if dev:  # the snapshot becomes what was published: O(changes) where the device pass ran
             dev.commit(local["snap"]) if self._base is dev.tensors else dev.reset(local["snap"])
             local["snap"] = dev.tensors
         elif keep is not None:  # likewise on the host: committed, so the changes go into the snapshot
             assert self._base is not None  # keep is made only for a publisher with a snapshot
-            keep.commit(self._base, self._shards or {}, local["snap"])
+            keep.commit(local["snap"])
             local["snap"] = self._base
         spans.add("commit", f"version {version}", t)
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
@@ -251,6 +258,17 @@ class Publisher:
                   f"retention after version {version}", src=0)
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0, spans)
+
+    def _undo(self, keep: _Changes) -> None:
+        """A failed publish: the snapshot goes back to the last published state, or, should
+        that fail too, is forgotten (the next publish rebuilds it from the store)."""
+        try:
+            keep.undo()
+        except Exception:
+            log.exception("could not take a failed version's changes out of the snapshot; the next publish "
+                          "rebuilds the last published state from the store")
+            self._base = self._shards = self._head = self._manifest = self._digest = None
+            self._tensor_digests = {}
 
     def _read_head(self, keyframe: bool):
         """Rank 0 (which signs): HEAD, its tag, a fresh publish id and the version to publish. A
@@ -516,47 +534,83 @@ class Publisher:
 
 class _Changes:
     """The changes of one version's diff (its ``on_change`` calls, from the worker threads),
-    kept until the version is committed and then written into the publisher's snapshot: the
-    snapshot becomes the published state in O(changes) instead of a copy of the model. A failed
-    publish drops them, leaving the snapshot the base of the next delta. Past ``MAX_SHARE`` of
-    the snapshot's elements (a version that changed most of them: the changes would take more
-    memory than the copy) they are dropped as they come and the snapshot is copied whole from
-    the published tensors instead."""
+    written into the publisher's snapshot so that it becomes the published state in O(changes)
+    instead of a copy of the model.
+
+    Where the diff reads each base chunk only before it reports the chunk's changes (format 3:
+    the base's tensor digests are summed before the chunks, ``delta/diff.py``), ``bind`` is
+    given the snapshot the diff reads and each chunk's changes go into it at once, on the worker
+    thread that found them, while the chunk is still in the CPU's caches; their old bits are
+    kept, and ``undo`` (a failed publish) writes them back. Otherwise the new bits are kept and
+    written at ``commit``. Either way a failed publish leaves the snapshot the base of the next
+    delta. Past ``MAX_SHARE`` of the snapshot's elements (a version that changed most of them:
+    the changes would take more memory than the copy) what was written is undone, the changes
+    are dropped as they come, and ``commit`` copies the snapshot whole from the published
+    tensors instead."""
 
     MAX_SHARE = 1 / 8  # an int64 index and the bits per change: 10 bytes against 2 of a BF16 copy
 
-    def __init__(self, base: Mapping[str, torch.Tensor]):
+    def __init__(self, base: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec], early: bool):
+        """``base``: the snapshot, the diff's base, sharded as ``shards``; ``early``: the diff
+        reads no base chunk after reporting its changes, so they go into ``base`` at once."""
         self.limit = int(sum(t.numel() for t in base.values()) * self.MAX_SHARE)
-        self.kept: list = []
+        self.kept: list = []   # (name, local index, bits): the old bits when early, else the new
         self.count = 0
         self.whole = False  # copy the snapshot whole at the commit
+        self._base = base
+        self._shards = shards
+        self.early = early
         self._lock = threading.Lock()
 
     def also(self, then: OnChange) -> OnChange:
         def both(name, dtype, global_shape, global_idx, old, new):
             then(name, dtype, global_shape, global_idx, old, new)
-            self(name, global_idx, new)
+            self(name, global_idx, old, new)
         return both
 
-    def __call__(self, name: str, global_idx: torch.Tensor, new: torch.Tensor | None) -> None:
+    def _local(self, name: str, global_idx: torch.Tensor) -> torch.Tensor:
+        spec = self._shards.get(name)
+        return global_idx if spec is None else IndexMap(spec).to_local(global_idx)[0]
+
+    def __call__(self, name: str, global_idx: torch.Tensor, old: torch.Tensor | None,
+                 new: torch.Tensor | None) -> None:
         with self._lock:
             self.count += int(global_idx.numel())
-            if self.whole or new is None or self.count > self.limit:
-                self.whole, self.kept = True, []  # (None: only a removed or re-typed tensor; not here)
-            else:
-                self.kept.append((name, global_idx, new))  # (the diff's gathered copies, not views)
+            if self.whole:
+                return
+            if new is None or old is None or self.count > self.limit:
+                # (None: a removed, added or re-typed tensor; a publisher that continues has none)
+                self._undo()
+                self.whole = True
+                return
+            local = self._local(name, global_idx)
+            if not self.early:
+                self.kept.append((name, local, new))  # (the diff's gathered copies, not views)
+                return
+            FlatAccess(self._base[name]).scatter(local, new)
+            self.kept.append((name, local, old))
 
-    def commit(self, base: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec],
-               published: Mapping[str, torch.Tensor]) -> None:
-        """Bring ``base`` (the snapshot) to the version just committed from ``published``."""
-        if self.whole:
-            for name, t in base.items():
-                t.copy_(published[name])
-            return
-        for name, global_idx, new in self.kept:
-            spec = shards.get(name)
-            local = global_idx if spec is None else IndexMap(spec).to_local(global_idx)[0]
-            FlatAccess(base[name]).scatter(local, new)
+    def _undo(self) -> None:
+        if self.early:
+            for name, local, old in self.kept:
+                FlatAccess(self._base[name]).scatter(local, old)
+        self.kept = []
+
+    def undo(self) -> None:
+        """The publish failed: the snapshot is the last published state again."""
+        with self._lock:
+            self._undo()
+
+    def commit(self, published: Mapping[str, torch.Tensor]) -> None:
+        """The version is committed: bring the snapshot to it (``published``: its tensors)."""
+        with self._lock:
+            if self.whole:
+                for name, t in self._base.items():
+                    t.copy_(published[name])
+            elif not self.early:
+                for name, local, new in self.kept:
+                    FlatAccess(self._base[name]).scatter(local, new)
+            self.kept = []
 
 
 def target_digests(header: dict) -> dict:
