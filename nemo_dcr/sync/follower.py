@@ -68,6 +68,7 @@ from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.pace import LinkEstimate, Pacer
 from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans
+from nemo_dcr.util.memory import release_freed_memory
 from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -423,7 +424,7 @@ class Follower:
 
     def _done(self, res: SyncResult, t0: float) -> SyncResult:
         if any(kind == "keyframe" for kind, _ in res.steps):
-            _release_freed_memory()
+            release_freed_memory()
         res.version, res.seconds = self._version, time.perf_counter() - t0
         return res
 
@@ -704,21 +705,6 @@ def _default_name() -> str:
     """``<host>-<pid>``, in the characters a receiver's name may have."""
     host = re.sub(r"[^A-Za-z0-9._:@/+-]", "-", socket.gethostname()).strip("-._:@/+")[:100] or "receiver"
     return f"{host}-{os.getpid()}"
-
-
-def _release_freed_memory() -> None:
-    """Give the memory freed after a keyframe sync back to the system: glibc keeps the freed
-    download buffers and decode scratch of a keyframe in its arenas, and the follower's resident
-    size stayed ~2x the model (issue 25: 540 MB -> 337 MB for a 0.1 GB model with malloc_trim).
-    Nothing on other C libraries."""
-    import ctypes
-    import ctypes.util
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return
-    trim(0)
 
 
 def _open_stream(store, key: str):

@@ -54,6 +54,7 @@ from nemo_dcr.sync.versions import (
     read_head,
     version_dir,
 )
+from nemo_dcr.util.memory import release_freed_memory
 from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -248,6 +249,8 @@ class Publisher:
             keep.commit(local["snap"])
             local["snap"] = self._base
         spans.add("commit", f"version {version}", t)
+        if kf:  # a keyframe's dense chunks, freed, stay in the worker threads' arenas
+            release_freed_memory()
         self._base, self._shards, self._digest, self._head = local["snap"], local["shards"], local["digest"], new_head
         self._manifest = manifest
         self._tensor_digests = local["tensor_digests"]
@@ -584,16 +587,17 @@ class _Changes:
                 self.whole = True
                 return
             local = self._local(name, global_idx)
-            if not self.early:
-                self.kept.append((name, local, new))  # (the diff's gathered copies, not views)
-                return
-            FlatAccess(self._base[name]).scatter(local, new)
-            self.kept.append((name, local, old))
+            if self.early:
+                FlatAccess(self._base[name]).scatter(local, new)
+            # kept in int32 where the tensor allows (10 -> 6 bytes per change held), and the
+            # diff's gathered copies of the bits (not views)
+            self.kept.append((name, local.to(torch.int32) if self._base[name].numel() < 1 << 31 else local,
+                              old if self.early else new))
 
     def _undo(self) -> None:
         if self.early:
             for name, local, old in self.kept:
-                FlatAccess(self._base[name]).scatter(local, old)
+                FlatAccess(self._base[name]).scatter(local.long(), old)
         self.kept = []
 
     def undo(self) -> None:
@@ -609,7 +613,7 @@ class _Changes:
                     t.copy_(published[name])
             elif not self.early:
                 for name, local, new in self.kept:
-                    FlatAccess(self._base[name]).scatter(local, new)
+                    FlatAccess(self._base[name]).scatter(local.long(), new)
             self.kept = []
 
 
