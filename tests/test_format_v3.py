@@ -364,6 +364,55 @@ def test_a_streaming_follower_applies_a_format_3_object_while_it_arrives(tmp_pat
     assert_state(recv, target)
 
 
+def test_a_streaming_follower_applies_the_parts_downloading_at_once_together(tmp_path):
+    """A delta in several parts, downloading at once: a later part is applied as it arrives while
+    the first one is still on its way (the store holds part 0 back until something was written,
+    which only another part can do). Taken one at a time in the plan's order, the sync waited
+    for part 0 and the write never came."""
+    import threading
+
+    from dcr_testing import zeros_like
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.follower import Follower
+    from nemo_dcr.sync.publisher import Publisher
+    g = torch.Generator().manual_seed(21)
+    base = {f"w{i}": torch.randn(40_000, generator=g).bfloat16() for i in range(4)}
+    target = {k: v.clone() for k, v in base.items()}
+    for v in target.values():
+        v.view(-1)[::53] = torch.randn(v.numel() // 53 + 1, generator=g).to(torch.bfloat16)
+    wrote, held = threading.Event(), []
+
+    class HeldFirst(LocalStore):
+        """Serves a delta's first part only once the receiver wrote something."""
+        hold = False
+
+        def get_stream(self, key, offset=0):
+            size, chunks = super().get_stream(key, offset)
+            if not (self.hold and key.endswith("/part-00000.dcr")):
+                return size, chunks
+            data = b"".join(chunks)
+
+            def gen():
+                held.append(key)
+                assert wrote.wait(30), "no other part was applied while the first one was held back"
+                yield data
+            return size, gen()
+
+    store = HeldFirst(tmp_path / "store")
+    pub = Publisher(store, signer=None, part_bytes=80_000)  # one 40K BF16 tensor a part
+    pub.publish(base)
+    r1 = pub.publish(target)
+    assert len(r1.manifest.parts) == 4
+    recv = zeros_like(base)
+    f = Follower(store, recv, verifier=None, stream=True, on_write=lambda name, idx, new: wrote.set())
+    f.sync(0)
+    wrote.clear()
+    store.hold = True
+    r = f.sync()
+    assert held and r.steps == [("delta", 1)] and f.version == 1
+    assert_state(recv, target)
+
+
 def _stream_case(monkeypatch, seed=9):
     monkeypatch.setattr(fmt, "SEGMENT_BYTES", 256)  # ~5 chunks of w's 49 a segment
     base, target = states(seed, 200_000)

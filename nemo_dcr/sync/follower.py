@@ -116,6 +116,9 @@ class Span:
         return self.end - self.start
 
 
+_TALLY = threading.Lock()
+
+
 class Spans(list):
     """Spans recorded against one origin (``perf_counter`` at the start of the call); appended
     from several threads (list.append is atomic)."""
@@ -523,23 +526,31 @@ class Follower:
             # (a keyframe's), so a keyframe sync holds the model and the parts in flight, not the
             # model twice
             named: list[str] = []
-            for p in parts:
-                arriving = feed.arriving(p)
-                streamed = self._apply_arriving(p, arriving, pend, on_change, res) if arriving is not None else None
-                blob = self._take(feed, kind, m, [p])[0]
-                res.bytes += len(blob)
-                if streamed is not None:
-                    # its segments were read and checked as they came: the rest of what opening
-                    # the object checks (closing segment, trailer), without parsing it again
-                    named += streamed.finish()
-                else:
-                    r = opened[id(blob)] = DeltaReader.open(blob)
-                    gather([p], [blob])
-                    apply_part(p, blob)
-                    del opened[id(blob)]
-                    named += r.header.names
-                    del r
-                del blob
+            # the parts downloading at once are applied at once, as their segments come: on a
+            # first sync the parts of a version share the link and arrive together, and taken
+            # one at a time the later ones, all there, were applied one after the other after it
+            # (issue 25). Each part is its own tensors (its own journal); the workers take the
+            # chunks of all of them. Taken, checked and finished in the plan's order as before.
+            streaming = _Streaming(self, feed, pend, on_change, res, parts, together=kind == "delta")
+            try:
+                for p in parts:
+                    streamed = streaming.result(p)
+                    blob = self._take(feed, kind, m, [p])[0]
+                    res.bytes += len(blob)
+                    if streamed is not None:
+                        # its segments were read and checked as they came: the rest of what opening
+                        # the object checks (closing segment, trailer), without parsing it again
+                        named += streamed.finish()
+                    else:
+                        r = opened[id(blob)] = DeltaReader.open(blob)
+                        gather([p], [blob])
+                        apply_part(p, blob)
+                        del opened[id(blob)]
+                        named += r.header.names
+                        del r
+                    del blob
+            finally:
+                streaming.close()  # no part is written past this step's end
             if kind == "keyframe":
                 remove_unnamed(self.tensors, named, shards=self.shards)
         else:
@@ -602,7 +613,8 @@ class Follower:
             log.info("nemo-dcr: %s no longer streamed (%s); applied once it is all there and checked", p.key, e)
             return None
         finally:
-            res.changed += rep.elements_changed
+            with _TALLY:  # parts streamed at once (_Streaming) add up here
+                res.changed += rep.elements_changed
             if first:
                 res.spans.add("apply", p.key, first[0])
         return None if stream.streamable is False else stream
@@ -720,6 +732,44 @@ def _parts(kind: str, m: Manifest) -> list:
     return m.parts if kind == "delta" else m.keyframe_parts
 
 
+class _Streaming:
+    """The parts of a step applied while they download (``Follower._apply_arriving``). A delta's
+    parts: as many at once as the feed downloads at once, each on a thread of its own, their
+    chunks going to the same workers. A keyframe's: one after the other, on the caller's thread
+    (each part's dense chunks in flight are its bytes again; applied at memory speed, they keep
+    up with their download anyway). ``result(part)``, in the plan's order: that part's stream
+    once all of it was applied so, or None (apply it once it is taken). ``close`` stops what has
+    not started and waits for what has."""
+
+    def __init__(self, follower: Follower, feed: _Feed, pend: dict, on_change, res: SyncResult, parts: list,
+                 together: bool):
+        self._f, self._feed, self._pend, self._on_change, self._res = follower, feed, pend, on_change, res
+        self._pool = None
+        self._futures: dict = {}
+        if feed.ahead > 1 and together:
+            from concurrent.futures import ThreadPoolExecutor
+            # not named "nemo-dcr...": util/parallel runs a call from its own pool's threads inline
+            self._pool = ThreadPoolExecutor(feed.ahead, thread_name_prefix="dcr-stream")
+            self._futures = {id(p): self._pool.submit(self._one, p) for p in parts}
+
+    def _one(self, p):
+        arriving = self._feed.arriving(p)
+        return None if arriving is None else self._f._apply_arriving(p, arriving, self._pend, self._on_change, self._res)
+
+    def result(self, p):
+        if self._pool is None:  # one at a time (without background downloads, None: taken whole)
+            return self._one(p)
+        return self._futures[id(p)].result()
+
+    def close(self) -> None:
+        if self._pool is None:
+            return
+        for f in self._futures.values():
+            f.cancel()
+        self._feed.stop_waiting()  # a part waiting for its download to start gives up
+        self._pool.shutdown(wait=True)
+
+
 class _Feed:
     """The objects of a path's steps, downloaded in the background and handed over in the plan's
     order. Up to ``Follower.prefetch`` objects are downloading or downloaded, not yet taken, at
@@ -733,6 +783,8 @@ class _Feed:
     def __init__(self, follower: Follower, steps: list, spans: Spans):
         self._fetch = lambda p, arriving=None: follower._fetch(p, spans, arriving)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
+        self._index = {id(p): i for i, p in enumerate(self._parts)}
+        self._give_up = False
         self._ahead = min(follower.prefetch, len(self._parts))
         follower.link.age()
         self.pacer = Pacer(follower.link)
@@ -804,20 +856,32 @@ class _Feed:
         assert data is not None
         return data
 
+    @property
+    def ahead(self) -> int:
+        """Objects downloading at once (0: each downloaded when it is taken)."""
+        return len(self._threads)
+
     def arriving(self, part) -> _Arriving | None:
-        """The next object to take while it downloads (its bytes so far), or None without
-        background downloads or when its download could not start (``take`` says why)."""
+        """An object not yet taken while it downloads (its bytes so far), once its download
+        started: None without background downloads, when its download could not start
+        (``take`` says why), or once ``stop_waiting`` was called."""
         if not self._threads:
             return None
         with self._cond:
-            i = self._taken
-            if i >= len(self._parts) or self._parts[i] is not part:
+            i = self._index.get(id(part))
+            if i is None or i < self._taken:
                 raise RuntimeError(f"fetch order broken at {part.key}")
             while i not in self._arriving and i not in self._done:
-                if self._failed is not None and i >= self._next:
+                if self._give_up or (self._failed is not None and i >= self._next):
                     return None
                 self._cond.wait()
             return self._arriving.get(i)
+
+    def stop_waiting(self) -> None:
+        """Who waits in ``arriving`` for a download that has not started returns None."""
+        with self._cond:
+            self._give_up = True
+            self._cond.notify_all()
 
     def close(self) -> None:
         with self._cond:
