@@ -320,37 +320,46 @@ def test_a_damaged_or_swapped_manifest_in_head_is_refused(tmp_path):
             read_head(store)
 
 
+def _held_store(root, suffix: str, share: float, wrote, why: str):
+    """A local store that, once ``hold`` is set, serves the first ``share`` of each object whose
+    key ends with ``suffix`` and the rest only once ``wrote`` is set (the receiver wrote
+    something); ``held``: the keys so held."""
+    from nemo_dcr.stores import LocalStore
+
+    class Held(LocalStore):
+        hold = False
+        held: list = []
+
+        def get_stream(self, key, offset=0):
+            size, chunks = super().get_stream(key, offset)
+            if not (self.hold and key.endswith(suffix)):
+                return size, chunks
+            data = b"".join(chunks)
+            cut = int(len(data) * share)
+
+            def gen():
+                self.held.append(key)
+                if cut:
+                    yield data[:cut]
+                assert wrote.wait(30), why
+                yield data[cut:]
+            return size, gen()
+    return Held(root)
+
+
 def test_a_streaming_follower_applies_a_format_3_object_while_it_arrives(tmp_path, monkeypatch):
     """``stream=True``: the segments of one part are applied as they arrive, before the object's
     last bytes are there (the store holds the end back until the first write happened)."""
     import threading
 
     from dcr_testing import zeros_like
-    from nemo_dcr.stores import LocalStore
     from nemo_dcr.sync.follower import Follower
     from nemo_dcr.sync.publisher import Publisher
     monkeypatch.setattr(fmt, "SEGMENT_BYTES", 1024)
     base, target = states(8, 400_000)
     base.pop("gone")
     wrote = threading.Event()
-
-    class HeldEnd(LocalStore):
-        """Serves an object's last quarter only once the receiver wrote something."""
-        hold = False
-
-        def get_stream(self, key, offset=0):
-            size, chunks = super().get_stream(key, offset)
-            if not (self.hold and key.endswith(".dcr")):
-                return size, chunks
-            data = b"".join(chunks)
-
-            def gen():
-                yield data[:len(data) * 3 // 4]
-                assert wrote.wait(30), "nothing was applied before the object's end arrived"
-                yield data[len(data) * 3 // 4:]
-            return size, gen()
-
-    store = HeldEnd(tmp_path / "store")
+    store = _held_store(tmp_path / "store", ".dcr", 3 / 4, wrote, "nothing was applied before the object's end arrived")
     pub = Publisher(store, format_version=3, signer=None, chunk_elems=4096)
     pub.publish(base)
     recv = zeros_like(base)
@@ -372,7 +381,6 @@ def test_a_streaming_follower_applies_the_parts_downloading_at_once_together(tmp
     import threading
 
     from dcr_testing import zeros_like
-    from nemo_dcr.stores import LocalStore
     from nemo_dcr.sync.follower import Follower
     from nemo_dcr.sync.publisher import Publisher
     g = torch.Generator().manual_seed(21)
@@ -380,25 +388,9 @@ def test_a_streaming_follower_applies_the_parts_downloading_at_once_together(tmp
     target = {k: v.clone() for k, v in base.items()}
     for v in target.values():
         v.view(-1)[::53] = torch.randn(v.numel() // 53 + 1, generator=g).to(torch.bfloat16)
-    wrote, held = threading.Event(), []
-
-    class HeldFirst(LocalStore):
-        """Serves a delta's first part only once the receiver wrote something."""
-        hold = False
-
-        def get_stream(self, key, offset=0):
-            size, chunks = super().get_stream(key, offset)
-            if not (self.hold and key.endswith("/part-00000.dcr")):
-                return size, chunks
-            data = b"".join(chunks)
-
-            def gen():
-                held.append(key)
-                assert wrote.wait(30), "no other part was applied while the first one was held back"
-                yield data
-            return size, gen()
-
-    store = HeldFirst(tmp_path / "store")
+    wrote = threading.Event()
+    store = _held_store(tmp_path / "store", "/part-00000.dcr", 0, wrote,
+                        "no other part was applied while the first one was held back")
     pub = Publisher(store, signer=None, part_bytes=80_000)  # one 40K BF16 tensor a part
     pub.publish(base)
     r1 = pub.publish(target)
@@ -409,7 +401,7 @@ def test_a_streaming_follower_applies_the_parts_downloading_at_once_together(tmp
     wrote.clear()
     store.hold = True
     r = f.sync()
-    assert held and r.steps == [("delta", 1)] and f.version == 1
+    assert store.held and r.steps == [("delta", 1)] and f.version == 1
     assert_state(recv, target)
 
 

@@ -754,7 +754,9 @@ class _Streaming:
 
     def _one(self, p):
         arriving = self._feed.arriving(p)
-        return None if arriving is None else self._f._apply_arriving(p, arriving, self._pend, self._on_change, self._res)
+        if arriving is None:
+            return None
+        return self._f._apply_arriving(p, arriving, self._pend, self._on_change, self._res)
 
     def result(self, p):
         if self._pool is None:  # one at a time (without background downloads, None: taken whole)
