@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -30,6 +31,10 @@ MAX_ELEMENTS = 1 << 48  # elements of one tensor
 MAX_CHUNK_ELEMS = 1 << 26  # elements of one chunk: bounds a decoder's scratch (512 MiB at 8 bytes)
 MAX_CLASS_ROWS = 256
 _U32 = (1 << 32) - 1
+_PREAMBLE_SIZE = 16  # codec/format.PREAMBLE.size (format imports this module; it checks the two agree)
+_CHUNK_INTS = ("start", "n", "k", "off", "plen", "vlen", "praw", "vraw")
+_CHUNK_INT_MAX = MAX_ELEMENTS * 16
+_POSITIONS = frozenset(_p.CODINGS + (_c.CLASSES,))
 
 
 class TensorKind(str, enum.Enum):
@@ -38,9 +43,24 @@ class TensorKind(str, enum.Enum):
     REMOVED = "removed"
 
 
+_KINDS = {k.value: k for k in TensorKind}
+
+
 def _need(cond, why: str) -> None:
     if not cond:
         raise DeltaFormatError(f"malformed header: {why}")
+
+
+def _fail(why: str) -> NoReturn:
+    raise DeltaFormatError(f"malformed header: {why}")
+
+
+def _ints(vs: list, hi: int) -> bool:
+    """Every item of ``vs`` an int in [0, ``hi``] (a loop: no generator per call)."""
+    for v in vs:
+        if type(v) is not int or not 0 <= v <= hi:
+            return False
+    return True
 
 
 def _int(v, lo: int, hi: int) -> bool:
@@ -82,32 +102,45 @@ class ChunkEntry:
     @classmethod
     def parse(cls, c, where: str, *, w: int, dtype: torch.dtype, kind: TensorKind, numel: int,
               chunk_elems: int, payload_end: int, values_algo: str) -> ChunkEntry:
-        from nemo_dcr.codec.format import PREAMBLE  # (format imports this module)
-
-        _need(isinstance(c, dict), f"{where}: chunk entry is not an object")
-        for key in ("start", "n", "k", "off", "plen", "vlen", "praw", "vraw"):
-            _need(_int(c.get(key), 0, MAX_ELEMENTS * 16), f"{where}: chunk {key}")
-        _need(_int(c.get("crc"), 0, _U32), f"{where}: chunk crc")
+        # every check of this runs for every chunk of every apply, on the GIL: the messages are
+        # made only for what fails (_need's f-strings were a third of the parse)
+        if not isinstance(c, dict):
+            _fail(f"{where}: chunk entry is not an object")
+        for key in _CHUNK_INTS:
+            v = c.get(key)
+            if type(v) is not int or not 0 <= v <= _CHUNK_INT_MAX:
+                _fail(f"{where}: chunk {key}")
+        v = c.get("crc")
+        if type(v) is not int or not 0 <= v <= _U32:
+            _fail(f"{where}: chunk crc")
         start, n, k = c["start"], c["n"], c["k"]
-        _need(0 < k <= n and start + n <= numel, f"{where}: chunk range")
-        _need(n <= chunk_elems, f"{where}: chunk of {n} elements, more than the header's chunk_elems {chunk_elems}")
+        if not (0 < k <= n and start + n <= numel):
+            _fail(f"{where}: chunk range")
+        if n > chunk_elems:
+            _fail(f"{where}: chunk of {n} elements, more than the header's chunk_elems {chunk_elems}")
         enc, pos = c.get("enc"), c.get("pos")
-        _need(enc in _c.ENCODINGS and pos in _p.CODINGS + (_c.CLASSES,), f"{where}: chunk coding")
-        _need((enc == _c.CLASSES) == (pos == _c.CLASSES), f"{where}: classes chunk coding")
-        _need(isinstance(c.get("pz"), bool) and isinstance(c.get("vz"), bool), f"{where}: chunk flags")
-        _need(isinstance(c.get("pre"), str) and isinstance(c.get("post"), str), f"{where}: chunk digests")
-        _need(c["off"] >= PREAMBLE.size and c["off"] + c["plen"] + c["vlen"] <= payload_end,
-              f"{where}: chunk payload outside the file")
+        if not (enc in _c.ENCODINGS and isinstance(pos, str) and pos in _POSITIONS):
+            _fail(f"{where}: chunk coding")
+        if (enc == _c.CLASSES) != (pos == _c.CLASSES):
+            _fail(f"{where}: classes chunk coding")
+        if type(c.get("pz")) is not bool or type(c.get("vz")) is not bool:
+            _fail(f"{where}: chunk flags")
+        if not (isinstance(c.get("pre"), str) and isinstance(c.get("post"), str)):
+            _fail(f"{where}: chunk digests")
+        if not (c["off"] >= _PREAMBLE_SIZE and c["off"] + c["plen"] + c["vlen"] <= payload_end):
+            _fail(f"{where}: chunk payload outside the file")
         rows = None
         if enc == _c.CLASSES:
-            _need(isinstance(c.get("cls"), list) and kind == TensorKind.DELTA, f"{where}: classes table")
-            _need(_cl.applicable(dtype) and len(c["cls"]) <= MAX_CLASS_ROWS, f"{where}: classes table")
-            _need(not c["pz"] and not c["vz"] and c["praw"] == c["plen"] and c["vraw"] == c["vlen"],
-                  f"{where}: classes streams are stored raw")
+            if not (isinstance(c.get("cls"), list) and kind == TensorKind.DELTA):
+                _fail(f"{where}: classes table")
+            if not (_cl.applicable(dtype) and len(c["cls"]) <= MAX_CLASS_ROWS):
+                _fail(f"{where}: classes table")
+            if not (not c["pz"] and not c["vz"] and c["praw"] == c["plen"] and c["vraw"] == c["vlen"]):
+                _fail(f"{where}: classes streams are stored raw")
             try:
                 _cl._check_table(c["cls"], w, _cl.MANTISSA[dtype], k)
             except DeltaFormatError as e:
-                _need(False, f"{where}: {e}")
+                _fail(f"{where}: {e}")
             rows = tuple(tuple(r) for r in c["cls"])
         else:
             # the raw sizes are what a decoder allocates: bound them by k and n, never trust them
@@ -162,32 +195,45 @@ class TensorEntry:
 
     @classmethod
     def parse(cls, t, *, chunk_elems: int, payload_end: int, version: Version) -> TensorEntry:
-        _need(isinstance(t, dict) and isinstance(t.get("name"), str), "tensor entry")
+        # (as ChunkEntry.parse: once per tensor piece of every apply; messages only on failure)
+        if not (isinstance(t, dict) and isinstance(t.get("name"), str)):
+            _fail("tensor entry")
         name = t["name"]
-        _need(t.get("kind") in [k.value for k in TensorKind], f"{name}: kind")
-        kind = TensorKind(t["kind"])
+        kind = t.get("kind")
+        kind = _KINDS.get(kind) if isinstance(kind, str) else None
+        if kind is None:
+            _fail(f"{name}: kind")
         bd = t.get("base_digest")
-        _need(bd is None or isinstance(bd, str), f"{name}: base_digest")
+        if not (bd is None or isinstance(bd, str)):
+            _fail(f"{name}: base_digest")
         _check_algo(bd, f"{name}: base_digest")
         if kind == TensorKind.REMOVED:
             return cls(name=name, kind=kind, base_digest=bd or None)
-        _need(isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES, f"{name}: dtype")
-        _need(isinstance(t.get("target_digest"), str), f"{name}: target_digest")
+        if not (isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES):
+            _fail(f"{name}: dtype")
+        if not isinstance(t.get("target_digest"), str):
+            _fail(f"{name}: target_digest")
         _check_algo(t["target_digest"], f"{name}: target_digest")
-        _need(kind != TensorKind.DELTA or isinstance(bd, str), f"{name}: base_digest")
+        if kind == TensorKind.DELTA and not isinstance(bd, str):
+            _fail(f"{name}: base_digest")
         shape = t.get("shape")
-        _need(isinstance(shape, list) and len(shape) <= MAX_DIMS
-              and all(_int(x, 0, MAX_ELEMENTS) for x in shape), f"{name}: shape")
+        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and _ints(shape, MAX_ELEMENTS)):
+            _fail(f"{name}: shape")
         r = t.get("region")
-        _need(isinstance(r, dict), f"{name}: region")
+        if not isinstance(r, dict):
+            _fail(f"{name}: region")
         for key in ("offsets", "shape"):
-            _need(isinstance(r.get(key), list) and len(r[key]) == len(shape)
-                  and all(_int(x, 0, MAX_ELEMENTS) for x in r[key]), f"{name}: region {key}")
-        _need(all(o + s <= g for o, s, g in zip(r["offsets"], r["shape"], shape)), f"{name}: region outside tensor")
-        _need(math.prod(shape) <= MAX_ELEMENTS, f"{name}: more than {MAX_ELEMENTS} elements")
+            v = r.get(key)
+            if not (isinstance(v, list) and len(v) == len(shape) and _ints(v, MAX_ELEMENTS)):
+                _fail(f"{name}: region {key}")
+        for o, n, g in zip(r["offsets"], r["shape"], shape):
+            if o + n > g:
+                _fail(f"{name}: region outside tensor")
+        if math.prod(shape) > MAX_ELEMENTS:
+            _fail(f"{name}: more than {MAX_ELEMENTS} elements")
         region = ShardSpec(tuple(shape), tuple(r["offsets"]), tuple(r["shape"]))
         dtype = DTYPES[t["dtype"]]
-        w = torch.empty((), dtype=dtype).element_size()
+        w = dtype.itemsize
         _need(isinstance(t.get("chunks"), list), f"{name}: chunks")
         chunks, end = [], 0
         for c in t["chunks"]:
