@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from dcr_testing import assert_bits_equal
+from nemo_dcr.codec import format as fmt
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.delta import diff
 from nemo_dcr.errors import CorruptObjectError
@@ -275,6 +276,37 @@ def test_a_part_damaged_on_the_way_is_downloaded_again_while_streaming(tmp_path,
     f = Follower(store, held, version=0, stream=True, retries=1, backoff=0.0)
     r = f.sync()
     assert r.version == 1 and store.damaged == {res[1].manifest.parts[0].key}
+    for k, v in seq[1].items():
+        assert_bits_equal(held[k], v)
+    f.check()
+
+
+def test_a_later_part_damaged_on_the_way_while_the_parts_stream_together(tmp_path, monkeypatch):
+    """A delta in three parts, downloading and applied at once: the second part arrives with a
+    damaged byte. Its stream stops at the segment that fails its checksum, the other parts are
+    applied as they come, the damaged part is downloaded again and finished from the good copy
+    (its journal skips what was written), and the receiver ends at the target."""
+    store = DamagedOnceStore(tmp_path / "s", damage="/part-00000.1.dcr", at=0.6)
+    real = Follower._apply_arriving
+
+    def arriving(self, p, *a, **kw):  # the damaged download ends once its stream is done with it
+        try:
+            return real(self, p, *a, **kw)
+        finally:
+            if store.damage in p.key:
+                store.seen.set()
+    monkeypatch.setattr(Follower, "_apply_arriving", arriving)
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 32)  # several segments a part: some written before the damage
+    seq = states(2)
+    res = publish_all(store, seq, part_bytes=4096, chunk_elems=256)
+    parts = [p.key for p in res[1].manifest.parts]
+    assert len(list(fmt.SegmentStream(memoryview(store.get(parts[1]))).ready(res[1].manifest.parts[1].size))) > 2
+    assert len(parts) == 3 and parts[1].endswith(store.damage)
+    held = {k: v.clone() for k, v in seq[0].items()}
+    f = Follower(store, held, version=0, stream=True, retries=1, backoff=0.0)
+    r = f.sync()
+    assert r.version == 1 and store.damaged == {parts[1]}
+    assert {s.what for s in r.spans if s.stage == "apply"} == set(parts)
     for k, v in seq[1].items():
         assert_bits_equal(held[k], v)
     f.check()
