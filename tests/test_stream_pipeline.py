@@ -230,6 +230,28 @@ def test_two_parts_stream_or_check_all_first(tmp_path, stream):
     f.check()
 
 
+def test_a_first_part_that_fails_while_the_parts_stream_together_is_resumed(tmp_path):
+    """Streaming, the two parts of a version are applied together: the first one is corrupt in
+    the store, and the second may be written by the time that shows. The version is pending; once
+    the object is repaired the next sync finishes it and the state is the target's."""
+    store = LocalStore(tmp_path / "s")
+    seq = states(2)
+    publish_all(store, seq[:1])
+    m = _two_part_version(store, seq[0], seq[1])
+    good = store.get(m.parts[0].key)
+    _corrupt(store, m.parts[0].key)
+    tensors = {k: v.clone() for k, v in seq[0].items()}
+    f = Follower(store, tensors, version=0, retries=0, stream=True)
+    with pytest.raises(CorruptObjectError, match="part-00000"):
+        f.sync()
+    store.put(m.parts[0].key, good)
+    r = f.sync()
+    assert f.version == 1 and r.version == 1
+    for k, v in seq[1].items():
+        assert_bits_equal(tensors[k], v)
+    f.check()
+
+
 class DamagedOnceStore(LocalStore):
     """The first download of each object whose key contains ``damage`` arrives with one byte
     flipped at ``at`` of its size (bytes damaged on the way; the object in the store is good),
