@@ -405,6 +405,43 @@ def test_a_streaming_follower_applies_the_parts_downloading_at_once_together(tmp
     assert_state(recv, target)
 
 
+def test_the_later_steps_of_a_path_stream_their_parts_too(tmp_path, monkeypatch):
+    """A sync over two deltas (version 0 -> 1 -> 2), each in eight parts, twice what the follower
+    downloads at once: every part of both steps is applied as it arrives. The first step ending
+    stops what waits for its own parts' downloads, not the next step's (whose last parts start
+    downloading only once its first ones are taken)."""
+    from dcr_testing import zeros_like
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.follower import Follower
+    from nemo_dcr.sync.publisher import Publisher
+    g = torch.Generator().manual_seed(22)
+    seq = [{f"w{i}": torch.randn(40_000, generator=g).bfloat16() for i in range(8)}]
+    for _ in range(2):
+        nxt = {k: v.clone() for k, v in seq[-1].items()}
+        for v in nxt.values():
+            v.view(-1)[::61] = torch.randn(v.numel() // 61 + 1, generator=g).to(torch.bfloat16)
+        seq.append(nxt)
+    store = LocalStore(tmp_path / "store")
+    pub = Publisher(store, signer=None, part_bytes=80_000)
+    keys = [[p.key for p in pub.publish(s).manifest.parts] for s in seq]
+    assert len(keys[1]) == len(keys[2]) == 8
+    streamed: list = []
+    real = Follower._apply_arriving
+
+    def arriving(self, p, *a, **kw):
+        streamed.append(p.key)
+        return real(self, p, *a, **kw)
+    monkeypatch.setattr(Follower, "_apply_arriving", arriving)
+    recv = zeros_like(seq[0])
+    f = Follower(store, recv, verifier=None, stream=True, prefetch=4)
+    f.sync(0)
+    streamed.clear()
+    r = f.sync()
+    assert r.steps == [("delta", 1), ("delta", 2)] and f.version == 2
+    assert sorted(streamed) == sorted(keys[1] + keys[2])
+    assert_state(recv, seq[2])
+
+
 def _stream_case(monkeypatch, seed=9):
     monkeypatch.setattr(fmt, "SEGMENT_BYTES", 256)  # ~5 chunks of w's 49 a segment
     base, target = states(seed, 200_000)

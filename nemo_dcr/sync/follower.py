@@ -751,6 +751,7 @@ class _Streaming:
             # not named "nemo-dcr...": util/parallel runs a call from its own pool's threads inline
             self._pool = ThreadPoolExecutor(feed.ahead, thread_name_prefix="dcr-stream")
             self._futures = {id(p): self._pool.submit(self._one, p) for p in parts}
+        self._parts = parts
 
     def _one(self, p):
         arriving = self._feed.arriving(p)
@@ -768,7 +769,7 @@ class _Streaming:
             return
         for f in self._futures.values():
             f.cancel()
-        self._feed.stop_waiting()  # a part waiting for its download to start gives up
+        self._feed.stop_waiting(self._parts)  # a part waiting for its download to start gives up
         self._pool.shutdown(wait=True)
 
 
@@ -786,7 +787,7 @@ class _Feed:
         self._fetch = lambda p, arriving=None: follower._fetch(p, spans, arriving)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
         self._index = {id(p): i for i, p in enumerate(self._parts)}
-        self._give_up = False
+        self._given_up: set = set()  # objects whose arriving() no longer waits (stop_waiting)
         self._ahead = min(follower.prefetch, len(self._parts))
         follower.link.age()
         self.pacer = Pacer(follower.link)
@@ -866,7 +867,7 @@ class _Feed:
     def arriving(self, part) -> _Arriving | None:
         """An object not yet taken while it downloads (its bytes so far), once its download
         started: None without background downloads, when its download could not start
-        (``take`` says why), or once ``stop_waiting`` was called."""
+        (``take`` says why), or once ``stop_waiting`` was called for it."""
         if not self._threads:
             return None
         with self._cond:
@@ -874,15 +875,16 @@ class _Feed:
             if i is None or i < self._taken:
                 raise RuntimeError(f"fetch order broken at {part.key}")
             while i not in self._arriving and i not in self._done:
-                if self._give_up or (self._failed is not None and i >= self._next):
+                if i in self._given_up or (self._failed is not None and i >= self._next):
                     return None
                 self._cond.wait()
             return self._arriving.get(i)
 
-    def stop_waiting(self) -> None:
-        """Who waits in ``arriving`` for a download that has not started returns None."""
+    def stop_waiting(self, parts) -> None:
+        """Who waits in ``arriving`` for one of ``parts`` whose download has not started returns
+        None (a step that ends early; the path's later steps still stream)."""
         with self._cond:
-            self._give_up = True
+            self._given_up.update(self._index[id(p)] for p in parts)
             self._cond.notify_all()
 
     def close(self) -> None:
