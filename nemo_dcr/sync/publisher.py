@@ -541,17 +541,17 @@ class _Changes:
     instead of a copy of the model.
 
     Where the diff reads each base chunk only before it reports the chunk's changes (format 3:
-    the base's tensor digests are summed before the chunks, ``delta/diff.py``), ``bind`` is
-    given the snapshot the diff reads and each chunk's changes go into it at once, on the worker
-    thread that found them, while the chunk is still in the CPU's caches; their old bits are
-    kept, and ``undo`` (a failed publish) writes them back. Otherwise the new bits are kept and
+    the base's tensor digests are summed before the chunks, ``delta/diff.py``; ``early``), each
+    chunk's changes go into the snapshot at once, on the worker thread that found them, while
+    the chunk is still in the CPU's caches; their old bits are kept, and ``undo`` (a failed
+    publish) writes them back. Otherwise the new bits are kept and
     written at ``commit``. Either way a failed publish leaves the snapshot the base of the next
     delta. Past ``MAX_SHARE`` of the snapshot's elements (a version that changed most of them:
     the changes would take more memory than the copy) what was written is undone, the changes
     are dropped as they come, and ``commit`` copies the snapshot whole from the published
     tensors instead."""
 
-    MAX_SHARE = 1 / 8  # an int64 index and the bits per change: 10 bytes against 2 of a BF16 copy
+    MAX_SHARE = 1 / 8  # an index (int32 where it fits) and the bits per change: 6-10 bytes against 2 of a BF16 copy
 
     def __init__(self, base: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec], early: bool):
         """``base``: the snapshot, the diff's base, sharded as ``shards``; ``early``: the diff
