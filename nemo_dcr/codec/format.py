@@ -35,16 +35,12 @@ from typing import BinaryIO, NoReturn
 
 import zstandard
 
-from nemo_dcr.codec.header import _PREAMBLE_SIZE as _header_preamble_size
-from nemo_dcr.codec.header import ChunkEntry, DeltaHeader, parse_header
+from nemo_dcr.codec.header import PREAMBLE, ChunkEntry, DeltaHeader, parse_header
 from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DeltaFormatError
 
 MAGIC = b"NDCRDLT\x00"
 END_MAGIC = b"\x00TLDRCDN"
-PREAMBLE = struct.Struct("<8sII")
-if PREAMBLE.size != _header_preamble_size:
-    raise ImportError("codec/header.py's _PREAMBLE_SIZE is not format.PREAMBLE.size")
 FOOTER = struct.Struct("<QQII8s")
 # A header's raw (decompressed) length is bounded before anything is allocated: by MAX_HEADER,
 # and by what its stored bytes can hold. Real headers compress ~3-10x (digests and checksums

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import enum
 import math
+import struct
 from dataclasses import dataclass, field
 from typing import NoReturn
 
@@ -31,7 +32,9 @@ MAX_ELEMENTS = 1 << 48  # elements of one tensor
 MAX_CHUNK_ELEMS = 1 << 26  # elements of one chunk: bounds a decoder's scratch (512 MiB at 8 bytes)
 MAX_CLASS_ROWS = 256
 _U32 = (1 << 32) - 1
-_PREAMBLE_SIZE = 16  # codec/format.PREAMBLE.size (format imports this module; it checks the two agree)
+# the file's first bytes (docs/format.md): magic, format version, flags. Defined here, where the
+# chunk checks bound every payload offset by it; codec/format.py (which imports this module) uses it
+PREAMBLE = struct.Struct("<8sII")
 _CHUNK_INTS = ("start", "n", "k", "off", "plen", "vlen", "praw", "vraw")
 _CHUNK_INT_MAX = MAX_ELEMENTS * 16
 _POSITIONS = frozenset(_p.CODINGS + (_c.CLASSES,))
@@ -46,13 +49,13 @@ class TensorKind(str, enum.Enum):
 _KINDS = {k.value: k for k in TensorKind}
 
 
-def _need(cond, why: str) -> None:
-    if not cond:
-        raise DeltaFormatError(f"malformed header: {why}")
-
-
 def _fail(why: str) -> NoReturn:
     raise DeltaFormatError(f"malformed header: {why}")
+
+
+def _need(cond, why: str) -> None:
+    if not cond:
+        _fail(why)
 
 
 def _ints(vs: list, hi: int) -> bool:
@@ -127,7 +130,7 @@ class ChunkEntry:
             _fail(f"{where}: chunk flags")
         if not (isinstance(c.get("pre"), str) and isinstance(c.get("post"), str)):
             _fail(f"{where}: chunk digests")
-        if not (c["off"] >= _PREAMBLE_SIZE and c["off"] + c["plen"] + c["vlen"] <= payload_end):
+        if not (c["off"] >= PREAMBLE.size and c["off"] + c["plen"] + c["vlen"] <= payload_end):
             _fail(f"{where}: chunk payload outside the file")
         rows = None
         if enc == _c.CLASSES:
