@@ -1,36 +1,64 @@
 """Byte planes: the k values of width w are stored as w planes of k bytes, least significant
 byte first. Bytes of the same significance sit together, which zstd compresses far better
-(the high byte of a small BF16 update is almost always 0 under XOR)."""
+(the high byte of a small BF16 update is almost always 0 under XOR).
+
+Both ways run in the C library where it is loaded (``csrc/dcr_planes.c``: one pass, no
+temporaries; the join ~70x faster than numpy's strided copy on 2 MiB of BF16, the split ~4x
+faster than the torch passes below), else the reference here: the same bytes."""
 from __future__ import annotations
 
 import numpy as np
 import torch
 
+from nemo_dcr.codec import native
 from nemo_dcr.errors import DeltaFormatError
 from nemo_dcr.state.dtypes import INT_VIEW
 
 
-def split(values: torch.Tensor) -> bytes:
-    """values: 1-D integer tensor -> plane-major little-endian bytes."""
+def split(values: torch.Tensor, use_native: bool | None = None):
+    """values: 1-D integer tensor -> plane-major little-endian bytes (bytes-like: a memoryview
+    of a fresh buffer where the C library made them, bytes from the reference)."""
     w = values.element_size()
     v = values.contiguous().reshape(-1)
+    lib = native.lib() if use_native is not False and v.numel() else None
+    if lib is not None:
+        out = torch.empty(w * v.numel(), dtype=torch.uint8)
+        if lib.dcr_planes_split(v.data_ptr(), v.numel(), w, out.data_ptr()) == 0:
+            return memoryview(out.numpy())
     if w == 1:
         return v.view(torch.uint8).numpy().tobytes()
     # plane p is (v >> 8p) & 0xFF, vectorised shifts into a (w, k) uint8 tensor: 2.5x faster than
     # numpy's transposing copy of the (k, w) byte view, which in turn is ~70x faster than torch's
-    # (element by element); this runs on every value stream, a keyframe's whole model among them
+    # (element by element)
     out = torch.empty(w, v.numel(), dtype=torch.uint8)
     for p in range(w):
         out[p] = torch.bitwise_and(torch.bitwise_right_shift(v, 8 * p) if p else v, 0xFF)
     return out.numpy().tobytes()
 
 
-def join(raw: bytes, k: int, w: int) -> torch.Tensor:
+def join(raw, k: int, w: int, use_native: bool | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The inverse of ``split``: ``raw`` (bytes-like, read-only is fine) -> k values of w bytes,
+    in a new tensor, or written into ``out`` (contiguous, k elements of w bytes, on the host:
+    a receiver's own range) and returned."""
     if len(raw) != k * w:
         raise DeltaFormatError(f"value stream has {len(raw)} bytes, expected {k} x {w}")
+    if out is not None and (out.numel() != k or out.element_size() != w or not out.is_contiguous()
+                            or out.device.type != "cpu"):
+        raise ValueError(f"join into a tensor of {out.numel()} x {out.element_size()} bytes on {out.device} "
+                         f"(contiguous: {out.is_contiguous()}); {k} x {w} on the host wanted")
     if k == 0:
-        return torch.empty(0, dtype=INT_VIEW[w])
-    planes = np.frombuffer(raw, dtype=np.uint8).reshape(w, k)
+        return torch.empty(0, dtype=INT_VIEW[w]) if out is None else out
+    src = np.frombuffer(raw, dtype=np.uint8)
+    lib = native.lib() if use_native is not False else None
+    if lib is not None:
+        dst = torch.empty(k, dtype=INT_VIEW[w]) if out is None else out
+        # the address from the array interface: ``src.ctypes`` makes a reference cycle, which
+        # would keep each payload (a download's buffer) alive until a garbage collection
+        if lib.dcr_planes_join(src.__array_interface__["data"][0], k, w, dst.data_ptr()) == 0:
+            if out is not None:  # written behind torch's back: its version counter says so, as a copy_ would
+                torch.autograd.graph.increment_version(out)
+            return dst
     # numpy's transposing copy (see split); np.array always copies, so the result is writable
     # even where raw is read-only bytes
-    return torch.from_numpy(np.array(planes.T, order="C").reshape(-1)).view(INT_VIEW[w])
+    vals = torch.from_numpy(np.array(src.reshape(w, k).T, order="C").reshape(-1)).view(INT_VIEW[w])
+    return vals if out is None else out.copy_(vals.view(out.dtype))

@@ -1,0 +1,81 @@
+/* Byte planes (nemo_dcr/codec/planes.py, docs/format.md): k values of w bytes stored as w planes
+ * of k bytes, least significant byte first. Every portable value stream and every keyframe chunk
+ * goes through these, both ways; the PyTorch/numpy reference made several passes and temporaries
+ * of a chunk (split) or a strided numpy copy (join, ~70x slower than this on 2 MiB of BF16).
+ *
+ * Plain loops over a constant width, which the compiler vectorises at the baseline ISA (-O3, no
+ * -march): memory-bound at about 2x a memcpy. Planes follow the bytes in memory, so this is the
+ * reference's arithmetic (byte p = (v >> 8p) & 0xFF) on a little-endian host only; elsewhere the
+ * functions return -1 and the reference runs. */
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+#define DCR_PLANES_LE 1
+#endif
+
+#define SPLIT(W) static void split_w##W(const uint8_t *restrict s, int64_t k, uint8_t *restrict d) { \
+    for (int64_t i = 0; i < k; i++) for (int p = 0; p < W; p++) d[p * k + i] = s[i * W + p]; }
+#define JOIN(W) static void join_w##W(const uint8_t *restrict s, int64_t k, uint8_t *restrict d) { \
+    for (int64_t i = 0; i < k; i++) for (int p = 0; p < W; p++) d[i * W + p] = s[p * k + i]; }
+SPLIT(2)
+SPLIT(4)
+JOIN(2)
+JOIN(4)
+JOIN(8)
+
+/* 8 x 8 bytes transposed in registers: byte c of r[j] goes to byte j of r[c] (three rounds of
+ * block swaps). The plain loop is not vectorised for 8 planes and ran at the reference's speed. */
+static inline void transpose8(uint64_t r[8]) {
+    for (int j = 0; j < 4; j++) {
+        uint64_t t = ((r[j] >> 32) ^ r[j + 4]) & 0x00000000FFFFFFFFull; r[j] ^= t << 32; r[j + 4] ^= t;
+    }
+    for (int j = 0; j < 8; j += (j & 1) ? 3 : 1) {  /* 0, 1, 4, 5 */
+        uint64_t t = ((r[j] >> 16) ^ r[j + 2]) & 0x0000FFFF0000FFFFull; r[j] ^= t << 16; r[j + 2] ^= t;
+    }
+    for (int j = 0; j < 8; j += 2) {
+        uint64_t t = ((r[j] >> 8) ^ r[j + 1]) & 0x00FF00FF00FF00FFull; r[j] ^= t << 8; r[j + 1] ^= t;
+    }
+}
+
+static void split_w8(const uint8_t *restrict s, int64_t k, uint8_t *restrict d) {
+    int64_t i = 0;
+    for (; i + 8 <= k; i += 8) {
+        uint64_t r[8];
+        memcpy(r, s + i * 8, 64);
+        transpose8(r);
+        for (int p = 0; p < 8; p++) memcpy(d + p * k + i, &r[p], 8);
+    }
+    for (; i < k; i++) for (int p = 0; p < 8; p++) d[p * k + i] = s[i * 8 + p];
+}
+
+/* src: k values of w bytes; dst: w * k bytes, plane 0 (least significant bytes) first. 0, or -1
+ * for a width it does not take (the caller runs the reference). */
+int dcr_planes_split(const void *src, int64_t k, int w, void *dst) {
+#ifdef DCR_PLANES_LE
+    if (k < 0) return -1;
+    switch (w) {
+    case 1: if (k) memcpy(dst, src, (size_t)k); return 0;
+    case 2: split_w2(src, k, dst); return 0;
+    case 4: split_w4(src, k, dst); return 0;
+    case 8: split_w8(src, k, dst); return 0;
+    }
+#endif
+    (void)src; (void)k; (void)w; (void)dst;
+    return -1;
+}
+
+/* The inverse: src w planes of k bytes, dst k values of w bytes. */
+int dcr_planes_join(const void *src, int64_t k, int w, void *dst) {
+#ifdef DCR_PLANES_LE
+    if (k < 0) return -1;
+    switch (w) {
+    case 1: if (k) memcpy(dst, src, (size_t)k); return 0;
+    case 2: join_w2(src, k, dst); return 0;
+    case 4: join_w4(src, k, dst); return 0;
+    case 8: join_w8(src, k, dst); return 0;
+    }
+#endif
+    (void)src; (void)k; (void)w; (void)dst;
+    return -1;
+}
