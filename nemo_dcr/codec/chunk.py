@@ -301,17 +301,18 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
     return (idx, vals, None) if with_old else (idx, vals)
 
 
-def decode_dense(h: ChunkEntry, payload, w: int) -> torch.Tensor:
-    """The value bits of a chunk whose positions are ``dense`` (every element of its range, in
-    order: a keyframe's chunk, a tensor sent whole): ``decode_chunk`` without the positions, which
-    are the range itself (an int64 array of the chunk's length, not made)."""
+def dense_stream(h: ChunkEntry, payload, w: int):
+    """The value stream of a chunk whose positions are ``dense`` (every element of its range, in
+    order: a keyframe's chunk, a tensor sent whole), checked and decompressed: its byte planes,
+    which ``planes.join`` turns into the values, or writes straight into a receiver's range. The
+    positions are the range itself (an int64 array of the chunk's length, not made)."""
     if zlib.crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     if h.pos != positions.DENSE or h.k != h.n or h.plen or h.praw:
         raise DeltaFormatError("dense positions with a non-full chunk or a payload")
     if h.vraw != h.k * w:
         raise DeltaFormatError(f"value stream of {h.vraw} bytes for {h.k} changes of {w} bytes")
-    return planes.join(unpack(memoryview(payload)[h.plen:], h.vz, h.vraw), h.k, w)
+    return unpack(memoryview(payload)[h.plen:], h.vz, h.vraw)
 
 
 def locate_chunk(h: ChunkEntry, payload, base: torch.Tensor, dtype: torch.dtype):

@@ -24,8 +24,8 @@ from typing import NoReturn
 
 import torch
 
-from nemo_dcr.codec import ordered
-from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, decode_dense, locate_chunk
+from nemo_dcr.codec import ordered, planes
+from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, dense_stream, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
 from nemo_dcr.codec.positions import DENSE
@@ -271,10 +271,15 @@ def _apply_range(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: boo
     local) and scatters through them: 5x the chunk's BF16 bytes of scratch per worker, which the
     C library's arenas kept (a keyframe sync peaked at 2.3x the model for 2 MiB tensors)."""
     view = t.fa.read(c.start, c.end)  # (a view: contiguous)
-    vals = decode_dense(c, reader.payload(c), t.w).to(view.device)
+    raw = dense_stream(c, reader.payload(c), t.w)  # checked and decompressed: nothing below fails on it
     need_cur = t.xor_ok and t.plan.action != Action.CREATE
     if t.plan.checks_chunks and _check(t, c, view, in_journal):
         return "already", 0
+    if c.enc == OVERWRITE and t.moved is None and view.device.type == "cpu":
+        # the new bits are the values: joined straight into the range, no chunk-sized buffer
+        planes.join(raw, c.k, t.w, out=view)
+        return "applied", c.n
+    vals = planes.join(raw, c.k, t.w).to(view.device)
     new = new_bits(t.plan.name, c, t.dtype, view if need_cur else None, vals, t.xor_ok)
     if t.moved is not None:
         t.moved.replace(c.start, view, new)
