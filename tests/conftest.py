@@ -62,3 +62,49 @@ def pytest_runtest_setup(item):
             and "@" not in item.nodeid:
         pytest.fail(f"pytest-xdist's --dist loadgroup did not group {item.nodeid} under this pytest "
                     f"({pytest.__version__}); the vLLM venv pins pytest < 9 (Makefile, VLLM_TEST_DEPS)", pytrace=False)
+
+
+# vLLM's CPU backend shares memory between the ranks of a tensor-parallel engine through files in
+# /dev/shm (vllm_dist_<id>-tp:...-cpushm_<rank>, 4 MiB each), which only a clean shutdown of every
+# rank removes; the engines these tests stop or kill left ~40 MB per `make test-vllm`. The
+# controlling process (not an xdist worker, whose engines may still run in another worker) removes
+# those the session made once it ends, except any a live process still maps or holds open.
+_SHM = "/dev/shm"
+_SHM_BEFORE: set = set()
+
+
+def _vllm_segments() -> set:
+    try:
+        return {n for n in os.listdir(_SHM) if n.startswith("vllm_dist_")}
+    except OSError:
+        return set()
+
+
+def _in_use() -> set:
+    """The /dev/shm files some process maps or holds open."""
+    used = set()
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/maps") as f:
+                used.update(line.split(None, 5)[5].strip() for line in f if f"{_SHM}/" in line)
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                used.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except (OSError, IndexError):
+            continue  # gone, or not ours to read
+    return {os.path.basename(u) for u in used if u.startswith(f"{_SHM}/")}
+
+
+def pytest_sessionstart(session):
+    _SHM_BEFORE.update(_vllm_segments())
+
+
+def pytest_sessionfinish(session):
+    if hasattr(session.config, "workerinput"):
+        return
+    left = _vllm_segments() - _SHM_BEFORE
+    if left:
+        for name in left - _in_use():
+            try:
+                os.unlink(os.path.join(_SHM, name))
+            except OSError:
+                pass
