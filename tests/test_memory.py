@@ -42,10 +42,11 @@ def test_a_streaming_keyframe_sync_holds_the_model_and_the_parts_in_flight(store
     """stream=True: each part's bytes are let go once it is applied, a download's buffer is a
     mapping of its own (given back when let go), and a dense chunk is written into its range
     (no int64 positions). Before: every part was kept to the end of the step, freed buffers and
-    the positions' scratch stayed in the threads' arenas: 2.6x the model here (1.87x at 1 GiB),
-    now ~1.55x here (1.33x at 1 GiB)."""
+    the positions' scratch stayed in the threads' arenas: 2.6x the model here (1.87x at 1 GiB);
+    then a reference cycle kept each part's buffer to the next garbage collection: 1.55-1.72x;
+    now 1.27-1.35x here (bound: 1.5x)."""
     r = bench.load("memory").run_case("keyframe", GB, store, True, ELEMS)
-    _within(r, "peak", 1.25)
+    _within(r, "peak", 1.0)
     _within(r, "after", 1.0)
 
 

@@ -469,3 +469,33 @@ def test_publisher_encodes_the_next_part_while_one_uploads(tmp_path):
     r = pub.publish(seq[1])
     assert store.overlapped, "the second part was not encoded while the first uploaded"
     assert [s.what for s in r.spans if s.stage == "encode"] == ["delta part 0", "delta part 1", "delta part 2"]
+
+
+@pytest.mark.parametrize("keyframe", [True, False])
+def test_a_streamed_parts_buffer_goes_when_let_go_not_at_a_garbage_collection(tmp_path, keyframe):
+    """A streaming follower's parts leave no reference cycles behind: the segment checker once kept
+    a bound method of the object's stream, which held the download's buffer, so every part's bytes
+    stayed until the next garbage collection (a streaming keyframe sync of 0.125 GiB peaked at
+    1.64-1.72x the model instead of 1.27-1.35x)."""
+    import gc
+    store = LocalStore(tmp_path / "store")
+    seq = states(2)
+    publish_all(store, seq, part_bytes=4096, signer=None)
+    held = {k: torch.zeros_like(v) for k, v in seq[0].items()} if keyframe else {k: v.clone() for k, v in seq[0].items()}
+    f = Follower(store, held, stream=True, verifier=None, **({} if keyframe else {"version": 0, "verify_initial": False}))
+    gc.collect()
+    gc.disable()
+    try:
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        res = f.sync()
+        assert res.version == 1
+        del f
+        gc.collect()
+        left = [type(o).__name__ for o in gc.garbage]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not left, f"{len(left)} objects in reference cycles after a sync: {sorted(set(left))}"
+    for k, v in seq[1].items():
+        assert_bits_equal(held[k], v, k)

@@ -436,6 +436,13 @@ class SegmentMerger:
         return {**self.opened, **closed, "tensors": self.tensors}
 
 
+def _failing(name: str) -> Callable[[str], NoReturn]:
+    """``fail(why)``: raises ``DeltaFormatError`` naming the object ``name``."""
+    def fail(why: str) -> NoReturn:
+        raise DeltaFormatError(f"{name}: {why}")
+    return fail
+
+
 class SegmentStream:
     """A version-3 object read while it arrives in ``buf`` (its first ``filled`` bytes there):
     ``ready(filled)`` -> a reader of each segment complete by then, in order, its chunks only
@@ -448,13 +455,13 @@ class SegmentStream:
     def __init__(self, buf, name: str = "<delta>"):
         self.buf, self.name = buf, name
         self.pos = PREAMBLE.size
+        # a function of the name, not a bound method: the merger keeps it, and a cycle through
+        # self would keep the download's buffer until a garbage collection, not until let go
+        self._fail = _failing(name)
         self.merger = SegmentMerger(self._fail)
         self.streamable: bool | None = None  # known once the preamble is in
         self.version = 0
         self._full: dict | None = None  # a tensor sent whole, its pieces so far
-
-    def _fail(self, why: str) -> NoReturn:
-        raise DeltaFormatError(f"{self.name}: {why}")
 
     def ready(self, filled: int) -> Iterator[DeltaReader]:
         """The readers of the segments complete within the first ``filled`` bytes, in order,
