@@ -19,7 +19,6 @@ A chunk is a contiguous range ``[start, start + n)`` of a region's flat index. E
 from __future__ import annotations
 
 import threading
-import zlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -27,6 +26,7 @@ import torch
 import zstandard
 
 from nemo_dcr.codec import classes, ordered, planes, positions
+from nemo_dcr.codec.checksum import crc32
 
 # the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
 from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
@@ -144,7 +144,7 @@ class EncodedChunk:
 
     def __post_init__(self):
         if self.crc is None:
-            self.crc = zlib.crc32(self.val_bytes, zlib.crc32(self.pos_bytes))
+            self.crc = crc32(self.val_bytes, crc32(self.pos_bytes))
 
     def entry(self, offset: int) -> ChunkEntry:
         """The typed entry a reader would parse from ``header(offset)``."""
@@ -284,7 +284,7 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
     view) and ``dtype``; its values are the new bits, not a difference. ``with_old``: a third
     item, the base bits at the positions where the decode read them (``classes`` chunks), else
     None (the caller gathers them)."""
-    if zlib.crc32(payload) != h.crc:
+    if crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     p = memoryview(payload)
     if h.enc == CLASSES or h.pos == CLASSES:
@@ -306,7 +306,7 @@ def dense_stream(h: ChunkEntry, payload, w: int):
     order: a keyframe's chunk, a tensor sent whole), checked and decompressed: its byte planes,
     which ``planes.join`` turns into the values, or writes straight into a receiver's range. The
     positions are the range itself (an int64 array of the chunk's length, not made)."""
-    if zlib.crc32(payload) != h.crc:
+    if crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     if h.pos != positions.DENSE or h.k != h.n or h.plen or h.praw:
         raise DeltaFormatError("dense positions with a non-full chunk or a payload")
@@ -334,7 +334,7 @@ def chunk_streams(h: ChunkEntry, payload, w: int, dtype: torch.dtype):
     O(changes). ``locate_chunk`` places them against a base held anywhere; a receiver group whose
     ranks hold the chunk between them places them from the ranks' class counts
     (``sync/chunk_gather.py``)."""
-    if zlib.crc32(payload) != h.crc:
+    if crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
     return classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant)

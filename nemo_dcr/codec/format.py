@@ -29,12 +29,12 @@ import json
 import mmap
 import os
 import struct
-import zlib
 from collections.abc import Callable, Iterator
 from typing import BinaryIO, NoReturn
 
 import zstandard
 
+from nemo_dcr.codec.checksum import crc32
 from nemo_dcr.codec.header import PREAMBLE, ChunkEntry, DeltaHeader, parse_header
 from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DeltaFormatError
@@ -104,7 +104,7 @@ class DeltaWriter:
     def _write_segment(self, index: dict, payload: list | tuple = ()) -> None:
         stored, raw_len = _index_bytes(index, SEGMENT_LEVEL)
         n = sum(len(p) for p in payload)
-        self.f.write(SEGMENT.pack(len(stored), raw_len, zlib.crc32(stored), n))
+        self.f.write(SEGMENT.pack(len(stored), raw_len, crc32(stored), n))
         self.f.write(stored)
         for p in payload:  # each stream as the encoder made it: no copy into one buffer first
             if p:
@@ -172,7 +172,7 @@ class DeltaWriter:
         # ~12 % smaller for a few ms (30 KB: 5.8 ms); a large one (many chunks) keeps level 3
         stored, raw_len = _index_bytes(header, HEADER_LEVEL)
         self.f.write(stored)
-        self.f.write(FOOTER.pack(len(stored), raw_len, zlib.crc32(stored), self.version, END_MAGIC))
+        self.f.write(FOOTER.pack(len(stored), raw_len, crc32(stored), self.version, END_MAGIC))
         self.offset += len(stored) + FOOTER.size
         return self.offset
 
@@ -235,7 +235,7 @@ class DeltaReader:
         self._stored_len = stored_len
         start = self.size - FOOTER.size - stored_len
         stored = self.buf[start:self.size - FOOTER.size]
-        if zlib.crc32(stored) != crc:
+        if crc32(stored) != crc:
             self._fail("header checksum mismatch")
         from nemo_dcr.codec.chunk import unpack
         try:
@@ -296,7 +296,7 @@ class DeltaReader:
         for t in self.header.tensors:
             for c in t.chunks:
                 p = self.payload(c)
-                if zlib.crc32(p) != c.crc:
+                if crc32(p) != c.crc:
                     self._fail(f"tensor {t.name!r}: chunk at element {c.start} fails its checksum")
                 try:
                     if c.pz:
@@ -340,7 +340,7 @@ def read_segment(buf, pos: int, limit: int, fail: Callable[[str], NoReturn]) -> 
     if raw_len > header_bound(stored_len):
         fail(f"segment index claims {raw_len} bytes from {stored_len} stored (at most {header_bound(stored_len)})")
     stored = buf[pos + SEGMENT.size:start]
-    if zlib.crc32(stored) != crc:
+    if crc32(stored) != crc:
         fail("segment index checksum mismatch")
     try:
         index = json.loads(unpack(stored, True, raw_len))

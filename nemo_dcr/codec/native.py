@@ -113,6 +113,8 @@ def _declare(lib) -> None:
     for f in (lib.dcr_planes_split, lib.dcr_planes_join):
         f.restype = ctypes.c_int
         f.argtypes = [p, i64, ctypes.c_int, p]
+    lib.dcr_crc32.restype = ctypes.c_int
+    lib.dcr_crc32.argtypes = [p, i64, ctypes.c_uint32, p]
 
 
 def _load(path: Path):
