@@ -481,8 +481,9 @@ def test_a_streamed_parts_buffer_goes_when_let_go_not_at_a_garbage_collection(tm
     store = LocalStore(tmp_path / "store")
     seq = states(2)
     publish_all(store, seq, part_bytes=4096, signer=None)
-    held = {k: torch.zeros_like(v) for k, v in seq[0].items()} if keyframe else {k: v.clone() for k, v in seq[0].items()}
-    f = Follower(store, held, stream=True, verifier=None, **({} if keyframe else {"version": 0, "verify_initial": False}))
+    held = {k: torch.zeros_like(v) if keyframe else v.clone() for k, v in seq[0].items()}
+    at = {} if keyframe else {"version": 0, "verify_initial": False}
+    f = Follower(store, held, stream=True, verifier=None, **at)
     gc.collect()
     gc.disable()
     try:

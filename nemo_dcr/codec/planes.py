@@ -24,7 +24,7 @@ def split(values: torch.Tensor, use_native: bool | None = None):
     if lib is not None:
         out = torch.empty(w * v.numel(), dtype=torch.uint8)
         if lib.dcr_planes_split(v.data_ptr(), v.numel(), w, out.data_ptr()) == 0:
-            return memoryview(out.numpy())
+            return memoryview(out.numpy().data)
     if w == 1:
         return v.view(torch.uint8).numpy().tobytes()
     # plane p is (v >> 8p) & 0xFF, vectorised shifts into a (w, k) uint8 tensor: 2.5x faster than
