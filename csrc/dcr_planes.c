@@ -49,33 +49,29 @@ static void split_w8(const uint8_t *restrict s, int64_t k, uint8_t *restrict d) 
     for (; i < k; i++) for (int p = 0; p < 8; p++) d[p * k + i] = s[i * 8 + p];
 }
 
-/* src: k values of w bytes; dst: w * k bytes, plane 0 (least significant bytes) first. 0, or -1
- * for a width it does not take (the caller runs the reference). */
-int dcr_planes_split(const void *src, int64_t k, int w, void *dst) {
+typedef void (*planes_fn)(const uint8_t *restrict, int64_t, uint8_t *restrict);
+static const planes_fn SPLITS[9] = {[2] = split_w2, [4] = split_w4, [8] = split_w8};
+static const planes_fn JOINS[9] = {[2] = join_w2, [4] = join_w4, [8] = join_w8};
+
+static int run(const planes_fn *fns, const void *src, int64_t k, int w, void *dst) {
 #ifdef DCR_PLANES_LE
-    if (k < 0) return -1;
-    switch (w) {
-    case 1: if (k) memcpy(dst, src, (size_t)k); return 0;
-    case 2: split_w2(src, k, dst); return 0;
-    case 4: split_w4(src, k, dst); return 0;
-    case 8: split_w8(src, k, dst); return 0;
+    if (k < 0 || w < 1 || w > 8) return -1;
+    if (w == 1) {
+        if (k) memcpy(dst, src, (size_t)k);
+        return 0;
     }
-#endif
-    (void)src; (void)k; (void)w; (void)dst;
+    if (!fns[w]) return -1;
+    fns[w](src, k, dst);
+    return 0;
+#else
+    (void)fns; (void)src; (void)k; (void)w; (void)dst;
     return -1;
+#endif
 }
 
+/* src: k values of w bytes; dst: w * k bytes, plane 0 (least significant bytes) first. 0, or -1
+ * for a width it does not take (the caller runs the reference). */
+int dcr_planes_split(const void *src, int64_t k, int w, void *dst) { return run(SPLITS, src, k, w, dst); }
+
 /* The inverse: src w planes of k bytes, dst k values of w bytes. */
-int dcr_planes_join(const void *src, int64_t k, int w, void *dst) {
-#ifdef DCR_PLANES_LE
-    if (k < 0) return -1;
-    switch (w) {
-    case 1: if (k) memcpy(dst, src, (size_t)k); return 0;
-    case 2: join_w2(src, k, dst); return 0;
-    case 4: join_w4(src, k, dst); return 0;
-    case 8: join_w8(src, k, dst); return 0;
-    }
-#endif
-    (void)src; (void)k; (void)w; (void)dst;
-    return -1;
-}
+int dcr_planes_join(const void *src, int64_t k, int w, void *dst) { return run(JOINS, src, k, w, dst); }
