@@ -7,8 +7,6 @@ from __future__ import annotations
 import ctypes
 import zlib
 
-import numpy as np
-
 from nemo_dcr.codec import native
 
 NATIVE_MIN = 4096  # bytes: shorter buffers go to zlib
@@ -18,10 +16,9 @@ def crc32(data, value: int = 0, use_native: bool | None = None) -> int:
     """``zlib.crc32(data, value)`` for any contiguous bytes-like ``data``."""
     lib = native.lib() if use_native is not False else None
     if lib is not None:
-        a = np.frombuffer(data, dtype=np.uint8)
+        a, address = native.buffer_address(data)
         if a.size >= NATIVE_MIN or use_native:
             out = ctypes.c_uint32()
-            # the address from the array interface: ``a.ctypes`` makes a reference cycle
-            if lib.dcr_crc32(a.__array_interface__["data"][0], a.size, value, ctypes.byref(out)) == 0:
+            if lib.dcr_crc32(address, a.size, value, ctypes.byref(out)) == 0:
                 return out.value
     return zlib.crc32(data, value)

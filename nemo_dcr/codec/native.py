@@ -31,6 +31,8 @@ import subprocess
 import threading
 from pathlib import Path
 
+import numpy as np
+
 from nemo_dcr.util.atomic import replacing
 
 LIBRARY = Path(__file__).resolve().parent / "libdcr.so"  # built by setup.py
@@ -115,6 +117,15 @@ def _declare(lib) -> None:
         f.argtypes = [p, i64, ctypes.c_int, p]
     lib.dcr_crc32.restype = ctypes.c_int
     lib.dcr_crc32.argtypes = [p, i64, ctypes.c_uint32, p]
+
+
+def buffer_address(buf) -> tuple[np.ndarray, int]:
+    """(holder, address) of a contiguous bytes-like ``buf`` (read-only is fine: a download's
+    buffer, ``bytes``) for a kernel call, without a copy; keep ``holder`` until the call returns.
+    The address comes from numpy's array interface: ``ndarray.ctypes`` makes a reference cycle,
+    which kept each payload alive until a garbage collection."""
+    a = np.frombuffer(buf, dtype=np.uint8)
+    return a, a.__array_interface__["data"][0]
 
 
 def _load(path: Path):

@@ -48,17 +48,16 @@ def join(raw, k: int, w: int, use_native: bool | None = None, out: torch.Tensor 
                          f"(contiguous: {out.is_contiguous()}); {k} x {w} on the host wanted")
     if k == 0:
         return torch.empty(0, dtype=INT_VIEW[w]) if out is None else out
-    src = np.frombuffer(raw, dtype=np.uint8)
     lib = native.lib() if use_native is not False else None
     if lib is not None:
         dst = torch.empty(k, dtype=INT_VIEW[w]) if out is None else out
-        # the address from the array interface: ``src.ctypes`` makes a reference cycle, which
-        # would keep each payload (a download's buffer) alive until a garbage collection
-        if lib.dcr_planes_join(src.__array_interface__["data"][0], k, w, dst.data_ptr()) == 0:
+        _, src = native.buffer_address(raw)
+        if lib.dcr_planes_join(src, k, w, dst.data_ptr()) == 0:
             if out is not None:  # written behind torch's back: its version counter says so, as a copy_ would
                 torch.autograd.graph.increment_version(out)
             return dst
     # numpy's transposing copy (see split); np.array always copies, so the result is writable
     # even where raw is read-only bytes
-    vals = torch.from_numpy(np.array(src.reshape(w, k).T, order="C").reshape(-1)).view(INT_VIEW[w])
+    planes = np.frombuffer(raw, dtype=np.uint8).reshape(w, k)
+    vals = torch.from_numpy(np.array(planes.T, order="C").reshape(-1)).view(INT_VIEW[w])
     return vals if out is None else out.copy_(vals.view(out.dtype))
