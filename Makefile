@@ -43,7 +43,7 @@ test: lint
 # NeMo-recipe and resume tests under Lightning 2.4; measured 59 s on 2 busy cores (NeMo's imports ~40 s of it).
 NEMO_VERSION := 2.7.3
 NEMO_VENV ?= $(HOME)/.cache/nemo-dcr/venv-nemo-$(NEMO_VERSION)
-NEMO_STAMP := $(NEMO_VENV)/.installed-1
+NEMO_STAMP := $(NEMO_VENV)/.installed-2
 $(NEMO_STAMP):
 	$(PY) -m venv $(NEMO_VENV)
 	$(NEMO_VENV)/bin/python -m pip install --quiet --upgrade pip
