@@ -117,6 +117,14 @@ def _declare(lib) -> None:
         f.argtypes = [p, i64, ctypes.c_int, p]
     lib.dcr_crc32.restype = ctypes.c_int
     lib.dcr_crc32.argtypes = [p, i64, ctypes.c_uint32, p]
+    lib.dcr_gaps_len.restype = i64
+    lib.dcr_gaps_len.argtypes = [p, i64]
+    lib.dcr_gaps_encode.restype = i64
+    lib.dcr_gaps_encode.argtypes = [p, i64, p]
+    lib.dcr_gaps_decode.restype = ctypes.c_int
+    lib.dcr_gaps_decode.argtypes = [p, i64, i64, i64, p, p]
+    lib.dcr_ordered.restype = ctypes.c_int
+    lib.dcr_ordered.argtypes = [p, p, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, p]
 
 
 def buffer_address(buf) -> tuple[np.ndarray, int]:
