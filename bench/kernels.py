@@ -8,7 +8,10 @@ keyframe publish, as multiples of one memcpy of the shard, measured side by side
 The shard is synthetic and deterministic: ``--elems`` BF16 weights ~ N(0, 0.02), and targets in
 which ``--changes`` of the elements (default 1 % and 5 %) changed: one optimizer-like step
 ``w + lr * z`` rounded to BF16 (see ``make_target``), so that, as in training, mostly the small
-weights change.
+weights change. With ``--ulps K`` the step instead moves ``--changes`` of the elements, drawn at
+random, by about K units in the last place each (``w (1 + K 2^-8 z)``): larger updates, for
+which the ``classes`` coding costs more than a byte per change and ``auto`` tries the portable
+codings too (xor, add, overwrite: ``codec/chunk.py``).
 Timed (median of ``--reps``), per change rate, each result checked bit for bit:
 
 * ``memcpy`` -- ``dst.copy_(shard)`` on one torch thread: the unit every ratio is in, the median
@@ -117,6 +120,16 @@ def make_target(base: torch.Tensor, rate: float, seed: int = 1) -> torch.Tensor:
         changed = float((_step(sample, zs, mid).view(torch.int16) != sample.view(torch.int16)).float().mean())
         lo, hi = (mid, hi) if changed < rate else (lo, mid)
     return _step(base, z, hi)
+
+
+def make_wide_target(base: torch.Tensor, rate: float, ulps: float, seed: int = 1) -> torch.Tensor:
+    """``base`` with ``rate`` of its elements (at random) moved by ``ulps * z`` units in the last
+    place, roughly (``w (1 + ulps 2^-8 z)``, ``z`` ~ N(0, 1), rounded to BF16: some of the drawn
+    elements round back to where they were)."""
+    g = torch.Generator().manual_seed(seed)
+    moved = torch.rand(base.numel(), generator=g) < rate
+    z = torch.randn(base.numel(), generator=g) * moved
+    return (base.float() * (1 + ulps * 2.0 ** -8 * z)).to(torch.bfloat16)
 
 
 class Memcpy:
@@ -351,18 +364,20 @@ def _load() -> str:
         return "?"
 
 
-def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick: bool = False) -> dict:
+def run(elems: int, changes=(0.01, 0.05), reps: int = 3, workers: int = 2, quick: bool = False,
+        ulps: float | None = None) -> dict:
     t0 = time.perf_counter()
     base = make_shard(elems)
     memcpy = Memcpy(base)
     memcpy(max(5, reps * 3))
     out = {"config": {"elements": elems, "bytes": 2 * elems, "dtype": "bfloat16", "changes": list(changes),
-                      "reps": reps, "workers": workers, "quick": quick, "chunk_elems": DEFAULT_CHUNK},
+                      "reps": reps, "workers": workers, "quick": quick, "chunk_elems": DEFAULT_CHUNK,
+                      "ulps": ulps},
            "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                        "torch": torch.__version__, "backend": native.backend(), "load_before": _load()},
            "memcpy_seconds": None, "rows": []}
     for rate in changes:
-        target = make_target(base, rate)
+        target = make_target(base, rate) if ulps is None else make_wide_target(base, rate, ulps)
         for r in encode_apply(base, target, rate, workers, reps, memcpy):
             out["rows"].append({"change": rate, **r})
         del target
@@ -385,7 +400,8 @@ def format_table(r: dict) -> str:
     lines = [f"shard: {c['elements'] / 1e6:.1f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB), {c['workers']} workers, "
              f"memcpy {1e3 * r['memcpy_seconds']:.1f} ms "
              f"({c['bytes'] / r['memcpy_seconds'] / 1e9:.2f} GB/s, 1 thread); "
-             f"load {r['machine']['load_before']} -> {r['machine']['load_after']}",
+             f"load {r['machine']['load_before']} -> {r['machine']['load_after']}"
+             + (f"; changes of ~{c['ulps']:g} ulps" if c.get("ulps") else ""),
              "", "| change | side | path | device | ms | memcpy ms | x memcpy |", "|---|---|---|---|---:|---:|---:|"]
     for row in r["rows"]:
         ch = "" if row["change"] is None else f"{100 * row['change']:g} %"
@@ -402,10 +418,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="4M elements, 1 repetition")
+    ap.add_argument("--ulps", type=float, default=None,
+                    help="move the changed elements by about this many ulps each (default: an optimizer-like step)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     elems, reps = (1 << 22, 1) if a.quick else (a.elems, a.reps)
-    r = run(elems, tuple(a.changes), reps, a.workers, a.quick)
+    r = run(elems, tuple(a.changes), reps, a.workers, a.quick, a.ulps)
     print(json.dumps(r, indent=1) if a.json else format_table(r))
     return 0
 
