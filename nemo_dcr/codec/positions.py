@@ -73,7 +73,7 @@ def encode(idx: torch.Tensor, n: int, use_native: bool | None = None):
     k = idx.numel()
     if k == n:
         return DENSE, b""
-    lib = native.lib() if use_native is not False and k else None
+    lib = native.lib() if use_native is not False and k and idx.device.type == "cpu" else None
     gap_len = -1
     if lib is not None:
         idx = idx.to(torch.int64).contiguous()
