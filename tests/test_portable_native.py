@@ -117,3 +117,26 @@ def test_malformed_gaps_are_refused_by_both(raw, k, n, says, use):
 @needs_native
 def test_no_positions_and_no_bytes():
     assert positions.decode(positions.GAPS, b"", 10, 0, use_native=True).numel() == 0
+
+
+@needs_native
+def test_any_position_stream_is_read_alike_by_both():
+    """Arbitrary bytes, counts and chunk lengths: both decoders refuse, or both give the same
+    positions."""
+    hypothesis = pytest.importorskip("hypothesis")
+    st = hypothesis.strategies
+
+    @hypothesis.settings(max_examples=400, deadline=None, derandomize=True)
+    @hypothesis.given(raw=st.binary(max_size=40), dk=st.sampled_from([-1, 0, 0, 0, 1]),
+                      n=st.one_of(st.integers(0, 300), st.integers(0, (1 << 63) - 1)))
+    def check(raw, dk, n):
+        k = max(0, sum(b < 0x80 for b in raw) + dk)  # mostly the count the bytes hold
+        out = []
+        for use in (False, True):
+            try:
+                out.append(positions.decode(positions.GAPS, raw, n, k, use_native=use).tolist())
+            except DeltaFormatError:
+                out.append("refused")
+        assert out[0] == out[1], (raw, k, n, out)
+
+    check()
