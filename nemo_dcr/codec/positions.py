@@ -99,7 +99,7 @@ def encode(idx: torch.Tensor, n: int, use_native: bool | None = None):
 def _gaps_decode_native(lib, raw, n: int, k: int) -> torch.Tensor:
     out = torch.empty(k, dtype=torch.int64)
     bad = ctypes.c_int64(0)
-    a, address = native.buffer_address(raw) if len(raw) else (None, None)
+    holder, address = native.buffer_address(raw) if len(raw) else (None, None)  # held until the call returns
     rc = lib.dcr_gaps_decode(address, len(raw), k, n, out.data_ptr(), ctypes.byref(bad))
     if rc == -1:
         ends = int(np.count_nonzero(np.frombuffer(raw, dtype=np.uint8) < 0x80))
@@ -107,7 +107,8 @@ def _gaps_decode_native(lib, raw, n: int, k: int) -> torch.Tensor:
     if rc == -2:
         raise DeltaFormatError("varint longer than 10 bytes in position stream")
     if rc == -3:
-        raise DeltaFormatError(f"position {bad.value} out of range for a chunk of {n}")
+        where = "past 2^63 - 1" if bad.value < 0 else str(bad.value)  # -1: the sum would not fit
+        raise DeltaFormatError(f"position {where} out of range for a chunk of {n}")
     return out
 
 
