@@ -9,7 +9,8 @@ The shard is synthetic and deterministic: ``--elems`` BF16 weights ~ N(0, 0.02),
 which ``--changes`` of the elements (default 1 % and 5 %) changed: one optimizer-like step
 ``w + lr * z`` rounded to BF16 (see ``make_target``), so that, as in training, mostly the small
 weights change. With ``--ulps K`` the step instead moves ``--changes`` of the elements, drawn at
-random, by about K units in the last place each (``w (1 + K 2^-8 z)``): larger updates, for
+random, by ``K 2^-8 z`` of their value (``w (1 + K 2^-8 z)``: ``K |z| / 2`` to ``K |z|`` units in the
+last place, 2.1 on average at K = 3, and some round back): larger updates, for
 which the ``classes`` coding costs more than a byte per change and ``auto`` tries the portable
 codings too (xor, add, overwrite: ``codec/chunk.py``).
 Timed (median of ``--reps``), per change rate, each result checked bit for bit:
@@ -123,9 +124,10 @@ def make_target(base: torch.Tensor, rate: float, seed: int = 1) -> torch.Tensor:
 
 
 def make_wide_target(base: torch.Tensor, rate: float, ulps: float, seed: int = 1) -> torch.Tensor:
-    """``base`` with ``rate`` of its elements (at random) moved by ``ulps * z`` units in the last
-    place, roughly (``w (1 + ulps 2^-8 z)``, ``z`` ~ N(0, 1), rounded to BF16: some of the drawn
-    elements round back to where they were)."""
+    """``base`` with ``rate`` of its elements (at random) moved by ``ulps 2^-8 z`` of their value
+    (``z`` ~ N(0, 1)): ``ulps |z| / 2`` to ``ulps |z|`` units in the last place, as a BF16 ulp is
+    2^-8 to 2^-7 of the value; rounded to BF16, so some of the drawn elements stay where they were
+    (0.82 % of the elements move at ``rate`` 1 %, by 2.1 ulps on average at ``ulps`` 3)."""
     g = torch.Generator().manual_seed(seed)
     moved = torch.rand(base.numel(), generator=g) < rate
     z = torch.randn(base.numel(), generator=g) * moved
@@ -401,7 +403,7 @@ def format_table(r: dict) -> str:
              f"memcpy {1e3 * r['memcpy_seconds']:.1f} ms "
              f"({c['bytes'] / r['memcpy_seconds'] / 1e9:.2f} GB/s, 1 thread); "
              f"load {r['machine']['load_before']} -> {r['machine']['load_after']}"
-             + (f"; changes of ~{c['ulps']:g} ulps" if c.get("ulps") else ""),
+             + (f"; changes of {c['ulps']:g} 2^-8 z of the value (--ulps)" if c.get("ulps") else ""),
              "", "| change | side | path | device | ms | memcpy ms | x memcpy |", "|---|---|---|---|---:|---:|---:|"]
     for row in r["rows"]:
         ch = "" if row["change"] is None else f"{100 * row['change']:g} %"
@@ -419,7 +421,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="4M elements, 1 repetition")
     ap.add_argument("--ulps", type=float, default=None,
-                    help="move the changed elements by about this many ulps each (default: an optimizer-like step)")
+                    help="move the changed elements by K 2^-8 z of their value, K |z| / 2 to K |z| ulps "
+                         "(default: an optimizer-like step)")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     elems, reps = (1 << 22, 1) if a.quick else (a.elems, a.reps)

@@ -322,3 +322,22 @@ def test_added_round_trip_holds_each_exchange_back_and_keeps_the_bytes():
     finally:
         region.close()
         srv.shutdown()
+
+
+def test_kernels_wide_steps_are_the_several_ulp_regime():
+    """``--ulps K``: about the asked share of the elements moves, by two ulps or more as a rule,
+    and the ``classes`` coding then costs over a byte per change (``auto`` tries the portable
+    codings too): the regime the option is for."""
+    import torch
+
+    from nemo_dcr.codec import chunk, classes, ordered
+    kernels = _load_kernels()
+    base = kernels.make_shard(1 << 20)
+    target = kernels.make_wide_target(base, 0.01, 3)
+    ob, nb = base.view(torch.int16), target.view(torch.int16)
+    moved = ob != nb
+    assert 0.005 < float(moved.float().mean()) <= 0.0105
+    ulps = (ordered.encode(ob[moved], nb[moved], True).to(torch.int64) + 1) // 2  # |d| from its zigzag
+    assert float(ulps.float().mean()) > 1.5 and float((ulps >= 2).float().mean()) > 0.5
+    k, rows, pb, vb = classes.encode(ob, nb, classes.MANTISSA[torch.bfloat16])[:4]
+    assert len(pb) + len(vb) > chunk.CLASSES_ENOUGH * k
