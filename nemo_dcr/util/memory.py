@@ -1,9 +1,17 @@
-"""Handing freed memory back to the system after the large transient work of a keyframe."""
+"""The host memory of model-sized work: model-sized buffers on huge pages, and freed memory
+handed back to the system after the large transient work of a keyframe."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import os
+import sys
+
+import torch
+
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # Linux
 
 
 def release_freed_memory() -> None:
@@ -25,3 +33,56 @@ def _malloc_trim():
         return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
     except (OSError, AttributeError):
         return None
+
+
+def host_empty_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``torch.empty_like(t, dtype=dtype, device="cpu")`` (same strides where ``t``'s are
+    dense), its memory advised to be backed by transparent huge pages before anything touches
+    it, as PyTorch's own ``THP_MEM_ALLOC_ENABLE`` does for every large allocation.
+
+    For copies made again and again (a trainer's copy of its model at every step): each is
+    otherwise faulted in 4 KiB at a time. A 1 GiB model in 32 MB tensors took ~280 ms per step
+    to copy, ~120 ms on huge pages. Not for a buffer made once: on this project's VM the first
+    huge pages of a process cost more than small ones (that copy's first step: 1.2 s against
+    0.3 s), so a follower's tensors and the publisher's own snapshot stay on small pages
+    (docs/results.md, issue 25's tenth turn). Only where the kernel's THP mode is ``madvise`` or
+    ``always``; ``NEMO_DCR_HUGE_PAGES=0`` turns it off."""
+    out = torch.empty_like(t, dtype=dtype, device="cpu")
+    advise_huge_pages(out)
+    return out
+
+
+def host_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A private host copy of ``t`` (as ``t.detach().to(device="cpu", dtype=dtype, copy=True)``)
+    on huge pages (``host_empty_like``)."""
+    return host_empty_like(t, dtype).copy_(t.detach())
+
+
+def advise_huge_pages(t: torch.Tensor) -> None:
+    """Advise the whole huge pages inside ``t``'s storage (none for a storage under 2 MiB);
+    nothing where that cannot be done. Call it before the storage is first written."""
+    madvise = _madvise()
+    if madvise is None or t.device.type != "cpu":
+        return
+    s = t.untyped_storage()
+    p, n = s.data_ptr(), s.nbytes()
+    lo, hi = -(-p // HUGE_PAGE) * HUGE_PAGE, (p + n) // HUGE_PAGE * HUGE_PAGE
+    if hi > lo:
+        madvise(lo, hi - lo, _MADV_HUGEPAGE)  # an error (no THP in this kernel) changes nothing
+
+
+@functools.cache
+def _madvise():
+    """libc's ``madvise``, where huge pages are on offer and not turned off, or None."""
+    if not sys.platform.startswith("linux") or os.environ.get("NEMO_DCR_HUGE_PAGES", "1") == "0":
+        return None
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            if "[never]" in f.read():
+                return None
+        fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn

@@ -1,0 +1,108 @@
+"""Model-sized host buffers on huge pages (util/memory.py): the copy of the model a trainer's
+callback makes at every step. A copy is the copy ``.to("cpu", copy=True)`` makes, and where the kernel
+offers transparent huge pages on advice, the buffer is backed by them."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from nemo_dcr.util import memory
+
+
+def _thp_mode() -> str | None:
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            return f.read().split("[")[1].split("]")[0]
+    except (OSError, IndexError):
+        return None
+
+
+def _huge_kb(t: torch.Tensor) -> int:
+    """AnonHugePages of the mappings that hold ``t``'s storage (/proc/self/smaps; the advice
+    splits a mapping, so the storage spans several)."""
+    s = t.untyped_storage()
+    p, end = s.data_ptr(), s.data_ptr() + s.nbytes()
+    inside, kb = False, 0
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo < end and p < hi
+            elif inside and head == "AnonHugePages:":
+                kb += int(line.split()[1])
+    return kb
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8) if t.dtype != torch.bool else t.reshape(-1).to(torch.uint8)
+
+
+@pytest.mark.parametrize("make", [
+    lambda: torch.randn(3, 5, dtype=torch.float32),
+    lambda: torch.randn(64, 48).to(torch.bfloat16).t(),               # transposed: strides kept
+    lambda: torch.arange(6, dtype=torch.int64).expand(4, 6),          # overlapping: made dense
+    lambda: torch.tensor(float("nan")).view(1)[0],                    # 0-dim
+    lambda: torch.tensor([True, False, True]),
+    lambda: torch.tensor([-0.0, float("inf"), 1e-45], dtype=torch.float32),
+    lambda: torch.randn(4, requires_grad=True),
+    lambda: torch.empty(0, 7, dtype=torch.float16),
+], ids=["f32", "bf16-transposed", "expanded", "0-dim", "bool", "specials", "requires-grad", "empty"])
+def test_host_copy_is_the_copy_to_makes(make):
+    src = make()
+    want = src.detach().to("cpu", copy=True)
+    got = memory.host_copy(src)
+    assert (got.dtype, got.shape, got.stride(), got.requires_grad) == (want.dtype, want.shape, want.stride(), False)
+    assert torch.equal(_bits(got.contiguous()), _bits(want.contiguous()))
+    if src.numel():
+        assert got.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+
+
+def _buffer(nbytes: int) -> torch.Tensor:
+    return memory.host_empty_like(torch.empty(nbytes, dtype=torch.uint8, device="meta"))
+
+
+def test_host_empty_like_has_the_shape_and_dtype_asked():
+    t = memory.host_empty_like(torch.empty(3, 4, device="meta"), torch.float16)
+    assert (t.shape, t.dtype, t.device.type, t.is_contiguous()) == (torch.Size([3, 4]), torch.float16, "cpu", True)
+
+
+needs_thp = pytest.mark.skipif(
+    not os.path.exists("/proc/self/smaps") or _thp_mode() not in ("madvise", "always")
+    or os.environ.get("NEMO_DCR_HUGE_PAGES") == "0", reason="needs Linux with transparent huge pages on advice")
+
+
+@needs_thp
+def test_a_model_sized_buffer_is_on_huge_pages():
+    """64 MiB: above glibc's largest mmap threshold (32 MiB), so fresh memory, not reused pages."""
+    t = _buffer(64 << 20)
+    t.fill_(7)
+    assert _huge_kb(t) >= 2048, "the advised buffer got no huge page"
+    if _thp_mode() == "madvise":  # without the advice, the kernel gives none: the advice is what did it
+        plain = torch.empty(64 << 20, dtype=torch.uint8)
+        plain.fill_(7)
+        assert _huge_kb(plain) == 0
+
+
+@needs_thp
+def test_huge_pages_can_be_turned_off():
+    code = ("from nemo_dcr.util import memory; import tests.test_host_memory as h; "
+            "t = h._buffer(64 << 20); t.fill_(1); print(memory._madvise() is None, h._huge_kb(t))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**os.environ, "NEMO_DCR_HUGE_PAGES": "0"},
+                         cwd=os.path.dirname(os.path.dirname(__file__))).stdout.split()
+    assert out[0] == "True"
+    if _thp_mode() == "madvise":
+        assert out[1] == "0"
+
+
+def test_a_small_storage_is_left_alone():
+    """Under 2 MiB there is no whole huge page inside: nothing is advised (nor can fail)."""
+    t = _buffer(4000)
+    memory.advise_huge_pages(t)
+    memory.advise_huge_pages(torch.empty(0))
+    assert t.numel() == 4000
