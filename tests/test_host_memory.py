@@ -100,9 +100,17 @@ def test_huge_pages_can_be_turned_off():
         assert out[1] == "0"
 
 
-def test_a_small_storage_is_left_alone():
-    """Under 2 MiB there is no whole huge page inside: nothing is advised (nor can fail)."""
-    t = _buffer(4000)
+def test_only_whole_huge_pages_inside_the_storage_are_advised(monkeypatch):
+    """The advice covers the 2 MiB-aligned pages wholly inside the storage, and nothing for a
+    storage with none inside (under 2 MiB, or empty)."""
+    calls = []
+    monkeypatch.setattr(memory, "_madvise", lambda: lambda addr, n, advice: calls.append((addr, n, advice)))
+    for nbytes in (0, 4000, (2 << 20) - 1):
+        memory.advise_huge_pages(torch.empty(nbytes, dtype=torch.uint8))
+    assert calls == []
+    t = torch.empty(9 << 20, dtype=torch.uint8)
     memory.advise_huge_pages(t)
-    memory.advise_huge_pages(torch.empty(0))
-    assert t.numel() == 4000
+    (addr, n, advice), = calls
+    p = t.untyped_storage().data_ptr()
+    assert advice == 14 and addr % memory.HUGE_PAGE == 0 and n % memory.HUGE_PAGE == 0
+    assert p <= addr and addr + n <= p + (9 << 20) and n >= (9 << 20) - 2 * memory.HUGE_PAGE
