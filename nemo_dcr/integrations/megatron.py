@@ -73,6 +73,7 @@ import torch
 
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.util.memory import host_copy
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -323,6 +324,14 @@ def _build(models, metadata) -> tuple[dict[str, torch.Tensor], dict[str, ShardSp
     return tensors, shards, all_alias
 
 
+def _private_copy(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` copied to ``device`` (None: its own); a host copy on huge pages, as every step's
+    ``module_snapshot`` (util/memory.py: a copy made at every step is otherwise faulted in 4 KiB
+    at a time)."""
+    dev = torch.device(device if device is not None else t.device)
+    return host_copy(t) if dev.type == "cpu" else t.to(dev, copy=True)
+
+
 def megatron_snapshot(model, *, metadata: Mapping | None = None, copy: bool = True,
                       device="cpu") -> tuple[dict[str, torch.Tensor], dict[str, ShardSpec]]:
     """This rank's part of the model in canonical coordinates: ``(tensors, shards)`` with
@@ -358,7 +367,7 @@ def megatron_snapshot(model, *, metadata: Mapping | None = None, copy: bool = Tr
         per_model[key] = _Layout(key, shards, dict(tensors) if aliased else None, sig)
     if copy:
         with torch.no_grad():
-            tensors = {n: t.to(device if device is not None else t.device, copy=True) for n, t in tensors.items()}
+            tensors = {n: _private_copy(t, device) for n, t in tensors.items()}
     else:
         if not aliased:
             bad = sorted(n for n, p in _aliases(tensors, models).items() if not p)
