@@ -1,7 +1,9 @@
 """util/parallel: the ordered map's order and window, and ``background`` beside it (outside the
-window, inline where a wait could deadlock), as ``diff`` uses them for its whole-tensor digests."""
+window, inline where a wait could deadlock), as ``diff`` uses them for its whole-tensor digests;
+``standing``, the threads a sync's downloads and streamed parts wait on."""
 from __future__ import annotations
 
+import os
 import sys
 import threading
 
@@ -9,7 +11,7 @@ import pytest
 import torch
 
 from nemo_dcr import DcrError, diff
-from nemo_dcr.util.parallel import background, ordered_map
+from nemo_dcr.util.parallel import background, ordered_map, standing
 
 
 def test_ordered_map_keeps_order_and_bounds_the_window():
@@ -72,3 +74,37 @@ def test_diff_raises_what_its_digest_job_raised(monkeypatch):
     b[::7] = b[::7] * 1.01
     with pytest.raises(DcrError, match="digest failed"):
         diff({"w": a}, {"w": b}, workers=2, chunk_elems=1024)
+
+
+def _standing_threads() -> set:
+    return {t.ident for t in threading.enumerate() if t.name.startswith("dcr-standing")}
+
+
+def test_standing_runs_waiting_tasks_at_once_and_reuses_idle_threads():
+    """Tasks that wait on each other all run at once (more of them than the cores: a pool sized
+    to the cores would deadlock on the barrier), and a task submitted when a thread is idle runs
+    on that thread: a sync's downloads no longer start threads each time."""
+    n = 2 * (os.cpu_count() or 1) + 3
+    barrier = threading.Barrier(n, timeout=30)
+    futs = [standing(barrier.wait) for _ in range(n)]
+    assert sorted(f.result(timeout=60) for f in futs) == list(range(n))  # every party got through
+    before = _standing_threads()
+    assert len(before) >= n
+    ran = {standing(threading.get_ident).result(timeout=30) for _ in range(20)}  # one after the other
+    assert ran <= before and _standing_threads() == before  # no thread started for them
+
+
+def test_standing_hands_back_errors_and_its_threads_use_the_pools():
+    """An error reaches ``result()``; an ``ordered_map`` called from a standing thread runs on
+    the pools' threads (not inline, as it would from a pool thread), so a streamed part's chunks
+    still go to the workers."""
+    def boom():
+        raise ValueError("from a standing thread")
+
+    with pytest.raises(ValueError, match="from a standing thread"):
+        standing(boom).result(timeout=30)
+
+    def names():
+        return list(ordered_map(lambda _: threading.current_thread().name, range(8), workers=2))
+
+    assert all(n.startswith("nemo-dcr") for n in standing(names).result(timeout=30))

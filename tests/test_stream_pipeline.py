@@ -459,6 +459,37 @@ def test_split_versions_apply_bit_exactly_part_by_part(tmp_path, stream):
         assert_bits_equal(fresh[k], v)
 
 
+def test_later_syncs_reuse_their_threads(tmp_path):
+    """The downloads and the parts streamed together run on standing threads
+    (``util/parallel.standing``), reused from sync to sync: six more syncs start fewer threads
+    than one sync has tasks (a sync that started its own, six here, waited for each on a busy
+    machine before its first chunk). Not none: a thread that handed back its task's result may
+    not count as idle yet when the next sync's first task comes, and then one more is started."""
+    store = LocalStore(tmp_path / "s")
+    seq = states(8)
+    publish_all(store, seq, part_bytes=4096, keyframe_every=100)
+    held = {k: v.clone() for k, v in seq[0].items()}
+    f = Follower(store, held, version=0, stream=True)
+    assert f.sync(1).version == 1
+    started = []
+    real_start = threading.Thread.start
+
+    def start(self):
+        started.append(self.name)
+        real_start(self)
+
+    threading.Thread.start = start
+    try:
+        rs = [f.sync(v) for v in range(2, 8)]
+    finally:
+        threading.Thread.start = real_start
+    # three parts per version, each downloaded on a thread and applied on another as it arrives
+    assert [len([s for s in r.spans if s.stage == "fetch"]) for r in rs] == [3] * 6
+    assert len(started) < 2 * 3, started
+    for k, v in seq[7].items():
+        assert_bits_equal(held[k], v)
+
+
 def test_publisher_encodes_the_next_part_while_one_uploads(tmp_path):
     """The first part's upload is held until the second part has been encoded (its upload
     started): without encode/upload overlap the gate's bounded wait runs out."""

@@ -10,7 +10,8 @@ object that stays corrupt is an error naming it); the receiver's digest is check
 version's base digest; parts are applied in place with per-chunk pre-image checks; the state
 digest is updated from the changed elements alone and checked against the version's target digest.
 
-Pipelined: background threads stream the objects of the whole path (``store.get_stream``,
+Pipelined: background threads (the process's standing ones, reused from sync to sync) stream
+the objects of the whole path (``store.get_stream``,
 sha256 computed as the bytes arrive), up to ``prefetch`` objects at once ahead of the apply, so
 their requests' round trips overlap, and version k+1 downloads while version k is applied and
 verified. ``stream=True`` (a single receiver, not a
@@ -42,7 +43,9 @@ import re
 import socket
 import threading
 import time
+from collections import deque
 from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -69,6 +72,7 @@ from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.pace import LinkEstimate, Pacer
 from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans
 from nemo_dcr.util.memory import release_freed_memory
+from nemo_dcr.util.parallel import standing
 from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -734,24 +738,39 @@ def _parts(kind: str, m: Manifest) -> list:
 
 class _Streaming:
     """The parts of a step applied while they download (``Follower._apply_arriving``). A delta's
-    parts: as many at once as the feed downloads at once, each on a thread of its own, their
-    chunks going to the same workers. A keyframe's: one after the other, on the caller's thread
-    (each part's dense chunks in flight are its bytes again; applied at memory speed, they keep
-    up with their download anyway). ``result(part)``, in the plan's order: that part's stream
-    once all of it was applied so, or None (apply it once it is taken). ``close`` stops what has
-    not started and waits for what has."""
+    parts: as many at once as the feed downloads at once, each on a standing thread
+    (``util/parallel.standing``), their chunks going to the same workers. A keyframe's: one
+    after the other, on the caller's thread (each part's dense chunks in flight are its bytes
+    again; applied at memory speed, they keep up with their download anyway). ``result(part)``,
+    in the plan's order: that part's stream once all of it was applied so, or None (apply it
+    once it is taken). ``close`` stops what has not started and waits for what has."""
 
     def __init__(self, follower: Follower, feed: _Feed, pend: dict, on_change, res: SyncResult, parts: list,
                  together: bool):
         self._f, self._feed, self._pend, self._on_change, self._res = follower, feed, pend, on_change, res
-        self._pool = None
-        self._futures: dict = {}
-        if feed.ahead > 1 and together:
-            from concurrent.futures import ThreadPoolExecutor
-            # not named "nemo-dcr...": util/parallel runs a call from its own pool's threads inline
-            self._pool = ThreadPoolExecutor(feed.ahead, thread_name_prefix="dcr-stream")
-            self._futures = {id(p): self._pool.submit(self._one, p) for p in parts}
         self._parts = parts
+        self._out: dict[int, Future] = {}
+        self._loops: list[Future] = []
+        if feed.ahead > 1 and together:
+            # ``ahead`` loops take the parts in the plan's order, as a pool of that many threads did
+            self._out = {id(p): Future() for p in parts}
+            self._todo = deque(parts)
+            self._lock = threading.Lock()
+            self._loops = [standing(self._loop) for _ in range(min(feed.ahead, len(parts)))]
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._todo:
+                    return
+                p = self._todo.popleft()
+            out = self._out[id(p)]
+            if not out.set_running_or_notify_cancel():
+                continue  # close() cancelled it before it started
+            try:
+                out.set_result(self._one(p))
+            except BaseException as e:  # noqa: BLE001 - raised by result() on the caller's thread
+                out.set_exception(e)
 
     def _one(self, p):
         arriving = self._feed.arriving(p)
@@ -760,17 +779,17 @@ class _Streaming:
         return self._f._apply_arriving(p, arriving, self._pend, self._on_change, self._res)
 
     def result(self, p):
-        if self._pool is None:  # one at a time (without background downloads, None: taken whole)
+        if not self._loops:  # one at a time (without background downloads, None: taken whole)
             return self._one(p)
-        return self._futures[id(p)].result()
+        return self._out[id(p)].result()
 
     def close(self) -> None:
-        if self._pool is None:
+        if not self._loops:
             return
-        for f in self._futures.values():
+        for f in self._out.values():
             f.cancel()
         self._feed.stop_waiting(self._parts)  # a part waiting for its download to start gives up
-        self._pool.shutdown(wait=True)
+        wait(self._loops)
 
 
 class _Feed:
@@ -798,10 +817,9 @@ class _Feed:
         self._failed: Exception | None = None
         self._stop = False
         self._cond = threading.Condition()
-        self._threads = [threading.Thread(target=self._run, name="nemo-dcr-fetch", daemon=True)
-                         for _ in range(self._ahead)]
-        for t in self._threads:
-            t.start()
+        # on standing threads: a sync that started its own waited ~1 ms per thread on a busy
+        # machine before the first download, and again before the first part was applied
+        self._tasks = [standing(self._run) for _ in range(self._ahead)]
 
     def _run(self) -> None:
         while True:
@@ -838,7 +856,7 @@ class _Feed:
             self._cond.notify_all()  # a download waiting for the running ones' bytes looks again
 
     def take(self, part) -> bytes | bytearray | memoryview:
-        if not self._threads:
+        if not self._tasks:
             return self._fetch(part)
         with self._cond:
             i = self._taken
@@ -862,13 +880,13 @@ class _Feed:
     @property
     def ahead(self) -> int:
         """Objects downloading at once (0: each downloaded when it is taken)."""
-        return len(self._threads)
+        return len(self._tasks)
 
     def arriving(self, part) -> _Arriving | None:
         """An object not yet taken while it downloads (its bytes so far), once its download
         started: None without background downloads, when its download could not start
         (``take`` says why), or once ``stop_waiting`` was called for it."""
-        if not self._threads:
+        if not self._tasks:
             return None
         with self._cond:
             i = self._index.get(id(part))
@@ -892,8 +910,7 @@ class _Feed:
             self._stop = True
             self._done.clear()
             self._cond.notify_all()
-        for t in self._threads:  # a download under way finishes (bounded by the store's timeouts)
-            t.join()
+        wait(self._tasks)  # a download under way finishes (bounded by the store's timeouts)
         self._done.clear()
 
 
