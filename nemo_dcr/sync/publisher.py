@@ -22,6 +22,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future, wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ from nemo_dcr.sync.versions import (
     version_dir,
 )
 from nemo_dcr.util.memory import release_freed_memory
+from nemo_dcr.util.parallel import standing
 from nemo_dcr.util.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
@@ -626,12 +628,13 @@ def target_digests(header: dict) -> dict:
 class _Uploads:
     """This rank's objects: each encoded straight into its store object (``open_writer``: a
     local temporary, an S3 multipart upload, streaming while the encode runs), then made durable
-    on a thread of its own while the next one encodes; at most ``Publisher.max_uploads`` objects
-    written or finishing at once (a store that cannot stream holds their bytes in memory)."""
+    on a standing thread (``util/parallel.standing``: none started per publish) while the next
+    one encodes; at most ``Publisher.max_uploads`` objects written or finishing at once (a store
+    that cannot stream holds their bytes in memory)."""
 
     def __init__(self, pub: Publisher, spans: Spans):
         self.pub, self.spans = pub, spans
-        self.threads: list[threading.Thread] = []
+        self.tasks: list[Future] = []
         self.errors: list[BaseException] = []
         self.room = threading.BoundedSemaphore(pub.max_uploads)
 
@@ -668,13 +671,10 @@ class _Uploads:
             finally:
                 self.room.release()
 
-        th = threading.Thread(target=run, name="nemo-dcr-upload", daemon=True)
-        th.start()
-        self.threads.append(th)
+        self.tasks.append(standing(run))
 
     def join(self, quiet: bool = False) -> None:
-        for t in self.threads:
-            t.join()
+        wait(self.tasks)
         if self.errors and not quiet:
             raise self.errors[0]
 
