@@ -20,8 +20,11 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 _pid = os.getpid()  # a forked child has the pool objects but not their threads: it makes its own
 _lock = threading.Lock()
 _standing: ThreadPoolExecutor | None = None
-#: the most threads ``standing`` keeps; a task beyond it waits for one to be free
-STANDING_MAX = 256
+#: the most threads ``standing`` keeps. Its tasks wait on each other (a sync's part loops on its
+#: downloads), so each needs a thread of its own: a sync takes up to ``2 * prefetch`` (8 by
+#: default), and this leaves room for hundreds of syncs and publishes at once in one process
+#: (threads are started only as tasks need them; before, each sync started its own, unbounded)
+STANDING_MAX = 4096
 
 
 def default_workers() -> int:
