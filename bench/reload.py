@@ -14,7 +14,8 @@ in the trainer region); then per link rate:
 
 * dense reload: stream the raw checkpoint (one object) into the receiver's tensors;
 * delta reload: ``Follower(stream=True).sync`` from version 0 to 1 (fetch with sha256 as bytes
-  arrive, decode+apply, digest check), with its per-stage spans;
+  arrive, decode+apply, digest check), with its per-stage spans and the receiver's CPU time
+  (beside the wall time: how many cores the sync kept busy);
 * floor: max(delta bytes / link rate, one memcpy of the receiver's tensors) + one round trip
   (a small request across the link, median of 5);
 * via "s3": the receiver reads the S3 server directly; via "relay": a fresh relay in the rollout
@@ -191,8 +192,10 @@ def table(res: dict) -> str:
     L += [_row_line(r) for r in res["rows"]]
     L += ["", "per-stage seconds of the delta reload (summed spans; fetch includes waiting on the link):"]
     for r in res["rows"]:
+        d = r["delta"]
         L.append(f"  {r['elements'] / 1e6:.0f}M {r['change']:.0%} {r['link_mbit']:g} Mbit/s {r['via']}: "
-                 f"{r['delta']['stages']}, after the transfer {r['after_transfer'] * 1e3:.1f} ms")
+                 f"{d['stages']}, after the transfer {r['after_transfer'] * 1e3:.1f} ms, "
+                 f"receiver CPU {d['cpu'] * 1e3:.0f} ms ({d['cpu'] / d['seconds']:.1f} cores)")
     if res["rows"]:
         r = timeline_row(res["rows"])
         L += [f"timeline ({r['elements'] / 1e6:.0f}M, {r['change']:.0%}, {r['link_mbit']:g} Mbit/s via {r['via']}):",

@@ -202,6 +202,7 @@ def test_reload_bench_quick_over_the_rate_limiter():
         assert r["dense"] >= r["dense_bytes"] * 8 / 200e6 * 0.8
         assert r["floor"] >= r["wire"] > 0 and r["delta_over_floor"] > 0 and 0 < r["transport_share"] <= 1
         assert {"fetch", "apply", "digest"} <= set(r["delta"]["stages"])
+        assert r["delta"]["cpu"] > 0  # the receiver's CPU time beside its wall time (a sync reads, decodes)
     (p,) = res["publish"]
     assert p["keyframe_publish"] > 0 and p["raw_put"] > 0
     models = {(e["model"], e["via"]) for e in res["extrapolated"]}
