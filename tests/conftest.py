@@ -1,6 +1,8 @@
 """Fixtures only; the helpers tests import are in the dcr_testing package beside this file."""
 import functools
 import os
+import shutil
+import tempfile
 
 # The device path's Triton kernels run on CPU tensors in Triton's interpreter in this suite; the
 # mode is fixed when a kernel is defined, so before any test imports nemo_dcr.device. On a GPU
@@ -11,6 +13,26 @@ import pytest
 
 from dcr_testing.cli import console_script, run_cli
 from dcr_testing.s3 import make_s3_store, moto_server
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _session_tmpdir():
+    """The temporary files of the processes tests start, in one directory per test process that
+    is removed at its end. vLLM puts its engines' ZMQ sockets in the temporary directory and
+    leaves them there; a relay killed with SIGKILL (as the fault tests do) cannot remove its
+    cache directory. One `make test` left ~1,000 of them in /tmp."""
+    d = tempfile.mkdtemp(prefix="nemo-dcr-tests-")
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "VLLM_RPC_BASE_PATH")}
+    # TMPDIR for child processes; vLLM's variable for engines started in this one (whose
+    # tempfile module has its directory already)
+    os.environ.update(TMPDIR=d, VLLM_RPC_BASE_PATH=d)
+    yield d
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    shutil.rmtree(d, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
