@@ -239,7 +239,7 @@ static inline __attribute__((always_inline)) void rank_scalar(
 static inline __attribute__((always_inline)) int64_t scan_decode(
         const void *oldp, int64_t n, const int w, int mant, int lo, int hi, uint32_t *cnt, uint32_t *want,
         int64_t *next, const int64_t *endc, const uint64_t *rk, const uint64_t *dv, int64_t *idx_out, void *new_out,
-        void *old_out) {
+        void *old_out, void *wb) {
     const uint64_t mask = (w == 4) ? 0xFFFFFFFFULL : ((1ULL << (8 * w)) - 1), sign = 1ULL << (8 * w - 1);
     const uint64_t absmask = sign - 1;
     int64_t out = 0;
@@ -250,8 +250,10 @@ static inline __attribute__((always_inline)) int64_t scan_decode(
             int64_t j = next[c]++;
             want[c] = next[c] < endc[c] ? (uint32_t)rk[next[c]] : UINT32_MAX;
             idx_out[out] = i;
-            store_u(new_out, out, w, unkey((key_of(u, mask, sign) + dv[j]) & mask, mask, sign));
+            const uint64_t nv = unkey((key_of(u, mask, sign) + dv[j]) & mask, mask, sign);
+            store_u(new_out, out, w, nv);
             if (old_out) store_u(old_out, out, w, u);
+            if (wb) store_u(wb, i, w, nv);  /* element i is read, and never again */
             out++;
         }
     }
@@ -682,11 +684,12 @@ int dcr_cls_decode_streams(int64_t n, int w, int mant, const int64_t *table, int
     return 0;
 }
 
-int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
-                       const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
-                       int64_t *idx_out, void *new_out, void *old_out) {
+static int decode_placed(const void *oldp, void *wb, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                         const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                         int64_t *idx_out, void *new_out, void *old_out) {
     if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || k < 0) return E_ARGS;
     if (8 * w - 1 - mant > 8) return E_ARGS;
+    if (wb && !old_out) return E_ARGS;  /* (what undoes the writes of a chunk that does not decode) */
     const int nc = 1 << (8 * w - 1 - mant);
     int64_t start[257];
     uint64_t *rk = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);   /* ranks, class order */
@@ -707,19 +710,38 @@ int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64
     int isa = w == 2 ? simd_isa() : 0;
     if (isa == 2)
         out = scan_decode_avx512((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
-                                 (uint16_t *)new_out, (uint16_t *)old_out);
+                                 (uint16_t *)new_out, (uint16_t *)old_out, (uint16_t *)wb);
     else if (isa == 1)
         out = scan_decode_avx2((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
-                               (uint16_t *)new_out, (uint16_t *)old_out);
+                               (uint16_t *)new_out, (uint16_t *)old_out, (uint16_t *)wb);
 #endif
     if (out != -2) scalar = 0;
-    else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out)
-            : w == 4 ? scan_decode(oldp, n, 4, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out)
-            : scan_decode(oldp, n, 1, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out);
-    if (out == -3) { free(rk); free(dv); return E_RANK; }
+    else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out, wb)
+            : w == 4 ? scan_decode(oldp, n, 4, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out, wb)
+            : scan_decode(oldp, n, 1, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out, wb);
     free(rk); free(dv);
-    if (scalar) for (int c = 0; c < nc; c++) if (next[c] != endc[c]) return E_RANK;
-    return out == k ? 0 : E_RANK;
+    if (out == -3) return E_RANK;  /* (the vector scans undid their writes) */
+    rc = out == k ? 0 : E_RANK;
+    if (scalar) for (int c = 0; c < nc && !rc; c++) if (next[c] != endc[c]) rc = E_RANK;
+    if (rc && wb)  /* the base as it was: each change written holds its old bits again */
+        for (int64_t q = 0; q < out; q++) store_u(wb, idx_out[q], w, load_u(old_out, q, w));
+    return rc;
+}
+
+int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                       const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                       int64_t *idx_out, void *new_out, void *old_out) {
+    return decode_placed(oldp, NULL, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, old_out);
+}
+
+/* dcr_cls_decode_old that also writes each change's new bits into the base (basep, n elements)
+ * as the scan places it, while the bits around it are in L1. old_out is required: a chunk that
+ * turns out not to decode gets its old bits back, so an error leaves the base as it was. The
+ * caller's checks of the old bits come after (it undoes the writes itself when they fail). */
+int dcr_cls_decode_into(void *basep, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
+                        const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
+                        int64_t *idx_out, void *new_out, void *old_out) {
+    return decode_placed(basep, basep, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, old_out);
 }
 
 /* dcr_cls_decode_old without the base bits */

@@ -109,10 +109,14 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
  * the segment's change marks give each change its place in position order. The only
  * unpredictable branch is the end of a class's changes in a segment (walking block by block
  * with a "does this block hold the change" test, as before, cost about three mispredictions
- * per change and most of the decode's time). */
+ * per change and most of the decode's time).
+ *
+ * wb (o itself, or NULL): each change's new bits are also written there as it is placed, while
+ * its segment is in L1 (a scatter afterwards missed the cache at nearly every change). Every
+ * read of a segment's base bits comes before its first write. On -3 nothing stays written. */
 TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *table,
                                   int64_t ntab, const int64_t *start, const uint64_t *rk, const uint64_t *dv,
-                                  int64_t *idx_out, uint16_t *new_out, uint16_t *old_out) {
+                                  int64_t *idx_out, uint16_t *new_out, uint16_t *old_out, uint16_t *wb) {
     if (ntab > MAXA) return -2;
     const uint64_t mask = 0xFFFF, sign = 0x8000;
     /* the live classes, compacted (a class leaves when its last change is out): its class, its
@@ -182,12 +186,16 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
             idx_out[at] = i + p;
             new_out[at] = sv[q];
             if (old_out) old_out[at] = os[p];
+            if (wb) wb[i + p] = sv[q];
         }
         out += ns;
         i += 64 * (int64_t)nb;
     }
     for (int x = 0; x < L; x++) {  /* the tail's state: members to skip before the next change */
-        if (rk[next[x]] < before[x]) return -3;  /* (cannot happen: a change found earlier) */
+        if (rk[next[x]] < before[x]) {  /* (cannot happen: a change found earlier) */
+            if (wb) for (int64_t q = 0; q < out; q++) wb[idx_out[q]] = old_out[q];
+            return -3;
+        }
         before[x] = rk[next[x]] - before[x];
     }
     for (; i < n && L; i++) {  /* the tail, scalar */
@@ -200,6 +208,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
             idx_out[out] = i;
             new_out[out] = (uint16_t)unkey((key_of(u, mask, sign) + dv[jj]) & mask, mask, sign);
             if (old_out) old_out[out] = (uint16_t)u;
+            if (wb) wb[i] = new_out[out];
             out++;
             if (next[x] == endc[x]) DCR_DROP(x);
             else before[x] = rk[next[x]] - rk[jj] - 1;
@@ -207,6 +216,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
         }
     }
 #undef DCR_DROP
+    if (L && wb) for (int64_t q = 0; q < out; q++) wb[idx_out[q]] = old_out[q];
     return L ? -3 : out;
 }
 

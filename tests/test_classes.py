@@ -380,6 +380,62 @@ def test_vector_and_scalar_scans_agree(dtype):
         lib.dcr_set_simd(1)
 
 
+@needs_native
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_decode_into_the_base_writes_the_changes_or_nothing(dtype):
+    """A chunk decoded into the receiver's own bits (``into``: each change written as the scan
+    passes it) leaves exactly the target there, its version counter moved as a scatter_ moves
+    it; one that turns out not to decode (a base with
+    too few members in a class, found after the first half's changes were written) leaves the
+    base as it was, on the vector scans and the scalar one."""
+    lib = native.lib()
+    mant = classes.MANTISSA[dtype]
+    old, new = _pair(dtype, 3 * 4096 + 77, 0.02, seed=11)
+    k, rows, pos, val = classes.encode(old, new, mant)
+    n = old.numel()
+    short = old.clone()
+    short[n // 2:] = old[0]  # every later element in one class: the others run out of members
+    try:
+        for simd in (1, 2, 0):
+            lib.dcr_set_simd(simd)
+            b = old.clone()
+            seen = b._version
+            idx, nv, held = classes.decode(b, rows, pos, val, k, mant, into=True)
+            assert torch.equal(b, new) and torch.equal(held, old[idx]) and torch.equal(nv, new[idx])
+            assert b._version > seen  # as after a scatter_: those that watch the tensor see it changed
+            b = short.clone()
+            with pytest.raises(DeltaFormatError, match="does not decode"):
+                classes.decode(b, rows, pos, val, k, mant, into=True)
+            assert torch.equal(b, short)
+    finally:
+        lib.dcr_set_simd(1)
+    b = old.clone()  # the reference, without the kernel: the same outcome
+    idx, nv, held = classes.decode(b, rows, pos, val, k, mant, into=True, use_native=False)
+    assert torch.equal(b, new) and torch.equal(held, old[idx]) and torch.equal(nv, new[idx])
+    b = short.clone()
+    with pytest.raises(DeltaFormatError):
+        classes.decode(b, rows, pos, val, k, mant, into=True, use_native=False)
+    assert torch.equal(b, short)
+
+
+def test_a_chunk_decoded_into_a_wrong_base_is_written_back():
+    """A follower's apply (no base digests) decodes a classes chunk into the tensor, then checks
+    the bits it replaced against the chunk's pre-image: a base one mantissa bit off at one changed
+    position decodes (the classes are the same) and is refused by that check, and the tensor
+    holds what it held before, bit for bit."""
+    base, target = _model(seed=6)
+    name = "t0"
+    blob = diff({name: base[name]}, {name: target[name]}, encoding="classes")
+    changed = torch.nonzero(_bits(base[name]) != _bits(target[name])).squeeze(1)
+    wrong = base[name].clone()
+    _bits(wrong)[changed[len(changed) // 2]] ^= 1
+    held = wrong.clone()
+    with pytest.raises(PartialApplyError) as e:
+        apply({name: held}, blob, verify=False, workers=1)
+    assert isinstance(e.value.__cause__, BaseMismatchError)
+    assert_bits_equal(held, wrong)
+
+
 def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     """Deltas written before the SHA-256 tensor digests carry bare BLAKE2b ones: a reader checks
     each with the algorithm it names, and still refuses a wrong base."""

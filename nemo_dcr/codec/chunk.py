@@ -277,13 +277,14 @@ def _classes_payload(h: ChunkEntry, payload, w: int, dtype: torch.dtype | None) 
 
 
 def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = None,
-                 dtype: torch.dtype | None = None, with_old: bool = False):
+                 dtype: torch.dtype | None = None, with_old: bool = False, into: bool = False):
     """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
 
     A ``classes`` chunk also needs ``base`` (the receiver's bits of the whole chunk, 1-D integer
     view) and ``dtype``; its values are the new bits, not a difference. ``with_old``: a third
     item, the base bits at the positions where the decode read them (``classes`` chunks), else
-    None (the caller gathers them)."""
+    None (the caller gathers them). ``into``: a ``classes`` chunk's new bits are also written
+    into ``base`` (``classes.decode``'s ``into``; other codings ignore it: the caller writes)."""
     if crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     p = memoryview(payload)
@@ -291,7 +292,7 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
         pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
         if base is None or base.numel() != h.n:
             raise DeltaFormatError("a classes chunk decodes only against the whole base chunk")
-        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, mant, with_old=with_old)
+        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, mant, with_old=with_old, into=into)
     if h.vraw != h.k * w:  # what planes.join would allocate: never more than the header's k allows
         raise DeltaFormatError(f"value stream of {h.vraw} bytes for {h.k} changes of {w} bytes")
     pos_raw = unpack(p[: h.plen], h.pz, h.praw)

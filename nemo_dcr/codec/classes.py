@@ -431,16 +431,29 @@ def encode_ranked(c_ch: torch.Tensor, rank: torch.Tensor, uo: torch.Tensor, un: 
 
 
 def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, use_native: bool | None = None,
-           with_old: bool = False):
+           with_old: bool = False, into: bool = False):
     """As ``decode_reference``, with the C kernel when it is available. ``with_old``: the base
     bits at the changed positions come back too, as a third item (what a receiver's pre-image
-    check hashes; the kernel's scan reads them anyway, so the caller need not gather them)."""
+    check hashes; the kernel's scan reads them anyway, so the caller need not gather them).
+
+    ``into`` (implies ``with_old``): the new bits are also written into ``old`` itself (1-D,
+    contiguous: the receiver's own bits of the chunk), each as the scan passes it, while the bits
+    around it are in the cache; a scatter afterwards missed it at nearly every change. Raising,
+    it leaves ``old`` as it was. A caller whose checks of the old bits then fail writes them back
+    (``(idx, new, held)``: ``held`` at ``idx``)."""
+    if into:
+        if not old.is_contiguous() or old.dim() != 1:
+            raise DcrError("a classes chunk decodes into a 1-D contiguous base only")
+        with_old = True
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
             raise DcrError(f"C kernels unavailable: {native.build_error}")
         idx, new = decode_reference(old, rows, pos, val, k, mant)
-        return (idx, new, old[idx]) if with_old else (idx, new)
+        before = old[idx]
+        if into:
+            old[idx] = new
+        return (idx, new, before) if with_old else (idx, new)
     w = old.element_size()
     _check_table(rows, w, mant, k)
     old = old.contiguous()
@@ -448,9 +461,13 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
     idx = torch.empty(k, dtype=torch.int64)
     out = torch.empty(k, dtype=old.dtype)
     held = torch.empty(k, dtype=old.dtype) if with_old else None
-    rc = lib.dcr_cls_decode_old(_ptr(old), old.numel(), w, mant, _addr(table), len(rows), bytes(pos), len(pos),
-                                bytes(val), len(val), k, _ptr(idx), _ptr(out),
-                                _ptr(held) if held is not None else None)  # the kernel only reads the streams
+    kernel = lib.dcr_cls_decode_into if into else lib.dcr_cls_decode_old
+    rc = kernel(_ptr(old), old.numel(), w, mant, _addr(table), len(rows), bytes(pos), len(pos),
+                bytes(val), len(val), k, _ptr(idx), _ptr(out),
+                _ptr(held) if held is not None else None)  # the kernel only reads the streams
     if rc:
         raise DeltaFormatError(f"classes chunk does not decode: {_ERRORS.get(rc, rc)}")
+    if into:  # written behind torch's back: its version counter says so, as a scatter_ would (the
+        # rollout loader's replicas and a vLLM worker's rebuilt layers go by it)
+        torch.autograd.graph.increment_version(old)
     return (idx, out, held) if held is not None else (idx, out)

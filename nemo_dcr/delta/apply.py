@@ -119,32 +119,39 @@ def on_host(t: torch.Tensor) -> bool:
 
 
 def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
-    """Positions (relative to the chunk), values of chunk ``c``, and the bits held at those
+    """Positions (relative to the chunk), values of chunk ``c``, the bits held at those
     positions where the decode read them already (``classes`` chunks; else None), all where the
-    receiver's tensor is. On a device only O(changes) crosses: positions and values of the
-    other codings, and a ``classes`` chunk's decoded streams, which ``chunk.locate_chunk`` places
-    against the base held there."""
+    receiver's tensor is, and whether the new bits are written already. On a device only
+    O(changes) crosses: positions and values of the other codings, and a ``classes`` chunk's
+    decoded streams, which ``chunk.locate_chunk`` places against the base held there.
+
+    A ``classes`` chunk of a tensor held whole, contiguous and on the host decodes *into* the
+    tensor (``classes.decode``'s ``into``): its new bits are written as the scan passes them,
+    before the caller's pre-image check, which writes the old bits back when it fails. A chunk
+    that does not decode is left as it was."""
     dev = t.tensor.device
     if c.enc != CLASSES:
         idx, vals, _ = decode_chunk(c, reader.payload(c), t.w, with_old=True)
-        return idx.to(dev), vals.to(dev), None
+        return idx.to(dev), vals.to(dev), None, False
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
         raise undecodable(t.plan.name, c)
     if t.identity:
-        base = t.fa.read(c.start, c.end)
+        base = t.fa.read(c.start, c.end)  # (a view of the tensor where it is contiguous)
     else:
         local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end, device=dev)))
         base = t.fa.gather(local)
     try:
         if on_host(base):
-            return decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True)
+            into = t.identity and t.fa.contiguous
+            return (*decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True, into=into),
+                    into)
         idx, vals = locate_chunk(c, reader.payload(c), base, t.dtype)
-        return idx, vals, base[idx]
+        return idx, vals, base[idx], False
     except DeltaFormatError:
         # a checksum-valid chunk that does not decode against what is held: not this base (or
         # applied already); the pre-image check that follows reports it
-        return torch.empty(0, dtype=torch.int64, device=dev), base[:0], base[:0]
+        return torch.empty(0, dtype=torch.int64, device=dev), base[:0], base[:0], False
 
 
 def undecodable(name: str, c: ChunkEntry) -> DcrError:
@@ -237,23 +244,31 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         if journal is not None and out[0] == "applied":
             journal.add(key)
         return out
-    idx, vals, held = _decode(reader, t, c)
+    idx, vals, held, written = _decode(reader, t, c)
     glob, local, vals = _locate(t, c, idx, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
     if not need_cur:
         cur = None
     elif held is not None and held.numel() == local.numel():
         # the bits at local, as the decode read them from this tensor (a classes chunk decodes
-        # against the whole chunk held, so every position is held) with nothing written since:
-        # no second gather
+        # against the whole chunk held, so every position is held) before it wrote any: no
+        # second gather
         cur = held
     else:
         cur = t.fa.gather(local)
     if check:
         assert cur is not None  # checks_chunks implies xor_ok, so cur was gathered
-        if _check(t, c, cur, in_journal):
+        try:
+            already = _check(t, c, cur, in_journal)
+        except BaseMismatchError:
+            if written:  # what the decode wrote goes: the tensor holds what it held
+                t.fa.scatter(local, cur)
+            raise
+        if already:
+            if written:
+                t.fa.scatter(local, cur)
             return "already", 0
-    new = _write(t, c, local, cur, vals)
+    new = vals if written else _write(t, c, local, cur, vals)
     if journal is not None:
         journal.add(key)
     if t.moved is not None:
