@@ -112,7 +112,7 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
  * per change and most of the decode's time).
  *
  * wb (o itself, or NULL): each change's new bits are also written there as it is placed, while
- * its segment is in L1 (a scatter afterwards missed the cache at nearly every change). Every
+ * its segment is in L1 (a scatter afterwards found the chunk out of L2 and cost more). Every
  * read of a segment's base bits comes before its first write. On -3 nothing stays written. */
 TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *table,
                                   int64_t ntab, const int64_t *start, const uint64_t *rk, const uint64_t *dv,

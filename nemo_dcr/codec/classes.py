@@ -438,7 +438,7 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
 
     ``into`` (implies ``with_old``): the new bits are also written into ``old`` itself (1-D,
     contiguous: the receiver's own bits of the chunk), each as the scan passes it, while the bits
-    around it are in the cache; a scatter afterwards missed it at nearly every change. Raising,
+    around it are in the cache; a scatter afterwards found the chunk out of L2. Raising,
     it leaves ``old`` as it was. A caller whose checks of the old bits then fail writes them back
     (``(idx, new, held)``: ``held`` at ``idx``)."""
     if into:
