@@ -24,6 +24,11 @@ class TargetMismatchError(DcrError):
     """After applying, the result does not match the target digest the sender recorded."""
 
 
+class AliasedWriteError(DcrError):
+    """A delta writes two of the receiver's tensors that share memory (tied weights under two
+    names). Refused before the first write: nothing was changed."""
+
+
 class PartialApplyError(DcrError):
     """Applying failed after some tensors were already changed in place.
 

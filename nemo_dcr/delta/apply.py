@@ -30,6 +30,7 @@ from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
 from nemo_dcr.codec.positions import DENSE
 from nemo_dcr.delta.changes import OnChange, report_gone
+from nemo_dcr.delta.overlap import Claims
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
 from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor_digest_like, values_digest
@@ -480,8 +481,9 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
           held_only: bool = False, decoded: DecodedChunks | None = None) -> ApplyReport:
     """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
 
-    Before anything is changed: the container and every chunk checksum are checked, and every
-    entry's base digest (where the receiver holds the entry's whole region). While applying,
+    Before anything is changed: the container and every chunk checksum are checked, every
+    entry's base digest (where the receiver holds the entry's whole region), and that no two
+    tensors written in place share memory (``AliasedWriteError``: ``delta/overlap.py``). While applying,
     each chunk's pre-image is checked; a chunk already applied is skipped, so re-delivery of
     an XOR delta is harmless. After applying, target digests are checked. ``held_only``: skip
     entries for tensors ``tensors`` does not have (instead of creating them or refusing). A failure after the
@@ -492,7 +494,7 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     t0 = time.perf_counter()
     reader = DeltaReader.open(delta)
     shards = shards or {}
-    plans = _checked_plans(tensors, reader, shards, verify, resume, journal, decoded, held_only, workers)
+    plans = _checked_plans(tensors, reader, shards, verify, resume, journal, decoded, held_only, workers, Claims())
     report = ApplyReport()
     reached: list[Plan] = []
     changed: list[str] = []  # tensors added to or removed from ``tensors`` (in-place writes: ``reached``)
@@ -509,7 +511,7 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
 def apply_stream(tensors: MutableMapping[str, torch.Tensor], segments: Iterable[DeltaReader], *,
                  shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None,
                  journal: set | None = None, on_change: OnChange | None = None,
-                 report: ApplyReport | None = None) -> ApplyReport:
+                 report: ApplyReport | None = None, claims: Claims | None = None) -> ApplyReport:
     """Apply the segments of a version-3 object while it arrives (the readers
     ``codec.format.SegmentStream`` makes; ``segments`` may block for the next one): for each,
     what ``apply(segment, verify=False, resume=True)`` does, with the chunks of all of them in one
@@ -519,9 +521,12 @@ def apply_stream(tensors: MutableMapping[str, torch.Tensor], segments: Iterable[
     found so (a ``DeltaFormatError`` for bytes damaged on the way) is raised as it is, once the
     segments before it are written. A failure while writing raises ``PartialApplyError`` as
     ``apply`` does. ``journal``: the chunks written, as ``apply`` keeps it (what a retry of the
-    whole object skips). ``report``: filled in place (what was written, also when it raises)."""
+    whole object skips). ``report``: filled in place (what was written, also when it raises).
+    ``claims``: the memory the segments write in place (``delta/overlap.py``), shared where
+    several objects of one version are applied at once (default: this call's own)."""
     t0 = time.perf_counter()
     shards = shards or {}
+    claims = claims if claims is not None else Claims()
     report = report if report is not None else ApplyReport()
     reached: list[Plan] = []
     changed: list[str] = []
@@ -533,7 +538,7 @@ def apply_stream(tensors: MutableMapping[str, torch.Tensor], segments: Iterable[
                 reader = next(it, None)
                 if reader is None:
                     return
-                plans = _checked_plans(tensors, reader, shards, False, True, journal, None, False, 1)
+                plans = _checked_plans(tensors, reader, shards, False, True, journal, None, False, 1, claims)
             except DcrError as e:
                 raise _Refused(e) from None
             yield reader, plans
@@ -558,8 +563,10 @@ class _Refused(Exception):
 
 
 def _checked_plans(tensors, reader: DeltaReader, shards, verify: bool, resume: bool, journal: set | None,
-                   decoded: DecodedChunks | None, held_only: bool, workers: int | None) -> list[Plan]:
-    """The plans of a delta's entries, everything checked that can be before the first write."""
+                   decoded: DecodedChunks | None, held_only: bool, workers: int | None,
+                   claims: Claims) -> list[Plan]:
+    """The plans of a delta's entries, everything checked that can be before the first write;
+    the memory of the tensors they write in place claimed in ``claims``."""
     reader.check_payloads()
     entries: Sequence[TensorEntry] = reader.header.tensors
     if held_only:  # one rank of a group: tensors it does not hold are other ranks' to apply
@@ -574,6 +581,8 @@ def _checked_plans(tensors, reader: DeltaReader, shards, verify: bool, resume: b
     plans = [plan(e) for e in entries] if few else list(ordered_map(plan, entries, workers))
     _refuse_undecodable(plans, journal, decoded)
     refuse_misfits(tensors, [p.entry for p in plans if p.action == Action.CREATE], shards)
+    # a created tensor is built aside and handed over whole; every other write is in place
+    claims.claim((p.name, p.held) for p in plans if p.action.writes and p.action != Action.CREATE)
     return plans
 
 

@@ -54,6 +54,7 @@ import torch
 from nemo_dcr.codec.format import DeltaReader, SegmentStream
 from nemo_dcr.delta import ApplyReport, apply, apply_stream, remove_absent, remove_unnamed
 from nemo_dcr.delta.apply import refuse_misfits
+from nemo_dcr.delta.overlap import Claims
 from nemo_dcr.errors import (
     BaseMismatchError,
     CorruptObjectError,
@@ -468,8 +469,10 @@ class Follower:
         if self._pending is None or self._pending["version"] != m.version or self._pending["kind"] != kind:
             # one journal per part: its keys are (tensor, chunk start within the sending rank's
             # region), and every rank's part of a sharded tensor has a chunk starting at 0
+            # ``claims``: the memory its parts write in place, shared by the parts streamed at
+            # once (two names over one memory, both written, are refused: ``delta/overlap.py``)
             self._pending = {"version": m.version, "kind": kind, "manifest": m, "journal": {},
-                             "change": ChangeDigest()}
+                             "change": ChangeDigest(), "claims": Claims()}
         pend = self._pending
         on_change = self._on_change(pend["change"] if kind == "delta" else None)  # a keyframe's digest: whole
         decoded = pend.setdefault("decoded", {})  # part key -> classes chunks decoded over the group
@@ -608,7 +611,7 @@ class Follower:
         rep = ApplyReport()
         try:
             apply_stream(self.tensors, segments(), shards=self.shards, workers=self.workers, journal=journal,
-                         on_change=on_change, report=rep)
+                         on_change=on_change, report=rep, claims=pend["claims"])
         except DeltaFormatError as e:
             # bytes damaged on the way (a segment's index or a chunk fails its checksum,
             # found before that segment wrote anything) are the download's to retry or
