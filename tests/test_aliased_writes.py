@@ -1,13 +1,16 @@
 """Two names of a receiver's mapping over one memory (tied weights listed twice, as a module's
 ``state_dict()`` lists them), both written by a delta: refused before the first write
 (``delta/overlap.py``). Their chunks used to run on two workers at once over the same bits."""
+import itertools
+import random
+
 import pytest
 import torch
 
 from dcr_testing import assert_bits_equal
 from nemo_dcr import apply, diff
 from nemo_dcr.codec import format as fmt
-from nemo_dcr.delta import apply_stream
+from nemo_dcr.delta import apply_stream, overlap
 from nemo_dcr.delta.overlap import Claims, share_bytes
 from nemo_dcr.errors import AliasedWriteError, PartialApplyError
 from nemo_dcr.sync.follower import Follower
@@ -24,6 +27,52 @@ def test_share_bytes_is_exact_for_views_of_one_storage():
     # another dtype over the same bytes: the half of an element is a common byte
     assert share_bytes(m.view(torch.int16)[0, 1:2], m[0, 0]) and not share_bytes(m.view(torch.int16)[0, 2], m[0, 0])
     assert not share_bytes(m, m.clone()) and not share_bytes(m[:0], m)
+
+
+def _bytes_of(t: torch.Tensor) -> set[int]:
+    es, base = t.element_size(), t.data_ptr()
+    out: set[int] = set()
+    for idx in itertools.product(*[range(n) for n in t.shape]):
+        off = sum(i * s for i, s in zip(idx, t.stride(), strict=True))
+        out.update(range(base + off * es, base + (off + 1) * es))
+    return out
+
+
+def _random_view(rnd: random.Random, buf: torch.Tensor, stride: int) -> torch.Tensor:
+    """A view of ``buf`` as another dtype: any strides, or runs ``stride`` apart (columns)."""
+    b = buf.view(rnd.choice([torch.float32, torch.int16, torch.uint8]))
+    kind = rnd.choice(["any", "columns", "every k-th", "dense"])
+    if kind == "any":
+        shape = [rnd.randint(1, 5) for _ in range(rnd.randint(1, 3))]
+        strides = [rnd.randint(0, 12) for _ in shape]
+    elif kind == "columns":
+        shape, strides = [rnd.randint(1, 6), rnd.randint(1, stride + 2)], [stride, 1]
+    elif kind == "every k-th":
+        shape, strides = [rnd.randint(1, 8)], [stride]
+    else:
+        shape = [rnd.randint(1, 4), rnd.randint(1, 4)]
+        strides = [shape[1], 1] if rnd.random() < 0.5 else [1, shape[0]]
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides, strict=True))
+    return b.as_strided(shape, strides, rnd.randint(0, min(b.numel() - span, 24)))  # near one another
+
+
+@pytest.mark.parametrize("marks_max", [overlap.MARKS_MAX, 16])
+def test_share_bytes_agrees_with_the_bytes_each_view_covers(monkeypatch, marks_max):
+    """Seeded views of every layout, among them the ones compared arithmetically (runs a common
+    stride apart) and the ones marked byte by byte (or, over a longer span than ``MARKS_MAX``,
+    taken apart), against the set of bytes each covers."""
+    monkeypatch.setattr(overlap, "MARKS_MAX", marks_max)
+    rnd = random.Random(0)
+    buf = torch.zeros(160, dtype=torch.float32)
+    met = 0
+    for _ in range(3000):
+        stride = rnd.randint(1, 9)
+        a, b = _random_view(rnd, buf, stride), _random_view(rnd, buf, stride)
+        truth = bool(_bytes_of(a) & _bytes_of(b))
+        assert share_bytes(a, b) == truth, (a.shape, a.stride(), a.storage_offset(), a.dtype,
+                                           b.shape, b.stride(), b.storage_offset(), b.dtype)
+        met += truth
+    assert 600 < met < 2400  # both outcomes, many times
 
 
 def test_claims_refuse_a_second_name_over_claimed_memory_and_keep_none_of_a_refused_claim():
