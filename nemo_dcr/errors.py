@@ -26,7 +26,8 @@ class TargetMismatchError(DcrError):
 
 class AliasedWriteError(DcrError):
     """A delta writes two of the receiver's tensors that share memory (tied weights under two
-    names). Refused before the first write: nothing was changed."""
+    names). Refused before the first write of ``apply`` (nothing was changed); in
+    ``apply_stream``, before the refused segment's first write, as its other refusals."""
 
 
 class PartialApplyError(DcrError):

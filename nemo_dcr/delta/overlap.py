@@ -5,9 +5,10 @@ weights under both names (``lm_head.weight``, ``model.embed_tokens.weight``). A 
 both would have its chunks of the two entries run on two workers at once over the same bits: the
 second reads bits the first is writing, and a chunk that fails its pre-image check writes its
 old bits back over the first one's writes. So ``apply`` claims each written tensor's memory
-before its first write and refuses a second claim on the same bytes, naming both tensors, with
-nothing changed. (This project's own snapshots and receivers name tied weights once:
-``integrations.snapshot.module_tensors``.)
+before its first write and refuses a second claim on the same bytes, naming both tensors
+(an ``apply`` refused so changed nothing; an ``apply_stream``, before the refused segment).
+This project's own snapshots and receivers name tied weights once
+(``integrations.snapshot.module_tensors``).
 
 Views of one storage that interleave without sharing a byte (the columns of a matrix, split)
 are not refused: where two spans overlap and neither view is dense, views of runs a common
@@ -141,7 +142,7 @@ class Claims:
                     if other is not None:
                         raise AliasedWriteError(
                             f"{other} and {name} share memory in the receiver (tied weights under two names?), "
-                            f"and this delta writes both; refused before writing either. Publish such a tensor "
+                            f"and this delta writes both; refused before writing {name}. Publish such a tensor "
                             f"under one name (nemo_dcr.integrations.module_tensors takes each storage once), "
                             f"or give the receiver each memory under one name.")
                     bisect.insort(self._starts, (span[0], len(self._held)))
