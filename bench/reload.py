@@ -6,6 +6,7 @@ extrapolation to 120B / 1T parameters next to the published figures.
     python bench/reload.py                  # sizes 10M/30M/100M BF16 elements, 1/3/5 %, 200 Mbit/s + 1 Gbit/s
     python bench/reload.py --json           # the same as JSON
     python bench/reload.py --quick --json   # 2M elements, 3 %, 200 Mbit/s, in-process limiter (< 1 min)
+    python bench/reload.py --encoding portable   # the publisher's deltas without classes (default: auto)
 
 Setup: bench/netenv.py (the trainer region is a network namespace behind a veth pair shaped with
 tc tbf; where namespaces are unavailable, an in-process rate limiter, said so in the output).
@@ -58,7 +59,7 @@ def measure(region, endpoint, args) -> dict:
         raw_put = time.perf_counter() - t
         del raw
         store = ne.s3_store(endpoint, prefix)
-        pub = Publisher(store, format_version=args.format_version)
+        pub = Publisher(store, format_version=args.format_version, encoding=args.encoding)
         r0 = pub.publish(prev)
         stages = ne.stage_sums(r0.spans)
         out["publish"].append({"elements": elements, "raw_put": raw_put, "keyframe_publish": r0.seconds,
@@ -164,7 +165,7 @@ def run(args) -> dict:
         res["notes"].append(note)
     res["config"] = {"sizes": args.sizes, "changes": args.changes, "rates_mbit": args.rates, "reps": args.reps,
                      "quick": args.quick, "shaping": kind, "rtt_added_ms": args.rtt_ms,
-                     "format_version": args.format_version,
+                     "format_version": args.format_version, "encoding": args.encoding,
                      "receiver_workers_assumed": args.workers,
                      "changes_kind": "injected (random positions, relative nudges), not an optimizer's"}
     res["machine"] = ne.machine()
@@ -183,7 +184,8 @@ def _row_line(r: dict) -> str:
 
 def table(res: dict) -> str:
     c = res["config"]
-    L = [f"link emulation: {c['shaping']}; changes {c['changes_kind']}; format version {c['format_version']}",
+    L = [f"link emulation: {c['shaping']}; changes {c['changes_kind']}; format version {c['format_version']}; "
+         f"encoding {c.get('encoding', 'auto')}",
          f"machine: {res['machine']['cpus']} CPUs, load {res['machine']['load_1min']:.2f}", "",
          "MEASURED",
          "| elements | change | link Mbit/s | via | dense s | delta s | floor s | delta/floor (<=1.25) | speedup | "
@@ -229,6 +231,9 @@ def main(argv=None) -> int:
     ap.add_argument("--changes", type=float, nargs="+", default=None, help="change rates (0.03 = 3 %%)")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--encoding", default="auto",
+                    help="the publisher's delta coding: auto (the default; classes where it pays), portable "
+                         "(positions sent: more bytes, no scan of the receiver's base), ...")
     args = ap.parse_args(argv)
     q = args.quick
     args.sizes = [int(s) for s in (args.sizes or ([2e6] if q else [10e6, 30e6, 100e6]))]
