@@ -152,12 +152,14 @@ def test_objects_applied_at_once_share_their_claims(monkeypatch):
     assert_bits_equal(recv["embed.weight"], target["embed.weight"])  # the first part, as written
 
 
+@pytest.mark.parametrize("parts", ["one part", "a part per tensor"])
 @pytest.mark.parametrize("stream", [False, True])
-def test_a_follower_over_tied_names_is_refused_and_keeps_its_state(tmp_path, stream):
+def test_a_follower_over_tied_names_is_refused_and_keeps_its_state(tmp_path, stream, parts):
+    """The parts of a version share their claims, applied at once (streamed) or in turn."""
     store = str(tmp_path / "store")
     base = tied(3, tie=False)
-    pub = Publisher(store)
-    pub.publish(base)
+    pub = Publisher(store, part_bytes=1 if parts == "a part per tensor" else 32 << 20)
+    assert len(pub.publish(base).manifest.keyframe_parts) == (3 if parts == "a part per tensor" else 1)
     recv = tied(3)
     before = {k: v.clone() for k, v in recv.items()}
     f = Follower(store, recv, verifier=None, stream=stream)

@@ -478,7 +478,7 @@ def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> 
 def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
           verify: bool = True, resume: bool = False, workers: int | None = None,
           progress: bool | None = None, journal: set | None = None, on_change: OnChange | None = None,
-          held_only: bool = False, decoded: DecodedChunks | None = None) -> ApplyReport:
+          held_only: bool = False, decoded: DecodedChunks | None = None, claims: Claims | None = None) -> ApplyReport:
     """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
 
     Before anything is changed: the container and every chunk checksum are checked, every
@@ -490,11 +490,14 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     first write raises ``PartialApplyError``; calling again with ``resume=True`` finishes.
     ``decoded``: the ``classes`` chunks of entries the receiver holds only part of, decoded
     already (``nemo_dcr.sync.chunk_gather``); any other such chunk is refused before the first write.
+    ``claims``: the memory written in place (``delta/overlap.py``), shared where the objects of
+    one version are applied one after another (default: this call's own).
     """
     t0 = time.perf_counter()
     reader = DeltaReader.open(delta)
     shards = shards or {}
-    plans = _checked_plans(tensors, reader, shards, verify, resume, journal, decoded, held_only, workers, Claims())
+    plans = _checked_plans(tensors, reader, shards, verify, resume, journal, decoded, held_only, workers,
+                           claims if claims is not None else Claims())
     report = ApplyReport()
     reached: list[Plan] = []
     changed: list[str] = []  # tensors added to or removed from ``tensors`` (in-place writes: ``reached``)

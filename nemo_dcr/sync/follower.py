@@ -469,8 +469,8 @@ class Follower:
         if self._pending is None or self._pending["version"] != m.version or self._pending["kind"] != kind:
             # one journal per part: its keys are (tensor, chunk start within the sending rank's
             # region), and every rank's part of a sharded tensor has a chunk starting at 0
-            # ``claims``: the memory its parts write in place, shared by the parts streamed at
-            # once (two names over one memory, both written, are refused: ``delta/overlap.py``)
+            # ``claims``: the memory its parts write in place, shared by all of them (two names
+            # over one memory, both written, are refused: ``delta/overlap.py``)
             self._pending = {"version": m.version, "kind": kind, "manifest": m, "journal": {},
                              "change": ChangeDigest(), "claims": Claims()}
         pend = self._pending
@@ -503,7 +503,8 @@ class Follower:
             t = time.perf_counter()
             r = apply(self.tensors, reader(blob), shards=self.shards, verify=False, resume=True,
                       workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
-                      on_change=on_change, progress=False, held_only=g.active, decoded=decoded.get(p.key))
+                      on_change=on_change, progress=False, held_only=g.active, decoded=decoded.get(p.key),
+                      claims=pend["claims"])
             res.spans.add("apply", p.key, t)
             res.changed += r.elements_changed
 
