@@ -118,6 +118,10 @@ def share_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(_marks(b, lo, m).any())
 
 
+def _key(name: str, t: torch.Tensor, span: tuple[int, int]) -> tuple:
+    return name, t.device, span, tuple(t.shape), tuple(t.stride())
+
+
 class Claims:
     """The memory claimed so far by the tensors a delta writes in place, by name. ``claim``
     refuses a tensor sharing a byte with one claimed under another name. Thread-safe: the
@@ -128,6 +132,9 @@ class Claims:
         self._starts: list[tuple[int, int]] = []  # (span start, order claimed), sorted
         self._held: list[tuple[tuple[int, int], str, torch.Tensor]] = []  # by order claimed
         self._longest = 0  # the longest span: nothing starting further back reaches a new one
+        # what is held already, by name: a tensor's later segments (and a version's retry) claim
+        # it again, and a second entry for it would lengthen every later scan
+        self._seen: set = set()
 
     def claim(self, named: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Claim each ``(name, tensor)``; all of them, or none and ``AliasedWriteError``."""
@@ -138,6 +145,9 @@ class Claims:
                     span = _span(t)
                     if span is None:
                         continue
+                    key = _key(name, t, span)
+                    if key in self._seen:
+                        continue
                     other = self._holder(span, t, name)
                     if other is not None:
                         raise AliasedWriteError(
@@ -147,8 +157,10 @@ class Claims:
                             f"or give the receiver each memory under one name.")
                     bisect.insort(self._starts, (span[0], len(self._held)))
                     self._held.append((span, name, t))
+                    self._seen.add(key)
                     self._longest = max(self._longest, span[1] - span[0])
             except BaseException:
+                self._seen.difference_update(_key(n, u, sp) for sp, n, u in self._held[kept:])
                 del self._held[kept:]
                 self._starts = [s for s in self._starts if s[1] < kept]
                 self._longest = longest
