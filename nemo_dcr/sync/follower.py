@@ -71,6 +71,7 @@ from nemo_dcr.stores.http import read_head_since, wait_head
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.pace import LinkEstimate, Pacer
+from nemo_dcr.sync.speculate import Speculation, predicted
 from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans
 from nemo_dcr.util.memory import release_freed_memory
 from nemo_dcr.util.parallel import standing
@@ -99,6 +100,7 @@ class SyncResult:
     fallbacks: list = field(default_factory=list)  # paths given up on the way, with the reason
     rekeyed: bool = False                       # the store's history was not the one followed
     gathered: int = 0                           # bytes of base bits received from the group (chunk_gather)
+    speculated: int = 0                         # objects asked for beside the HEAD read, and used (sync/speculate.py)
     # Span per stage, seconds from the start of the sync (sync() passes its own; lambda: Spans is defined below)
     spans: Spans = field(default_factory=lambda: Spans())
 
@@ -161,7 +163,8 @@ class Follower:
                  retries: int = 3, backoff: float = 0.1, workers: int | None = None, verify_initial: bool = True,
                  max_fallbacks: int = 8, prefetch: int = 4, stream: bool = False, verifier="env",
                  name: str | None = None, metrics=None, metrics_port: int | None = None,
-                 manifest: Manifest | None = None, on_write=None, progress: bool | None = False):
+                 manifest: Manifest | None = None, on_write=None, progress: bool | None = False,
+                 speculate: bool = True):
         """``version``: the version ``tensors`` already hold (checked against its digest unless
         ``verify_initial=False``); None means "nothing yet": the first sync starts from a keyframe.
         ``manifest``: instead of ``version``, that version's manifest where the caller has it
@@ -190,7 +193,11 @@ class Follower:
         the dtype's integer view), for receivers that keep a second copy of some tensor in
         another layout (the vLLM receiver's pieces of a tensor held in several strided boxes).
         ``progress``: a bar on stderr over the bytes a sync downloads (None: when stderr is a
-        terminal, as ``nemo-dcr pull``; False, the default: never)."""
+        terminal, as ``nemo-dcr pull``; False, the default: never). ``speculate``: a sync that
+        reads HEAD also asks, at the same time, for the first objects the version after the one
+        held is expected to have (where its manifest says they will be: ``sync/speculate.py``),
+        so a follower one version behind has its parts one round trip after it asked, not two;
+        not through relays, nor in a group. ``SyncResult.speculated`` counts the objects read so."""
         from nemo_dcr.stores import open_reader
         from nemo_dcr.stores.http import check_receiver_name
         from nemo_dcr.sync.signing import verifying
@@ -210,6 +217,8 @@ class Follower:
         self.retries, self.backoff, self.workers = retries, backoff, workers
         self.max_fallbacks = max_fallbacks
         self.prefetch, self.stream = max(0, int(prefetch)), bool(stream)
+        self.speculate = bool(speculate)
+        self._speculation: Speculation | None = None  # during a sync: the reads sent beside HEAD's
         # the link to the store as this follower's downloads found it (sync/pace.py): paces them
         self.link = LinkEstimate()
         self.progress = progress
@@ -341,7 +350,14 @@ class Follower:
     def sync(self, version: int | None = None, *, head: Head | None = None) -> SyncResult:
         """Bring the tensors to ``version`` (default: the newest committed one)."""
         try:
-            res = self._sync(version, self._seen(head))
+            try:
+                res = self._sync(version, self._seen(head))
+            finally:
+                spec, self._speculation = self._speculation, None
+                if spec is not None:
+                    spec.close()
+            if spec is not None:
+                res.speculated = spec.taken
         except BaseException as e:
             if self.metrics is not None:
                 self.metrics.failed(e, self._version)
@@ -356,6 +372,8 @@ class Follower:
         t0 = time.perf_counter()
         g = self.group
         if head is None:
+            if version is None:
+                self._speculation = self._speculate()
             t = time.monotonic()
             head = self.read_head()
             self.link.round_trip(time.monotonic() - t)  # a small request: the link's round trip, or more
@@ -418,6 +436,18 @@ class Follower:
                 feed.close()
                 self._bar.close()
             return self._done(res, t0)
+
+    def _speculate(self) -> Speculation | None:
+        """The reads of the next version's first objects, sent now (beside the HEAD read), where
+        the version held names them and they are worth guessing (``sync/speculate.py``)."""
+        if not self.speculate or self.group.active or self._pending is not None or self._version is None \
+                or getattr(self.store, "relayed", False):
+            return None
+        keys = predicted(self._held, max(1, self.prefetch), Pacer(self.link).window())
+        if not keys:
+            return None
+        store = self.store
+        return Speculation(lambda k: _open_stream(store, k), keys)
 
     def _plan(self, target: Manifest, bad: set):
         digest = self._digest.hex() if self._version is not None and self._digest is not None else None
@@ -677,7 +707,9 @@ class Follower:
         for attempt in range(self.retries + 1):
             t = time.perf_counter()
             try:
-                size, chunks = _open_stream(self.store, part.key)
+                spec = self._speculation
+                opened = spec.take(part.key) if spec is not None and attempt == 0 else None
+                size, chunks = opened if opened is not None else _open_stream(self.store, part.key)
                 try:
                     h, n = hashlib.sha256(), 0
                     if size == part.size:

@@ -41,6 +41,7 @@ from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
 from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
+from nemo_dcr.sync.speculate import NEXT_META, hint
 from nemo_dcr.sync.versions import (
     FORMAT,
     HEAD_KEY,
@@ -156,6 +157,10 @@ class Publisher:
         self._head: Head | None = None
         self._manifest: Manifest | None = None  # _head's manifest, as committed or restored here
         self._digest: StateDigest | None = None  # this rank's partial digest of _base
+        # rank 0: the publish id the last manifest committed here reserved for the version after
+        # it (sync/speculate.py: followers read there beside HEAD); used by that version's first
+        # attempt alone, so no key is ever written by two publishes
+        self._next_id: str | None = None
         # name -> tensor digest of _base[name], as the diff that published it wrote it: _base is
         # private and unchanged since, so the next diff need not hash it again
         self._tensor_digests: dict = {}
@@ -197,8 +202,10 @@ class Publisher:
         t0 = time.perf_counter()
         spans = Spans(t0)
         g = self.group
-        head, tag, publish_id, version = g.run(lambda: self._read_head(keyframe) if g.rank == 0 else None,
-                                               "read the store's HEAD", src=0)
+        if meta is not None and NEXT_META in meta:
+            raise ValueError(f"meta key {NEXT_META!r} is the publisher's own (sync/speculate.py)")
+        head, tag, publish_id, version = g.run(lambda: self._reserved(*self._read_head(keyframe)) if g.rank == 0
+                                               else None, "read the store's HEAD", src=0)
         kf = keyframe or head is None or (self.keyframe_every > 0 and version % self.keyframe_every == 0)
         local: dict[str, Any] = {}  # what upload() leaves behind: snapshot, shards, digests
 
@@ -274,6 +281,14 @@ class Publisher:
                           "rebuilds the last published state from the store")
             self._base = self._shards = self._head = self._manifest = self._digest = None
             self._tensor_digests = {}
+
+    def _reserved(self, head: Head | None, tag, publish_id: str, version: int):
+        """``_read_head``'s answer, under the publish id the last manifest reserved for this
+        version where this publisher continues its own chain (else a guess would be wrong)."""
+        nxt, self._next_id = self._next_id, None
+        if nxt is not None and head is not None and _same_head(self._head, head) and version == head.version + 1:
+            publish_id = nxt
+        return head, tag, publish_id, version
 
     def _read_head(self, keyframe: bool):
         """Rank 0 (which signs): HEAD, its tag, a fresh publish id and the version to publish. A
@@ -459,6 +474,7 @@ class Publisher:
             for r in results:
                 total = total + StateDigest.from_hex(r["digest"])
             base = self._base_manifest(head, keyframe=all(r["keyframe_parts"] for r in results))
+            nxt = new_publish_id()
             m = Manifest(
                 version=version, publish_id=publish_id, target_digest=total.hex(),
                 base_version=head.version if base and head else None,
@@ -467,11 +483,13 @@ class Publisher:
                 parts=[Part(**p) for r in results for p in r["parts"]] if base else [],
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
-                world_size=self.group.world_size, step=step, meta=meta or {},
+                world_size=self.group.world_size, step=step,
+                meta={**(meta or {}), NEXT_META: hint(nxt, _next_names(results))},
                 # format-3 deltas go with format-3 manifests: HEAD carries the manifest, so a
                 # follower has the part list with HEAD (a reader of format 2 refuses both)
                 format=NEWEST_IN_HEAD if self.format_version >= NEWEST_IN_HEAD else FORMAT)
             new_head = commit(self.store, m, head, tag, signer=self.signer)
+            self._next_id = nxt
             if self._verifier is not None:  # remembered: an older HEAD replayed later is refused
                 self._verifier.check_head(new_head)
             return m, new_head
@@ -708,6 +726,18 @@ def _part_name(kind: str, rank: int, j: int) -> str:
     """``part-00003.dcr`` for a rank's first part (the name of a one-part rank), then
     ``part-00003.1.dcr``, ``part-00003.2.dcr``..."""
     return f"{kind}-{rank:05d}.dcr" if j == 0 else f"{kind}-{rank:05d}.{j}.dcr"
+
+
+def _next_names(results: list) -> list[str]:
+    """The names of the next version's objects, as far as they are known now: this version's
+    delta parts, or (a version without one) its keyframe's, whose tensors the next delta splits
+    alike (``split_parts``), rank by rank as the manifest lists them."""
+    out: list[str] = []
+    for r in results:
+        for p in r["parts"] or r["keyframe_parts"]:
+            name = p["key"].rsplit("/", 1)[1]
+            out.append("part" + name[len("key"):] if name.startswith("key-") else name)
+    return out
 
 
 def _same_head(a: Head | None, b: Head) -> bool:
