@@ -492,17 +492,19 @@ def busy(spans, stage: str) -> float:
     return total + (cur[1] - cur[0] if cur else 0.0)
 
 
-def delta_reload(store, held: dict, version: int = 0, stream: bool = True) -> dict:
+def delta_reload(store, held: dict, version: int = 0, stream: bool = True, speculate: bool = True) -> dict:
     """``Follower.sync`` from ``version`` (``held``, not re-verified) to the newest: -> its
-    figures and the receiver's tensors (checked by the caller)."""
+    figures and the receiver's tensors (checked by the caller). ``speculate``: the follower's
+    reads of the next version's parts beside its HEAD read (``sync/speculate.py``)."""
     tensors = {k: v.clone() for k, v in held.items()}
-    f = Follower(store, tensors, version=version, verify_initial=False, stream=stream)
+    f = Follower(store, tensors, version=version, verify_initial=False, stream=stream, speculate=speculate)
     # this process's CPU is the receiver's: the S3 server and relays are processes of their own
     # (with the in-process rate limiter, its threads count here too)
     cpu = time.process_time()
     r = f.sync()
     cpu = time.process_time() - cpu
     return {"seconds": r.seconds, "cpu": cpu, "bytes": r.bytes, "version": r.version, "changed": r.changed,
+            "speculated": r.speculated,
             "stages": stage_sums(r.spans), "fetch_busy": busy(r.spans, "fetch"),
             "spans": [(s.stage, s.what, round(s.start, 5), round(s.end, 5)) for s in r.spans], "tensors": tensors}
 

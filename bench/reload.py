@@ -7,6 +7,7 @@ extrapolation to 120B / 1T parameters next to the published figures.
     python bench/reload.py --json           # the same as JSON
     python bench/reload.py --quick --json   # 2M elements, 3 %, 200 Mbit/s, in-process limiter (< 1 min)
     python bench/reload.py --encoding portable   # the publisher's deltas without classes (default: auto)
+    python bench/reload.py --speculate both      # each row also without the follower's reads beside HEAD
 
 Setup: bench/netenv.py (the trainer region is a network namespace behind a veth pair shaped with
 tc tbf; where namespaces are unavailable, an in-process rate limiter, said so in the output).
@@ -14,8 +15,10 @@ The publisher writes into the S3 server (moto, the tests' server) with the link 
 in the trainer region); then per link rate:
 
 * dense reload: stream the raw checkpoint (one object) into the receiver's tensors;
-* delta reload: ``Follower(stream=True).sync`` from version 0 to 1 (fetch with sha256 as bytes
-  arrive, decode+apply, digest check), with its per-stage spans and the receiver's CPU time
+* delta reload: ``Follower(stream=True).sync`` from version 0 to 1 (version 1's parts asked for
+  beside the HEAD read where version 0's manifest says they will be, ``sync/speculate.py``;
+  fetch with sha256 as bytes arrive, decode+apply, digest check), with its per-stage spans and
+  the receiver's CPU time
   (beside the wall time: how many cores the sync kept busy);
 * floor: max(delta bytes / link rate, one memcpy of the receiver's tensors) + one round trip
   (a small request across the link, median of 5);
@@ -85,15 +88,20 @@ def measure(region, endpoint, args) -> dict:
                             recv = {k: v.clone() for k, v in prev.items()}
                             dense[(mbit, via)] = min(ne.dense_reload(src(), recv) for _ in range(args.reps))
                             ne.same_bits(recv, cur, f"dense reload {via}")
-                    best = None
+                    modes = {"on": (True,), "off": (False,), "both": (True, False)}[args.speculate]
+                    best: dict = {m: None for m in modes}
                     for _ in range(args.reps):  # a fresh relay each time: nothing cached
-                        with _source(via, prefix, endpoint) as src:
-                            d = ne.delta_reload(src(), prev, r1.version - 1)
-                        ne.same_bits(d.pop("tensors"), cur, f"delta reload {via}")
-                        if best is None or d["seconds"] < best["seconds"]:
-                            best = d
-                    row["dense"], row["delta"] = dense[(mbit, via)], best
+                        for m in modes:  # with and without, alternated
+                            with _source(via, prefix, endpoint) as src:
+                                d = ne.delta_reload(src(), prev, r1.version - 1, speculate=m)
+                            ne.same_bits(d.pop("tensors"), cur, f"delta reload {via}")
+                            if best[m] is None or d["seconds"] < best[m]["seconds"]:
+                                best[m] = d
+                    row["dense"], row["delta"] = dense[(mbit, via)], best[modes[0]]
                     _derive(row)
+                    if len(modes) > 1:  # the same reload without the reads beside HEAD: the baseline
+                        row["delta_unspeculated"] = best[False]
+                        row["unspeculated_over_floor"] = best[False]["seconds"] / row["floor"]
                     out["rows"].append(row)
                     if not args.json:
                         print(_row_line(row), file=sys.stderr, flush=True)
@@ -166,6 +174,7 @@ def run(args) -> dict:
     res["config"] = {"sizes": args.sizes, "changes": args.changes, "rates_mbit": args.rates, "reps": args.reps,
                      "quick": args.quick, "shaping": kind, "rtt_added_ms": args.rtt_ms,
                      "format_version": args.format_version, "encoding": args.encoding,
+                     "speculate": args.speculate,
                      "receiver_workers_assumed": args.workers,
                      "changes_kind": "injected (random positions, relative nudges), not an optimizer's"}
     res["machine"] = ne.machine()
@@ -176,8 +185,10 @@ def run(args) -> dict:
 
 
 def _row_line(r: dict) -> str:
+    without = f" (without the reads beside HEAD: {r['unspeculated_over_floor']:.2f})" \
+        if "unspeculated_over_floor" in r else ""
     return (f"| {r['elements'] / 1e6:.0f}M | {r['change']:.0%} | {r['link_mbit']:g} | {r['via']} | "
-            f"{r['dense']:.3f} | {r['delta']['seconds']:.3f} | {r['floor']:.3f} | {r['delta_over_floor']:.2f} | "
+            f"{r['dense']:.3f} | {r['delta']['seconds']:.3f} | {r['floor']:.3f} | {r['delta_over_floor']:.2f}{without} | "
             f"{r['speedup']:.1f}x | {r['payload_ratio']:.1f}x | {r['transport_share']:.0%} | "
             f"{r['dense_achieved_mbit']:.0f} |")
 
@@ -231,6 +242,9 @@ def main(argv=None) -> int:
     ap.add_argument("--changes", type=float, nargs="+", default=None, help="change rates (0.03 = 3 %%)")
     ap.add_argument("--rates", type=float, nargs="+", default=None, help="link rates, Mbit/s")
     ap.add_argument("--reps", type=int, default=None)
+    ap.add_argument("--speculate", choices=("on", "off", "both"), default="on",
+                    help="the follower's reads of the next version's parts beside its HEAD read (both: each "
+                         "row also without them, alternated, as delta_unspeculated)")
     ap.add_argument("--encoding", default="auto",
                     help="the publisher's delta coding: auto (the default; classes where it pays), portable "
                          "(positions sent: more bytes, no scan of the receiver's base), ...")

@@ -839,6 +839,7 @@ class _Feed:
     its error is raised by ``take`` of that object."""
 
     def __init__(self, follower: Follower, steps: list, spans: Spans):
+        self._follower = follower
         self._fetch = lambda p, arriving=None: follower._fetch(p, spans, arriving)
         self._parts = [p for kind, m in steps for p in _parts(kind, m)]
         self._index = {id(p): i for i, p in enumerate(self._parts)}
@@ -871,7 +872,10 @@ class _Feed:
                 self._next += 1
                 arriving = self._arriving[i] = _Arriving(self._parts[i].size,
                                                          lambda n, i=i: self._received(i, n))
-                self.pacer.started(i, self._parts[i].size)
+                spec = self._follower._speculation
+                # a read sent beside HEAD has its bytes coming already: no round trip to measure
+                self.pacer.started(i, self._parts[i].size,
+                                   early=spec is not None and spec.asked(self._parts[i].key))
                 self._cond.notify_all()
             item: tuple[bytes | bytearray | memoryview | None, Exception | None]
             try:

@@ -70,6 +70,7 @@ class _Download:
     started: float
     got: int = 0
     first: float | None = None  # when its first bytes came
+    early: bool = False  # its request went out earlier (sync/speculate.py): not measured
 
 
 class Pacer:
@@ -90,10 +91,13 @@ class Pacer:
             self.link.busy += max(0.0, now - self._last)
         self._last = now
 
-    def started(self, i: int, size: int) -> None:
+    def started(self, i: int, size: int, early: bool = False) -> None:
+        """``early``: its request was sent before (a read beside HEAD): its bytes count in what
+        the running downloads have left, but neither its time to a first byte (the bytes may be
+        waiting already) nor its rate (they come from buffers) says what the link is."""
         now = self._clock()
         self._account(now)
-        self._running[i] = _Download(int(size), now)
+        self._running[i] = _Download(int(size), now, early=early)
 
     def received(self, i: int, n: int) -> None:
         d = self._running.get(i)
@@ -101,7 +105,9 @@ class Pacer:
             return
         now = self._clock()
         self._account(now)
-        if n < d.got:  # a retry: its bytes come again
+        if d.early:
+            d.got = n
+        elif n < d.got:  # a retry: its bytes come again
             d.got = n
         elif d.first is None:
             d.first = now

@@ -79,6 +79,11 @@ class Speculation:
         self._pending: dict[str, Future] = {k: standing(open_stream, k) for k in keys}
         self.taken = 0
 
+    def asked(self, key: str) -> bool:
+        """Whether ``key`` was asked for and not yet taken."""
+        with self._lock:
+            return key in self._pending
+
     def take(self, key: str) -> tuple[int, Iterator[bytes]] | None:
         with self._lock:
             f = self._pending.pop(key, None)
