@@ -15,8 +15,8 @@ The publisher writes into the S3 server (moto, the tests' server) with the link 
 in the trainer region); then per link rate:
 
 * dense reload: stream the raw checkpoint (one object) into the receiver's tensors;
-* delta reload: ``Follower(stream=True).sync`` from version 0 to 1 (version 1's parts asked for
-  beside the HEAD read where version 0's manifest says they will be, ``sync/speculate.py``;
+* delta reload: ``Follower(stream=True).sync`` from one version to the next (its parts asked
+  for beside the HEAD read where the held version's manifest says they will be, ``sync/speculate.py``;
   fetch with sha256 as bytes arrive, decode+apply, digest check), with its per-stage spans and
   the receiver's CPU time
   (beside the wall time: how many cores the sync kept busy);
@@ -24,6 +24,9 @@ in the trainer region); then per link rate:
   (a small request across the link, median of 5);
 * via "s3": the receiver reads the S3 server directly; via "relay": a fresh relay in the rollout
   region (upstream: the S3 server) serves it (one more hop, cut-through).
+
+The receiver is a fresh follower holding the version before, which a delta made (a warm-up delta
+after the keyframe, at the first change rate): a follower one step behind a trainer.
 
 Changes are INJECTED (random positions, optimizer-step-sized relative nudges), labelled so.
 Every reload is checked bit for bit against the published state.
@@ -68,6 +71,11 @@ def measure(region, endpoint, args) -> dict:
         out["publish"].append({"elements": elements, "raw_put": raw_put, "keyframe_publish": r0.seconds,
                                "ratio": r0.seconds / raw_put, "keyframe_stages": stages,
                                "digest_and_other": r0.seconds - sum(stages.values())})
+        # the follower under test holds a version a delta made, as one following a trainer does
+        # from its second version on (after a keyframe alone nothing tells how large the next
+        # delta's parts are, so only its first part is asked for beside HEAD: sync/speculate.py)
+        prev = ne.changed(prev, args.changes[0], seed=1000)
+        pub.publish(prev)
         dense = {}
         for i, change in enumerate(args.changes):
             cur = ne.changed(prev, change, seed=1 + i)
@@ -188,7 +196,8 @@ def _row_line(r: dict) -> str:
     without = f" (without the reads beside HEAD: {r['unspeculated_over_floor']:.2f})" \
         if "unspeculated_over_floor" in r else ""
     return (f"| {r['elements'] / 1e6:.0f}M | {r['change']:.0%} | {r['link_mbit']:g} | {r['via']} | "
-            f"{r['dense']:.3f} | {r['delta']['seconds']:.3f} | {r['floor']:.3f} | {r['delta_over_floor']:.2f}{without} | "
+            f"{r['dense']:.3f} | {r['delta']['seconds']:.3f} | {r['floor']:.3f} | "
+            f"{r['delta_over_floor']:.2f}{without} | "
             f"{r['speedup']:.1f}x | {r['payload_ratio']:.1f}x | {r['transport_share']:.0%} | "
             f"{r['dense_achieved_mbit']:.0f} |")
 

@@ -62,6 +62,7 @@ class RelayMetrics:
         "upstream_head_reads": ("upstream_head_reads", "HEAD reads of the upstream"),
         "head_waits": ("head_waits", "long polls parked"),
         "head_not_modified": ("head_not_modified", "HEAD reads answered 304: the child held that HEAD"),
+        "guesses_answered": ("guesses_answered", "reads of a version not yet committed answered here, not upstream"),
         "evicted_old_versions": ("evicted_old_version_objects", "objects of versions retention removed, dropped"),
     }
     GAUGES = {

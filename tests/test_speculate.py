@@ -94,23 +94,32 @@ def test_parts_are_asked_for_beside_the_head_read(store, stream):
     assert m1.publish_id == h["publish_id"]  # the version after it is where the hint said
     assert [p.key for p in m1.parts] == predicted(m0, MAX_NAMES)
 
+    # from a keyframe nothing tells how large the next delta's parts are: the first one alone,
+    # which the pacing starts at once in any case
     recv = {k: v.clone() for k, v in v0.items()}
-    spy = HeadAfterParts(store, n=len(m1.parts))
-    f = Follower(spy, recv, manifest=m0, verify_initial=False, stream=stream, prefetch=len(m1.parts))
-    res = f.sync()
-    assert res.version == 1 and same(recv, v1)
-    assert res.speculated == len(m1.parts)
-    assert spy.head_waited == [True]  # every part was asked for before HEAD answered
-    assert sorted(k for k in spy.reads if k.endswith(".dcr")) == sorted(p.key for p in m1.parts)  # each read once
+    spy = HeadAfterParts(store, n=1)
+    res = Follower(spy, recv, manifest=m0, verify_initial=False, stream=stream, prefetch=len(m1.parts)).sync()
+    assert res.version == 1 and same(recv, v1) and res.speculated == 1 and spy.head_waited == [True]
 
-    # and so on from version to version, each one's manifest naming the next
+    # from a delta: as many as the pacing would start at once (these small parts: all of them)
     v2 = stepped(v1, 2)
     m2 = pub.publish(v2).manifest
+    spy = HeadAfterParts(store, n=len(m2.parts))
+    f = Follower(spy, recv, manifest=m1, verify_initial=False, stream=stream, prefetch=len(m2.parts))
+    res = f.sync()
+    assert res.version == 2 and same(recv, v2)
+    assert res.speculated == len(m2.parts)
+    assert spy.head_waited == [True]  # every part was asked for before HEAD answered
+    assert sorted(k for k in spy.reads if k.endswith(".dcr")) == sorted(p.key for p in m2.parts)  # each read once
+
+    # and so on from version to version, each one's manifest naming the next
+    v3 = stepped(v2, 3)
+    m3 = pub.publish(v3).manifest
     spy.parts_asked.clear()
     spy.reads.clear()
-    spy.n = len(m2.parts)
+    spy.n = len(m3.parts)
     res = f.sync()
-    assert res.version == 2 and same(recv, v2) and res.speculated == len(m2.parts)
+    assert res.version == 3 and same(recv, v3) and res.speculated == len(m3.parts)
     assert spy.head_waited[-1] is True
 
 
@@ -144,30 +153,77 @@ def test_what_is_read_beside_head_is_checked(tmp_path):
     reads them again (as any failed download), ending bit-exact."""
     pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10)
     v0, v1 = model(0), stepped(model(0), 1)
-    m0 = pub.publish(v0).manifest
+    pub.publish(v0)
     m1 = pub.publish(v1).manifest
-    recv = {k: v.clone() for k, v in v0.items()}
-    spy = HeadAfterParts(Publisher(str(tmp_path / "s")).store, n=len(m1.parts), corrupt_first=True)
-    f = Follower(spy, recv, manifest=m0, verify_initial=False, prefetch=len(m1.parts), backoff=0.0)
+    v2 = stepped(v1, 2)
+    m2 = pub.publish(v2).manifest
+    recv = {k: v.clone() for k, v in v1.items()}
+    spy = HeadAfterParts(Publisher(str(tmp_path / "s")).store, n=len(m2.parts), corrupt_first=True)
+    f = Follower(spy, recv, manifest=m1, verify_initial=False, prefetch=len(m2.parts), backoff=0.0)
     res = f.sync()
-    assert res.version == 1 and same(recv, v1)
-    assert res.speculated == len(m1.parts) and spy.head_waited == [True]
-    assert all(spy.reads.count(p.key) == 2 for p in m1.parts)  # the damaged read, then a good one
+    assert res.version == 2 and same(recv, v2)
+    assert res.speculated == len(m2.parts) and spy.head_waited == [True]
+    assert all(spy.reads.count(p.key) == 2 for p in m2.parts)  # the damaged read, then a good one
 
 
-def test_not_guessed_when_switched_off_or_through_a_relay(tmp_path):
+def test_not_guessed_when_switched_off(tmp_path):
     pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10)
     v0, v1 = model(0), stepped(model(0), 1)
     m0 = pub.publish(v0).manifest
     pub.publish(v1)
-    for relayed in (False, True):
-        spy = HeadAfterParts(Publisher(str(tmp_path / "s")).store, n=1, wait=0.0)
-        spy.inner.relayed = relayed  # as a relay's store says of itself (HttpStore, FallbackStore)
+    spy = HeadAfterParts(Publisher(str(tmp_path / "s")).store, n=1, wait=0.0)
+    recv = {k: v.clone() for k, v in v0.items()}
+    res = Follower(spy, recv, manifest=m0, verify_initial=False, speculate=False).sync()
+    assert res.version == 1 and same(recv, v1) and res.speculated == 0
+    assert spy.head_waited == [False]  # HEAD answered before any part was asked for
+
+
+def test_through_a_relay_guesses_go_on_and_misses_stay_there(tmp_path):
+    """Through a real relay process: the guesses for a committed version go on to the upstream
+    (one round trip); a guess the upstream did not have is answered by the relay itself the next
+    times, until HEAD names its version, so children polling with nothing new do not cross the
+    slow link once each (transport/guesses.py)."""
+    pytest.importorskip("aiohttp")
+    from dcr_testing.relay import RelayProc
+    from nemo_dcr.stores import HttpStore
+
+    store_dir = tmp_path / "store"
+    pub = Publisher(str(store_dir), part_bytes=16 << 10)
+    v0, v1 = model(0), stepped(model(0), 1)
+    m0 = pub.publish(v0).manifest
+    m1 = pub.publish(v1).manifest
+    # a miss is remembered for the relay's poll interval: long here, so that the test does not
+    # depend on how fast the machine is
+    relay = RelayProc(str(store_dir), "--poll-interval", "120")
+    try:
         recv = {k: v.clone() for k, v in v0.items()}
-        f = Follower(spy, recv, manifest=m0, verify_initial=False, speculate=relayed)
+        f = Follower(relay.url, recv, manifest=m0, verify_initial=False, prefetch=len(m1.parts))
         res = f.sync()
-        assert res.version == 1 and same(recv, v1) and res.speculated == 0
-        assert spy.head_waited == [False]  # HEAD answered before any part was asked for
+        assert res.version == 1 and same(recv, v1) and res.speculated == 1  # from a keyframe: the first part
+        fetched = HttpStore(relay.url).stats()["upstream_fetches_by_key"]
+        assert all(fetched.get(p.key) == 1 for p in m1.parts), fetched  # each part fetched once
+
+        guessed = [k for k in predicted(m1, MAX_NAMES)]
+        children = [Follower(relay.url, {k: v.clone() for k, v in v1.items()}, manifest=m1, verify_initial=False,
+                             prefetch=len(guessed)) for _ in range(3)]
+        for c in children:
+            for _ in range(2):
+                r = c.sync()  # nothing new
+                assert r.version == 1 and not r.updated and r.speculated == 0
+        st = HttpStore(relay.url).stats()
+        # the first guess of each key went on (a miss), the other five children's syncs' did not
+        assert st["guesses_answered"] == 5 * len(guessed), st
+        assert all(st["upstream_fetches_by_key"].get(k) == 1 for k in guessed), st  # once each upstream
+
+        # then the version is published: HEAD names it, and the remembered misses no longer hold
+        v2 = stepped(v1, 2)
+        m2 = pub.publish(v2).manifest
+        assert [p.key for p in m2.parts] == guessed
+        r = children[0].sync()
+        assert r.version == 2 and same(children[0].tensors, v2)
+        assert r.speculated == len(guessed)
+    finally:
+        relay.stop()
 
 
 def test_the_hint_is_the_publishers_own(tmp_path):
@@ -204,3 +260,20 @@ def test_as_many_at_once_as_the_pacing_would_start(tmp_path):
     assert predicted(m1, MAX_NAMES, window=0) == keys[:1]  # a bandwidth-bound link: one after the other
     assert predicted(m1, MAX_NAMES, window=sizes[0] + sizes[1]) == keys[:3]
     assert predicted(m1, 2, window=float("inf")) == keys[:2]  # never more than the follower's prefetch
+
+
+def test_a_relay_remembers_a_miss_for_its_poll_interval():
+    from nemo_dcr.transport.guesses import Misses, version_of
+
+    now = [0.0]
+    m = Misses(0.5, cap=2, clock=lambda: now[0])
+    m.missed("versions/000000000002/a/part-00000.dcr")
+    assert m.recent("versions/000000000002/a/part-00000.dcr")
+    now[0] = 0.6
+    assert not m.recent("versions/000000000002/a/part-00000.dcr")  # asked upstream again after the interval
+    for k in ("a", "b", "c"):
+        m.missed(k)
+    assert not m.recent("a") and m.recent("b") and m.recent("c")  # at most cap kept, the oldest dropped
+    m.found("c")
+    assert not m.recent("c")
+    assert version_of("versions/000000000002/a/part-00000.dcr") == 2 and version_of("HEAD") is None

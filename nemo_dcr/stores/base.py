@@ -72,9 +72,6 @@ class Store(abc.ABC):
 
     #: ``file:///abs/root`` or ``s3://bucket/prefix``
     url: str
-    #: reads are served by a relay, which passes a read it cannot answer on to its upstream: a
-    #: follower sends no guessed reads here (sync/speculate.py)
-    relayed: bool = False
 
     # -- reads -----------------------------------------------------------------------------
 

@@ -24,8 +24,6 @@ __all__ = ["FallbackStore"]
 
 
 class FallbackStore(ReadOnlyStore):
-    relayed = True  # a list of relays (the store itself, if last, is read only when they fail)
-
     def __init__(self, sources: Sequence[Store], *, retry_after: float = 5.0):
         if not sources:
             raise StoreError("a fallback store needs at least one source")

@@ -182,8 +182,6 @@ class HttpStore(ReadOnlyStore):
     """A relay's read side over HTTP(S). ``timeout``: seconds without a byte before a request
     counts as failed (a long poll waits that much longer than it asked the relay to)."""
 
-    relayed = True
-
     def __init__(self, url: str, *, token: str | None = None, timeout: float = 30.0,
                  connect_timeout: float = 5.0):
         parts = urlsplit(url)

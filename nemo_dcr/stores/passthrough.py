@@ -10,10 +10,6 @@ class PassThroughStore(Store):
     """Every read and write goes to ``inner``; subclasses override what they change (a verified
     store checks HEAD and manifests as they are read)."""
 
-    @property
-    def relayed(self) -> bool:  # type: ignore[override]
-        return self.inner.relayed
-
     def __init__(self, inner: Store):
         self.inner = inner
         self.url = inner.url

@@ -100,7 +100,7 @@ class SyncResult:
     fallbacks: list = field(default_factory=list)  # paths given up on the way, with the reason
     rekeyed: bool = False                       # the store's history was not the one followed
     gathered: int = 0                           # bytes of base bits received from the group (chunk_gather)
-    speculated: int = 0                         # objects asked for beside the HEAD read, and used (sync/speculate.py)
+    speculated: int = 0                         # objects asked for beside the HEAD read and read so (sync/speculate.py)
     # Span per stage, seconds from the start of the sync (sync() passes its own; lambda: Spans is defined below)
     spans: Spans = field(default_factory=lambda: Spans())
 
@@ -197,7 +197,7 @@ class Follower:
         reads HEAD also asks, at the same time, for the first objects the version after the one
         held is expected to have (where its manifest says they will be: ``sync/speculate.py``),
         so a follower one version behind has its parts one round trip after it asked, not two;
-        not through relays, nor in a group. ``SyncResult.speculated`` counts the objects read so."""
+        not in a group. ``SyncResult.speculated`` counts the objects read so."""
         from nemo_dcr.stores import open_reader
         from nemo_dcr.stores.http import check_receiver_name
         from nemo_dcr.sync.signing import verifying
@@ -440,8 +440,7 @@ class Follower:
     def _speculate(self) -> Speculation | None:
         """The reads of the next version's first objects, sent now (beside the HEAD read), where
         the version held names them and they are worth guessing (``sync/speculate.py``)."""
-        if not self.speculate or self.group.active or self._pending is not None or self._version is None \
-                or getattr(self.store, "relayed", False):
+        if not self.speculate or self.group.active or self._pending is not None or self._version is None:
             return None
         keys = predicted(self._held, max(1, self.prefetch), Pacer(self.link).window())
         if not keys:

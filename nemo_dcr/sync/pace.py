@@ -70,7 +70,7 @@ class _Download:
     started: float
     got: int = 0
     first: float | None = None  # when its first bytes came
-    early: bool = False  # its request went out earlier (sync/speculate.py): not measured
+    early: bool = False  # its request went out earlier (sync/speculate.py): no round trip measured
 
 
 class Pacer:
@@ -92,9 +92,9 @@ class Pacer:
         self._last = now
 
     def started(self, i: int, size: int, early: bool = False) -> None:
-        """``early``: its request was sent before (a read beside HEAD): its bytes count in what
-        the running downloads have left, but neither its time to a first byte (the bytes may be
-        waiting already) nor its rate (they come from buffers) says what the link is."""
+        """``early``: its request was sent before (a read beside HEAD): its time to a first byte
+        is no round trip (the bytes may be waiting already). Its first read is not counted as
+        bandwidth, as any download's; what it receives after that is."""
         now = self._clock()
         self._account(now)
         self._running[i] = _Download(int(size), now, early=early)
@@ -105,13 +105,12 @@ class Pacer:
             return
         now = self._clock()
         self._account(now)
-        if d.early:
-            d.got = n
-        elif n < d.got:  # a retry: its bytes come again
+        if n < d.got:  # a retry: its bytes come again
             d.got = n
         elif d.first is None:
             d.first = now
-            self.link.round_trip(now - d.started)
+            if not d.early:
+                self.link.round_trip(now - d.started)
             d.got = n
         else:
             self.link.received += n - d.got

@@ -14,17 +14,18 @@ the manifest HEAD carries, each chunk against its pre-image), and it is only use
 manifest names. A guess that missed (a version further on, another publisher or a retry under a
 fresh id, an object not written yet) cost its GETs and nothing else: the follower reads as before.
 
-Where it is not done: reads through a relay (``Store.relayed``), where a GET for an object not
-written yet would cross the slow link as the relay asks its upstream, once per child, and the
-child's own round trip is short; a group (every rank reads what it applies); a sync to a given
-version; ``Follower(speculate=False)``.
+Through a relay the guesses go on to the upstream, but a relay answers a guess the upstream
+did not have moments ago itself, unless HEAD now names its version (``transport/guesses.py``):
+misses cost the slow link at most one read per key per poll interval, however many children
+guess. Not done: in a group (every rank reads what it applies), for a sync to a given version or
+with HEAD given (``sync(head=...)``), with ``Follower(speculate=False)``.
 """
 from __future__ import annotations
 
 import re
 import threading
 from collections.abc import Callable, Iterator
-from concurrent.futures import Future
+from concurrent.futures import Future, wait
 
 from nemo_dcr.sync.versions import Manifest, version_dir
 from nemo_dcr.util.parallel import standing
@@ -46,8 +47,9 @@ def predicted(m: Manifest | None, limit: int, window: float | None = None) -> li
     """The keys the version after ``m`` is expected to have, from the hint ``m`` carries: at most
     ``limit``, and of those only as many as the downloads' pacing would start at once
     (``sync/pace.py``: the next while the ones before it have at most ``window`` bytes to come),
-    taking ``m``'s own delta parts' sizes as the likeliest (a version without one: no bound but
-    ``limit``). [] without a hint (an older publisher) or with one that is not well formed (it
+    taking ``m``'s own delta parts' sizes as the likeliest (a version without one, whose next
+    delta's sizes nothing tells: the first object alone, which the pacing starts at once in any
+    case). [] without a hint (an older publisher) or with one that is not well formed (it
     is only a guess: never an error)."""
     h = m.meta.get(NEXT_META) if m is not None and isinstance(m.meta, dict) else None
     if m is None or not isinstance(h, dict) or limit <= 0:
@@ -57,8 +59,10 @@ def predicted(m: Manifest | None, limit: int, window: float | None = None) -> li
         return []
     d = version_dir(m.version + 1, pid)
     keys = [f"{d}/{n}" for n in names[:min(limit, MAX_NAMES)] if isinstance(n, str) and _NAME.fullmatch(n)]
-    if window is None or not m.parts:
+    if window is None:
         return keys
+    if not m.parts:
+        return keys[:1]
     n, ahead = 1, 0
     for p in m.parts[:len(keys) - 1]:
         ahead += p.size
@@ -72,7 +76,7 @@ class Speculation:
     """GETs of ``keys`` under way, on the process's standing threads. ``take(key)``: that
     object's open stream ``(size, chunks)`` once its answer came, or None (not asked for, or
     missing, or failed: the caller reads it as usual). ``close``: the streams not taken are
-    closed as their answers come. ``taken``: how many were."""
+    closed once their answers came. ``taken``: how many were."""
 
     def __init__(self, open_stream: Callable[[str], tuple[int, Iterator[bytes]]], keys: list[str]):
         self._lock = threading.Lock()
@@ -98,15 +102,13 @@ class Speculation:
         return opened
 
     def close(self) -> None:
+        """Wait for the answers of the reads not taken and close their streams: a sync leaves no
+        read behind (a miss is answered as soon as HEAD is, both one round trip)."""
         with self._lock:
             left, self._pending = list(self._pending.values()), {}
+        wait(left)
         for f in left:
-            f.add_done_callback(_close)
-
-
-def _close(f: Future) -> None:
-    if f.cancelled() or f.exception() is not None:
-        return
-    close = getattr(f.result()[1], "close", None)
-    if close is not None:
-        close()
+            if not f.cancelled() and f.exception() is None:
+                close = getattr(f.result()[1], "close", None)
+                if close is not None:
+                    close()

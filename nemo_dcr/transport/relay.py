@@ -30,6 +30,7 @@ from nemo_dcr.stores.http import HEAD_PATH, RECEIVER_HEADER, VERSION_HEADER
 from nemo_dcr.sync.versions import is_store_key
 from nemo_dcr.transport.cache import ObjectCache
 from nemo_dcr.transport.fetch import Fetcher
+from nemo_dcr.transport.guesses import Misses, version_of
 from nemo_dcr.transport.head import HeadWatcher
 from nemo_dcr.transport.keys import BadPath, parse_path
 from nemo_dcr.transport.receivers import Receivers
@@ -108,7 +109,7 @@ class Relay:
             "requests": 0, "refused": 0, "served_bytes": 0, "cache_hits": 0, "coalesced": 0,
             "upstream_fetches": 0, "upstream_fetches_by_key": {}, "upstream_errors": 0,
             "bad_objects": 0, "upstream_head_reads": 0, "upstream_head_polls": 0, "head_waits": 0,
-            "head_not_modified": 0,
+            "head_not_modified": 0, "guesses_answered": 0,
             "evicted_old_versions": 0, "withdrawn_objects": 0,
         }
         self.receivers = Receivers()
@@ -123,6 +124,8 @@ class Relay:
                                  on_head=self.fetcher.observe_head,
                                  observe=self.metrics.head_read_seconds.observe if self.metrics else None)
         self._pruning = False
+        # reads of versions not yet committed (followers' guesses) the upstream did not have
+        self.misses = Misses(poll_interval)
 
     def close(self) -> None:
         """Release the cache directory (after the server stopped)."""
@@ -281,9 +284,25 @@ class Relay:
 
     async def _object(self, request, key: str):
         web = _aiohttp()
+        v = version_of(key)
+        if v is not None and self.misses.recent(key):
+            # a guess the upstream did not have moments ago: asked again only once HEAD names
+            # its version (guesses.py)
+            st = await self.heads.fresh()
+            named = st.version if st is not None else None
+            if named is None or named < v:
+                self.stats["guesses_answered"] += 1
+                raise NotFound(key)
         r = await self.fetcher.open(key)
         try:
-            size = await r.wait_size()
+            try:
+                size = await r.wait_size()
+            except NotFound:
+                known = self._head_version()
+                if v is not None and (known is None or v > known):
+                    self.misses.missed(key)
+                raise
+            self.misses.found(key)
             rng = byte_range(request.headers.get("Range"), size)
             if rng is False:
                 return web.Response(status=416, headers={"Content-Range": f"bytes */{size}"})
