@@ -216,8 +216,17 @@ class Fetcher:
                 log.warning("relay: %s not cached: %s", f.key, e)
                 return False
             return self.cache.admit(f.key, f.path, f.size, version)
+        mkey = f"versions/{m.group(1)}/{m.group(2)}/manifest.json"
+        if mkey not in self._manifests and self.refresh_head is not None:
+            # a part read before the relay saw its version's HEAD (a follower's guess, sent beside
+            # its HEAD read: sync/speculate.py): that HEAD, read now (with the child's own read),
+            # carries the manifest, which then need not be fetched on its own
+            try:
+                await self.refresh_head()
+            except Exception as e:  # the manifest is fetched as before
+                log.info("relay: reading the upstream's HEAD for %s failed: %s", mkey, e)
         try:
-            manifest = await self.manifest(f"versions/{m.group(1)}/{m.group(2)}/manifest.json")
+            manifest = await self.manifest(mkey)
         except Exception as e:  # no vouched manifest (yet, or any more): serve, but do not keep
             log.info("relay: no vouched manifest to check %s against (%s); not cached", f.key, e)
             return False
