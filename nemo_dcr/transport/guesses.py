@@ -11,19 +11,10 @@ one read per key per ``ttl``, however many children guess.
 """
 from __future__ import annotations
 
-import re
 import time
 from collections import OrderedDict
 
-__all__ = ["Misses", "version_of"]
-
-_VERSIONED = re.compile(r"^versions/(\d+)/[^/]+/[^/]+$")
-
-
-def version_of(key: str) -> int | None:
-    """The version a store key belongs to (None: HEAD, or no versioned key)."""
-    m = _VERSIONED.match(key)
-    return int(m.group(1)) if m else None
+__all__ = ["Misses"]
 
 
 class Misses:

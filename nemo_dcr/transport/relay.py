@@ -27,10 +27,10 @@ from nemo_dcr.metrics import RelayMetrics
 from nemo_dcr.metrics import available as metrics_available
 from nemo_dcr.stores.base import NotFound, Store, StoreError, check_key, check_prefix
 from nemo_dcr.stores.http import HEAD_PATH, RECEIVER_HEADER, VERSION_HEADER
-from nemo_dcr.sync.versions import is_store_key
+from nemo_dcr.sync.versions import is_store_key, key_version
 from nemo_dcr.transport.cache import ObjectCache
 from nemo_dcr.transport.fetch import Fetcher
-from nemo_dcr.transport.guesses import Misses, version_of
+from nemo_dcr.transport.guesses import Misses
 from nemo_dcr.transport.head import HeadWatcher
 from nemo_dcr.transport.keys import BadPath, parse_path
 from nemo_dcr.transport.receivers import Receivers
@@ -284,7 +284,7 @@ class Relay:
 
     async def _object(self, request, key: str):
         web = _aiohttp()
-        v = version_of(key)
+        v = key_version(key)[0]
         if v is not None and self.misses.recent(key):
             # a guess the upstream did not have moments ago: asked again only once HEAD names
             # its version (guesses.py)
