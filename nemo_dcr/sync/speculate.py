@@ -22,20 +22,17 @@ with HEAD given (``sync(head=...)``), with ``Follower(speculate=False)``.
 """
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, wait
 
-from nemo_dcr.sync.versions import Manifest, version_dir
+from nemo_dcr.sync.versions import Manifest, is_store_key, version_dir
 from nemo_dcr.util.parallel import standing
 
 __all__ = ["NEXT_META", "MAX_NAMES", "hint", "predicted", "Speculation"]
 
 NEXT_META = "nemo_dcr.next"  # the manifest's meta key of the hint (reserved: a user's meta may not use it)
 MAX_NAMES = 16  # objects named in a hint: the ones a follower's first downloads take
-_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
-_NAME = re.compile(r"part-\d{5,9}(\.\d{1,9})?\.dcr")
 
 
 def hint(publish_id: str, names: list[str]) -> dict:
@@ -55,10 +52,12 @@ def predicted(m: Manifest | None, limit: int, window: float | None = None) -> li
     if m is None or not isinstance(h, dict) or limit <= 0:
         return []
     pid, names = h.get("publish_id"), h.get("parts")
-    if not isinstance(pid, str) or not _ID.fullmatch(pid) or not isinstance(names, list):
+    if not isinstance(pid, str) or not isinstance(names, list):
         return []
     d = version_dir(m.version + 1, pid)
-    keys = [f"{d}/{n}" for n in names[:min(limit, MAX_NAMES)] if isinstance(n, str) and _NAME.fullmatch(n)]
+    # delta parts in the store's own layout only (its one definition: sync/versions.py)
+    keys = [k for k in (f"{d}/{n}" for n in names[:min(limit, MAX_NAMES)]
+                        if isinstance(n, str) and n.startswith("part-")) if is_store_key(k)]
     if window is None:
         return keys
     if not m.parts:
