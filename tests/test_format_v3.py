@@ -282,7 +282,7 @@ def test_a_follower_of_format_3_reads_head_then_the_parts(tmp_path, signed):
     assert_state(recv, base)
     pub.publish(target)
     head = read_head(store)[0]
-    assert head.format == 3 and head.newest_manifest.version == 1 and head.newest_manifest.parts
+    assert head.format == 4 and head.newest_manifest.version == 1 and head.newest_manifest.parts
     store.reads.clear()
     r = f.sync()
     assert r.steps == [("delta", 1)]
@@ -300,7 +300,7 @@ def test_a_damaged_or_swapped_manifest_in_head_is_refused(tmp_path):
     from nemo_dcr.sync.versions import HEAD_KEY, Head, canonical_sha256, read_head
     store = LocalStore(tmp_path / "store")
     base, target = states(7, 2000)
-    pub = Publisher(store, format_version=3, signer=None)
+    pub = Publisher(store, format_version=3, signer=None, object_checksum="sha256")  # HEAD and manifests: format 3
     first = pub.publish(base).manifest
     pub.publish(target)
     d = json.loads(store.get(HEAD_KEY))

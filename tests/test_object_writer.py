@@ -2,7 +2,7 @@
 
 Against the real backends: a LocalStore directory and S3Store on the moto server over HTTP.
 What must hold: nothing is visible under the key until ``commit``, then exactly the bytes
-written (size and sha256 as the writer counted them); ``abort`` or a failure leaves no object,
+written (size and checksum as the writer counted them); ``abort`` or a failure leaves no object,
 no temporary file and no open multipart upload; S3 parts go up while the writer is still being
 written; a store whose ``put`` is wrapped keeps ``put`` as its one write path.
 """
@@ -12,6 +12,7 @@ import hashlib
 import os
 import subprocess
 
+import blake3
 import pytest
 import torch
 
@@ -56,7 +57,7 @@ def test_bytes_appear_whole_at_commit_only(store):
         assert not _visible(store, "v/obj.dcr")
     w.write(memoryview(torch.arange(5, dtype=torch.int32).numpy()))
     want = b"".join(data) + torch.arange(5, dtype=torch.int32).numpy().tobytes()
-    assert w.size == len(want) and w.sha256 == hashlib.sha256(want).hexdigest()
+    assert w.size == len(want) and w.checksum == hashlib.sha256(want).hexdigest()
     w.commit()
     assert store.get("v/obj.dcr") == want
     with pytest.raises(StoreError, match="already committed"):
@@ -97,7 +98,7 @@ def test_s3_parts_upload_while_the_object_is_written(moto_s3, request):
     w.write(data[4])
     w.commit()
     assert store.get("v/big.dcr") == b"".join(data)
-    assert w.sha256 == hashlib.sha256(b"".join(data)).hexdigest()
+    assert w.checksum == hashlib.sha256(b"".join(data)).hexdigest()
     assert [u for u in _uploads(store) if u["Key"].endswith("v/big.dcr")] == []
 
 
@@ -189,7 +190,8 @@ def test_published_parts_streamed_to_s3_are_what_the_manifest_says(moto_s3, requ
     for m in (r0.manifest, r1.manifest):
         for p in m.parts + m.keyframe_parts:
             blob = store.get(p.key)
-            assert (len(blob), hashlib.sha256(blob).hexdigest()) == (p.size, p.sha256)
+            assert p.algo == "blake3" and p.sha256 is None  # the default: format-4 manifests
+            assert (len(blob), blake3.blake3(blob).hexdigest()) == (p.size, p.checksum)
             s = inspect(blob)
             assert (s["changed"], s["elements"], s["dense_bytes"]) == (p.changed, p.elements, p.dense_bytes)
     assert any(p.size > 5 * MiB for p in r0.manifest.keyframe_parts), "no keyframe part went up in parts"

@@ -208,7 +208,7 @@ def test_an_edited_signed_manifest_in_head_is_refused(tmp_path):
     store = LocalStore(tmp_path / "s")
     publish(store, 3, Signer(KEY, "run-a"))
     head, _ = read_head(store)
-    assert head.format == 3 and head.newest is not None
+    assert head.format == 4 and head.newest is not None
     ver = Verifier([KEY.public_key()])
     saved = {k: store.get(k) for k in (HEAD_KEY, head.manifest)}
     _edit_newest(store, lambda m: m.update(step=99))  # the manifest's step, HEAD's digest of it fixed
@@ -216,10 +216,10 @@ def test_an_edited_signed_manifest_in_head_is_refused(tmp_path):
     _edit_newest(store, lambda m: None, sign_with=Signer(OTHER, "run-a"))  # ... and re-signed by another key
     refused(store, ver, SignatureError, "does not trust")
     store.put(HEAD_KEY, saved[HEAD_KEY])
-    _edit_newest(store, lambda m: m["parts"][0].update(sha256="0" * 64), fix_head=False)  # HEAD's record kept
+    _edit_newest(store, lambda m: m["parts"][0].update(blake3="0" * 64), fix_head=False)  # HEAD's record kept
     refused(store, Verifier([KEY.public_key()]), ManifestError, "not the manifest its referrer recorded")
     store.put(HEAD_KEY, saved[HEAD_KEY])
-    _edit_newest(store, lambda m: m["parts"][0].update(sha256="0" * 64))  # a part's sha256 swapped
+    _edit_newest(store, lambda m: m["parts"][0].update(blake3="0" * 64))  # a part's checksum swapped
     refused(store, Verifier([KEY.public_key()]), SignatureError, "signature does not match")
     store.put(HEAD_KEY, saved[HEAD_KEY])
     rewrite(store, HEAD_KEY, lambda d: d.pop("signature"))  # the signature removed altogether: unsigned

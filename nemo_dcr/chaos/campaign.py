@@ -9,7 +9,6 @@ docs/reliability.md for the fault model and the figures.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import random
@@ -24,6 +23,7 @@ from dataclasses import dataclass, field
 
 from nemo_dcr.chaos import truth
 from nemo_dcr.chaos.engine import EngineProc
+from nemo_dcr.stores import checksums
 
 FAULTS = ("kill_pub_rank", "kill_follower", "kill_relay", "obj_corrupt", "obj_truncate", "obj_delete", "obj_replace",
           "manifest_corrupt", "manifest_delete", "head_corrupt", "head_truncate", "slow_serve", "http_errors",
@@ -715,7 +715,7 @@ class _Run:
                     continue
                 ok = p.key in listed
                 if ok and p.key not in self.verified:
-                    ok = hashlib.sha256(self.own.get(p.key)).hexdigest() == p.sha256
+                    ok = checksums.of(p.algo, self.own.get(p.key)) == p.checksum
                     self.verified.add(p.key)
                 if not ok:
                     self.violation(f"committed object {p.key} of version {m.version} unreadable before retention "

@@ -1,17 +1,17 @@
 """Objects written as a stream: the publisher encodes a delta straight into its object.
 
-    w = open_writer(store, key)
+    w = open_writer(store, key)          # checksum="blake3": the receipt's hash (stores/checksums.py)
     try:
         diff(base, target, out=w)        # any writer of bytes: w.write(b)
     except BaseException:
         w.abort()                        # nothing appears, nothing is left behind
         raise
     w.commit()                           # the object appears whole, atomically
-    w.size, w.sha256                     # of exactly the bytes written
+    w.size, w.checksum                   # of exactly the bytes written
 
 Until :meth:`ObjectWriter.commit` returns, no reader sees anything under ``key``; then it sees
 the whole object, as after ``store.put``. The writer hashes the bytes as they pass, so the
-publisher's receipt (size, sha256) costs no second pass over the object. Backends that can
+publisher's receipt (size, checksum) costs no second pass over the object. Backends that can
 stream write the bytes as they come (a local store into a hidden temporary next to the object,
 S3 as the parts of a multipart upload, uploading while the rest is still being encoded); every
 other store gets :class:`BufferedWriter`, which holds the bytes and ``put``\\ s them at commit,
@@ -20,9 +20,9 @@ so a store that wraps ``put`` (a fault injector, an auditing proxy) still sees e
 from __future__ import annotations
 
 import abc
-import hashlib
 from typing import TYPE_CHECKING
 
+from . import checksums
 from .base import StoreError
 
 if TYPE_CHECKING:
@@ -38,20 +38,29 @@ class ObjectWriter(abc.ABC):
     def __init__(self, key: str):
         self.key = key
         self.size = 0
-        self._sha = hashlib.sha256()
+        self.algo = "sha256"
+        self._sum = checksums.new(self.algo)
         self._state = "open"  # open -> committed | aborted
 
+    def hash_with(self, algo: str) -> None:
+        """Hash the bytes with ``algo`` (``stores/checksums.py``) rather than SHA-256; before
+        the first write (``StoreError`` after it: the hash would miss what was written)."""
+        if self.size or self._state != "open":
+            raise StoreError(f"{self.key!r}: the checksum is chosen before the first write")
+        self.algo, self._sum = algo, checksums.new(algo)
+
     @property
-    def sha256(self) -> str:
-        """Hex SHA-256 of the bytes written so far (of the whole object once committed)."""
-        return self._sha.hexdigest()
+    def checksum(self) -> str:
+        """Hex checksum (``algo``) of the bytes written so far (of the whole object once
+        committed)."""
+        return self._sum.hexdigest()
 
     def write(self, data) -> int:
         if self._state != "open":
             raise StoreError(f"write to {self.key!r}: the object was already {self._state}")
         mv = memoryview(data).cast("B")
         if mv.nbytes:
-            self._sha.update(mv)  # hashlib drops the GIL on large buffers: workers keep encoding
+            self._sum.update(mv)  # both hashes drop the GIL on large buffers: workers keep encoding
             self._write(mv)
             self.size += mv.nbytes
         return mv.nbytes
@@ -131,8 +140,12 @@ class BufferedWriter(ObjectWriter):
         self._pieces = []
 
 
-def open_writer(store: Store, key: str) -> ObjectWriter:
+def open_writer(store: Store, key: str, checksum: str = "sha256") -> ObjectWriter:
     """A writer for ``key`` in ``store``: the store's own (``Store.open_writer``) where its class
-    has one, else a :class:`BufferedWriter` (a duck-typed store offering ``put`` alone)."""
+    has one, else a :class:`BufferedWriter` (a duck-typed store offering ``put`` alone); its
+    receipt hashed with ``checksum``."""
     fn = getattr(type(store), "open_writer", None)
-    return fn(store, key) if fn is not None else BufferedWriter(store, key)
+    w = fn(store, key) if fn is not None else BufferedWriter(store, key)
+    if checksum != w.algo:
+        w.hash_with(checksum)
+    return w

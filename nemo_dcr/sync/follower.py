@@ -5,14 +5,15 @@ committed version.
     f.sync()                                                  # -> SyncResult, or raises
 
 For each version on the way: every object is fetched and checked against the manifest's
-size and sha256 *before* anything of that version is applied (failed downloads are retried; an
-object that stays corrupt is an error naming it); the receiver's digest is checked against the
-version's base digest; parts are applied in place with per-chunk pre-image checks; the state
-digest is updated from the changed elements alone and checked against the version's target digest.
+size and checksum (SHA-256, or BLAKE3 in format-4 manifests) *before* anything of that version
+is applied (failed downloads are retried; an object that stays corrupt is an error naming it);
+the receiver's digest is checked against the version's base digest; parts are applied in place
+with per-chunk pre-image checks; the state digest is updated from the changed elements alone and
+checked against the version's target digest.
 
 Pipelined: background threads (the process's standing ones, reused from sync to sync) stream
 the objects of the whole path (``store.get_stream``,
-sha256 computed as the bytes arrive), up to ``prefetch`` objects at once ahead of the apply, so
+checksum computed as the bytes arrive), up to ``prefetch`` objects at once ahead of the apply, so
 their requests' round trips overlap, and version k+1 downloads while version k is applied and
 verified. ``stream=True`` (a single receiver, not a
 group) also applies each part of a version as soon as that part checked out, while the next part
@@ -36,7 +37,6 @@ the same typed error, and takes the same fallback.
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -67,6 +67,7 @@ from nemo_dcr.errors import (
 )
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
+from nemo_dcr.stores import checksums
 from nemo_dcr.stores.http import read_head_since, wait_head
 from nemo_dcr.sync.chunk_gather import decode_partial
 from nemo_dcr.sync.group import Group
@@ -696,7 +697,7 @@ class Follower:
     def _fetch(self, part, spans: Spans | None = None, arriving: _Arriving | None = None) -> bytearray | memoryview:
         """The object's bytes, streamed and hashed as they arrive into one buffer of the
         manifest's size (``arriving``'s, which reports how far it is filled), checked against the
-        manifest's size and sha256 (retried: an object is immutable, so a retry writes the same
+        manifest's size and checksum (retried: an object is immutable, so a retry writes the same
         bytes again; never more than ``part.size`` bytes held)."""
         from nemo_dcr.stores import NotFound, StoreError
         spans = spans if spans is not None else Spans()
@@ -710,7 +711,7 @@ class Follower:
                 opened = spec.take(part.key) if spec is not None and attempt == 0 else None
                 size, chunks = opened if opened is not None else _open_stream(self.store, part.key)
                 try:
-                    h, n = hashlib.sha256(), 0
+                    h, n = checksums.new(part.algo), 0
                     if size == part.size:
                         for b in chunks:
                             if n + len(b) > part.size:
@@ -737,11 +738,11 @@ class Follower:
                 t = time.perf_counter()
                 digest = h.hexdigest() if n == part.size else None
                 spans.add("verify", part.key, t)
-                if digest == part.sha256:
+                if digest == part.checksum:
                     return buf
                 last = f"{n}{'+' if n > part.size else ''} bytes" + \
-                       (f" with sha256 {digest[:16]}..." if digest else "") + \
-                       f", manifest says {part.size} bytes, {part.sha256[:16]}..."
+                       (f" with {part.algo} {digest[:16]}..." if digest else "") + \
+                       f", manifest says {part.size} bytes, {part.checksum[:16]}..."
             if attempt < self.retries:
                 time.sleep(self.backoff * (2 ** attempt))
         raise CorruptObjectError(f"object {part.key} is corrupt or unreadable after {self.retries + 1} attempts: "

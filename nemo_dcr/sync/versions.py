@@ -30,7 +30,8 @@ from nemo_dcr.errors import CommitConflict, ManifestError, SignatureError, Versi
 if TYPE_CHECKING:
     from nemo_dcr.stores.base import Store
 
-__all__ = ["HEAD_KEY", "FORMAT", "CommitConflict", "VersionNotFound", "ManifestError", "Part", "Manifest", "Head",
+__all__ = ["HEAD_KEY", "FORMAT", "NEWEST_IN_HEAD", "PARTS_BLAKE3", "CommitConflict", "VersionNotFound",
+           "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
            "no_plan", "locate", "Found", "canonical_sha256", "is_manifest_key", "is_store_key", "head_manifest"]
 
@@ -39,7 +40,8 @@ log = logging.getLogger("nemo_dcr.sync")
 HEAD_KEY = "HEAD"
 FORMAT = 2          # written; 2 = with checksums (see docs/design.md, "Integrity of manifests and HEAD")
 NEWEST_IN_HEAD = 3  # written with format-3 deltas: HEAD carries its manifest (one round trip to the parts)
-_READABLE = (1, 2, 3)  # 1: stores written before checksums, read unverified
+PARTS_BLAKE3 = 4    # format 3, each part's checksum BLAKE3 where it was SHA-256 (stores/checksums.py)
+_READABLE = (1, 2, 3, 4)  # 1: stores written before checksums, read unverified
 
 
 def _canonical(d: dict) -> bytes:
@@ -56,7 +58,7 @@ def canonical_sha256(d: dict) -> str:
 _PUBLISH_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 _MANIFEST_KEY = re.compile(r"versions/(\d{12,})/([A-Za-z0-9][A-Za-z0-9_-]{0,127})/manifest\.json")
 _PART_NAME = re.compile(r"(part|key)-\d{5,}(\.\d+)?\.dcr")  # rank, then the part index past the first
-_SHA256 = re.compile(r"[0-9a-f]{64}")
+_HEX256 = re.compile(r"[0-9a-f]{64}")
 
 
 def _uint(x) -> bool:
@@ -103,6 +105,9 @@ def _fields(obj, signed: bool) -> dict:
     d = asdict(obj)
     if not signed or d["signature"] is None:
         del d["signature"]
+    for k in ("parts", "keyframe_parts"):
+        if k in d:
+            d[k] = [p.stored() for p in getattr(obj, k)]
     return d
 
 
@@ -116,25 +121,66 @@ def version_dir(version: int, publish_id: str) -> str:
 
 @dataclass
 class Part:
-    """Receipt of one uploaded object."""
+    """Receipt of one uploaded object: its size and checksum, ``sha256`` (manifest formats 1-3)
+    or ``blake3`` (format 4); exactly one is set, and only the one set is stored."""
 
     rank: int
     key: str
     size: int
-    sha256: str
+    sha256: str | None = None
     changed: int = 0
     elements: int = 0
     dense_bytes: int = 0
+    blake3: str | None = None
 
-    def check(self, directory: str) -> None:
-        """A parsed part must lie in its version's own directory, with sane numbers."""
+    @classmethod
+    def of(cls, algo: str, checksum: str, **fields) -> Part:
+        """A part whose checksum ``checksum`` is ``algo``'s (``stores/checksums.py``)."""
+        if algo not in _CHECKSUMS:
+            raise ValueError(f"unknown object checksum {algo!r}")
+        fields[algo] = checksum
+        return cls(**fields)
+
+    @property
+    def algo(self) -> str:
+        """The algorithm of the part's checksum: ``"blake3"`` or ``"sha256"``."""
+        return "blake3" if self.blake3 is not None else "sha256"
+
+    @property
+    def checksum(self) -> str:
+        """The part's checksum (hex), as the manifest records it."""
+        c = self.blake3 if self.blake3 is not None else self.sha256
+        assert c is not None  # check() refuses a part with neither
+        return c
+
+    def check(self, directory: str, fmt: int) -> None:
+        """A parsed part must lie in its version's own directory, with sane numbers and the
+        checksum its manifest's format names (``fmt``)."""
         if not (isinstance(self.key, str) and self.key.startswith(directory + "/")
                 and _PART_NAME.fullmatch(self.key[len(directory) + 1:])):
             raise ValueError(f"part key {self.key!r} is not an object of {directory}")
         if not all(_uint(x) for x in (self.rank, self.size, self.changed, self.elements, self.dense_bytes)):
             raise ValueError(f"part {self.key}: rank and sizes must be non-negative integers")
-        if not isinstance(self.sha256, str) or not _SHA256.fullmatch(self.sha256):
-            raise ValueError(f"part {self.key}: sha256 must be 64 lowercase hex digits")
+        # one checksum, of the format's algorithm: a part that named both, or the other one,
+        # would let an edit choose which a reader checks
+        want, other = ("blake3", "sha256") if fmt >= PARTS_BLAKE3 else ("sha256", "blake3")
+        if getattr(self, other) is not None:
+            raise ValueError(f"part {self.key}: a format-{fmt} manifest names each part's {want}, not its {other}")
+        c = getattr(self, want)
+        if not isinstance(c, str) or not _HEX256.fullmatch(c):
+            raise ValueError(f"part {self.key}: {want} must be 64 lowercase hex digits")
+
+    def stored(self) -> dict:
+        """The part as its manifest stores it: the checksum it has, not the other's ``null``
+        (a format 1-3 part's bytes are those it always had)."""
+        d = asdict(self)
+        for algo in _CHECKSUMS:
+            if d[algo] is None:
+                del d[algo]
+        return d
+
+
+_CHECKSUMS = ("sha256", "blake3")
 
 
 @dataclass
@@ -222,7 +268,7 @@ class Manifest:
         one). A crafted manifest cannot make a reader touch anything else (ValueError)."""
         d = version_dir(self.version, self.publish_id)
         for p in (*self.parts, *self.keyframe_parts):
-            p.check(d)
+            p.check(d, self.format)
         if self.base_version is not None or self.base_manifest is not None:
             if not isinstance(self.base_version, int) or not _uint(self.base_version) \
                     or self.base_version >= self.version:

@@ -1,4 +1,4 @@
-"""The relay's object cache on disk: only objects whose size and sha256 matched their manifest,
+"""The relay's object cache on disk: only objects whose size and checksum matched their manifest,
 bounded in bytes (least recently used go first) and pruned of versions the upstream no longer
 lists. It starts empty: what a previous run left is removed, not trusted.
 

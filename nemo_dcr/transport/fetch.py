@@ -3,7 +3,7 @@
 Each object the relay does not hold is downloaded by one :class:`Fetch` into a file under the
 cache's temporary directory; every request for it, the first and any that arrive while it is
 in flight, reads that file as it grows (cut-through), so N children cost one upstream fetch
-(coalescing). When the download ends, its size and sha256 are compared with what the object's
+(coalescing). When the download ends, its size and checksum are compared with what the object's
 manifest (``versions/<v>/<id>/manifest.json``, fetched the same way, and kept only when the
 store's recorded identity vouches for it: :mod:`nemo_dcr.transport.vouch`) declares: a match goes
 into the cache, anything else is dropped, so the next request fetches it afresh. Children check every
@@ -12,7 +12,6 @@ object themselves: a relay is never trusted for correctness, only for speed.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
 import os
 import re
@@ -21,6 +20,7 @@ from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 
 from nemo_dcr.errors import DcrError
+from nemo_dcr.stores import checksums
 from nemo_dcr.stores.base import NotFound, Store
 from nemo_dcr.sync.versions import Manifest
 from nemo_dcr.transport.cache import ObjectCache
@@ -38,23 +38,24 @@ _MAX_MANIFEST = 64 << 20
 class Fetch:
     """One upstream download in flight. Updated on the event loop only."""
 
-    def __init__(self, key: str, path: str):
+    def __init__(self, key: str, path: str, algo: str = "blake3"):
         self.key, self.path = key, path
+        self.algo = algo                  # the checksum hashed while the bytes arrive
         self.size: int | None = None   # the object's size, once the upstream said it
         self.written = 0                  # bytes in the file so far
         self.done = False
         self.error: BaseException | None = None
-        self.sha256: str | None = None
+        self.checksum: str | None = None
         self._changed = asyncio.Event()
         self.decided = asyncio.Event()  # set once the download is kept or dropped
 
-    def update(self, *, size=None, written=None, done=False, error=None, sha256=None) -> None:
+    def update(self, *, size=None, written=None, done=False, error=None, checksum=None) -> None:
         if size is not None:
             self.size = size
         if written is not None:
             self.written = written
-        if sha256 is not None:
-            self.sha256 = sha256
+        if checksum is not None:
+            self.checksum = checksum
         self.done = self.done or done
         if error is not None:
             self.error = error
@@ -110,6 +111,7 @@ class Fetcher:
         self.refresh_head = refresh_head
         self._inflight: dict = {}
         self._manifests: OrderedDict[str, Manifest] = OrderedDict()
+        self._algo = "blake3"  # the checksum of the parts of the last manifest remembered
 
     async def open(self, key: str) -> Reader:
         """A reader on ``key``: the cached copy, the download in flight, or a new download. A
@@ -132,7 +134,7 @@ class Fetcher:
         if f is not None:
             self.stats["coalesced"] += 1
         else:
-            f = Fetch(key, self.cache.temp_path())
+            f = Fetch(key, self.cache.temp_path(), self._algo_for(key))
             open(f.path, "wb").close()  # exists before any reader opens it
             self._inflight[key] = f
             self._count_fetch(key)
@@ -149,7 +151,7 @@ class Fetcher:
         """On a worker thread: stream the object into ``f.path``, reporting progress."""
         size, chunks = self.upstream.get_stream(f.key)
         loop.call_soon_threadsafe(lambda: f.update(size=size))
-        h, n = hashlib.sha256(), 0
+        h, n = checksums.new(f.algo), 0
         try:
             with open(f.path, "r+b") as out:
                 for b in chunks:
@@ -164,7 +166,7 @@ class Fetcher:
                 close()
         if n != size:
             raise DcrError(f"{f.key}: the upstream sent {n} of {size} bytes")
-        loop.call_soon_threadsafe(lambda: f.update(sha256=h.hexdigest(), done=True))
+        loop.call_soon_threadsafe(lambda: f.update(checksum=h.hexdigest(), done=True))
 
     async def _run(self, f: Fetch) -> None:
         loop = asyncio.get_running_loop()
@@ -183,7 +185,7 @@ class Fetcher:
                 log.warning("relay: fetching %s from the upstream failed: %s", f.key, e)
                 f.update(error=e)
                 return
-            await asyncio.sleep(0)  # let the done/sha256 update queued by the thread land
+            await asyncio.sleep(0)  # let the done/checksum update queued by the thread land
             kept = await self._keep(f)
         finally:
             if self._inflight.get(f.key) is f:
@@ -232,11 +234,15 @@ class Fetcher:
             return False
         part = next((p for p in list(manifest.parts) + list(manifest.keyframe_parts)
                      if p.key == f.key), None)
-        if part is None or part.size != f.size or part.sha256 != f.sha256:
+        if part is not None and part.algo != f.algo and part.size == f.size:
+            # hashed as the relay guessed (the last manifest's algorithm, before this one was
+            # known): once more, from the file, with the one its manifest names
+            f.algo, f.checksum = part.algo, await self.workers.run(_hash_file, f.path, part.algo)
+        if part is None or part.size != f.size or part.checksum != f.checksum:
             self.stats["bad_objects"] += 1
-            log.warning("relay: %s does not match its manifest (%s bytes, sha256 %s...); "
-                        "not cached, the next request fetches it again", f.key, f.size,
-                        (f.sha256 or "")[:16])
+            log.warning("relay: %s does not match its manifest (%s bytes, %s %s...); "
+                        "not cached, the next request fetches it again", f.key, f.size, f.algo,
+                        (f.checksum or "")[:16])
             return False
         if not self.ids.vouches(manifest):  # withdrawn while the manifest was awaited
             return False
@@ -279,7 +285,20 @@ class Fetcher:
         self.stats["withdrawn_objects"] = self.stats.get("withdrawn_objects", 0) + \
             self.cache.discard_prefix(directory)
 
+    def _algo_for(self, key: str) -> str:
+        """The checksum ``key``'s manifest names for it, where that manifest is known; else the
+        last remembered manifest's (a part is usually asked for after the HEAD naming it)."""
+        m = _VERSIONED.match(key)
+        known = self._manifests.get(f"versions/{m.group(1)}/{m.group(2)}/manifest.json") if m else None
+        for p in (*known.parts, *known.keyframe_parts) if known is not None else ():
+            if p.key == key:
+                return p.algo
+        return self._algo
+
     def _remember(self, m: Manifest) -> None:
+        parts = (*m.parts, *m.keyframe_parts)
+        if parts:
+            self._algo = parts[0].algo
         self._manifests[m.key] = m
         self._manifests.move_to_end(m.key)
         while len(self._manifests) > 256:
@@ -306,3 +325,11 @@ class Fetcher:
         finally:
             r.close()
         return await self._vouched(Manifest.from_bytes(data, key))
+
+
+def _hash_file(path: str, algo: str) -> str:
+    h = checksums.new(algo)
+    with open(path, "rb") as fh:
+        while b := fh.read(1 << 20):
+            h.update(b)
+    return h.hexdigest()
