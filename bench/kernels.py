@@ -45,7 +45,10 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   C kernel on ``--workers`` threads;
 * keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``), with the state
   digest in C and in torch, and in format version 1, against writing (and fsyncing) the raw bytes
-  of the shard there.
+  of the shard there; ``fast-v3`` with its parts' checksums BLAKE3 (manifest format 4, the
+  default) and ``fast-v3-sha256`` with SHA-256 (format 3);
+* keyframe sync: a follower's first sync of that keyframe from the local directory into fresh
+  tensors, its parts checked with BLAKE3 (``v3``) and SHA-256 (``v3-sha256``).
 
 GPU figures: ``DEVICE_PATHS`` is the hook. Each entry is ``fn(base, target, rate, workers, reps)
 -> list of rows`` (the row fields of ``_row``: side, path, seconds, plus h2d/d2h bytes), run
@@ -78,6 +81,7 @@ from nemo_dcr.state import statedigest
 from nemo_dcr.state.digest import RunningDigest, values_digest
 from nemo_dcr.state.statedigest import ChangeDigest
 from nemo_dcr.stores.local import LocalStore
+from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher, _Changes
 from nemo_dcr.util.parallel import ordered_map
 
@@ -331,10 +335,10 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     raw = base.view(torch.uint8).numpy().data
     k = [0]
 
-    def publish(fv: int = 2):
+    def publish(fv: int = 2, checksum: str | None = None):
         k[0] += 1
-        Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers, format_version=fv).publish(
-            state, keyframe=True)
+        Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers, format_version=fv,
+                  object_checksum=checksum).publish(state, keyframe=True)
 
     def clear():
         # untimed: the stores written so far go, as the raw write's file does, so that no row
@@ -354,9 +358,32 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     rows.append(_row("keyframe", "fast", _median(lambda _: publish(), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v1", _median(lambda _: publish(1), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v3", _median(lambda _: publish(3), reps, clear), memcpy))
+    rows.append(_row("keyframe", "fast-v3-sha256", _median(lambda _: publish(3, "sha256"), reps, clear), memcpy))
+    for checksum in ("blake3", "sha256"):
+        rows.append(_row("keyframe_sync", "v3" if checksum == "blake3" else "v3-sha256",
+                         keyframe_sync(state, checksum, workers, reps, os.path.join(tmp, f"sync-{checksum}")), memcpy))
     for r in rows:
         r["x_raw_write"] = r["seconds"] / t_raw
     return rows
+
+
+def keyframe_sync(state: dict, checksum: str, workers: int, reps: int, root: str) -> float:
+    """A follower's first sync (a keyframe) from a local store, into fresh tensors, checked bit
+    for bit: the receiver's side of a keyframe; the store's parts checked with ``checksum``."""
+    Publisher(LocalStore(root), workers=workers, object_checksum=checksum).publish(state, keyframe=True)
+
+    def fresh():  # untimed: the receiver's memory, faulted in before the sync
+        return {k: torch.zeros_like(v) for k, v in state.items()}
+
+    def sync(recv):
+        Follower(LocalStore(root), recv, workers=workers).sync()
+        for k, v in state.items():
+            if not torch.equal(recv[k].view(torch.int16), v.view(torch.int16)):
+                raise AssertionError(f"keyframe sync ({checksum}): {k} differs")
+
+    t = _median(sync, reps, fresh)
+    shutil.rmtree(root, ignore_errors=True)
+    return t
 
 
 def _load() -> str:

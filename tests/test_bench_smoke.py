@@ -257,7 +257,9 @@ def test_kernels_bench_quick_json():
                            ("encode", "fast-scatter"), ("apply", "fast-v1")):
             assert (ch, side, path) in rows
     for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
-                       ("keyframe", "fast"), ("keyframe", "fast-v1"), ("tensor_digest", "sha256"),
+                       ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"),
+                       ("keyframe", "fast-v3-sha256"), ("keyframe_sync", "v3"), ("keyframe_sync", "v3-sha256"),
+                       ("tensor_digest", "sha256"),
                        ("tensor_digest", "blake3-1t"), ("tensor_digest", "blake3-2t"), ("values_digest", "blake2b"),
                        ("values_digest", "blake3")):
         assert (None, side, path) in rows
