@@ -286,9 +286,26 @@ def test_dtype_submodule_and_initial_version(tmp_path):
     assert_state(recv, final)
 
 
+@pytest.mark.parametrize("checksum, fmt, algo", [(None, 4, "blake3"), ("sha256", 3, "sha256")])
+def test_the_object_checksum_reaches_the_publisher(tmp_path, checksum, fmt, algo):
+    """``object_checksum="sha256"``: format-3 manifests, which receivers of the release before
+    format 4 read; the default, BLAKE3 (format 4)."""
+    store = LocalStore(tmp_path / "store")
+    cb = DeltaPublishCallback(store, object_checksum=checksum, background=False)
+    rec = Recorder()
+    trainer(tmp_path, [cb, rec], max_steps=2).fit(Tiny())
+    ms = manifests(store)
+    assert [m.step for m in ms] == [1, 2] and cb.object_checksum == checksum
+    assert read_head(store)[0].format == fmt and all(m.format == fmt for m in ms)
+    assert {p.algo for m in ms for p in m.parts + m.keyframe_parts} == {algo}
+    recv = zeros_like(rec.snaps[2])
+    Follower(store, recv).sync()
+    assert_state(recv, rec.snaps[2])
+
+
 def test_bad_arguments_are_refused():
     for kw in ({"every_n_steps": 0}, {"on_skipped_step": "maybe"}, {"max_pending": 0}, {"encoding": "gzip"},
-               {"dtype": "int8"}):
+               {"dtype": "int8"}, {"object_checksum": "md5"}, {"format_version": 2, "object_checksum": "blake3"}):
         # a bad dtype is the codec's DcrError, the callback's own checks raise ValueError
         with pytest.raises((ValueError, DcrError)):
             DeltaPublishCallback("x", **kw)

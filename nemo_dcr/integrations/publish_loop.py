@@ -94,7 +94,7 @@ _STOP = object()
 #: the loop's options, which the callbacks built on it expose as attributes of their own
 OPTIONS = ("store", "every_n_steps", "keyframe_every", "encoding", "level", "retain", "on_skipped_step", "background",
            "max_pending", "snapshot_fn", "dtype", "publish_initial", "chunk_elems", "workers", "slow_publish_s",
-           "format_version")
+           "format_version", "object_checksum")
 
 
 class LoopCallback:
@@ -108,13 +108,15 @@ class LoopCallback:
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
-                 format_version: int = FORMAT_VERSION, device: str = "auto", keep: str = "device"):
+                 format_version: int = FORMAT_VERSION, object_checksum: str | None = None, device: str = "auto",
+                 keep: str = "device"):
         self.loop = PublishLoop(store, every_n_steps=every_n_steps, keyframe_every=keyframe_every,
                                 encoding=encoding, level=level, retain=retain, on_skipped_step=on_skipped_step,
                                 background=background, max_pending=max_pending, snapshot_fn=snapshot_fn,
                                 dtype=dtype, publish_initial=publish_initial, chunk_elems=chunk_elems,
                                 workers=workers, slow_publish_s=slow_publish_s, format_version=format_version,
-                                device=device, keep=keep, info=self._info, warn=self._warn)
+                                object_checksum=object_checksum, device=device, keep=keep, info=self._info,
+                                warn=self._warn)
         self.submodule = submodule  # publish this part of the framework's model (by name)
         self._skip_marked = False   # mark_skipped() was called for the step in progress
 
@@ -163,7 +165,8 @@ class PublishLoop:
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, publish_initial: bool = False, chunk_elems: int = DEFAULT_CHUNK,
                  workers: int | None = None, slow_publish_s: float = 5.0, format_version: int = FORMAT_VERSION,
-                 device: str = "auto", keep: str = "device", info: Report = _info, warn: Report = _warn):
+                 object_checksum: str | None = None, device: str = "auto", keep: str = "device",
+                 info: Report = _info, warn: Report = _warn):
         if int(every_n_steps) < 1:
             raise ValueError(f"every_n_steps must be >= 1, not {every_n_steps}")
         if on_skipped_step not in SKIP_MODES:
@@ -176,6 +179,9 @@ class PublishLoop:
             raise ValueError(f"retain must be >= 0 or None, not {retain}")
         parse_dtype(dtype)  # fail at construction on a bad name
         self.format_version = format_versions.version(format_version).number
+        from nemo_dcr.sync.publisher import object_checksum_for
+        object_checksum_for(object_checksum, self.format_version)  # a bad choice fails here, not at the first publish
+        self.object_checksum = object_checksum
         self.store = store
         self.every_n_steps = int(every_n_steps)
         self.keyframe_every = int(keyframe_every)
@@ -297,6 +303,7 @@ class PublishLoop:
             self.publisher = Publisher(self.store, keyframe_every=self.keyframe_every, encoding=self.encoding,
                                        level=self.level, chunk_elems=self.chunk_elems, workers=self.workers,
                                        retain=self.retain, group=self.group, format_version=self.format_version,
+                                       object_checksum=self.object_checksum,
                                        device=self.device.base if self.device.device != "off" else "off")
             if self.background:
                 self._queue = queue.Queue(maxsize=self.max_pending)

@@ -101,8 +101,9 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
     return {k: v.detach().to("cpu", copy=True) for k, v in tensors.items()}
 
 
-def _object_checksum(name: str | None, format_version: int) -> str:
-    """``Publisher(object_checksum=...)``, checked before anything is written."""
+def object_checksum_for(name: str | None, format_version: int) -> str:
+    """The parts' checksum ``Publisher(object_checksum=name, format_version=...)`` writes,
+    checked before anything is written (``ValueError``)."""
     from nemo_dcr.stores.checksums import ALGOS
     if name is None:
         return "blake3" if format_version >= NEWEST_IN_HEAD else "sha256"
@@ -171,7 +172,7 @@ class Publisher:
         self.retain = retain
         self.part_bytes, self.max_uploads = int(part_bytes), max(1, int(max_uploads))
         self.format_version = format_versions.version(format_version).number
-        self.object_checksum = _object_checksum(object_checksum, self.format_version)
+        self.object_checksum = object_checksum_for(object_checksum, self.format_version)
         self.group = Group(group)
         self._base: dict | None = None        # the last published snapshot (this rank's tensors)
         self._shards: dict | None = None
