@@ -17,9 +17,9 @@ in the trainer region); then per link rate:
 * dense reload: stream the raw checkpoint (one object) into the receiver's tensors;
 * delta reload: ``Follower(stream=True).sync`` from one version to the next (its parts asked
   for beside the HEAD read where the held version's manifest says they will be, ``sync/speculate.py``;
-  fetch with its checksum (BLAKE3: manifest format 4) as bytes arrive, decode+apply, digest check), with its per-stage spans and
-  the receiver's CPU time
-  (beside the wall time: how many cores the sync kept busy);
+  fetch with its checksum (BLAKE3: manifest format 4) as bytes arrive, decode+apply, digest
+  check), with its per-stage spans and the receiver's CPU time (beside the wall time: how many
+  cores the sync kept busy);
 * floor: max(delta bytes / link rate, one memcpy of the receiver's tensors) + one round trip
   (a small request across the link, median of 5);
 * via "s3": the receiver reads the S3 server directly; via "relay": a fresh relay in the rollout
