@@ -81,12 +81,17 @@ def test_an_unknown_or_unreadable_choice_is_refused_before_anything_is_written(t
     assert a.list("") == b.list("") == []
 
 
-def test_a_reader_of_formats_1_to_3_refuses_format_4_and_applies_nothing(tmp_path):
+def two_versions(tmp_path):
+    """A default store (format 4) with versions 0 and 1 -> (store, version 1's manifest, v0)."""
     store = LocalStore(tmp_path / "s")
     pub = Publisher(store, signer=None)
     v0 = model()
     pub.publish(v0)
-    m = pub.publish(stepped(v0, 1)).manifest
+    return store, pub.publish(stepped(v0, 1)).manifest, v0
+
+
+def test_a_reader_of_formats_1_to_3_refuses_format_4_and_applies_nothing(tmp_path):
+    store, m, v0 = two_versions(tmp_path)
     recv = {k: v.clone() for k, v in v0.items()}
     held = read_manifest(store, m.base_manifest)
     with mock.patch("nemo_dcr.sync.versions._READABLE", (1, 2, 3)):  # the release before format 4
@@ -130,11 +135,7 @@ def test_a_format_3_part_names_its_sha256(tmp_path):
 
 
 def test_a_damaged_object_is_refused_naming_its_checksum(tmp_path):
-    store = LocalStore(tmp_path / "s")
-    pub = Publisher(store, signer=None)
-    v0 = model()
-    pub.publish(v0)
-    m = pub.publish(stepped(v0, 1)).manifest
+    store, m, v0 = two_versions(tmp_path)
     blob = bytearray(store.get(m.parts[0].key))
     blob[len(blob) // 2] ^= 0x10
     store.put(m.parts[0].key, bytes(blob))
