@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from nemo_dcr.errors import CommitConflict, ManifestError, SignatureError, VersionNotFound
+from nemo_dcr.stores.checksums import ALGOS as _CHECKSUMS
 
 if TYPE_CHECKING:
     from nemo_dcr.stores.base import Store
@@ -178,9 +179,6 @@ class Part:
             if d[algo] is None:
                 del d[algo]
         return d
-
-
-_CHECKSUMS = ("sha256", "blake3")
 
 
 @dataclass

@@ -237,7 +237,7 @@ class Fetcher:
         if part is not None and part.algo != f.algo and part.size == f.size:
             # hashed as the relay guessed (the last manifest's algorithm, before this one was
             # known): once more, from the file, with the one its manifest names
-            f.algo, f.checksum = part.algo, await self.workers.run(_hash_file, f.path, part.algo)
+            f.algo, f.checksum = part.algo, await self.workers.run(checksums.of_file, part.algo, f.path)
         if part is None or part.size != f.size or part.checksum != f.checksum:
             self.stats["bad_objects"] += 1
             log.warning("relay: %s does not match its manifest (%s bytes, %s %s...); "
@@ -325,11 +325,3 @@ class Fetcher:
         finally:
             r.close()
         return await self._vouched(Manifest.from_bytes(data, key))
-
-
-def _hash_file(path: str, algo: str) -> str:
-    h = checksums.new(algo)
-    with open(path, "rb") as fh:
-        while b := fh.read(1 << 20):
-            h.update(b)
-    return h.hexdigest()
