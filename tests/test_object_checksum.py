@@ -17,6 +17,7 @@ import blake3
 import pytest
 import torch
 
+from dcr_testing import assert_state, zeros_like
 from nemo_dcr.errors import CorruptObjectError, ManifestError
 from nemo_dcr.stores import LocalStore
 from nemo_dcr.sync.follower import Follower
@@ -37,14 +38,6 @@ def stepped(state: dict, seed: int) -> dict:
         idx = torch.randperm(flat.numel(), generator=g)[: flat.numel() // 50]
         flat[idx] = (flat[idx].float() + 0.01).to(v.dtype)
     return out
-
-
-def same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.int16), b[k].view(torch.int16)) for k in a)
-
-
-def zeros(state: dict) -> dict:
-    return {k: torch.zeros_like(v) for k, v in state.items()}
 
 
 @pytest.mark.parametrize("kwargs, fmt, algo", [
@@ -68,8 +61,9 @@ def test_each_part_names_its_checksum_of_the_bytes(tmp_path, kwargs, fmt, algo):
         blob = store.get(p.key)
         assert (p.algo, p.checksum, p.size) == (algo, h(blob).hexdigest(), len(blob))
         assert sp[algo] == p.checksum and other not in sp  # the other's key is not stored at all
-    recv = zeros(v0)
-    assert Follower(store, recv).sync().version == 1 and same(recv, v1)
+    recv = zeros_like(v0)
+    assert Follower(store, recv).sync().version == 1
+    assert_state(recv, v1)
 
 
 def test_an_unknown_or_unreadable_choice_is_refused_before_anything_is_written(tmp_path):
@@ -99,7 +93,7 @@ def test_a_reader_of_formats_1_to_3_refuses_format_4_and_applies_nothing(tmp_pat
             Follower(store, recv, manifest=held, verify_initial=False).sync()
         with pytest.raises(ManifestError, match="manifest format 4 is not supported"):
             read_manifest(store, m.key)
-    assert same(recv, v0)
+    assert_state(recv, v0)
 
 
 def _resealed(store, key: str, edit) -> None:
@@ -144,7 +138,7 @@ def test_a_damaged_object_is_refused_naming_its_checksum(tmp_path):
                  retries=1, backoff=0.0, stream=False)
     with pytest.raises(CorruptObjectError, match=f"{m.parts[0].key}.*with blake3 .*manifest says"):
         f.sync()
-    assert same(recv, v0)  # checked before anything of the version was applied
+    assert_state(recv, v0)  # checked before anything of the version was applied
 
 
 def test_a_relay_keeps_a_part_whose_checksum_changed_with_the_store(tmp_path):
@@ -168,7 +162,8 @@ def test_a_relay_keeps_a_part_whose_checksum_changed_with_the_store(tmp_path):
         recv = {k: v.clone() for k, v in v0.items()}
         f = Follower(relay.url, recv, manifest=read_manifest(LocalStore(store_dir), m1.base_manifest),
                      verify_initial=False, speculate=False)
-        assert f.sync().version == 1 and same(recv, v1)  # the relay read HEAD: format 3, SHA-256
+        assert f.sync().version == 1  # the relay read HEAD: format 3, SHA-256
+        assert_state(recv, v1)
 
         v2 = stepped(v1, 2)
         m2 = Publisher(str(store_dir), signer=None).publish(v2).manifest  # restarted: format 4
@@ -180,6 +175,7 @@ def test_a_relay_keeps_a_part_whose_checksum_changed_with_the_store(tmp_path):
         assert http.get(key) == want  # ... and served from its cache: kept
         st = http.stats()
         assert st["upstream_fetches_by_key"].get(key) == 1 and st["bad_objects"] == 0, st
-        assert f.sync().version == 2 and same(recv, v2)
+        assert f.sync().version == 2
+        assert_state(recv, v2)
     finally:
         relay.stop()
