@@ -38,7 +38,7 @@ _MAX_MANIFEST = 64 << 20
 class Fetch:
     """One upstream download in flight. Updated on the event loop only."""
 
-    def __init__(self, key: str, path: str, algo: str = "blake3"):
+    def __init__(self, key: str, path: str, algo: str):
         self.key, self.path = key, path
         self.algo = algo                  # the checksum hashed while the bytes arrive
         self.size: int | None = None   # the object's size, once the upstream said it
