@@ -11,6 +11,7 @@ from dcr_testing import mp_dcp as W
 from dcr_testing.cli import run_cli
 from dcr_testing.procs import run_scenario
 from nemo_dcr.checkpoint.dcp import assign, load_shards, publish_dcp, read_layout
+from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.errors import DcrError
 from nemo_dcr.stores import LocalStore
 from nemo_dcr.sync.follower import Follower
@@ -67,6 +68,10 @@ def test_chunks_that_do_not_tile_a_rectangle_are_refused(saved, tmp_path, capsys
     assert r.returncode != 0 and "--dcp DIR" in r.stderr
     r = run_cli(capsys, "publish", "--store", root, "--dcp", saved / "ckpt-0", "--prefix", "nothing.")
     assert r.returncode != 0 and "holds no tensors under 'nothing.'" in r.stderr
+    # a checksum the format version cannot name: refused in the parent, before any rank starts
+    r = run_cli(capsys, "publish", "--store", root, "--dcp", saved / "ckpt-0", "--prefix", "model.", "--ranks", 2,
+                "--format-version", 2, "--object-checksum", "blake3")
+    assert r.returncode != 0 and "needs format_version 3" in r.stderr
     assert not root.exists() or not any(root.iterdir())  # nothing written
 
 
@@ -75,11 +80,15 @@ def test_dcp_checkpoints_published_three_ways_are_pulled_bit_for_bit(saved, tmp_
     store = LocalStore(root)
     r0 = publish_dcp(store, str(saved / "ckpt-0"), prefix="model.", step=0)  # one process
     assert r0.version == 0 and r0.manifest.kind == "keyframe"
-    r = run_cli(capsys, "publish", "--store", root, "--dcp", saved / "ckpt-1", "--prefix", "model.", "--ranks", 2)
+    # format version 2 from the rank processes: what a receiver of an earlier release reads
+    r = run_cli(capsys, "publish", "--store", root, "--dcp", saved / "ckpt-1", "--prefix", "model.", "--ranks", 2,
+                "--format-version", 2)
     assert r.returncode == 0, r.stderr
     assert "published version 1 on version 0" in r.stdout and "2 rank(s)" in r.stdout
     m1 = read_manifest(store, read_head(store)[0].manifest)
-    assert m1.world_size == 2 and m1.parts
+    assert m1.world_size == 2 and m1.parts and m1.format == 2
+    assert {p.algo for p in m1.parts} == {"sha256"}
+    assert {DeltaReader.open(store.get(p.key)).version for p in m1.parts} == {2}
     res = run_group(3, {"root": str(saved), "store": root, "k": 2}, "publish", tmp_path)  # the saving group
     assert [res[r]["version"] for r in range(3)] == [2, 2, 2]
     assert res[0]["held"]["embed"] == [[0, 0], [4, 6]] and res[2]["held"]["proj"] == [[0, 6], [5, 3]]

@@ -179,3 +179,39 @@ def test_a_relay_keeps_a_part_whose_checksum_changed_with_the_store(tmp_path):
         assert_state(recv, v2)
     finally:
         relay.stop()
+
+
+def test_the_cli_publishes_the_format_and_checksum_it_is_asked_for(tmp_path, capsys):
+    """``nemo-dcr publish --format-version / --object-checksum``: a store receivers of an earlier
+    release can follow, from the command line; a choice that cannot go together is refused
+    before anything is read or written."""
+    from safetensors.torch import save_file
+
+    from dcr_testing.cli import run_cli
+    from nemo_dcr.codec.format import DeltaReader
+    states = [model(), stepped(model(), 1), stepped(stepped(model(), 1), 2)]
+    for k, s in enumerate(states):
+        save_file(s, str(tmp_path / f"m{k}.safetensors"))
+    root = tmp_path / "s"
+    r = run_cli(capsys, "publish", "--store", root, tmp_path / "m0.safetensors", "--format-version", 2,
+                "--object-checksum", "blake3")
+    assert r.returncode != 0 and "needs format_version 3" in r.stderr and "'sha256'" in r.stderr
+    r = run_cli(capsys, "publish", "--store", root, tmp_path / "m0.safetensors", "--object-checksum", "md5")
+    assert r.returncode != 0 and "invalid choice: 'md5'" in r.stderr
+    assert not root.exists()  # nothing written
+    store = LocalStore(root)
+    for k, args, fmt, algo, version in [(0, ["--format-version", 2], 2, "sha256", 2),
+                                        (1, ["--object-checksum", "sha256"], 3, "sha256", 3),
+                                        (2, [], 4, "blake3", 3)]:
+        r = run_cli(capsys, "publish", "--store", root, tmp_path / f"m{k}.safetensors", *args)
+        assert r.returncode == 0, r.stderr
+        m = read_manifest(store, read_head(store)[0].manifest)
+        parts = m.parts + m.keyframe_parts
+        assert (m.version, m.format) == (k, fmt) and parts
+        assert {p.algo for p in parts} == {algo}
+        assert {DeltaReader.open(store.get(p.key)).version for p in parts} == {version}
+    recv = zeros_like(states[0])
+    f = Follower(store, recv)
+    for k, s in enumerate(states):
+        assert f.sync(k).version == k
+        assert_state(recv, s)

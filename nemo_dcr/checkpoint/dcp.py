@@ -174,17 +174,19 @@ def load_shards(path: str, rank: int = 0, world: int = 1, prefix: str | None = N
 def publish_dcp(store: Store | str, path: str, *, group: ProcessGroup | None = None, prefix: str | None = None,
                 keyframe: bool = False, keyframe_every: int = 0, retain: int | None = None, encoding: str = "auto",
                 level: int = DEFAULT_LEVEL, step: int | None = None, signer="env", dtype=None, trusted_keys=(),
-                progress: bool | None = False):
+                progress: bool | None = False, format_version: int | None = None, object_checksum: str | None = None):
     """Publish the DCP checkpoint at ``path`` as the next version (every rank of ``group`` calls
     it; None: this process alone). ``dtype``: publish floating-point tensors in it (a cast per
-    element: the cast of a shard is the shard of the cast). ``signer``, ``trusted_keys`` and
-    ``progress`` are the ``Publisher``'s. -> ``PublishResult``."""
+    element: the cast of a shard is the shard of the cast). ``signer``, ``trusted_keys``,
+    ``progress``, ``format_version`` and ``object_checksum`` are the ``Publisher``'s (None: its
+    defaults). -> ``PublishResult``."""
     import torch.distributed as dist
 
     from nemo_dcr.integrations.snapshot import parse_dtype
     from nemo_dcr.stores import open_store
-    from nemo_dcr.sync.publisher import Publisher
+    from nemo_dcr.sync.publisher import Publisher, format_choice
 
+    fmt = format_choice(format_version, object_checksum)  # before the checkpoint is read
     rank, world = (dist.get_rank(group), dist.get_world_size(group)) if group is not None else (0, 1)
     tensors, shards = load_shards(path, rank, world, prefix)
     dt = parse_dtype(dtype)
@@ -192,7 +194,7 @@ def publish_dcp(store: Store | str, path: str, *, group: ProcessGroup | None = N
         tensors = {n: (t.to(dt) if t.is_floating_point() else t) for n, t in tensors.items()}
     pub = Publisher(open_store(store) if isinstance(store, str) else store, keyframe_every=keyframe_every,
                     retain=retain, encoding=encoding, level=level, group=group, signer=signer,
-                    trusted_keys=trusted_keys, progress=progress)
+                    trusted_keys=trusted_keys, progress=progress, **fmt)
     meta = {"dcp": os.path.basename(os.path.normpath(path))}
     return pub.publish(tensors, shards, keyframe=keyframe, step=step, meta=meta)
 
@@ -218,8 +220,12 @@ def publish_dcp_ranks(store: str, path: str, ranks: int, timeout: float = 3600.0
     import multiprocessing
     import socket
 
+    from nemo_dcr.sync.publisher import format_choice
+
     if ranks < 1:
         raise ValueError(f"ranks must be >= 1, not {ranks}")
+    # a bad choice is refused here, once, not by each rank process after it started
+    format_choice(kw.get("format_version"), kw.get("object_checksum"))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]

@@ -51,19 +51,22 @@ def load_checkpoint(path: str) -> tuple[dict, dict]:
 def publish_checkpoint(store: Store | str, path: str, *, keyframe_every: int = 0, keyframe: bool = False,
                        retain=None,
                        encoding: str = "auto", level: int = DEFAULT_LEVEL, signer="env", trusted_keys=(),
-                       new_model: bool = False, progress: bool | None = None):
+                       new_model: bool = False, progress: bool | None = None, format_version: int | None = None,
+                       object_checksum: str | None = None):
     """Publish the checkpoint at ``path`` as the store's next version. A checkpoint of which less
     than half of the tensors (the larger set's: same names, dtypes, shapes) are the store's last
     version's is another model, not the next version of this one: refused unless ``new_model`` (then it is a
     keyframe; receivers rebuild from it). ``progress``: a bar while it encodes (None: when stderr
-    is a terminal)."""
-    from nemo_dcr.sync.publisher import Publisher
+    is a terminal). ``format_version`` and ``object_checksum``: the ``Publisher``'s (None: its
+    defaults), checked before the checkpoint is read."""
+    from nemo_dcr.sync.publisher import Publisher, format_choice
+    fmt = format_choice(format_version, object_checksum)
     tensors, layout = load_checkpoint(path)
     st = _open(store)
     if not new_model:
         _refuse_unrelated(st, path, tensors)
     pub = Publisher(st, keyframe_every=keyframe_every, retain=retain, encoding=encoding, level=level,
-                    signer=signer, trusted_keys=trusted_keys, progress=progress)
+                    signer=signer, trusted_keys=trusted_keys, progress=progress, **fmt)
     return pub.publish(tensors, keyframe=keyframe or new_model, meta={"layout": layout})
 
 

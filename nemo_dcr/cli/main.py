@@ -10,6 +10,7 @@ from nemo_dcr import __version__
 from nemo_dcr.codec.names import CHOICES, DEFAULT_CHUNK, DEFAULT_LEVEL  # torch-free: --help, relay
 from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
 from nemo_dcr.errors import DcrError
+from nemo_dcr.stores.checksums import ALGOS as OBJECT_CHECKSUMS  # torch-free
 
 
 def _cmd_diff(a):
@@ -112,7 +113,8 @@ def _trusted_keys(a, signer) -> list:
 def _cmd_publish_dcp(a):
     from nemo_dcr.checkpoint.dcp import publish_dcp, publish_dcp_ranks
     kw = dict(prefix=a.prefix, keyframe=a.keyframe or a.new_model, keyframe_every=a.keyframe_every, retain=a.retain,
-              encoding=a.encoding, level=a.level, dtype=a.dtype)
+              encoding=a.encoding, level=a.level, dtype=a.dtype, format_version=a.format_version,
+              object_checksum=a.object_checksum)
     if a.ranks > 1:
         if a.signing_key or a.namespace or a.trusted_key:  # key objects do not travel to the rank processes
             raise DcrError("--ranks signs with $NEMO_DCR_SIGNING_KEY(_FILE) and $NEMO_DCR_NAMESPACE only, "
@@ -138,7 +140,8 @@ def _cmd_publish(a):
     trusted = _trusted_keys(a, signer)
     r = publish_checkpoint(a.store, a.checkpoint, keyframe_every=a.keyframe_every, keyframe=a.keyframe,
                            retain=a.retain, encoding=a.encoding, level=a.level, signer=signer, trusted_keys=trusted,
-                           new_model=a.new_model)
+                           new_model=a.new_model, format_version=a.format_version,
+                           object_checksum=a.object_checksum)
     m = r.manifest
     kind = m.kind
     base = f"on version {m.base_version}" if m.base_version is not None else "(first version)"
@@ -363,6 +366,12 @@ def build_parser() -> argparse.ArgumentParser:
     pb.add_argument("--encoding", choices=list(CHOICES), default="auto",
                     help="as diff's (default auto: classes where it pays, else the smallest of all)")
     pb.add_argument("--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level, 1..22 (default {DEFAULT_LEVEL})")
+    pb.add_argument("--format-version", type=int, choices=sorted(VERSIONS), default=None,
+                    help=f"delta format version to write (default {FORMAT_VERSION}); 2 or 1 while receivers of an "
+                         "earlier release follow the store (docs/format.md, \"Versioning\")")
+    pb.add_argument("--object-checksum", choices=list(OBJECT_CHECKSUMS), default=None,
+                    help="each stored object's checksum in the manifest (default blake3 with format version 3, "
+                         "sha256 below it); sha256 keeps format 3 readable by the release before manifest format 4")
     _signing_args(pb, sign=True)
     pb.set_defaults(func=_cmd_publish)
 

@@ -35,7 +35,7 @@ from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.changes import OnChange
 from nemo_dcr.delta.stats import totals
-from nemo_dcr.errors import CommitConflict, ManifestError, PublishError, SignatureError, VersionNotFound
+from nemo_dcr.errors import CommitConflict, DcrError, ManifestError, PublishError, SignatureError, VersionNotFound
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
@@ -114,6 +114,19 @@ def object_checksum_for(name: str | None, format_version: int) -> str:
                          f"format {PARTS_BLAKE3}); with format_version {format_version}, receivers of an "
                          f"earlier release follow the store: 'sha256'")
     return name
+
+
+def format_choice(format_version: int | None, object_checksum: str | None) -> dict:
+    """``Publisher`` keyword arguments for a format version and part checksum chosen by name
+    (None: the default), checked before anything is read or written: ``DcrError`` for a version
+    this build does not write or a checksum it does not go with. The CLI and the checkpoint
+    publishers take the choice this way."""
+    fv = FORMAT_VERSION if format_version is None else format_versions.version(format_version).number
+    try:
+        checksum = object_checksum_for(object_checksum, fv)
+    except ValueError as e:
+        raise DcrError(str(e)) from None
+    return {"format_version": fv, "object_checksum": checksum}
 
 
 class Publisher:
@@ -365,7 +378,6 @@ class Publisher:
         the one HEAD's manifest names as its base, else one of the ``tries`` newest others in the
         store): HEAD was put over this run's chain, so a keyframe may replace it. Not so for a
         publisher with the wrong key, which must not replace a good chain."""
-        from nemo_dcr.errors import DcrError
         from nemo_dcr.sync.versions import is_manifest_key, read_manifest
         assert self._verifier is not None  # a signing publisher
         below: list = []
