@@ -210,6 +210,10 @@ def test_the_cli_publishes_the_format_and_checksum_it_is_asked_for(tmp_path, cap
         assert (m.version, m.format) == (k, fmt) and parts
         assert {p.algo for p in parts} == {algo}
         assert {DeltaReader.open(store.get(p.key)).version for p in parts} == {version}
+    # `log` says which format (so which releases can follow) and checksum each version has
+    log = json.loads(run_cli(capsys, "log", "--store", root, "--json").stdout)
+    assert [(r["version"], r["format"], r["checksum"]) for r in log] == [(2, 4, "blake3"), (1, 3, "sha256"),
+                                                                         (0, 2, "sha256")]
     recv = zeros_like(states[0])
     f = Follower(store, recv)
     for k, s in enumerate(states):

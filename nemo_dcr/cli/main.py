@@ -180,7 +180,9 @@ def _cmd_log(a):
         rows.append({"version": m.version, "base": m.base_version, "kind": m.kind, "delta_bytes": m.delta_bytes(),
                      "keyframe_bytes": m.keyframe_bytes(), "change_rate": m.change_rate,
                      "parts": len(m.parts) or len(m.keyframe_parts), "step": m.step, "created": m.created,
-                     "committed": when(m.created), "digest": m.target_digest})
+                     "committed": when(m.created), "digest": m.target_digest,
+                     # which releases can follow it: the manifest's format says (docs/format.md)
+                     "format": m.format, "checksum": next((p.algo for p in (*m.parts, *m.keyframe_parts)), None)})
     if a.json:
         print(json.dumps(rows, indent=2))
         return
@@ -188,12 +190,12 @@ def _cmd_log(a):
         print("no versions")
         return
     print(f"{'version':>8} {'base':>6} {'committed (UTC)':<20} {'kind':<15} {'delta B':>12} {'keyframe B':>12} "
-          f"{'change %':>9} {'parts':>5}")
+          f"{'change %':>9} {'parts':>5} {'format':>6}")
     for r in rows:
         cr = f"{100 * r['change_rate']:.4f}" if r["change_rate"] is not None else "-"
         base = r["base"] if r["base"] is not None else "-"
         print(f"{r['version']:>8} {base:>6} {r['committed']:<20} {r['kind']:<15} {r['delta_bytes']:>12,} "
-              f"{r['keyframe_bytes']:>12,} {cr:>9} {r['parts']:>5}")
+              f"{r['keyframe_bytes']:>12,} {cr:>9} {r['parts']:>5} {r['format']:>6}")
 
 
 def _cmd_verify(a):
