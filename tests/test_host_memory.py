@@ -1,6 +1,7 @@
-"""Model-sized host buffers on huge pages (util/memory.py): the copy of the model a trainer's
-callback makes at every step. A copy is the copy ``.to("cpu", copy=True)`` makes, and where the kernel
-offers transparent huge pages on advice, the buffer is backed by them."""
+"""Model-sized host buffers (util/memory.py): the copy of the model a trainer's callback makes
+at every step, on huge pages (a copy is the copy ``.to("cpu", copy=True)`` makes, and where the
+kernel offers transparent huge pages on advice, the buffer is backed by them); and a follower's
+download buffer, faulted in ahead of its writer by a helper that never changes a byte."""
 from __future__ import annotations
 
 import os
@@ -114,3 +115,90 @@ def test_only_whole_huge_pages_inside_the_storage_are_advised(monkeypatch):
     p = t.untyped_storage().data_ptr()
     assert advice == 14 and addr % memory.HUGE_PAGE == 0 and n % memory.HUGE_PAGE == 0
     assert p <= addr and addr + n <= p + (9 << 20) and n >= (9 << 20) - 2 * memory.HUGE_PAGE
+
+
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def _resident_pages(b: memory.PrefaultedBuffer) -> int:
+    """Pages of ``b``'s mapping in memory (``mincore``): the ones something faulted in."""
+    import ctypes
+    n = len(b.view)
+    c = ctypes.c_char.from_buffer(b.view)
+    addr = ctypes.addressof(c)
+    del c
+    vec = (ctypes.c_ubyte * (-(-n // PAGE)))()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(n), vec) == 0, ctypes.get_errno()
+    return sum(v & 1 for v in vec)
+
+
+def _prefault_supported() -> bool:
+    """Whether this kernel takes MADV_POPULATE_WRITE (Linux 5.14+), asked of a mapping of its own."""
+    b = memory.PrefaultedBuffer(memory.PREFAULT_MIN)
+    if b.helper is None:
+        return False
+    b.helper.join(30)
+    return _resident_pages(b) > 0
+
+
+needs_prefault = pytest.mark.skipif(not sys.platform.startswith("linux") or not _prefault_supported(),
+                                    reason="the kernel does not take MADV_POPULATE_WRITE (Linux 5.14+)")
+
+
+@needs_prefault
+def test_a_download_buffer_is_faulted_in_ahead_of_its_writer():
+    size = 8 * memory.PREFAULT_STEP + 3 * PAGE  # the last step a part of one
+    b = memory.PrefaultedBuffer(size, written=lambda: 0)
+    assert b.helper is not None
+    b.helper.join(30)
+    assert not b.helper.is_alive()
+    assert _resident_pages(b) == -(-size // PAGE)  # every page, none of them written by anyone
+    assert bytes(b.view[:PAGE]) == bytes(PAGE) and bytes(b.view[-PAGE:]) == bytes(PAGE)
+    # below PREFAULT_MIN the writer faults its pages itself: no thread is started
+    small = memory.PrefaultedBuffer(memory.PREFAULT_MIN - PAGE)
+    assert small.helper is None and _resident_pages(small) == 0
+
+
+@needs_prefault
+def test_the_helper_never_changes_what_the_writer_wrote():
+    """The writer copies a download in while the helper runs: every byte written is still there,
+    whichever of the two reached a page first."""
+    size = 16 * memory.PREFAULT_STEP
+    g = torch.Generator().manual_seed(7)
+    data = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=g).numpy().tobytes()
+    filled = [0]
+    b = memory.PrefaultedBuffer(size, written=lambda: filled[0])
+    step = 64 << 10
+    for n in range(0, size, step):
+        b.view[n:n + step] = data[n:n + step]
+        filled[0] = n + step
+    assert b.helper is not None
+    b.helper.join(30)
+    assert bytes(b.view) == data
+
+
+@needs_prefault
+def test_the_helper_skips_what_the_writer_reached_and_stops_when_told():
+    size = 8 * memory.PREFAULT_STEP
+    b = memory.PrefaultedBuffer(size, written=lambda: size)  # the writer is at the end already
+    b.view[0:1] = b"x"
+    assert b.helper is not None
+    b.helper.join(30)
+    assert _resident_pages(b) == 1  # the writer's one page: the helper faulted none
+    # told to stop while it asks how far the writer is, before its first step: that step is its last
+    import threading
+    asked, told = threading.Event(), threading.Event()
+
+    def writer_at_start():
+        asked.set()
+        assert told.wait(30)
+        return 0
+
+    stopped = memory.PrefaultedBuffer(size, written=writer_at_start)
+    assert asked.wait(30)
+    stopped.stop()
+    told.set()
+    assert stopped.helper is not None
+    stopped.helper.join(30)
+    assert not stopped.helper.is_alive() and _resident_pages(stopped) == memory.PREFAULT_STEP // PAGE

@@ -74,7 +74,7 @@ from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.pace import LinkEstimate, Pacer
 from nemo_dcr.sync.speculate import Speculation, predicted
 from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans
-from nemo_dcr.util.memory import release_freed_memory
+from nemo_dcr.util.memory import PrefaultedBuffer, release_freed_memory
 from nemo_dcr.util.parallel import standing
 from nemo_dcr.util.progress import NullProgress, Progress
 
@@ -960,21 +960,15 @@ class _Feed:
 MAPPED_MIN = 1 << 20
 
 
-def _buffer(size: int):
-    """A writable buffer of ``size`` bytes (a memoryview of an anonymous mapping when large)."""
-    if size < MAPPED_MIN:
-        return bytearray(size)
-    import mmap
-    return memoryview(mmap.mmap(-1, size))
-
-
 class _Arriving:
     """An object downloading into ``buf`` (its size, as the manifest says): how far it is
-    filled, and whether the download ended (checked or not: ``_Feed.take`` says)."""
+    filled, and whether the download ended (checked or not: ``_Feed.take`` says). A large
+    one's pages are faulted in ahead of the download by a helper thread (``PrefaultedBuffer``)."""
 
     def __init__(self, size: int, on_wrote=None):
-        self.buf = _buffer(size)
         self.filled = 0
+        self._mapped = PrefaultedBuffer(size, written=lambda: self.filled) if size >= MAPPED_MIN else None
+        self.buf: bytearray | memoryview = self._mapped.view if self._mapped is not None else bytearray(size)
         self.ended = False
         self._cond = threading.Condition()
         self._on_wrote = on_wrote  # told the bytes of each attempt so far (the feed's pacing)
@@ -990,6 +984,8 @@ class _Arriving:
         with self._cond:
             self.ended = True
             self._cond.notify_all()
+        if self._mapped is not None:  # nothing more is written
+            self._mapped.stop()
 
     def wait(self, beyond: int) -> tuple[int, bool]:
         """-> (bytes there, ended) once more than ``beyond`` bytes are there or it ended."""

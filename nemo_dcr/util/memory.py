@@ -1,17 +1,24 @@
-"""The host memory of model-sized work: model-sized buffers on huge pages, and freed memory
-handed back to the system after the large transient work of a keyframe."""
+"""The host memory of model-sized work: model-sized buffers on huge pages, download buffers
+faulted in ahead of their writer, and freed memory handed back to the system after the large
+transient work of a keyframe."""
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
 import functools
+import mmap
 import os
 import sys
+import threading
+from collections.abc import Callable
 
 import torch
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
+_MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
+PREFAULT_MIN = 4 << 20  # smaller buffers fault in faster than a helper thread starts
+PREFAULT_STEP = 2 << 20  # bytes faulted in per call: the helper stays just ahead of the writer
 
 
 def release_freed_memory() -> None:
@@ -74,15 +81,76 @@ def advise_huge_pages(t: torch.Tensor) -> None:
 @functools.cache
 def _madvise():
     """libc's ``madvise``, where huge pages are on offer and not turned off, or None."""
-    if not sys.platform.startswith("linux") or os.environ.get("NEMO_DCR_HUGE_PAGES", "1") == "0":
+    if os.environ.get("NEMO_DCR_HUGE_PAGES", "1") == "0":
         return None
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
             if "[never]" in f.read():
                 return None
+    except OSError:
+        return None
+    return _libc_madvise()
+
+
+@functools.cache
+def _libc_madvise():
+    """libc's ``madvise`` on Linux, or None."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
         fn = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True).madvise
     except (OSError, AttributeError):
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
     return fn
+
+
+class PrefaultedBuffer:
+    """A writable anonymous mapping of ``size`` bytes (``view``: a memoryview of it) whose pages
+    a helper thread faults in ahead of the writer, where Linux can (``MADV_POPULATE_WRITE``).
+
+    Why: a follower's download is copied into a fresh buffer as it arrives, and each first write
+    to a 4 KiB page is a page fault on the copying thread: ~2.5 us a page on this project's VM,
+    52-63 ms of a 64M BF16 keyframe sync's ~90 ms fetch, with the apply workers waiting on the
+    fetch (docs/results.md, "Format version 3, sixteenth turn"). Faulted in by the helper,
+    a range at a time on a core the fetch leaves idle, those faults leave the critical path.
+    Huge pages were no help for a buffer made once (``host_empty_like``).
+
+    The populate never changes a byte (bytes written already stay as they are), so the helper
+    and the writer need no lock: ``written()`` (how far the writer is) only lets the helper skip
+    what the writer faulted in itself. The helper holds the mapping until it ends (so its range
+    is never another mapping's) and ends at the end of the buffer, at ``stop()``, or at once
+    where the kernel does not know the advice."""
+
+    def __init__(self, size: int, written: Callable[[], int] | None = None):
+        self._map = mmap.mmap(-1, size)
+        self.view = memoryview(self._map)
+        self._stop = threading.Event()
+        self.helper: threading.Thread | None = None
+        madvise = _libc_madvise()
+        if madvise is None or size < PREFAULT_MIN:
+            return
+        c = ctypes.c_char.from_buffer(self._map)
+        addr = ctypes.addressof(c)
+        del c  # (an export would keep the mapping from being closed)
+        self.helper = threading.Thread(target=self._run, args=(madvise, addr, size, self._map, written),
+                                       name="nemo-dcr-prefault", daemon=True)
+        self.helper.start()
+
+    def _run(self, madvise, addr: int, size: int, held: mmap.mmap, written) -> None:
+        pos = 0
+        while pos < size and not self._stop.is_set():
+            if written is not None:  # what the writer reached, it faulted in itself
+                pos = max(pos, -(-written() // mmap.PAGESIZE) * mmap.PAGESIZE)
+                if pos >= size:
+                    break
+            n = min(PREFAULT_STEP, size - pos)
+            if madvise(addr + pos, n, _MADV_POPULATE_WRITE) != 0:
+                break  # EINVAL: a kernel before 5.14; the writer faults its pages as before
+            pos += n
+        del held
+
+    def stop(self) -> None:
+        """End the helper early (a download given up: no need to fault in the rest)."""
+        self._stop.set()
