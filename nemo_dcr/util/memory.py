@@ -18,7 +18,7 @@ HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
 _MADV_POPULATE_WRITE = 23  # Linux 5.14+: fault pages in writable without touching their bytes
 PREFAULT_MIN = 4 << 20  # smaller buffers fault in faster than a helper thread starts
-PREFAULT_STEP = 2 << 20  # bytes faulted in per call: the helper stays just ahead of the writer
+PREFAULT_STEP = 2 << 20  # bytes faulted in per call; between calls the helper skips what the writer reached
 
 
 def release_freed_memory() -> None:
