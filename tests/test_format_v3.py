@@ -391,7 +391,7 @@ def test_a_streaming_follower_applies_the_parts_downloading_at_once_together(tmp
     wrote = threading.Event()
     store = _held_store(tmp_path / "store", "/part-00000.dcr", 0, wrote,
                         "no other part was applied while the first one was held back")
-    pub = Publisher(store, signer=None, part_bytes=80_000)  # one 40K BF16 tensor a part
+    pub = Publisher(store, signer=None, part_bytes=80_000, delta_part_bytes=80_000)  # one 40K BF16 tensor a part
     pub.publish(base)
     r1 = pub.publish(target)
     assert len(r1.manifest.parts) == 4
@@ -422,7 +422,7 @@ def test_the_later_steps_of_a_path_stream_their_parts_too(tmp_path, monkeypatch)
             v.view(-1)[::61] = torch.randn(v.numel() // 61 + 1, generator=g).to(torch.bfloat16)
         seq.append(nxt)
     store = LocalStore(tmp_path / "store")
-    pub = Publisher(store, signer=None, part_bytes=80_000)
+    pub = Publisher(store, signer=None, part_bytes=80_000, delta_part_bytes=80_000)
     keys = [[p.key for p in pub.publish(s).manifest.parts] for s in seq]
     assert len(keys[1]) == len(keys[2]) == 8
     streamed: list = []

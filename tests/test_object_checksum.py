@@ -47,7 +47,7 @@ def stepped(state: dict, seed: int) -> dict:
 ])
 def test_each_part_names_its_checksum_of_the_bytes(tmp_path, kwargs, fmt, algo):
     store = LocalStore(tmp_path / "s")
-    pub = Publisher(store, part_bytes=16 << 10, signer=None, **kwargs)
+    pub = Publisher(store, part_bytes=16 << 10, delta_part_bytes=16 << 10, signer=None, **kwargs)
     v0 = model()
     v1 = stepped(v0, 1)
     pub.publish(v0)

@@ -85,7 +85,7 @@ class HeadAfterParts(PassThroughStore):
 
 @pytest.mark.parametrize("stream", [True, False])
 def test_parts_are_asked_for_beside_the_head_read(store, stream):
-    pub = Publisher(store, part_bytes=16 << 10)
+    pub = Publisher(store, part_bytes=16 << 10, delta_part_bytes=16 << 10)
     v0, v1 = model(0), stepped(model(0), 1)
     m0 = pub.publish(v0).manifest
     h = m0.meta[NEXT_META]
@@ -124,7 +124,7 @@ def test_parts_are_asked_for_beside_the_head_read(store, stream):
 
 
 def test_a_guess_that_misses_costs_only_its_reads(tmp_path):
-    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10)
+    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10, delta_part_bytes=16 << 10)
     v0, v1, v2 = model(0), stepped(model(0), 1), stepped(stepped(model(0), 1), 2)
     pub.publish(v0)
     recv = {k: v.clone() for k, v in v0.items()}
@@ -134,7 +134,7 @@ def test_a_guess_that_misses_costs_only_its_reads(tmp_path):
     assert res.version == 0 and not res.updated and res.speculated == 0
 
     # another publisher (a restarted trainer) does not know the reservation: a fresh id
-    other = Publisher(str(tmp_path / "s"), part_bytes=16 << 10)
+    other = Publisher(str(tmp_path / "s"), part_bytes=16 << 10, delta_part_bytes=16 << 10)
     m1 = other.publish(v1).manifest
     assert m1.publish_id != f.manifest.meta[NEXT_META]["publish_id"]
     res = f.sync()
@@ -151,7 +151,7 @@ def test_a_guess_that_misses_costs_only_its_reads(tmp_path):
 def test_what_is_read_beside_head_is_checked(tmp_path):
     """The guessed reads come back damaged: each part's sha256 refuses them, and the follower
     reads them again (as any failed download), ending bit-exact."""
-    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10)
+    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10, delta_part_bytes=16 << 10)
     v0, v1 = model(0), stepped(model(0), 1)
     pub.publish(v0)
     m1 = pub.publish(v1).manifest
@@ -167,7 +167,7 @@ def test_what_is_read_beside_head_is_checked(tmp_path):
 
 
 def test_not_guessed_when_switched_off(tmp_path):
-    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10)
+    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10, delta_part_bytes=16 << 10)
     v0, v1 = model(0), stepped(model(0), 1)
     m0 = pub.publish(v0).manifest
     pub.publish(v1)
@@ -188,7 +188,7 @@ def test_through_a_relay_guesses_go_on_and_misses_stay_there(tmp_path):
     from nemo_dcr.stores import HttpStore
 
     store_dir = tmp_path / "store"
-    pub = Publisher(str(store_dir), part_bytes=16 << 10)
+    pub = Publisher(str(store_dir), part_bytes=16 << 10, delta_part_bytes=16 << 10)
     v0, v1 = model(0), stepped(model(0), 1)
     m0 = pub.publish(v0).manifest
     m1 = pub.publish(v1).manifest
@@ -249,7 +249,7 @@ def test_as_many_at_once_as_the_pacing_would_start(tmp_path):
     """The reads sent beside HEAD are those the downloads' pacing would start at once: the next
     while the ones before it have at most a window (a BDP) to come, the held delta's part sizes
     taken for the next one's."""
-    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10)
+    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10, delta_part_bytes=16 << 10)
     pub.publish(model(0))
     m1 = pub.publish(stepped(model(0), 1)).manifest
     sizes = [p.size for p in m1.parts]

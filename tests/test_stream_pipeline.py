@@ -134,7 +134,7 @@ def test_downloads_overlap_their_round_trips_and_arrive_in_order(tmp_path, prefe
     and the first is still applied first; prefetch=1 is the control (one at a time)."""
     seq = states(2)
     store = HeldFirstStore(tmp_path / "s", hold="/part-00000.dcr", until="/part-00000.1.dcr")
-    res = publish_all(store, seq, part_bytes=4096)
+    res = publish_all(store, seq, part_bytes=4096, delta_part_bytes=4096)
     assert len(res[1].manifest.parts) == 3
     if prefetch == 1:
         store.until_started.wait = lambda t: store.until_started.is_set()  # do not sit out the bound
@@ -304,7 +304,7 @@ def test_a_later_part_damaged_on_the_way_while_the_parts_stream_together(tmp_pat
     monkeypatch.setattr(Follower, "_apply_arriving", arriving)
     monkeypatch.setattr(fmt, "SEGMENT_BYTES", 32)  # several segments a part: some written before the damage
     seq = states(2)
-    res = publish_all(store, seq, part_bytes=4096, chunk_elems=256)
+    res = publish_all(store, seq, part_bytes=4096, delta_part_bytes=4096, chunk_elems=256)
     parts = [p.key for p in res[1].manifest.parts]
     assert len(list(fmt.SegmentStream(memoryview(store.get(parts[1]))).ready(res[1].manifest.parts[1].size))) > 2
     assert len(parts) == 3 and parts[1].endswith(store.damage)
@@ -437,7 +437,7 @@ def test_split_versions_apply_bit_exactly_part_by_part(tmp_path, stream):
     seq[2] = {k: v.clone() for k, v in seq[2].items() if k != "b"}
     seq[2]["c"] = seq[2]["c"].double()
     seq[2]["z"] = torch.arange(7, dtype=torch.int32)
-    res = publish_all(store, seq, part_bytes=4096, keyframe_every=2)
+    res = publish_all(store, seq, part_bytes=4096, delta_part_bytes=4096, keyframe_every=2)
     # a: 16 KiB, b: 8 KiB, c: 132 B -> three parts of whole tensors each
     assert len(res[0].manifest.keyframe_parts) == 3 and len(res[1].manifest.parts) == 3
     assert [p.key.rsplit("/", 1)[1] for p in res[1].manifest.parts] == \
@@ -459,6 +459,43 @@ def test_split_versions_apply_bit_exactly_part_by_part(tmp_path, stream):
         assert_bits_equal(fresh[k], v)
 
 
+def test_a_delta_is_split_by_its_own_part_size(tmp_path):
+    """A delta covers DELTA_PART_SCALE times the dense bytes of a keyframe's object (a delta is
+    a small share of the bytes it covers; each object costs every receiver a request): here the
+    keyframe is eight objects and each delta one. The hint each manifest carries names the next
+    delta's objects, after a keyframe alone too, so a follower asks for exactly those beside
+    HEAD. ``delta_part_bytes`` sets the delta's split of its own."""
+    from nemo_dcr.sync.publisher import DELTA_PART_SCALE
+    from nemo_dcr.sync.speculate import MAX_NAMES, predicted
+    assert DELTA_PART_SCALE == 8
+    g = torch.Generator().manual_seed(5)
+    seq = [{f"t{i:02d}": torch.randn(2048, generator=g).bfloat16() for i in range(16)}]  # 4 KiB each
+    for _ in range(3):
+        s = {k: v.clone() for k, v in seq[-1].items()}
+        for v in s.values():
+            v[torch.randperm(2048, generator=g)[:40]] += 1
+        seq.append(s)
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store, part_bytes=8192)  # keyframe: two tensors an object; delta: 64 KiB, all
+    res = [pub.publish(seq[0]), pub.publish(seq[1]), pub.publish(seq[2], keyframe=True)]
+    m0, m1, m2 = (r.manifest for r in res)
+    assert len(m0.keyframe_parts) == 8 and len(m1.parts) == 1
+    assert len(m2.parts) == 1 and len(m2.keyframe_parts) == 8  # a keyframe beside a delta, each split its own way
+    assert predicted(m0, MAX_NAMES) == [p.key for p in m1.parts]  # from the keyframe: the delta's one object
+    assert predicted(m1, MAX_NAMES) == [p.key for p in m2.parts]
+    held = {k: v.clone() for k, v in seq[0].items()}
+    r = Follower(store, held, version=0, verify_initial=False).sync()
+    assert r.version == 2
+    assert sorted(s.what for s in r.spans if s.stage == "fetch") == [m1.parts[0].key, m2.parts[0].key]
+    for k, v in seq[2].items():
+        assert_bits_equal(held[k], v)
+    # a delta split of its own: as the keyframe here
+    split = Publisher(LocalStore(tmp_path / "t"), part_bytes=8192, delta_part_bytes=8192)
+    ms = [split.publish(s).manifest for s in seq[:3]]
+    assert len(ms[1].parts) == len(ms[2].parts) == 8
+    assert predicted(ms[1], MAX_NAMES) == [p.key for p in ms[2].parts]
+
+
 def test_later_syncs_reuse_their_threads(tmp_path):
     """The downloads and the parts streamed together run on standing threads
     (``util/parallel.standing``), reused from sync to sync: six more syncs start fewer threads
@@ -467,7 +504,7 @@ def test_later_syncs_reuse_their_threads(tmp_path):
     not count as idle yet when the next sync's first task comes, and then one more is started."""
     store = LocalStore(tmp_path / "s")
     seq = states(8)
-    publish_all(store, seq, part_bytes=4096, keyframe_every=100)
+    publish_all(store, seq, part_bytes=4096, delta_part_bytes=4096, keyframe_every=100)
     held = {k: v.clone() for k, v in seq[0].items()}
     f = Follower(store, held, version=0, stream=True)
     assert f.sync(1).version == 1
@@ -495,7 +532,7 @@ def test_publisher_encodes_the_next_part_while_one_uploads(tmp_path):
     started): without encode/upload overlap the gate's bounded wait runs out."""
     seq = states(2)
     store = GatedPutStore(tmp_path / "s", hold="/part-00000.dcr", until="/part-00000.1.dcr")
-    pub = Publisher(store, part_bytes=4096)
+    pub = Publisher(store, part_bytes=4096, delta_part_bytes=4096)
     pub.publish(seq[0])
     r = pub.publish(seq[1])
     assert store.overlapped, "the second part was not encoded while the first uploaded"
@@ -511,7 +548,7 @@ def test_a_streamed_parts_buffer_goes_when_let_go_not_at_a_garbage_collection(tm
     import gc
     store = LocalStore(tmp_path / "store")
     seq = states(2)
-    publish_all(store, seq, part_bytes=4096, signer=None)
+    publish_all(store, seq, part_bytes=4096, delta_part_bytes=4096, signer=None)
     held = {k: torch.zeros_like(v) if keyframe else v.clone() for k, v in seq[0].items()}
     at = {} if keyframe else {"version": 0, "verify_initial": False}
     f = Follower(store, held, stream=True, verifier=None, **at)

@@ -69,9 +69,15 @@ if TYPE_CHECKING:
     from nemo_dcr.stores.base import Store
     from nemo_dcr.stores.writer import ObjectWriter
 
-# dense bytes per object of a rank's delta/keyframe: big enough that a part's header and request
+# dense bytes per object of a rank's keyframe: big enough that a part's header and request
 # are noise, small enough that encode, upload, download and apply of neighbouring parts overlap
 DEFAULT_PART_BYTES = 32 << 20
+# a delta's objects cover this many times as many dense bytes: a delta is ~0.2-3 % of them, so
+# at part_bytes its objects were ~0.1-1 MB each (a 45M BF16 model four of ~170 KB), and every
+# object costs a request and a part thread on each receiver and, through a relay, an upstream
+# round trip (docs/results.md, "Format version 3, seventeenth turn"). 8x keeps a part that
+# changed whole (a follower holds up to ``prefetch`` parts) at 256 MiB.
+DELTA_PART_SCALE = 8
 log = logging.getLogger("nemo_dcr.sync")
 
 __all__ = ["Publisher", "PublishResult", "PublishError", "CommitConflict", "snapshot"]
@@ -134,7 +140,8 @@ class Publisher:
                  level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
                  retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
-                 part_bytes: int = DEFAULT_PART_BYTES, max_uploads: int = 4, format_version: int = FORMAT_VERSION,
+                 part_bytes: int = DEFAULT_PART_BYTES, delta_part_bytes: int | None = None, max_uploads: int = 4,
+                 format_version: int = FORMAT_VERSION,
                  object_checksum: str | None = None,
                  trusted_keys=(), allow_unverified_chain: bool = False, progress: bool | None = False):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
@@ -148,9 +155,12 @@ class Publisher:
         host snapshot and the reference encoder. The first publish logs which path runs. Or a
         ``device/capture.DeviceCapture``'s ``base``: each publish is given a job captured on the
         device earlier (the Lightning callback's background publishes).
-        ``part_bytes``: a rank's delta (and keyframe) is split into objects of whole tensors,
-        about this many dense bytes each, so that part j+1 encodes while part j uploads and a
-        receiver applies part j while part j+1 downloads (0: one object per rank).
+        ``part_bytes``: a rank's keyframe is split into objects of whole tensors, about this
+        many dense bytes each, so that part j+1 encodes while part j uploads and a receiver
+        applies part j while part j+1 downloads (0: one object per rank). ``delta_part_bytes``:
+        the same for its deltas (None: ``DELTA_PART_SCALE`` (8) times ``part_bytes``, 256 MiB by
+        default: a delta's bytes are a small share of the dense bytes it covers, and each object
+        costs every receiver a request).
         ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
         ``format_version``: of every delta and keyframe part (``codec/versions.py``; 2 or 1
         while receivers older than format version 3 or 2 still follow the store), and of the
@@ -184,6 +194,8 @@ class Publisher:
         self.encoding, self.level, self.chunk_elems, self.workers = encoding, level, chunk_elems, workers
         self.retain = retain
         self.part_bytes, self.max_uploads = int(part_bytes), max(1, int(max_uploads))
+        self.delta_part_bytes = DELTA_PART_SCALE * self.part_bytes if delta_part_bytes is None \
+            else int(delta_part_bytes)
         self.format_version = format_versions.version(format_version).number
         self.object_checksum = object_checksum_for(object_checksum, self.format_version)
         self.group = Group(group)
@@ -441,7 +453,11 @@ class Publisher:
         # the full-state steps (keyframe, first digest) read host copies, one tensor at a time
         host = dev.host_view(snap) if dev else snap
         uploads = _Uploads(self, spans)
-        groups = split_parts(self._base or {}, snap, self.part_bytes)
+        groups = split_parts(self._base or {}, snap, self.delta_part_bytes)
+        # the next version's delta parts, for the hint its manifest carries (_next_names): the
+        # same tensors split alike, whatever this version is
+        out["next"] = [_part_name("part", rank, j)
+                       for j in range(len(split_parts(snap, snap, self.delta_part_bytes)))]
         digests: dict = {}
         dense = sum(t.numel() * t.element_size() for t in snap.values())
         bar = Progress(dense * ((head is not None and self._base is not None) + kf), f"publish v{version}",
@@ -769,15 +785,10 @@ def _part_name(kind: str, rank: int, j: int) -> str:
 
 
 def _next_names(results: list) -> list[str]:
-    """The names of the next version's objects, as far as they are known now: this version's
-    delta parts, or (a version without one) its keyframe's, whose tensors the next delta splits
-    alike (``split_parts``), rank by rank as the manifest lists them."""
-    out: list[str] = []
-    for r in results:
-        for p in r["parts"] or r["keyframe_parts"]:
-            name = p["key"].rsplit("/", 1)[1]
-            out.append("part" + name[len("key"):] if name.startswith("key-") else name)
-    return out
+    """The names of the next version's delta parts, as far as they are known now: each rank's
+    tensors as they are, split as its next delta will split them (``_upload``), rank by rank
+    as the manifest lists them."""
+    return [name for r in results for name in r["next"]]
 
 
 def _same_head(a: Head | None, b: Head) -> bool:

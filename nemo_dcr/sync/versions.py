@@ -5,7 +5,7 @@ Store layout (keys relative to the store's root):
     HEAD                                          {"version", "manifest", "keyframe": {...}}
     versions/<v:012d>/<publish id>/part-<r>[.<j>].dcr   delta parts per publishing rank (base v-1 -> v)
     versions/<v:012d>/<publish id>/key-<r>[.<j>].dcr    keyframe parts (full state), on keyframe versions
-    (a rank's objects split by whole tensors, ``Publisher(part_bytes=...)``; j from 1 after the first)
+    (a rank's objects split by whole tensors, ``Publisher(part_bytes=, delta_part_bytes=)``; j from 1 after the first)
     versions/<v:012d>/<publish id>/manifest.json  the version's manifest
 
 Objects go first, the manifest next, and the version becomes visible only when HEAD moves to it
