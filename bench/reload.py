@@ -215,8 +215,9 @@ def table(res: dict) -> str:
     L += ["", "per-stage seconds of the delta reload (summed spans; fetch includes waiting on the link):"]
     for r in res["rows"]:
         d = r["delta"]
+        objects = sum(1 for s in d["spans"] if s[0] == "fetch")
         L.append(f"  {r['elements'] / 1e6:.0f}M {r['change']:.0%} {r['link_mbit']:g} Mbit/s {r['via']}: "
-                 f"{d['stages']}, after the transfer {r['after_transfer'] * 1e3:.1f} ms, "
+                 f"{d['stages']} over {objects} object(s), after the transfer {r['after_transfer'] * 1e3:.1f} ms, "
                  f"receiver CPU {d['cpu'] * 1e3:.0f} ms ({d['cpu'] / d['seconds']:.1f} cores)")
     if res["rows"]:
         r = timeline_row(res["rows"])
