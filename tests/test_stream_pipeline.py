@@ -496,6 +496,50 @@ def test_a_delta_is_split_by_its_own_part_size(tmp_path):
     assert predicted(ms[1], MAX_NAMES) == [p.key for p in ms[2].parts]
 
 
+def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
+    """A streamed object whose chunks cross its segments' ends lists each tensor again in the next
+    segment with no chunk of its own. Those entries go through the ordered stream too, and at
+    ordered_map's window of two items a worker they left no chunk queued: with the first chunk
+    held, the other worker wrote one more and then waited for it. The window is wider: the held
+    chunk is let go only once four later ones are written (a GATE's wait, not a timing)."""
+    import importlib
+    apply_mod = importlib.import_module("nemo_dcr.delta.apply")
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 64)  # each chunk's bytes cross a segment's end
+    g = torch.Generator().manual_seed(9)
+    v0 = {f"t{i}": torch.randn(1024, generator=g).bfloat16() for i in range(8)}
+    v1 = {k: v.clone() for k, v in v0.items()}
+    for v in v1.values():
+        v[torch.randperm(1024, generator=g)[:200]] += 1
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store, signer=None)
+    pub.publish(v0)
+    m = pub.publish(v1).manifest
+    segs = list(fmt.SegmentStream(memoryview(store.get(m.parts[0].key))).ready(m.parts[0].size))
+    assert any(not e.chunks for r in segs for e in r.header.tensors)  # entries continued, no chunk here
+
+    real = apply_mod._apply_chunk
+    first, later, lock = threading.Event(), threading.Event(), threading.Lock()
+    done = []
+
+    def gated(reader, t, c, *a, **k):
+        if not first.is_set():
+            first.set()
+            assert later.wait(GATE), "no worker wrote four later chunks while the first was held"
+            return real(reader, t, c, *a, **k)
+        out = real(reader, t, c, *a, **k)
+        with lock:
+            done.append(c.start)
+            if len(done) >= 4:
+                later.set()
+        return out
+    monkeypatch.setattr(apply_mod, "_apply_chunk", gated)
+    held = {k: v.clone() for k, v in v0.items()}
+    r = Follower(store, held, version=0, verify_initial=False, stream=True, workers=2).sync()
+    assert r.version == 1 and later.is_set()
+    for k, v in v1.items():
+        assert_bits_equal(held[k], v)
+
+
 def test_later_syncs_reuse_their_threads(tmp_path):
     """The downloads and the parts streamed together run on standing threads
     (``util/parallel.standing``), reused from sync to sync: six more syncs start fewer threads
