@@ -138,7 +138,7 @@ def _prefault_supported() -> bool:
     b = memory.PrefaultedBuffer(memory.PREFAULT_MIN)
     if b.helper is None:
         return False
-    b.helper.join(30)
+    b.helper.result(30)
     return _resident_pages(b) > 0
 
 
@@ -151,8 +151,8 @@ def test_a_download_buffer_is_faulted_in_ahead_of_its_writer():
     size = 8 * memory.PREFAULT_STEP + 3 * PAGE  # the last step a part of one
     b = memory.PrefaultedBuffer(size, written=lambda: 0)
     assert b.helper is not None
-    b.helper.join(30)
-    assert not b.helper.is_alive()
+    b.helper.result(30)
+    assert b.helper.done()
     assert _resident_pages(b) == -(-size // PAGE)  # every page, none of them written by anyone
     assert bytes(b.view[:PAGE]) == bytes(PAGE) and bytes(b.view[-PAGE:]) == bytes(PAGE)
     # below PREFAULT_MIN the writer faults its pages itself: no thread is started
@@ -174,7 +174,7 @@ def test_the_helper_never_changes_what_the_writer_wrote():
         b.view[n:n + step] = data[n:n + step]
         filled[0] = n + step
     assert b.helper is not None
-    b.helper.join(30)
+    b.helper.result(30)
     assert bytes(b.view) == data
 
 
@@ -184,7 +184,7 @@ def test_the_helper_skips_what_the_writer_reached_and_stops_when_told():
     b = memory.PrefaultedBuffer(size, written=lambda: size)  # the writer is at the end already
     b.view[0:1] = b"x"
     assert b.helper is not None
-    b.helper.join(30)
+    b.helper.result(30)
     assert _resident_pages(b) == 1  # the writer's one page: the helper faulted none
     # told to stop while it asks how far the writer is, before its first step: that step is its last
     import threading
@@ -200,5 +200,5 @@ def test_the_helper_skips_what_the_writer_reached_and_stops_when_told():
     stopped.stop()
     told.set()
     assert stopped.helper is not None
-    stopped.helper.join(30)
-    assert not stopped.helper.is_alive() and _resident_pages(stopped) == memory.PREFAULT_STEP // PAGE
+    stopped.helper.result(30)
+    assert stopped.helper.done() and _resident_pages(stopped) == memory.PREFAULT_STEP // PAGE

@@ -11,8 +11,11 @@ import os
 import sys
 import threading
 from collections.abc import Callable
+from concurrent.futures import Future
 
 import torch
+
+from nemo_dcr.util.parallel import standing
 
 HUGE_PAGE = 2 << 20
 _MADV_HUGEPAGE = 14  # Linux
@@ -121,22 +124,23 @@ class PrefaultedBuffer:
     and the writer need no lock: ``written()`` (how far the writer is) only lets the helper skip
     what the writer faulted in itself. The helper holds the mapping until it ends (so its range
     is never another mapping's) and ends at the end of the buffer, at ``stop()``, or at once
-    where the kernel does not know the advice."""
+    where the kernel does not know the advice. It runs on the process's standing threads
+    (``util/parallel.standing``), as a sync's downloads do: a thread started per buffer made the
+    download thread, the sync's critical path, wait for it to run. ``helper``: its Future (None:
+    no helper)."""
 
     def __init__(self, size: int, written: Callable[[], int] | None = None):
         self._map = mmap.mmap(-1, size)
         self.view = memoryview(self._map)
         self._stop = threading.Event()
-        self.helper: threading.Thread | None = None
+        self.helper: Future | None = None
         madvise = _libc_madvise()
         if madvise is None or size < PREFAULT_MIN:
             return
         c = ctypes.c_char.from_buffer(self._map)
         addr = ctypes.addressof(c)
         del c  # (an export would keep the mapping from being closed)
-        self.helper = threading.Thread(target=self._run, args=(madvise, addr, size, self._map, written),
-                                       name="nemo-dcr-prefault", daemon=True)
-        self.helper.start()
+        self.helper = standing(self._run, madvise, addr, size, self._map, written)
 
     def _run(self, madvise, addr: int, size: int, held: mmap.mmap, written) -> None:
         pos = 0
