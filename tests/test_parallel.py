@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nemo_dcr import DcrError, diff
-from nemo_dcr.util.parallel import background, ordered_map, standing
+from nemo_dcr.util.parallel import background, default_workers, ordered_map, standing, stream_workers
 
 
 def test_ordered_map_keeps_order_and_bounds_the_window():
@@ -108,3 +108,11 @@ def test_standing_hands_back_errors_and_its_threads_use_the_pools():
         return list(ordered_map(lambda _: threading.current_thread().name, range(8), workers=2))
 
     assert all(n.startswith("nemo-dcr") for n in standing(names).result(timeout=30))
+
+
+@pytest.mark.parametrize("cores,workers,stream", [(1, 1, 2), (2, 2, 3), (8, 8, 9), (16, 8, 8), (None, 1, 2)])
+def test_stream_workers_add_one_where_the_pools_take_every_core(monkeypatch, cores, workers, stream):
+    """``default_workers`` is the cores up to 8; ``stream_workers`` (an apply's chunks) one more
+    where that is every core, and the same past 8 cores, where cores are left free already."""
+    monkeypatch.setattr("os.cpu_count", lambda: cores)
+    assert default_workers() == workers and stream_workers() == stream

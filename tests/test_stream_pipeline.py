@@ -540,6 +540,43 @@ def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
         assert_bits_equal(held[k], v)
 
 
+def test_a_sync_writes_on_one_more_worker_than_cores(tmp_path, monkeypatch):
+    """A sync's chunks go to ``stream_workers`` (one more worker than cores, up to 8 cores) when
+    the follower names no count: a chunk's short GIL-releasing calls leave its worker waiting,
+    and the extra one writes meanwhile. On a 2-core machine three chunks are written at once:
+    each of the first three waits at a barrier of three (a GATE's wait, not a timing), which two
+    workers never fill."""
+    import importlib
+    apply_mod = importlib.import_module("nemo_dcr.delta.apply")
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    g = torch.Generator().manual_seed(11)
+    v0 = {f"t{i}": torch.randn(1024, generator=g).bfloat16() for i in range(6)}
+    v1 = {k: v.clone() for k, v in v0.items()}
+    for v in v1.values():
+        v[torch.randperm(1024, generator=g)[:100]] += 1
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store, signer=None)
+    pub.publish(v0)
+    pub.publish(v1)
+    real = apply_mod._apply_chunk
+    together = threading.Barrier(3, timeout=GATE)
+    lock, seen = threading.Lock(), []
+
+    def gated(reader, t, c, *a, **k):
+        with lock:
+            seen.append(c)
+            first = len(seen) <= 3
+        if first:
+            together.wait()  # BrokenBarrierError (the sync fails) unless three workers are in here
+        return real(reader, t, c, *a, **k)
+    monkeypatch.setattr(apply_mod, "_apply_chunk", gated)
+    held = {k: v.clone() for k, v in v0.items()}
+    r = Follower(store, held, version=0, verify_initial=False, stream=True).sync()
+    assert r.version == 1 and not together.broken and len(seen) == 6
+    for k, v in v1.items():
+        assert_bits_equal(held[k], v)
+
+
 def test_later_syncs_reuse_their_threads(tmp_path):
     """The downloads and the parts streamed together run on standing threads
     (``util/parallel.standing``), reused from sync to sync: six more syncs start fewer threads

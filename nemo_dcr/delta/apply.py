@@ -37,7 +37,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.util.parallel import default_workers, ordered_map
+from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
 
 
@@ -438,7 +438,10 @@ def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, 
     # chunk's bytes crossed the segment's end). At 2 the window held one chunk per worker and none
     # queued, so between chunks each worker waited for the ordered results to move on (a 45M BF16
     # delta's local sync: 17.6 ms against 19.0, medians; docs/results.md, seventeenth turn)
-    for r, c, res in ordered_map(one, items(), workers, window=8 * (workers or default_workers())):
+    # workers None: ``stream_workers`` (one more than the cores, up to 8 cores): a chunk's many
+    # short GIL-releasing calls leave its worker waiting for the GIL and a core, meanwhile
+    workers = workers or stream_workers()
+    for r, c, res in ordered_map(one, items(), workers, window=8 * workers):
         if c is not None:
             status, k = res
             if status != "applied" and isinstance(r.running, MovedSumDigest):
