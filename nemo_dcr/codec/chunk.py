@@ -277,15 +277,18 @@ def _classes_payload(h: ChunkEntry, payload, w: int, dtype: torch.dtype | None) 
 
 
 def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = None,
-                 dtype: torch.dtype | None = None, with_old: bool = False, into: bool = False):
+                 dtype: torch.dtype | None = None, with_old: bool = False, into: bool = False,
+                 checked: bool = False):
     """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
 
     A ``classes`` chunk also needs ``base`` (the receiver's bits of the whole chunk, 1-D integer
     view) and ``dtype``; its values are the new bits, not a difference. ``with_old``: a third
     item, the base bits at the positions where the decode read them (``classes`` chunks), else
     None (the caller gathers them). ``into``: a ``classes`` chunk's new bits are also written
-    into ``base`` (``classes.decode``'s ``into``; other codings ignore it: the caller writes)."""
-    if crc32(payload) != h.crc:
+    into ``base`` (``classes.decode``'s ``into``; other codings ignore it: the caller writes).
+    ``checked``: the caller checked the payload's checksum already (``DeltaReader.check_payloads``,
+    which ``apply`` runs before its first write): it is not computed a second time."""
+    if not checked and crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     p = memoryview(payload)
     if h.enc == CLASSES or h.pos == CLASSES:
@@ -302,12 +305,14 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
     return (idx, vals, None) if with_old else (idx, vals)
 
 
-def dense_stream(h: ChunkEntry, payload, w: int):
+def dense_stream(h: ChunkEntry, payload, w: int, checked: bool = False):
     """The value stream of a chunk whose positions are ``dense`` (every element of its range, in
     order: a keyframe's chunk, a tensor sent whole), checked and decompressed: its byte planes,
     which ``planes.join`` turns into the values, or writes straight into a receiver's range. The
-    positions are the range itself (an int64 array of the chunk's length, not made)."""
-    if crc32(payload) != h.crc:
+    positions are the range itself (an int64 array of the chunk's length, not made). ``checked``:
+    as ``decode_chunk``'s (a keyframe's payload was CRC'd twice: once per object before the first
+    write, then again chunk by chunk)."""
+    if not checked and crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     if h.pos != positions.DENSE or h.k != h.n or h.plen or h.praw:
         raise DeltaFormatError("dense positions with a non-full chunk or a payload")

@@ -182,6 +182,7 @@ class DeltaReader:
 
     def __init__(self, buf, name: str = "<delta>"):
         self.name = name
+        self.payloads_checked = False  # check_payloads ran: the chunks' decoders need not CRC again
         self.buf = memoryview(buf) if not isinstance(buf, memoryview) else buf
         self.size = len(self.buf)
         self.raw_header: dict = {}  # the JSON as stored (for tools that rewrite a header; version 3:
@@ -284,6 +285,7 @@ class DeltaReader:
         r.name, r.buf, r.size = name, memoryview(buf) if not isinstance(buf, memoryview) else buf, len(buf)
         r.raw_header, r.version, r.header, r.payload_end = {}, version, header, len(buf)
         r._stored_len = 0
+        r.payloads_checked = False
         return r
 
     def payload(self, chunk: ChunkEntry) -> memoryview:
@@ -305,6 +307,7 @@ class DeltaReader:
                         check_frame(p[c.plen:], c.vraw)
                 except DeltaFormatError as e:
                     self._fail(f"tensor {t.name!r}: chunk at element {c.start}: {e}")
+        self.payloads_checked = True
 
 
 HEADER_LEVEL = 15

@@ -132,7 +132,8 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     that does not decode is left as it was."""
     dev = t.tensor.device
     if c.enc != CLASSES:
-        idx, vals, _ = decode_chunk(c, reader.payload(c), t.w, with_old=True)
+        idx, vals, _ = decode_chunk(c, reader.payload(c), t.w, with_old=True,
+                                    checked=reader.payloads_checked)
         return idx.to(dev), vals.to(dev), None, False
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
@@ -145,8 +146,8 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     try:
         if on_host(base):
             into = t.identity and t.fa.contiguous
-            return (*decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True, into=into),
-                    into)
+            return (*decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True, into=into,
+                                  checked=reader.payloads_checked), into)
         idx, vals = locate_chunk(c, reader.payload(c), base, t.dtype)
         return idx, vals, base[idx], False
     except DeltaFormatError:
@@ -287,7 +288,7 @@ def _apply_range(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: boo
     local) and scatters through them: 5x the chunk's BF16 bytes of scratch per worker, which the
     C library's arenas kept (a keyframe sync peaked at 2.3x the model for 2 MiB tensors)."""
     view = t.fa.read(c.start, c.end)  # (a view: contiguous)
-    raw = dense_stream(c, reader.payload(c), t.w)  # checked and decompressed: nothing below fails on it
+    raw = dense_stream(c, reader.payload(c), t.w, checked=reader.payloads_checked)  # decompressed: nothing below fails
     need_cur = t.xor_ok and t.plan.action != Action.CREATE
     if t.plan.checks_chunks and _check(t, c, view, in_journal):
         return "already", 0
