@@ -985,6 +985,21 @@ int dcr_sd_contrib(const void *bits, int w, const int64_t *gidx, int64_t start, 
     return 0;
 }
 
+/* lo and hi of n >= 1 int64 values: the state digest's range check of its canonical indices
+ * (statedigest._out_of_range). In C, and short, so that it is called without giving the GIL up
+ * (native.held()): torch.aminmax and the two values it hands back gave it up three times a chunk. */
+int dcr_i64_range(const int64_t *x, int64_t n, int64_t *lo, int64_t *hi) {
+    if (n < 1) return E_ARGS;
+    int64_t a = x[0], b = x[0];
+    for (int64_t i = 1; i < n; i++) {
+        a = x[i] < a ? x[i] : a;
+        b = x[i] > b ? x[i] : b;
+    }
+    *lo = a;
+    *hi = b;
+    return 0;
+}
+
 /* The change of the state digest when the n elements at those canonical indices go from the
  * bits old_bits to new_bits: out[l] = (contrib_l(new) - contrib_l(old)) mod P, what two
  * dcr_sd_contrib calls and a subtraction give, with each index mixed once instead of twice.

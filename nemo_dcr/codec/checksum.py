@@ -10,6 +10,9 @@ import zlib
 from nemo_dcr.codec import native
 
 NATIVE_MIN = 4096  # bytes: shorter buffers go to zlib
+#: bytes up to which the C CRC keeps the GIL (``native.held``: ~50 us here), so that a chunk's
+#: CRC on a worker does not wait to take it back; longer ones give it up while they run
+HELD_MAX = 128 << 10
 
 
 def crc32(data, value: int = 0, use_native: bool | None = None) -> int:
@@ -18,6 +21,8 @@ def crc32(data, value: int = 0, use_native: bool | None = None) -> int:
     if lib is not None:
         a, address = native.buffer_address(data)
         if a.size >= NATIVE_MIN or use_native:
+            if a.size <= HELD_MAX:
+                lib = native.held() or lib
             out = ctypes.c_uint32()
             if lib.dcr_crc32(address, a.size, value, ctypes.byref(out)) == 0:
                 return out.value

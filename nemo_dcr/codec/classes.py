@@ -350,6 +350,18 @@ def _addr(a: array.array) -> int:
     return a.buffer_info()[0]
 
 
+_NP = {torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+       torch.uint8: np.uint8}
+
+
+def _out(k: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised host tensor for a kernel to fill, made by numpy where it has the dtype:
+    ``torch.empty`` gives the GIL up (and takes it back) even for a few bytes, three times a
+    chunk on the apply's workers, each a wait on a busy machine (docs/results.md, eighteenth turn)."""
+    npt = _NP.get(dtype)
+    return torch.from_numpy(np.empty(k, dtype=npt)) if npt is not None else torch.empty(k, dtype=dtype)
+
+
 def _ptr(t: torch.Tensor) -> int:
     # the C kernel dereferences this on the host: a device pointer must never reach it
     if t.device.type != "cpu":
@@ -458,9 +470,9 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
     _check_table(rows, w, mant, k)
     old = old.contiguous()
     table = _table(rows)
-    idx = torch.empty(k, dtype=torch.int64)
-    out = torch.empty(k, dtype=old.dtype)
-    held = torch.empty(k, dtype=old.dtype) if with_old else None
+    idx = _out(k, torch.int64)
+    out = _out(k, old.dtype)
+    held = _out(k, old.dtype) if with_old else None
     kernel = lib.dcr_cls_decode_into if into else lib.dcr_cls_decode_old
     rc = kernel(_ptr(old), old.numel(), w, mant, _addr(table), len(rows), bytes(pos), len(pos),
                 bytes(val), len(val), k, _ptr(idx), _ptr(out),

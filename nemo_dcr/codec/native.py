@@ -46,6 +46,7 @@ SIMD_NAMES = {2: "AVX-512BW", 1: "AVX2", 0: "scalar"}
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _lib = None
+_held = None  # the same library, its calls keeping the GIL (held())
 _tried = False
 build_error: str | None = None  # why the kernels are not in use, when they are not
 origin: str | None = None       # where the loaded library came from: "packaged", "checkout build", "variant build"
@@ -119,6 +120,8 @@ def _declare(lib) -> None:
         f.argtypes = [p, i64, ctypes.c_int, p]
     lib.dcr_crc32.restype = ctypes.c_int
     lib.dcr_crc32.argtypes = [p, i64, ctypes.c_uint32, p]
+    lib.dcr_i64_range.restype = ctypes.c_int
+    lib.dcr_i64_range.argtypes = [p, i64, p, p]
     lib.dcr_gaps_len.restype = i64
     lib.dcr_gaps_len.argtypes = [p, i64]
     lib.dcr_gaps_encode.restype = i64
@@ -142,6 +145,26 @@ def _load(path: Path):
     loaded = ctypes.CDLL(str(path))
     _declare(loaded)
     return loaded
+
+
+def held():
+    """The loaded library with calls that keep the GIL (``ctypes.PyDLL``), or None. For calls of
+    tens of microseconds made between a chunk's other calls (a CRC of a chunk's payload, the
+    state digest's change of a chunk's changes): ``lib()``'s calls give the GIL up, and on a busy
+    machine taking it back waited for whichever thread held it and for a core, ~0.4 ms for a CRC
+    of 20 us on a 2-core machine. A call that keeps it holds back the other threads' Python for
+    its own length only (docs/results.md, eighteenth turn). Long calls (a chunk's decode, a
+    whole tensor's digest) go through ``lib()``: the other threads run meanwhile."""
+    global _held
+    loaded = lib()  # None where the kernels are off (NEMO_DCR_NATIVE=0, or a test's reference run)
+    if loaded is None:
+        return None
+    h = _held
+    if h is None or h._name != loaded._name:
+        h = ctypes.PyDLL(loaded._name)  # the library loaded already: the same copy, not a second
+        _declare(h)
+        _held = h
+    return h
 
 
 def _find():

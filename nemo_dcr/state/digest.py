@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from typing import Any, Protocol
 
 import blake3
+import numpy as np
 import torch
 
 from nemo_dcr.state.dtypes import dtype_name
@@ -47,7 +48,15 @@ THREADS = 2
 THREADED_MIN = 4 << 20
 
 
+#: integer views numpy reads as they are (a float view goes through torch's uint8 view)
+_NUMPY_BITS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
+
+
 def _bytes(bits: torch.Tensor):
+    if bits.device.type == "cpu" and bits.dtype in _NUMPY_BITS and not bits.requires_grad:
+        # numpy's byte view, not torch's: torch's view gives the GIL up, once per chunk's
+        # pre-image on the apply's workers (docs/results.md, eighteenth turn); same bytes
+        return bits.contiguous().numpy().reshape(-1).view(np.uint8).data
     # .cpu(): a device tensor (the device path's snapshot) is hashed one bounded range at a time
     return bits.contiguous().view(torch.uint8).cpu().numpy().data
 

@@ -60,6 +60,9 @@ P = (1 << 31) - 1  # Mersenne prime modulus of every lane
 LANES = 4
 CHUNK = 1 << 20  # elements processed per step (bounds scratch memory)
 _BLOCK = 1 << 15  # terms < 2**47 summed before a reduction: 2**15 * 2**47 = 2**62
+#: changes up to which ``change_contrib``'s C call keeps the GIL (``native.held``; ~50 us here):
+#: one chunk's changes at ~1 % of a 4M-element chunk, summed on an apply's worker
+HELD_CHANGES = 1 << 15
 _M32 = 0xFFFFFFFF
 # odd multipliers < 2**31, so (h < 2**32) * F < 2**63
 _F1 = 0x7FEB352D
@@ -340,8 +343,17 @@ def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[in
 
 
 def _out_of_range(idx: torch.Tensor, numel: int) -> bool:
-    lo, hi = torch.aminmax(idx)  # one pass, where min() and max() were two
-    return int(lo) < 0 or int(hi) >= numel
+    """Whether an index of ``idx`` (int64, 1-D, not empty) is outside [0, numel)."""
+    h = native.held() if idx.device.type == "cpu" and idx.is_contiguous() else None
+    if h is not None:
+        # in C, keeping the GIL: aminmax and its two values each gave it up, three waits a chunk
+        # on the apply's workers (docs/results.md, eighteenth turn)
+        import ctypes
+        lo, hi = ctypes.c_int64(), ctypes.c_int64()
+        if h.dcr_i64_range(idx.data_ptr(), idx.numel(), ctypes.byref(lo), ctypes.byref(hi)) == 0:
+            return lo.value < 0 or hi.value >= numel
+    lo_t, hi_t = torch.aminmax(idx)  # one pass, where min() and max() were two
+    return int(lo_t) < 0 or int(hi_t) >= numel
 
 
 def _checked(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], global_idx: torch.Tensor,
@@ -351,13 +363,16 @@ def _checked(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], g
     dname = dtype_name(dt)
     shape = tuple(int(s) for s in global_shape)
     numel = math.prod(shape)
-    idx = global_idx.reshape(-1)
+    # (reshape, view and to only where they change something: each is a torch call that gives
+    # the GIL up, and this runs once per chunk on the apply's workers)
+    idx = global_idx if global_idx.dim() == 1 else global_idx.reshape(-1)
     if idx.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
         raise DcrError(f"{name}: global indices must be an integer tensor, got {idx.dtype}")
-    idx = idx.to(torch.int64)
+    if idx.dtype != torch.int64:
+        idx = idx.to(torch.int64)
     out = []
     for b in bits:
-        b = _as_bits(b.reshape(-1), itemsize(dt))
+        b = _as_bits(b if b.dim() == 1 else b.reshape(-1), itemsize(dt))
         if b.numel() != idx.numel():
             raise DcrError(f"{name}: {idx.numel()} indices but {b.numel()} values")
         out.append(b)
@@ -401,6 +416,8 @@ def change_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[i
     t, kp, _ = _native_keys(keys)
     out = (ctypes.c_uint64 * LANES)()
     n, o, idx = n.contiguous(), o.contiguous(), idx.contiguous()
+    if idx.numel() <= HELD_CHANGES:
+        lib = native.held() or lib
     rc = lib.dcr_sd_change(n.data_ptr(), o.data_ptr(), n.element_size(), idx.data_ptr(), 0, n.numel(),
                            keys.s1, keys.s2, t, kp, out)
     if rc != 0:
