@@ -439,8 +439,8 @@ def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, 
     # chunk's bytes crossed the segment's end). At 2 the window held one chunk per worker and none
     # queued, so between chunks each worker waited for the ordered results to move on (a 45M BF16
     # delta's local sync: 17.6 ms against 19.0, medians; docs/results.md, seventeenth turn)
-    # workers None: ``stream_workers`` (one more than the cores, up to 8 cores): a chunk's many
-    # short GIL-releasing calls leave its worker waiting for the GIL and a core, meanwhile
+    # workers None: ``stream_workers`` (one more than the cores, up to 8 cores): a worker that
+    # waits to take the GIL back between a chunk's steps leaves its core to the extra one
     workers = workers or stream_workers()
     for r, c, res in ordered_map(one, items(), workers, window=8 * workers):
         if c is not None:

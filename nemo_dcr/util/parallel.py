@@ -32,14 +32,13 @@ def default_workers() -> int:
 
 
 def stream_workers() -> int:
-    """Workers for a stream of short jobs that each make many GIL-releasing calls (an apply's
-    chunks: a C decode of ~1 ms between a dozen torch and ctypes calls of microseconds): one more
-    than ``default_workers`` where that is every core. Each call a job makes gives the GIL up,
-    and taking it back waits for whichever thread holds it and for a core: on 2 cores a 40 KB
-    CRC of 20 us of CPU took ~390 us on a worker, and a 45M BF16 delta's chunks, 23 ms of CPU,
-    spent ~39 ms on the two workers. A third worker runs while one waits: that local sync's
-    median went from 22-25 ms to 19.5-21 ms (docs/results.md, eighteenth turn). Past 8 cores
-    the pools leave cores free already."""
+    """Workers for a stream of short jobs that give the GIL up between their steps (an apply's
+    chunks: a C decode of ~1 ms, and around it the calls that still give it up): one more than
+    ``default_workers`` where that is every core. Taking the GIL back waits for whichever thread
+    holds it and for a core: on 2 cores a 45M BF16 delta's chunks, 23 ms of CPU, spent ~39 ms on
+    two workers, and a third runs while one waits (that local sync, interleaved: median 18.8 ms
+    against 23.4 with two; docs/results.md, eighteenth turn). Past 8 cores the pools leave cores
+    free already."""
     cores = os.cpu_count() or 1
     return default_workers() + 1 if cores <= 8 else default_workers()
 
