@@ -496,6 +496,20 @@ def test_a_delta_is_split_by_its_own_part_size(tmp_path):
     assert predicted(ms[1], MAX_NAMES) == [p.key for p in ms[2].parts]
 
 
+def _two_versions(tmp_path, seed: int, tensors: int, changed: int):
+    """A store holding version 0 (``tensors`` BF16 tensors of 1024 elements) and version 1
+    (``changed`` elements of each moved) -> (store, v0, v1, version 1's manifest)."""
+    g = torch.Generator().manual_seed(seed)
+    v0 = {f"t{i}": torch.randn(1024, generator=g).bfloat16() for i in range(tensors)}
+    v1 = {k: v.clone() for k, v in v0.items()}
+    for v in v1.values():
+        v[torch.randperm(1024, generator=g)[:changed]] += 1
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store, signer=None)
+    pub.publish(v0)
+    return store, v0, v1, pub.publish(v1).manifest
+
+
 def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
     """A streamed object whose chunks cross its segments' ends lists each tensor again in the next
     segment with no chunk of its own. Those entries go through the ordered stream too, and at
@@ -505,15 +519,7 @@ def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
     import importlib
     apply_mod = importlib.import_module("nemo_dcr.delta.apply")
     monkeypatch.setattr(fmt, "SEGMENT_BYTES", 64)  # each chunk's bytes cross a segment's end
-    g = torch.Generator().manual_seed(9)
-    v0 = {f"t{i}": torch.randn(1024, generator=g).bfloat16() for i in range(8)}
-    v1 = {k: v.clone() for k, v in v0.items()}
-    for v in v1.values():
-        v[torch.randperm(1024, generator=g)[:200]] += 1
-    store = LocalStore(tmp_path / "s")
-    pub = Publisher(store, signer=None)
-    pub.publish(v0)
-    m = pub.publish(v1).manifest
+    store, v0, v1, m = _two_versions(tmp_path, seed=9, tensors=8, changed=200)
     segs = list(fmt.SegmentStream(memoryview(store.get(m.parts[0].key))).ready(m.parts[0].size))
     assert any(not e.chunks for r in segs for e in r.header.tensors)  # entries continued, no chunk here
 
@@ -542,22 +548,14 @@ def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
 
 def test_a_sync_writes_on_one_more_worker_than_cores(tmp_path, monkeypatch):
     """A sync's chunks go to ``stream_workers`` (one more worker than cores, up to 8 cores) when
-    the follower names no count: a chunk's short GIL-releasing calls leave its worker waiting,
-    and the extra one writes meanwhile. On a 2-core machine three chunks are written at once:
+    the follower names no count: a worker waiting to take the GIL back between a chunk's steps
+    leaves its core to the extra one. On a 2-core machine three chunks are written at once:
     each of the first three waits at a barrier of three (a GATE's wait, not a timing), which two
     workers never fill."""
     import importlib
     apply_mod = importlib.import_module("nemo_dcr.delta.apply")
     monkeypatch.setattr("os.cpu_count", lambda: 2)
-    g = torch.Generator().manual_seed(11)
-    v0 = {f"t{i}": torch.randn(1024, generator=g).bfloat16() for i in range(6)}
-    v1 = {k: v.clone() for k, v in v0.items()}
-    for v in v1.values():
-        v[torch.randperm(1024, generator=g)[:100]] += 1
-    store = LocalStore(tmp_path / "s")
-    pub = Publisher(store, signer=None)
-    pub.publish(v0)
-    pub.publish(v1)
+    store, v0, v1, _ = _two_versions(tmp_path, seed=11, tensors=6, changed=100)
     real = apply_mod._apply_chunk
     together = threading.Barrier(3, timeout=GATE)
     lock, seen = threading.Lock(), []
