@@ -630,32 +630,46 @@ static int decode_streams(int64_t n, int w, int mant, const int64_t *table, int6
     } else {
         for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)r_get(&vr, 1);
     }
+    /* Per class, its ranks (pos stream) and its value codes (val stream: the gaps between its
+     * "big" changes, those of |difference| >= 2, then each big's excess) are decoded in one loop:
+     * the two streams' readers are two dependency chains the core runs side by side, and the
+     * excesses go to the bigs by their recorded indices, without a branch per change on whether
+     * it is big (as random as the values). Errors keep their order: within a class a rank past
+     * the chunk is reported before a bad value code, and a class's errors before the next's. */
+    uint32_t *bi = (uint32_t *)malloc((size_t)(k ? k : 1) * 4);  /* a class's bigs, by index */
+    if (!bi) { free(ng); return E_NOMEM; }
     int rc = 0;
     for (int64_t r = 0; r < ntab && !rc; r++) {
         const int64_t *row = table + TAB * r;
-        int64_t a = start[row[0]], kc = row[1], bc = row[3];
-        const int kp = (int)row[2];
+        const int64_t a = start[row[0]], kc = row[1], bc = row[3];
+        const int kp = (int)row[2], kb = (int)row[4], ke = (int)row[5];
+        for (int64_t j = 0; j < kc; j++) mg[a + j] = 1;
         uint64_t acc = (uint64_t)-1;  /* rank = previous rank + 1 + gap; a gap is < 2^48: no overflow */
-        for (int64_t j = 0; j < kc; j++) {
-            acc += 1 + r_rice(&pr, kp);
-            if (acc >= (uint64_t)n) { rc = E_RANK; break; }
-            rk[a + j] = acc;
-            mg[a + j] = 1;
+        int64_t at = -1, vsteps = 2 * bc;  /* value codes still to read (0 after a bad one) */
+        const int64_t steps = kc > vsteps ? kc : vsteps;
+        int bad_v = 0;
+        for (int64_t s = 0; s < steps; s++) {
+            if (s < kc) {
+                acc += 1 + r_rice(&pr, kp);
+                if (acc >= (uint64_t)n) { rc = E_RANK; break; }
+                rk[a + s] = acc;
+            }
+            if (s < bc && s < vsteps) {
+                uint64_t g = r_rice(&vr, kb);
+                if (g >= (uint64_t)(kc - at - 1)) { bad_v = 1; vsteps = 0; continue; }
+                at += 1 + (int64_t)g;
+                bi[s] = (uint32_t)at;
+                mg[a + at] = 0;  /* big: its excess follows */
+            } else if (s < vsteps) {
+                const int64_t j = bi[s - bc];
+                uint64_t m = r_rice(&vr, ke) + 2;
+                if (m > sign || (!ng[a + j] && m == sign)) { bad_v = 1; vsteps = 0; continue; }
+                mg[a + j] = m;
+            }
         }
-        int64_t at = -1;
-        for (int64_t b = 0; b < bc && !rc; b++) {
-            uint64_t g = r_rice(&vr, (int)row[4]);
-            if (g >= (uint64_t)(kc - at - 1)) { rc = E_VALUE; break; }
-            at += 1 + (int64_t)g;
-            mg[a + at] = 0;  /* big: its excess follows */
-        }
-        for (int64_t j = 0; j < kc && bc && !rc; j++) {
-            if (mg[a + j]) continue;
-            uint64_t m = r_rice(&vr, (int)row[5]) + 2;
-            if (m > sign || (!ng[a + j] && m == sign)) rc = E_VALUE;
-            mg[a + j] = m;
-        }
+        if (!rc && bad_v) rc = E_VALUE;
     }
+    free(bi);
     if (!rc) rc = pr.err || vr.err ? E_STREAM : 0;
     if (!rc) rc = r_done(&pr, plen);
     if (!rc) rc = r_done(&vr, vlen);
