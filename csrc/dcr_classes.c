@@ -700,7 +700,7 @@ int dcr_cls_decode_streams(int64_t n, int w, int mant, const int64_t *table, int
 
 static int decode_placed(const void *oldp, void *wb, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
                          const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
-                         int64_t *idx_out, void *new_out, void *old_out) {
+                         int64_t *idx_out, void *new_out, void *old_out, int64_t off) {
     if (!(w == 1 || w == 2 || w == 4) || mant < 0 || mant >= 8 * w - 1 || k < 0) return E_ARGS;
     if (8 * w - 1 - mant > 8) return E_ARGS;
     if (wb && !old_out) return E_ARGS;  /* (what undoes the writes of a chunk that does not decode) */
@@ -739,13 +739,17 @@ static int decode_placed(const void *oldp, void *wb, int64_t n, int w, int mant,
     if (scalar) for (int c = 0; c < nc && !rc; c++) if (next[c] != endc[c]) rc = E_RANK;
     if (rc && wb)  /* the base as it was: each change written holds its old bits again */
         for (int64_t q = 0; q < out; q++) store_u(wb, idx_out[q], w, load_u(old_out, q, w));
+    if (!rc && off)  /* positions in the caller's frame (the chunk's start in its tensor added) */
+        for (int64_t q = 0; q < out; q++) idx_out[q] += off;
     return rc;
 }
 
+/* off: added to every position written to idx_out (a caller's chunk start: its positions in
+ * the tensor, without a pass of its own over them afterwards) */
 int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
                        const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
-                       int64_t *idx_out, void *new_out, void *old_out) {
-    return decode_placed(oldp, NULL, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, old_out);
+                       int64_t *idx_out, void *new_out, void *old_out, int64_t off) {
+    return decode_placed(oldp, NULL, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, old_out, off);
 }
 
 /* dcr_cls_decode_old that also writes each change's new bits into the base (basep, n elements)
@@ -754,15 +758,15 @@ int dcr_cls_decode_old(const void *oldp, int64_t n, int w, int mant, const int64
  * caller's checks of the old bits come after (it undoes the writes itself when they fail). */
 int dcr_cls_decode_into(void *basep, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
                         const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
-                        int64_t *idx_out, void *new_out, void *old_out) {
-    return decode_placed(basep, basep, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, old_out);
+                        int64_t *idx_out, void *new_out, void *old_out, int64_t off) {
+    return decode_placed(basep, basep, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, old_out, off);
 }
 
 /* dcr_cls_decode_old without the base bits */
 int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *table, int64_t ntab,
                    const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
                    int64_t *idx_out, void *new_out) {
-    return dcr_cls_decode_old(oldp, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, NULL);
+    return dcr_cls_decode_old(oldp, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, NULL, 0);
 }
 
 /* ------------------------------------------------------------------ state digest

@@ -418,6 +418,38 @@ def test_decode_into_the_base_writes_the_changes_or_nothing(dtype):
     assert torch.equal(b, short)
 
 
+def test_positions_come_back_with_the_chunks_start_added():
+    """``offset`` (a chunk's start in its tensor) is added to the positions a decode returns, by
+    the kernel on each scan and by the reference; the bits it writes into the base go to the
+    chunk's own positions, and a decode that fails still leaves the base as it was."""
+    lib = native.lib()
+    dtype = torch.bfloat16
+    mant = classes.MANTISSA[dtype]
+    old, new = _pair(dtype, 3 * 4096 + 77, 0.02, seed=12)
+    k, rows, pos, val = classes.encode(old, new, mant)
+    changed = torch.nonzero(old != new).squeeze(1)
+    start = (1 << 33) + 5  # past 32 bits: a position in a large tensor
+    short = old.clone()
+    short[old.numel() // 2:] = old[0]
+    routes = [dict(use_native=True, simd=s) for s in (1, 2, 0)] + [dict(use_native=False, simd=None)]
+    try:
+        for r in routes:
+            if r["simd"] is not None:
+                lib.dcr_set_simd(r["simd"])
+            idx, nv = classes.decode(old, rows, pos, val, k, mant, use_native=r["use_native"], offset=start)
+            assert torch.equal(idx, changed + start) and torch.equal(nv, new[changed])
+            b = old.clone()
+            idx, nv, held = classes.decode(b, rows, pos, val, k, mant, use_native=r["use_native"], into=True,
+                                           offset=start)
+            assert torch.equal(idx, changed + start) and torch.equal(b, new) and torch.equal(held, old[changed])
+            b = short.clone()
+            with pytest.raises(DeltaFormatError):
+                classes.decode(b, rows, pos, val, k, mant, use_native=r["use_native"], into=True, offset=start)
+            assert torch.equal(b, short)
+    finally:
+        lib.dcr_set_simd(1)
+
+
 def test_a_chunk_decoded_into_a_wrong_base_is_written_back():
     """A follower's apply (no base digests) decodes a classes chunk into the tensor, then checks
     the bits it replaced against the chunk's pre-image: a base one mantissa bit off at one changed

@@ -278,8 +278,9 @@ def _classes_payload(h: ChunkEntry, payload, w: int, dtype: torch.dtype | None) 
 
 def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = None,
                  dtype: torch.dtype | None = None, with_old: bool = False, into: bool = False,
-                 checked: bool = False):
-    """Chunk entry + its payload bytes -> (positions relative to the chunk, value bits).
+                 checked: bool = False, offset: int = 0):
+    """Chunk entry + its payload bytes -> (positions relative to the chunk, plus ``offset``;
+    value bits).
 
     A ``classes`` chunk also needs ``base`` (the receiver's bits of the whole chunk, 1-D integer
     view) and ``dtype``; its values are the new bits, not a difference. ``with_old``: a third
@@ -295,12 +296,15 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
         pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
         if base is None or base.numel() != h.n:
             raise DeltaFormatError("a classes chunk decodes only against the whole base chunk")
-        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, mant, with_old=with_old, into=into)
+        return classes.decode(base, h.cls, pos_raw, val_raw, h.k, mant, with_old=with_old, into=into,
+                              offset=offset)
     if h.vraw != h.k * w:  # what planes.join would allocate: never more than the header's k allows
         raise DeltaFormatError(f"value stream of {h.vraw} bytes for {h.k} changes of {w} bytes")
     pos_raw = unpack(p[: h.plen], h.pz, h.praw)
     val_raw = unpack(p[h.plen:], h.vz, h.vraw)
     idx = positions.decode(h.pos, pos_raw, h.n, h.k)
+    if offset:
+        idx += offset  # (a fresh array: in place)
     vals = planes.join(val_raw, h.k, w)
     return (idx, vals, None) if with_old else (idx, vals)
 

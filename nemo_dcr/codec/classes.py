@@ -443,7 +443,7 @@ def encode_ranked(c_ch: torch.Tensor, rank: torch.Tensor, uo: torch.Tensor, un: 
 
 
 def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, use_native: bool | None = None,
-           with_old: bool = False, into: bool = False):
+           with_old: bool = False, into: bool = False, offset: int = 0):
     """As ``decode_reference``, with the C kernel when it is available. ``with_old``: the base
     bits at the changed positions come back too, as a third item (what a receiver's pre-image
     check hashes; the kernel's scan reads them anyway, so the caller need not gather them).
@@ -452,7 +452,10 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
     contiguous: the receiver's own bits of the chunk), each as the scan passes it, while the bits
     around it are in the cache; a scatter afterwards found the chunk out of L2. Raising,
     it leaves ``old`` as it was. A caller whose checks of the old bits then fail writes them back
-    (``(idx, new, held)``: ``held`` at ``idx``)."""
+    (``(idx, new, held)``: ``held`` at ``idx``).
+
+    ``offset`` is added to the positions that come back (a chunk's start: its positions in the
+    tensor; the kernel adds it as it writes them, so the caller makes no second array)."""
     if into:
         if not old.is_contiguous() or old.dim() != 1:
             raise DcrError("a classes chunk decodes into a 1-D contiguous base only")
@@ -465,6 +468,8 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
         before = old[idx]
         if into:
             old[idx] = new
+        if offset:
+            idx = idx + offset
         return (idx, new, before) if with_old else (idx, new)
     w = old.element_size()
     _check_table(rows, w, mant, k)
@@ -476,7 +481,7 @@ def decode(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int, u
     kernel = lib.dcr_cls_decode_into if into else lib.dcr_cls_decode_old
     rc = kernel(_ptr(old), old.numel(), w, mant, _addr(table), len(rows), bytes(pos), len(pos),
                 bytes(val), len(val), k, _ptr(idx), _ptr(out),
-                _ptr(held) if held is not None else None)  # the kernel only reads the streams
+                _ptr(held) if held is not None else None, int(offset))  # the kernel only reads the streams
     if rc:
         raise DeltaFormatError(f"classes chunk does not decode: {_ERRORS.get(rc, rc)}")
     if into:  # written behind torch's back: its version counter says so, as a scatter_ would (the

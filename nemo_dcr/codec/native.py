@@ -98,9 +98,9 @@ def _declare(lib) -> None:
     lib.dcr_cls_decode.restype = ctypes.c_int
     lib.dcr_cls_decode.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p]
     lib.dcr_cls_decode_old.restype = ctypes.c_int
-    lib.dcr_cls_decode_old.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p]
+    lib.dcr_cls_decode_old.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p, i64]
     lib.dcr_cls_decode_into.restype = ctypes.c_int
-    lib.dcr_cls_decode_into.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p]
+    lib.dcr_cls_decode_into.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p, i64]
     lib.dcr_cls_decode_streams.restype = ctypes.c_int
     lib.dcr_cls_decode_streams.argtypes = [i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p]
     lib.dcr_free.restype = None

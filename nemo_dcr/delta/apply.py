@@ -120,9 +120,9 @@ def on_host(t: torch.Tensor) -> bool:
 
 
 def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
-    """Positions (relative to the chunk), values of chunk ``c``, the bits held at those
-    positions where the decode read them already (``classes`` chunks; else None), all where the
-    receiver's tensor is, and whether the new bits are written already. On a device only
+    """Positions (in the tensor's region: the chunk's start added), values of chunk ``c``, the
+    bits held at those positions where the decode read them already (``classes`` chunks; else
+    None), all where the receiver's tensor is, and whether the new bits are written already. On a device only
     O(changes) crosses: positions and values of the other codings, and a ``classes`` chunk's
     decoded streams, which ``chunk.locate_chunk`` places against the base held there.
 
@@ -133,7 +133,7 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     dev = t.tensor.device
     if c.enc != CLASSES:
         idx, vals, _ = decode_chunk(c, reader.payload(c), t.w, with_old=True,
-                                    checked=reader.payloads_checked)
+                                    checked=reader.payloads_checked, offset=c.start)
         return idx.to(dev), vals.to(dev), None, False
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
@@ -147,9 +147,9 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
         if on_host(base):
             into = t.identity and t.fa.contiguous
             return (*decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True, into=into,
-                                  checked=reader.payloads_checked), into)
+                                  checked=reader.payloads_checked, offset=c.start), into)
         idx, vals = locate_chunk(c, reader.payload(c), base, t.dtype)
-        return idx, vals, base[idx], False
+        return idx + c.start, vals, base[idx], False
     except DeltaFormatError:
         # a checksum-valid chunk that does not decode against what is held: not this base (or
         # applied already); the pre-image check that follows reports it
@@ -162,9 +162,10 @@ def undecodable(name: str, c: ChunkEntry) -> DcrError:
                     "receivers sharded differently")
 
 
-def _locate(t: _Target, c: ChunkEntry, idx: torch.Tensor, vals: torch.Tensor):
-    """-> (canonical indices, the receiver's local indices, values) of the changes it holds."""
-    glob = t.region_map.to_global(idx + c.start)
+def _locate(t: _Target, pos: torch.Tensor, vals: torch.Tensor):
+    """Positions in the tensor's region -> (canonical indices, the receiver's local indices,
+    values) of the changes it holds."""
+    glob = t.region_map.to_global(pos)
     if t.identity:
         return glob, glob, vals
     local, mask = t.recv_map.to_local(glob)
@@ -214,7 +215,7 @@ def _apply_decoded(t: _Target, c: ChunkEntry, d: Decoded, on_change: OnChange | 
     chunk held in part: its positions placed from the group's class counts), the changes go where
     the tensor is: O(changes)."""
     dev = t.tensor.device
-    glob, local, both = _locate(t, c, d.idx.to(dev), torch.stack([d.old, d.new], 1).to(dev))
+    glob, local, both = _locate(t, d.idx.to(dev) + c.start, torch.stack([d.old, d.new], 1).to(dev))
     old, new = both[:, 0], both[:, 1]
     cur = t.fa.gather(local)
     if torch.equal(cur, new):
@@ -246,8 +247,8 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         if journal is not None and out[0] == "applied":
             journal.add(key)
         return out
-    idx, vals, held, written = _decode(reader, t, c)
-    glob, local, vals = _locate(t, c, idx, vals)
+    pos, vals, held, written = _decode(reader, t, c)
+    glob, local, vals = _locate(t, pos, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
     if not need_cur:
         cur = None
@@ -275,7 +276,7 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         journal.add(key)
     if t.moved is not None:
         assert cur is not None  # an APPLY plan's chunks are checked against what is held: gathered
-        t.moved.change(idx + c.start, cur, new)
+        t.moved.change(pos, cur, new)
     if on_change is not None:
         on_change(t.plan.name, t.dtype, t.region_map.spec.global_shape, glob, cur, new)
     return "applied", int(local.numel())
