@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from nemo_dcr.stores.passthrough import PassThroughStore
+from nemo_dcr.sync import speculate
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
-from nemo_dcr.sync import speculate
 from nemo_dcr.sync.speculate import MAX_NAMES, NEXT_META, predicted
 from nemo_dcr.sync.versions import HEAD_KEY, Manifest, version_dir
 
