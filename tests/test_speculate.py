@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from nemo_dcr.stores.passthrough import PassThroughStore
-from nemo_dcr.sync import speculate
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
 from nemo_dcr.sync.speculate import MAX_NAMES, NEXT_META, predicted
@@ -277,41 +276,3 @@ def test_a_relay_remembers_a_miss_for_its_poll_interval():
     assert not m.recent("a") and m.recent("b") and m.recent("c")  # at most cap kept, the oldest dropped
     m.found("c")
     assert not m.recent("c")
-
-
-class Order(PassThroughStore):
-    """Records the reads in the order they were asked for (HEAD's and the parts')."""
-
-    def __init__(self, inner):
-        super().__init__(inner)
-        self.asked: list[str] = []
-
-    def get_with_tag(self, key):
-        self.asked.append(key)
-        return super().get_with_tag(key)
-
-    def get_if_changed(self, key, tag):
-        self.asked.append(key)
-        return super().get_if_changed(key, tag)
-
-    def get_stream(self, key, offset=0):
-        self.asked.append(key)
-        return super().get_stream(key, offset)
-
-
-def test_the_guesses_are_asked_for_before_the_head_read(tmp_path, monkeypatch):
-    """The part a follower guesses is asked for before HEAD is: a store client that builds each
-    request in Python (boto3, ~1 ms) would otherwise send the HEAD read first, and the part,
-    most of a sync's bytes on a slow link, a millisecond later. (The wait for the guess's thread
-    to start is bounded by ``START_WAIT``, made long here so that a loaded machine's slow thread
-    start does not decide the order.)"""
-    monkeypatch.setattr(speculate, "START_WAIT", 30.0)
-    pub = Publisher(str(tmp_path / "s"), part_bytes=16 << 10, delta_part_bytes=16 << 10)
-    v0, v1 = model(0), stepped(model(0), 1)
-    m0 = pub.publish(v0).manifest
-    m1 = pub.publish(v1).manifest
-    spy = Order(Publisher(str(tmp_path / "s")).store)
-    recv = {k: v.clone() for k, v in v0.items()}
-    res = Follower(spy, recv, manifest=m0, verify_initial=False).sync()
-    assert res.version == 1 and same(recv, v1) and res.speculated == 1
-    assert spy.asked[:2] == [m1.parts[0].key, HEAD_KEY]

@@ -33,7 +33,6 @@ __all__ = ["NEXT_META", "MAX_NAMES", "hint", "predicted", "Speculation"]
 
 NEXT_META = "nemo_dcr.next"  # the manifest's meta key of the hint (reserved: a user's meta may not use it)
 MAX_NAMES = 16  # objects named in a hint: the ones a follower's first downloads take
-START_WAIT = 0.002  # seconds the HEAD read waits at most for each guess's thread to start
 
 
 def hint(publish_id: str, names: list[str]) -> dict:
@@ -80,22 +79,8 @@ class Speculation:
 
     def __init__(self, open_stream: Callable[[str], tuple[int, Iterator[bytes]]], keys: list[str]):
         self._lock = threading.Lock()
-        started = [threading.Event() for _ in keys]
-
-        def opened(key: str, ev: threading.Event):
-            ev.set()
-            return open_stream(key)
-
-        self._pending: dict[str, Future] = {k: standing(opened, k, ev) for k, ev in zip(keys, started)}
+        self._pending: dict[str, Future] = {k: standing(open_stream, k) for k in keys}
         self.taken = 0
-        # The guesses' requests go out before the caller's HEAD read: it waits here until their
-        # threads run. A started thread builds its request holding the GIL (boto3: ~1 ms of
-        # Python a request) and gives it up only at the socket, so the caller's HEAD request is
-        # built after it. The other way round a part, whose bytes are most of a sync on a slow
-        # link, went out ~1.3 ms later than it could (issue 25). Bounded: a wait of a few
-        # milliseconds at most where the pool's threads are slow to start.
-        for ev in started:
-            ev.wait(START_WAIT)
 
     def asked(self, key: str) -> bool:
         """Whether ``key`` was asked for and not yet taken."""
