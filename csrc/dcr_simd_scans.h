@@ -102,10 +102,11 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
  * scalar scan) or -3 (a rank past its class).
  *
  * Segment by segment (DSEG elements, whole blocks): the segment's classes are computed once
- * into a byte buffer (L1-resident). Then, per live class, one pass over the buffer counts its
- * members block by block (cum: members in the blocks before each), and each of the class's
- * changes that falls in the segment is placed without a branch: its block by counting the
- * entries of cum not above its rank (BLOCK_OF: a few vector compares), its bit by NTH. Last,
+ * into a byte buffer (L1-resident). Then one pass over the buffer per four live classes (one
+ * load of a block feeds four compares) counts each one's members block by block (cum: members
+ * in the blocks before each), and each of a class's changes that falls in the segment is placed
+ * without a branch: its block by counting the entries of cum not above its rank (BLOCK_OF: a
+ * few vector compares), its bit by NTH. Last,
  * the segment's change marks give each change its place in position order. The only
  * unpredictable branch is the end of a class's changes in a segment (walking block by block
  * with a "does this block hold the change" test, as before, cost about three mispredictions
@@ -135,49 +136,73 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     const CTX_T ctx = CTX(mant, lo, hi);
     uint8_t cb[DSEG] __attribute__((aligned(64)));  /* the segment's classes */
     /* a class's members before each block: cum[b] for block b; cum + 1 is what BLOCK_OF reads */
-    int16_t cum[DSEG / 64 + 1] __attribute__((aligned(64)));
+    int16_t cum[4][DSEG / 64 + 1] __attribute__((aligned(64)));
     uint64_t marks[DSEG / 64];                      /* the segment's changes */
     uint32_t pre[DSEG / 64];                        /* changes before each block */
     uint16_t sp[DSEG], sv[DSEG];                    /* the segment's changes: place, new bits */
     int64_t out = 0, i = 0;
 #define DCR_DROP(x) do { L--; cls[x] = cls[L]; vact[x] = vact[L]; before[x] = before[L]; next[x] = next[L]; endc[x] = endc[L]; } while (0)
+/* class h of the group's count: its members in block b and before */
+#define DCR_COUNT(h) cum[h][b + 1] = (int16_t)(t##h += (uint32_t)__builtin_popcountll(EQ(v, a##h)))
     while (i + 64 <= n && L) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
         for (int b = 0; b < nb; b++) STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
         memset(marks, 0, (size_t)nb * 8);
-        for (int b = nb + 1; b <= DSEG / 64; b++) cum[b] = 0x7FFF;  /* past the segment: never <= a rank */
+        for (int h = 0; h < 4; h++)
+            for (int b = nb + 1; b <= DSEG / 64; b++) cum[h][b] = 0x7FFF;  /* past the segment: never <= a rank */
         int ns = 0;
         /* the next segment's base bits are fetched while this one is counted: the scan is
          * otherwise a burst of DRAM reads, then L1-only work with no read in flight */
         const char *nxt = (const char *)(os + DSEG);
         const int pf = (n - i - DSEG) * 2 > 0 ? (int)((n - i - DSEG) * 2 < DSEG * 2 ? (n - i - DSEG) * 2 : DSEG * 2) : 0;
-        for (int x = 0; x < L; x++) {
-            const ACT_T a = vact[x];
-            uint32_t t = 0;
-            cum[0] = 0;
-            if (x == 0)
-                for (int q = 0; q < pf; q += 64) __builtin_prefetch(nxt + q, 0, 0);
-            for (int b = 0; b < nb; b++) cum[b + 1] = (int16_t)(t += (uint32_t)__builtin_popcountll(EQ(LDB(cb + 64 * b), a)));
-            int64_t j = next[x];
-            const int64_t e = endc[x];
-            const uint64_t base = before[x];
-            while (j < e && rk[j] - base < t) {
-                uint32_t r = (uint32_t)(rk[j] - base);  /* the change is the class's r-th member here */
-                int b = BLOCK_OF(cum + 1, r);
-                int p = 64 * b + NTH(EQ(LDB(cb + 64 * b), a), r - cum[b]);
-                marks[b] |= 1ULL << (p & 63);
-                sp[ns] = (uint16_t)p;
-                sv[ns++] = (uint16_t)unkey((key_of(os[p], mask, sign) + dv[j]) & mask, mask, sign);
-                j++;
+        for (int q = 0; q < pf; q += 64) __builtin_prefetch(nxt + q, 0, 0);
+        /* the live classes up to four at a time: one load of a block's classes feeds each count
+         * (a pass per class spent more on the loop and the load than on the compare) */
+        for (int x0 = 0; x0 < L; ) {
+            const int g = L - x0 >= 4 ? 4 : L - x0 >= 2 ? 2 : 1;
+            uint32_t tt[4];
+            cum[0][0] = cum[1][0] = cum[2][0] = cum[3][0] = 0;
+            if (g == 4) {
+                const ACT_T a0 = vact[x0], a1 = vact[x0 + 1], a2 = vact[x0 + 2], a3 = vact[x0 + 3];
+                uint32_t t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+                for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); DCR_COUNT(1); DCR_COUNT(2); DCR_COUNT(3); }
+                tt[0] = t0; tt[1] = t1; tt[2] = t2; tt[3] = t3;
+            } else if (g == 2) {
+                const ACT_T a0 = vact[x0], a1 = vact[x0 + 1];
+                uint32_t t0 = 0, t1 = 0;
+                for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); DCR_COUNT(1); }
+                tt[0] = t0; tt[1] = t1;
+            } else {
+                const ACT_T a0 = vact[x0];
+                uint32_t t0 = 0;
+                for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); }
+                tt[0] = t0;
             }
-            next[x] = j;
-            before[x] = base + t;
-            if (j == e) {  /* its last change is out: stop counting it */
-                DCR_DROP(x);
-                x--;
+            for (int h = 0; h < g; h++) {
+                const int x = x0 + h;
+                const ACT_T a = vact[x];
+                const int16_t *cu = cum[h];
+                const uint32_t t = tt[h];
+                int64_t j = next[x];
+                const int64_t e = endc[x];
+                const uint64_t base = before[x];
+                while (j < e && rk[j] - base < t) {
+                    uint32_t r = (uint32_t)(rk[j] - base);  /* the change is the class's r-th member here */
+                    int b = BLOCK_OF(cu + 1, r);
+                    int p = 64 * b + NTH(EQ(LDB(cb + 64 * b), a), r - cu[b]);
+                    marks[b] |= 1ULL << (p & 63);
+                    sp[ns] = (uint16_t)p;
+                    sv[ns++] = (uint16_t)unkey((key_of(os[p], mask, sign) + dv[j]) & mask, mask, sign);
+                    j++;
+                }
+                next[x] = j;
+                before[x] = base + t;
             }
+            x0 += g;
         }
+        for (int x = 0; x < L; x++)  /* a class whose last change is out: no longer counted */
+            if (next[x] == endc[x]) { DCR_DROP(x); x--; }
         uint32_t c = 0;
         for (int b = 0; b < nb; b++) { pre[b] = c; c += (uint32_t)__builtin_popcountll(marks[b]); }
         for (int q = 0; q < ns; q++) {  /* each change to its place in position order */
@@ -216,6 +241,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
         }
     }
 #undef DCR_DROP
+#undef DCR_COUNT
     if (L && wb) for (int64_t q = 0; q < out; q++) wb[idx_out[q]] = old_out[q];
     return L ? -3 : out;
 }
