@@ -106,11 +106,10 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
  * load of a block feeds four compares) counts each one's members block by block (cum: members
  * in the blocks before each), and each of a class's changes that falls in the segment is placed
  * without a branch: its block by counting the entries of cum not above its rank (BLOCK_OF: a
- * few vector compares), its bit by NTH. Last,
- * the segment's change marks give each change its place in position order. The only
- * unpredictable branch is the end of a class's changes in a segment (walking block by block
- * with a "does this block hold the change" test, as before, cost about three mispredictions
- * per change and most of the decode's time).
+ * few vector compares), its bit by NTH. Last, the segment's change marks give each change its
+ * place in position order. The only unpredictable branch is the end of a class's changes in a
+ * segment (walking block by block with a "does this block hold the change" test, as before,
+ * cost about three mispredictions per change and most of the decode's time).
  *
  * wb (o itself, or NULL): each change's new bits are also written there as it is placed, while
  * its segment is in L1 (a scatter afterwards found the chunk out of L2 and cost more). Every

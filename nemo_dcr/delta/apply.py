@@ -122,9 +122,10 @@ def on_host(t: torch.Tensor) -> bool:
 def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     """Positions (in the tensor's region: the chunk's start added), values of chunk ``c``, the
     bits held at those positions where the decode read them already (``classes`` chunks; else
-    None), all where the receiver's tensor is, and whether the new bits are written already. On a device only
-    O(changes) crosses: positions and values of the other codings, and a ``classes`` chunk's
-    decoded streams, which ``chunk.locate_chunk`` places against the base held there.
+    None), all where the receiver's tensor is, and whether the new bits are written already. On
+    a device only O(changes) crosses: positions and values of the other codings, and a
+    ``classes`` chunk's decoded streams, which ``chunk.locate_chunk`` places against the base
+    held there.
 
     A ``classes`` chunk of a tensor held whole, contiguous and on the host decodes *into* the
     tensor (``classes.decode``'s ``into``): its new bits are written as the scan passes them,
