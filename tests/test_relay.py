@@ -182,6 +182,30 @@ def test_long_poll_answers_when_a_version_is_committed(tmp_path):
         a.stop()
 
 
+def test_the_upstream_is_not_listed_while_children_download_a_new_version(tmp_path):
+    """The listing that drops versions retention removed waits ``--prune-delay`` seconds after a
+    new version: children syncing it meanwhile share the cores and the slow link with nothing
+    but their downloads (the test after this one sees the listing come, with a short delay)."""
+    store = open_store(tmp_path / "store")
+    state = model()
+    pub = Publisher(store)
+    pub.publish(state)
+    r = RelayProc(store.url, "--poll-interval", "0.02", "--prune-delay", "600")
+    try:
+        s = HttpStore(r.url)
+        f = Follower(s, zeros_like(state))
+        for i in range(1, 4):
+            train_step(state, i)
+            pub.publish(state)
+            assert s.wait_head(i - 1, 30)[0] == store.get("HEAD")
+            assert f.sync().version == i
+            assert_state(f.tensors, state)
+        st = s.stats()
+        assert st["upstream_lists"] == 0 and st["evicted_old_versions"] == 0, st
+    finally:
+        r.stop()
+
+
 def test_cache_is_bounded_and_drops_versions_retention_removed(tmp_path):
     store = open_store(tmp_path / "store")
     state = model()
@@ -189,7 +213,7 @@ def test_cache_is_bounded_and_drops_versions_retention_removed(tmp_path):
     pub.publish(state)
     sizes = {k: store.size(k) for k in store.list("versions/")}
     cap = max(sizes.values()) + 4096
-    r = RelayProc(store.url, "--cache-max-bytes", cap, "--poll-interval", "0.02")
+    r = RelayProc(store.url, "--cache-max-bytes", cap, "--poll-interval", "0.02", "--prune-delay", "0.2")
     try:
         s = HttpStore(r.url)
         f = Follower(s, zeros_like(state))

@@ -261,7 +261,7 @@ def _cmd_relay(a):
     upstream = open_store([open_store(u, token=up_token) if u in http else u for u in a.upstream])
     asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, secrets=[up_token or ""], mount=a.prefix,
                       verifier=_verifier(a),
-                      cache_max_bytes=a.cache_max_bytes, poll_interval=a.poll_interval,
+                      cache_max_bytes=a.cache_max_bytes, poll_interval=a.poll_interval, prune_delay=a.prune_delay,
                       ready=lambda url: print(f"nemo-dcr relay: serving {' -> '.join(a.upstream)} at {url}",
                                               flush=True)))
 
@@ -270,7 +270,7 @@ def _cmd_relay(a):
 # one-line error with exit status 1 (zstd's levels are 1..22; counts are non-negative).
 RANGES = {"level": (1, 22), "chunk_elems": (1, None), "workers": (1, None), "keyframe_every": (0, None),
           "retain": (0, None), "version": (0, None), "runs": (1, None), "versions": (1, None), "limit": (1, None),
-          "steps": (1, None), "every": (1, None)}
+          "steps": (1, None), "every": (1, None), "prune_delay": (0, None)}
 
 
 def check_ranges(args) -> None:
@@ -417,6 +417,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--prefix", default="", help="serve under http://HOST:PORT/PREFIX")
     r.add_argument("--poll-interval", type=float, default=0.5,
                    help="seconds between HEAD reads of a store that cannot long-poll, while children wait")
+    r.add_argument("--prune-delay", type=float, default=5.0,
+                   help="seconds after a new version before the upstream's versions are listed to drop cached ones "
+                        "retention removed (default 5: not while children download the new version)")
     r.add_argument("--trusted-key", action="append", default=[],
                    help="keep (cache) only versions signed by this key (a .pub file or ed25519:...); repeat for "
                         "rotation (default: $NEMO_DCR_TRUSTED_KEYS(_FILE); none: what HEAD's digests vouch for). "
