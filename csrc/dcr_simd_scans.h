@@ -44,12 +44,44 @@ TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_
 #ifndef DSEG
 #define DSEG 4096
 #endif
+/* The members of one, two or four classes (act[0..g-1]; DCR_GROUP gives g) in each of a
+ * segment's nb blocks of classes cb, counted in one pass: one load of a block feeds each class's
+ * compare (a pass per class spent more on the loop and the load than on the compare). Row h gets
+ * cum[h][b + 1], the class's members in blocks 0..b, and cum[h][0] = 0; tt[h] the segment's
+ * total. Both scans count this way: the encoder's rank pass and the decoder's scan. */
+#define DCR_COUNT(h) cum[h][b + 1] = (int16_t)(t##h += (uint32_t)__builtin_popcountll(EQ(v, a##h)))
+TGT static inline __attribute__((always_inline)) void F(count_classes)(const uint8_t *cb, int nb, const ACT_T *act,
+                                                                        int g, int16_t *const cum[4], uint32_t tt[4]) {
+    if (g == 4) {
+        const ACT_T a0 = act[0], a1 = act[1], a2 = act[2], a3 = act[3];
+        uint32_t t0 = 0, t1 = 0, t2 = 0, t3 = 0;
+        cum[0][0] = cum[1][0] = cum[2][0] = cum[3][0] = 0;
+        for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); DCR_COUNT(1); DCR_COUNT(2); DCR_COUNT(3); }
+        tt[0] = t0; tt[1] = t1; tt[2] = t2; tt[3] = t3;
+    } else if (g == 2) {
+        const ACT_T a0 = act[0], a1 = act[1];
+        uint32_t t0 = 0, t1 = 0;
+        cum[0][0] = cum[1][0] = 0;
+        for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); DCR_COUNT(1); }
+        tt[0] = t0; tt[1] = t1;
+    } else {
+        const ACT_T a0 = act[0];
+        uint32_t t0 = 0;
+        cum[0][0] = 0;
+        for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); }
+        tt[0] = t0;
+    }
+}
+#undef DCR_COUNT
+/* how many of the `left` classes still to count go in one pass */
+#define DCR_GROUP(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
+
 /* pass B of the encoder (cls: each change's class). Returns 0, or -2 when more than MAXA
  * classes have changes (use the scalar pass).
  *
  * Segment by segment (DSEG elements, whole blocks), as the decoder's scan: the segment's classes
  * are computed once into a byte buffer (L1-resident), each active class's members counted block
- * by block (cum: members in the blocks before each), and then each change of the segment gets
+ * by block, four classes a pass (count_classes; cum: members in the blocks before each), and then each change of the segment gets
  * its rank without a branch: the members of its class before its segment, before its block, and
  * before it in its block. Placing the changes while walking the blocks (a "does this block hold
  * the next change" test per block, with ~0.6 changes per block at 1 %) mispredicted about once
@@ -67,26 +99,26 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
     for (int a = 0; a < A; a++) vact[a] = ACT(act[a]);
     const CTX_T ctx = CTX(mant, lo, hi);
     uint8_t cb[DSEG] __attribute__((aligned(64)));  /* the segment's classes */
-    uint16_t cum[MAXA][DSEG / 64 + 1];              /* per active class: members before each block */
+    int16_t cum[MAXA][DSEG / 64 + 1];               /* per active class: members before each block */
+    uint32_t tot[MAXA];                             /* per active class: members in the segment */
     int64_t j = 0, i = 0;
     while (i + 64 <= n && j < k) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
         for (int b = 0; b < nb; b++) STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
-        for (int a = 0; a < A; a++) {
-            const ACT_T v = vact[a];
-            uint16_t *cu = cum[a];
-            uint32_t t = 0;
-            cu[0] = 0;
-            for (int b = 0; b < nb; b++) cu[b + 1] = (uint16_t)(t += (uint32_t)__builtin_popcountll(EQ(LDB(cb + 64 * b), v)));
+        for (int a0 = 0; a0 < A; ) {
+            const int g = DCR_GROUP(A - a0);
+            int16_t *const rows[4] = {cum[a0], cum[a0 + (g > 1)], cum[a0 + (g > 2 ? 2 : 0)], cum[a0 + (g > 3 ? 3 : 0)]};
+            F(count_classes)(cb, nb, vact + a0, g, rows, tot + a0);
+            a0 += g;
         }
         const int64_t end = i + 64 * (int64_t)nb;
         for (; j < k && cidx[j] < end; j++) {
             const int p = (int)(cidx[j] - i), b = p >> 6, s = slot[cls[j]];
             const uint64_t e = EQ(LDB(cb + 64 * b), vact[s]);
-            rank[j] = before[s] + cum[s][b] + (uint64_t)__builtin_popcountll(e & ((1ULL << (p & 63)) - 1));
+            rank[j] = before[s] + (uint64_t)cum[s][b] + (uint64_t)__builtin_popcountll(e & ((1ULL << (p & 63)) - 1));
         }
-        for (int a = 0; a < A; a++) before[a] += cum[a][nb];
+        for (int a = 0; a < A; a++) before[a] += tot[a];
         i = end;
     }
     for (; i < n && j < k; i++) {  /* the tail, scalar */
@@ -141,8 +173,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     uint16_t sp[DSEG], sv[DSEG];                    /* the segment's changes: place, new bits */
     int64_t out = 0, i = 0;
 #define DCR_DROP(x) do { L--; cls[x] = cls[L]; vact[x] = vact[L]; before[x] = before[L]; next[x] = next[L]; endc[x] = endc[L]; } while (0)
-/* class h of the group's count: its members in block b and before */
-#define DCR_COUNT(h) cum[h][b + 1] = (int16_t)(t##h += (uint32_t)__builtin_popcountll(EQ(v, a##h)))
+    int16_t *const rows[4] = {cum[0], cum[1], cum[2], cum[3]};
     while (i + 64 <= n && L) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
@@ -156,28 +187,10 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
         const char *nxt = (const char *)(os + DSEG);
         const int pf = (n - i - DSEG) * 2 > 0 ? (int)((n - i - DSEG) * 2 < DSEG * 2 ? (n - i - DSEG) * 2 : DSEG * 2) : 0;
         for (int q = 0; q < pf; q += 64) __builtin_prefetch(nxt + q, 0, 0);
-        /* the live classes up to four at a time: one load of a block's classes feeds each count
-         * (a pass per class spent more on the loop and the load than on the compare) */
-        for (int x0 = 0; x0 < L; ) {
-            const int g = L - x0 >= 4 ? 4 : L - x0 >= 2 ? 2 : 1;
+        for (int x0 = 0; x0 < L; ) {  /* the live classes up to four at a time */
+            const int g = DCR_GROUP(L - x0);
             uint32_t tt[4];
-            cum[0][0] = cum[1][0] = cum[2][0] = cum[3][0] = 0;
-            if (g == 4) {
-                const ACT_T a0 = vact[x0], a1 = vact[x0 + 1], a2 = vact[x0 + 2], a3 = vact[x0 + 3];
-                uint32_t t0 = 0, t1 = 0, t2 = 0, t3 = 0;
-                for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); DCR_COUNT(1); DCR_COUNT(2); DCR_COUNT(3); }
-                tt[0] = t0; tt[1] = t1; tt[2] = t2; tt[3] = t3;
-            } else if (g == 2) {
-                const ACT_T a0 = vact[x0], a1 = vact[x0 + 1];
-                uint32_t t0 = 0, t1 = 0;
-                for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); DCR_COUNT(1); }
-                tt[0] = t0; tt[1] = t1;
-            } else {
-                const ACT_T a0 = vact[x0];
-                uint32_t t0 = 0;
-                for (int b = 0; b < nb; b++) { const BLK_T v = LDB(cb + 64 * b); DCR_COUNT(0); }
-                tt[0] = t0;
-            }
+            F(count_classes)(cb, nb, vact + x0, g, rows, tt);
             for (int h = 0; h < g; h++) {
                 const int x = x0 + h;
                 const ACT_T a = vact[x];
@@ -240,12 +253,12 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
         }
     }
 #undef DCR_DROP
-#undef DCR_COUNT
     if (L && wb) for (int64_t q = 0; q < out; q++) wb[idx_out[q]] = old_out[q];
     return L ? -3 : out;
 }
 
 #undef F
+#undef DCR_GROUP
 #undef DCR_CAT
 #undef DCR_CAT2
 #undef SFX
