@@ -46,3 +46,21 @@ def test_every_command_line_option_has_help_and_defaults_are_said():
             if a.dest == "level":
                 assert f"default {DEFAULT_LEVEL}" in a.help, cmd
     assert not missing, f"options without help: {missing}"
+
+
+def test_the_relay_commands_help_states_the_relays_own_defaults():
+    """``nemo-dcr relay`` passes on only the options given (the relay's defaults apply to the
+    rest, written once in transport/relay.py); its help says those defaults, checked here."""
+    from nemo_dcr.cli.main import build_parser
+    from nemo_dcr.transport.relay import Relay
+    p = build_parser()
+    sub = next(a for a in p._actions if a.__class__.__name__ == "_SubParsersAction")
+    actions = {a.dest: a for a in sub.choices["relay"]._actions}
+    params = inspect.signature(Relay.__init__).parameters
+    said = {"poll_interval": f"default {params['poll_interval'].default:g}",
+            "prune_delay": f"default {params['prune_delay'].default:g}",
+            "cache_max_bytes": f"default {params['cache_max_bytes'].default >> 30} GiB"}
+    for dest, text in said.items():
+        assert actions[dest].default is None and text in actions[dest].help, (dest, actions[dest].help)
+    args = p.parse_args(["relay", "--listen", "127.0.0.1:0", "--upstream", "/tmp/x", "--prune-delay", "0.2"])
+    assert (args.prune_delay, args.poll_interval, args.cache_max_bytes) == (0.2, None, None)

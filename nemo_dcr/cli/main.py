@@ -259,9 +259,10 @@ def _cmd_relay(a):
     up_token = read_token_file(a.upstream_token_file) if a.upstream_token_file else token
     http = [u for u in a.upstream if u.lower().startswith(("http://", "https://"))]
     upstream = open_store([open_store(u, token=up_token) if u in http else u for u in a.upstream])
+    # the relay's own defaults (transport/relay.py) for the options not given: written once, there
+    given = {k: v for k in ("cache_max_bytes", "poll_interval", "prune_delay") if (v := getattr(a, k)) is not None}
     asyncio.run(serve(upstream, a.listen, cache_dir=a.cache_dir, token=token, secrets=[up_token or ""], mount=a.prefix,
-                      verifier=_verifier(a),
-                      cache_max_bytes=a.cache_max_bytes, poll_interval=a.poll_interval, prune_delay=a.prune_delay,
+                      verifier=_verifier(a), **given,
                       ready=lambda url: print(f"nemo-dcr relay: serving {' -> '.join(a.upstream)} at {url}",
                                               flush=True)))
 
@@ -411,13 +412,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--upstream", required=True, action="append",
                    help="store or parent relay URL; repeat to fall back along ancestors to the store")
     r.add_argument("--cache-dir", default=None, help="where verified objects are kept (default: a temp dir)")
-    r.add_argument("--cache-max-bytes", type=int, default=8 << 30, help="cache size cap (default 8 GiB)")
+    r.add_argument("--cache-max-bytes", type=int, default=None, help="cache size cap (default 8 GiB)")
     r.add_argument("--token-file", default=None, help="require this bearer token from children")
     r.add_argument("--upstream-token-file", default=None, help="token for a parent relay (default: --token-file)")
     r.add_argument("--prefix", default="", help="serve under http://HOST:PORT/PREFIX")
-    r.add_argument("--poll-interval", type=float, default=0.5,
-                   help="seconds between HEAD reads of a store that cannot long-poll, while children wait")
-    r.add_argument("--prune-delay", type=float, default=5.0,
+    r.add_argument("--poll-interval", type=float, default=None,
+                   help="seconds between HEAD reads of a store that cannot long-poll, while children wait (default "
+                        "0.5)")
+    r.add_argument("--prune-delay", type=float, default=None,
                    help="seconds after a new version before the upstream's versions are listed to drop cached ones "
                         "retention removed (default 5: not while children download the new version)")
     r.add_argument("--trusted-key", action="append", default=[],
