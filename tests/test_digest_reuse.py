@@ -118,7 +118,8 @@ def test_publisher_of_format_3_hashes_no_tensor_whole(tmp_path, monkeypatch):
     from nemo_dcr.state import digest, statedigest
     diff_mod = sys.modules["nemo_dcr.delta.diff"]
     hashed = []
-    for mod, fn in ((diff_mod, "tensor_digest"), (statedigest, "tensor_contrib"), (digest, "RunningDigest")):
+    # (statedigest._pieces: each tensor a state digest reads, tensor_contrib's and state_contrib's)
+    for mod, fn in ((diff_mod, "tensor_digest"), (statedigest, "_pieces"), (digest, "RunningDigest")):
         real = getattr(mod, fn)
         monkeypatch.setattr(mod, fn, lambda *a, _real=real, **k: hashed.append(a[0]) or _real(*a, **k))
     base, target = _states()

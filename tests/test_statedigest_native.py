@@ -242,3 +242,24 @@ def test_pinned_digests_reference_and_native(simd, reference):
     got = state_contrib(state).hex()
     assert got == reference(state_contrib, state).hex()
     assert got == PINNED_HEX
+
+
+def test_a_states_tensors_are_summed_side_by_side(monkeypatch):
+    """``state_contrib`` spreads the ranges of all its tensors over the workers: two tensors of
+    one range each are summed at once (the kernel's calls wait for each other at a barrier, which
+    a tensor-after-tensor sum never reaches), and the total is the sum of the tensors' own."""
+    import threading
+    g = torch.Generator().manual_seed(11)
+    state = {n: torch.randn(1000 + 37 * k, generator=g).to(torch.bfloat16) for k, n in enumerate("abcd")}
+    expected = StateDigest.zero()
+    for n, t in state.items():
+        expected = expected + tensor_contrib(n, t)
+    met = threading.Barrier(2, timeout=30)
+    real = sd._native_kernel
+
+    def kernel(*a, **k):
+        met.wait()  # BrokenBarrierError after 30 s if the other tensor's range never runs meanwhile
+        return real(*a, **k)
+
+    monkeypatch.setattr(sd, "_native_kernel", kernel)
+    assert state_contrib(state, workers=2) == expected

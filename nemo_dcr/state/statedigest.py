@@ -277,6 +277,24 @@ def tensor_contrib(name: str, tensor: torch.Tensor, spec: ShardSpec | None = Non
     threads). Summing this over a set of shards that covers every canonical element exactly once
     gives the digest of the whole tensor.
     """
+    return _sum_pieces([_pieces(name, tensor, spec)], workers)
+
+
+def state_contrib(tensors: Mapping[str, torch.Tensor],
+                  shards: Mapping[str, ShardSpec] | None = None, *, workers: int | None = None) -> StateDigest:
+    """Sum of ``tensor_contrib`` over ``tensors``; ``shards`` maps names to their ShardSpec
+    (a name missing from it is a whole tensor). Every tensor is checked before any is read, and
+    the ranges of all of them share the ``workers`` threads: a model's tensors are mostly under
+    one range (8M elements), and summed one tensor after another they ran on one thread."""
+    shards = shards or {}
+    return _sum_pieces([_pieces(name, t, shards.get(name)) for name, t in tensors.items()], workers)
+
+
+def _pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None):
+    """-> (the function summing one range of ``tensor``'s elements, the ranges' starts, whether
+    they run on the worker threads), the tensor and its shard checked first. The C kernel's
+    ranges are ``_NATIVE_RANGE`` elements, spread over the threads; the torch reference's are
+    ``CHUNK`` elements, on the calling thread (torch's own ops use the cores)."""
     dname = dtype_name(tensor.dtype)
     spec = ShardSpec.full(tensor.shape) if spec is None else spec
     spec.validate()
@@ -285,7 +303,6 @@ def tensor_contrib(name: str, tensor: torch.Tensor, spec: ShardSpec | None = Non
     keys = _keys(name, dname, tuple(spec.global_shape))
     imap = IndexMap(spec)
     fa = FlatAccess(tensor)
-    acc = [0] * LANES
     lib = native.lib() if tensor.device.type == "cpu" else None
     if lib is not None:
         # a shard that is one run of the canonical tensor (or the whole of it) needs no index
@@ -300,25 +317,27 @@ def tensor_contrib(name: str, tensor: torch.Tensor, spec: ShardSpec | None = Non
             gidx = imap.to_global(torch.arange(s, e, dtype=torch.int64)).contiguous()
             return _native_kernel(lib, keys, bits, gidx=gidx)
 
-        for lanes in ordered_map(part, range(0, fa.numel, _NATIVE_RANGE), workers):
-            acc = _add(acc, lanes)
-        return StateDigest(tuple(acc))
-    for s in range(0, fa.numel, CHUNK):
+        return part, range(0, fa.numel, _NATIVE_RANGE), True
+
+    def ref(s):
         e = min(s + CHUNK, fa.numel)
         gidx = imap.to_global(torch.arange(s, e, dtype=torch.int64, device=tensor.device))
-        acc = _add(acc, _kernel(keys, gidx, fa.read(s, e)))
+        return _kernel(keys, gidx, fa.read(s, e))
+
+    return ref, range(0, fa.numel, CHUNK), False
+
+
+def _sum_pieces(pieces: list, workers: int | None) -> StateDigest:
+    """The sum of every range of ``pieces`` (``_pieces``' answers), in any order (a sum mod P)."""
+    acc = [0] * LANES
+    for fn, starts, threaded in pieces:
+        if not threaded:
+            for s in starts:
+                acc = _add(acc, fn(s))
+    threaded_items = [(fn, s) for fn, starts, threaded in pieces if threaded for s in starts]
+    for lanes in ordered_map(lambda it: it[0](it[1]), threaded_items, workers):
+        acc = _add(acc, lanes)
     return StateDigest(tuple(acc))
-
-
-def state_contrib(tensors: Mapping[str, torch.Tensor],
-                  shards: Mapping[str, ShardSpec] | None = None, *, workers: int | None = None) -> StateDigest:
-    """Sum of ``tensor_contrib`` over ``tensors``; ``shards`` maps names to their ShardSpec
-    (a name missing from it is a whole tensor)."""
-    shards = shards or {}
-    d = StateDigest.zero()
-    for name, t in tensors.items():
-        d = d + tensor_contrib(name, t, shards.get(name), workers=workers)
-    return d
 
 
 def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], bits: torch.Tensor,
