@@ -76,6 +76,37 @@ def test_diff_raises_what_its_digest_job_raised(monkeypatch):
         diff({"w": a}, {"w": b}, workers=2, chunk_elems=1024)
 
 
+def test_diff_encodes_the_chunks_of_different_tensors_side_by_side(monkeypatch):
+    """``diff``'s tensors share one stream over the workers: two tensors of one chunk each are
+    encoded at once (the encodes wait for each other at a barrier, which a map per tensor, each
+    ending with its one chunk, never reaches), and the delta is the one a single worker writes."""
+    import time
+    diff_mod = sys.modules["nemo_dcr.delta.diff"]
+    g = torch.Generator().manual_seed(3)
+    base = {n: torch.randn(3000, generator=g).bfloat16() for n in ("a", "b", "c")}
+    target = {n: v.clone() for n, v in base.items()}
+    for v in target.values():
+        v[::5] = v[::5] * 1.01
+    monkeypatch.setattr(time, "time", lambda: 1700000000.0)  # the header's "created": the same bytes
+    alone = diff(base, target, workers=1, chunk_elems=4096)
+    met = threading.Barrier(2, timeout=30)
+    real = diff_mod.encode_chunk
+
+    def encode(*a, **k):
+        if threading.current_thread().name.startswith("nemo-dcr"):
+            met.wait()  # BrokenBarrierError after 30 s if no other tensor's chunk is encoded meanwhile
+        return real(*a, **k)
+
+    monkeypatch.setattr(diff_mod, "encode_chunk", encode)
+    together = diff({"a": base["a"], "b": base["b"]}, {"a": target["a"], "b": target["b"]}, workers=2,
+                    chunk_elems=4096)
+    met.reset()
+    monkeypatch.setattr(diff_mod, "encode_chunk", real)
+    assert diff(base, target, workers=2, chunk_elems=4096) == alone
+    assert diff({"a": base["a"], "b": base["b"]}, {"a": target["a"], "b": target["b"]}, workers=1,
+                chunk_elems=4096) == together
+
+
 def _standing_threads() -> set:
     return {t.ident for t in threading.enumerate() if t.name.startswith("dcr-standing")}
 

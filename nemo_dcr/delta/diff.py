@@ -3,8 +3,9 @@
     blob = diff(base, target)                 # bytes of one delta
 
 ``base``/``target`` may be any Mapping (a lazy one that loads a tensor per lookup keeps memory
-at one tensor). ``shards`` gives, per name, where a local tensor sits in the canonical tensor
-(``ShardSpec``); without it every tensor is whole. Sender and receiver may shard differently.
+at the few tensors the workers' window spans). ``shards`` gives, per name, where a local tensor
+sits in the canonical tensor (``ShardSpec``); without it every tensor is whole. Sender and
+receiver may shard differently.
 """
 from __future__ import annotations
 
@@ -100,11 +101,10 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         bar = Progress(total, "diff") if progress or (progress is None and total) else NullProgress(0, "")
         owned = bar
     with owned:
-        for name in names:
-            entry = _encode_tensor(name, base, target, shards.get(name), base_shards.get(name), w, encoding, level,
-                                   chunk_elems, workers, bar, on_change, known.get(name), chunker, fv,
-                                   known_targets.get(name))
+        for entry in _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_elems, workers,
+                             bar, on_change, known, chunker, fv, known_targets):
             entries.append(entry)
+            name = entry["name"]
             if "base_digest" in entry:
                 base_digests[name] = entry["base_digest"]
             if entry["kind"] != "removed":
@@ -133,111 +133,180 @@ def _algo(digest: str) -> str | None:
         return None  # not reusable: hashed
 
 
-def _encode_tensor(name, base, target, spec, base_spec, w, encoding, level, chunk_elems, workers, bar,
-                   on_change: OnChange | None, known_base: str | None, chunker: Chunker | None,
-                   fv: Version, known_target: str | None = None) -> dict:
-    if name not in target:
-        old = base[name]
-        report_gone(name, old, base_spec, on_change)
-        gone = {"name": name, "kind": "removed", "base_digest": known_base or tensor_digest(old, fv.tensor_digest)}
-        w.begin_tensor(gone)
-        w.end_tensor(gone)
-        return gone
-    new = target[name]
-    dtype_name(new.dtype)
-    if spec is None:
-        spec = ShardSpec.full(new.shape)
-    if tuple(new.shape) != spec.shape:
-        raise DcrError(f"{name}: tensor shape {tuple(new.shape)} differs from its shard shape {spec.shape}")
-    old = base[name] if name in base else None
-    if old is not None and (old.dtype != new.dtype or old.shape != new.shape
-                            or spec_of(old, base_spec).global_shape != spec.global_shape):
-        # dtype or shape changed: the old elements leave the state and the tensor is sent whole
-        report_gone(name, old, base_spec, on_change)
-        old = None
-    kind = "delta" if old is not None else "full"
-    nf = FlatAccess(new)
-    of = FlatAccess(old) if old is not None else None
-    n = nf.numel
-    ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
-    # format 3's tensor digests are sums over elements ("sd", state/digest.py): the target's is
-    # the base's plus the chunks' changes, O(changes); a tensor sent whole sums its chunks
-    summed = fv.tensor_digest == "sd"
-    keep = on_change is not None or (summed and old is not None)
-    found = None if chunker is None or old is None else chunker(name, old, new, chunk_elems, encoding, level, keep)
-    region_map = IndexMap(spec) if on_change is not None else None
-    digests = {"base": known_base} if old is not None and known_base else {}
-    # a target digest known already: the device capture's (its chunks found there too), or, for
-    # a tensor sent whole in format 3, the sum a delta of the same version reached from the
-    # changes (a keyframe published beside a delta: its chunks are not summed a second time)
-    reuse = known_target is not None and (found is not None or (summed and old is None))
-    if known_target is not None and reuse:
-        digests["target"] = known_target
+def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_elems, workers, bar, on_change,
+            known, chunker, fv: Version, known_targets):
+    """The tensors' entries, in name order, their chunks encoded in one stream over the workers:
+    the workers go on to the next tensors' chunks while the last ones of a tensor are written.
+    Each tensor a map of its own waited at its end for its last chunk, so a tensor of one chunk
+    (a model's tensors are mostly under 4M elements, a trainer rank's shards of them smaller
+    still) kept every worker but one idle. Tensors are prepared in order on the calling thread
+    as the window moves on, and written in order (``DeltaWriter`` takes one tensor at a time)."""
+    hashing: list = []  # every prepared tensor's whole-tensor digests (futures), maybe running
+    # (the futures, not the tensors: a lazy mapping's tensors go once written)
 
-    def digest(which):
-        digests[which] = tensor_digest(new if which == "target" else old, fv.tensor_digest, threads=1)
+    def items():
+        for name in names:
+            t = _Tensor(name, base, target, shards.get(name), base_shards.get(name), encoding, level, chunk_elems,
+                        workers, on_change, known.get(name), chunker, fv, known_targets.get(name), w.segmented)
+            hashing.extend(t.hashing)
+            if not t.items:
+                yield t, None
+            for it in t.items:
+                yield t, it
 
-    if old is not None and "base" not in digests and w.segmented:
-        # a segmented delta (version 3) names the base digest in the tensor's first piece, which
-        # may be written before its last chunk is encoded: hashed now, not beside the chunks
-        digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
+    def one(item):
+        t, it = item
+        return t, None if it is None else t.job(it)
 
-    def job(r):
+    cur: _Tensor | None = None
+    try:
+        for t, res in ordered_map(one, items(), workers):
+            if t is not cur:
+                if cur is not None:
+                    yield cur.finish(w)
+                cur = t
+                t.begin(w)
+            if res is not None:
+                t.add(w, res, bar)
+        if cur is not None:
+            yield cur.finish(w)
+    finally:
+        for f in hashing:  # nothing of this call runs on past it; the first error is raised above
+            f.exception()
+
+
+class _Tensor:
+    """One tensor on its way through ``diff``: prepared on the calling thread (what it is, its
+    base digest, its ranges or the chunks the chunker found), its chunks encoded on the workers
+    (``job``), then written in order (``begin``, ``add`` per chunk, ``finish``)."""
+
+    def __init__(self, name, base, target, spec, base_spec, encoding, level, chunk_elems, workers,
+                 on_change: OnChange | None, known_base: str | None, chunker: Chunker | None, fv: Version,
+                 known_target: str | None, segmented: bool):
+        self.name = name
+        self.hashing: list = []
+        self.items: list = []
+        self.gone: dict | None = None
+        if name not in target:
+            old = base[name]
+            report_gone(name, old, base_spec, on_change)
+            self.gone = {"name": name, "kind": "removed",
+                         "base_digest": known_base or tensor_digest(old, fv.tensor_digest)}
+            return
+        new = target[name]
+        dtype_name(new.dtype)
+        if spec is None:
+            spec = ShardSpec.full(new.shape)
+        if tuple(new.shape) != spec.shape:
+            raise DcrError(f"{name}: tensor shape {tuple(new.shape)} differs from its shard shape {spec.shape}")
+        old = base[name] if name in base else None
+        if old is not None and (old.dtype != new.dtype or old.shape != new.shape
+                                or spec_of(old, base_spec).global_shape != spec.global_shape):
+            # dtype or shape changed: the old elements leave the state and the tensor is sent whole
+            report_gone(name, old, base_spec, on_change)
+            old = None
+        self.new, self.old, self.spec, self.fv, self.on_change = new, old, spec, fv, on_change
+        self.encoding, self.level = encoding, level
+        self.kind = "delta" if old is not None else "full"
+        self.nf = FlatAccess(new)
+        self.of = FlatAccess(old) if old is not None else None
+        n = self.nf.numel
+        ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
+        # format 3's tensor digests are sums over elements ("sd", state/digest.py): the target's is
+        # the base's plus the chunks' changes, O(changes); a tensor sent whole sums its chunks
+        self.summed = summed = fv.tensor_digest == "sd"
+        self.keep = keep = on_change is not None or (summed and old is not None)
+        found = None if chunker is None or old is None else chunker(name, old, new, chunk_elems, encoding, level,
+                                                                     keep)
+        self.region_map = IndexMap(spec) if on_change is not None else None
+        self.digests = digests = {"base": known_base} if old is not None and known_base else {}
+        # a target digest known already: the device capture's (its chunks found there too), or, for
+        # a tensor sent whole in format 3, the sum a delta of the same version reached from the
+        # changes (a keyframe published beside a delta: its chunks are not summed a second time)
+        self.reuse = reuse = known_target is not None and (found is not None or (summed and old is None))
+        if known_target is not None and reuse:
+            digests["target"] = known_target
+        if old is not None and "base" not in digests and segmented:
+            # a segmented delta (version 3) names the base digest in the tensor's first piece, which
+            # may be written before its last chunk is encoded: hashed now, not beside the chunks
+            digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
+        self.items = ranges if found is None else found
+        self.chunks: list = []
+        self.total = StateDigest.zero()
+        # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
+        # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
+        wanted = ([] if summed or "target" in digests else ["target"]) \
+            + (["base"] if old is not None and "base" not in digests else [])
+        self.hashing = [background(lambda which=which: self._digest(which), workers) for which in wanted]
+
+    def _digest(self, which: str) -> None:
+        self.digests[which] = tensor_digest(self.new if which == "target" else self.old, self.fv.tensor_digest,
+                                            threads=1)
+
+    def job(self, r):
+        """One chunk, on a worker: (the encoded chunk or None, its dense bytes, its share of a summed
+        target digest or None)."""
+        new, fv, keep = self.new, self.fv, self.keep
         c: EncodedChunk | None
-        part = None  # the chunk's share of a summed target digest
+        part = None
         if isinstance(r, EncodedChunk):  # found by the chunker
             c, s, e = r, r.start, r.start + r.n
         else:
             s, e = r
             # .cpu(): the encoder's kernels read host memory; a tensor on a device is brought
             # over one chunk at a time (the device path, nemo_dcr/device, avoids even that)
-            nb = nf.read(s, e).cpu()
-            c = encode_chunk(of.read(s, e).cpu() if of is not None else None, nb, s, encoding, level,
-                             keep_changes=keep, is_float=new.dtype.is_floating_point,
+            nb = self.nf.read(s, e).cpu()
+            c = encode_chunk(self.of.read(s, e).cpu() if self.of is not None else None, nb, s, self.encoding,
+                             self.level, keep_changes=keep, is_float=new.dtype.is_floating_point,
                              dtype=new.dtype, values_algo=fv.values_digest)
-            if summed and old is None and not reuse:
+            if self.summed and self.old is None and not self.reuse:
                 part = sum_digest_range(new.dtype, new.shape, nb, s)
         if c is not None and keep:
             # keep_changes=True (and the chunker is told the same): every chunk carries its changes
             assert c.changes is not None
             idx, oldv, newv = c.changes
-            if on_change is not None:
-                assert region_map is not None
-                on_change(name, new.dtype, spec.global_shape, region_map.to_global(idx + s), oldv, newv)
-            if summed and old is not None and not reuse:
+            if self.on_change is not None:
+                assert self.region_map is not None
+                self.on_change(self.name, new.dtype, self.spec.global_shape, self.region_map.to_global(idx + s),
+                               oldv, newv)
+            if self.summed and self.old is not None and not self.reuse:
                 part = change_contrib(SUM_NAME, new.dtype, new.shape, (idx + s).cpu(), oldv.cpu(), newv.cpu())
             c.changes = None
         return c, (e - s) * new.element_size(), part
 
-    chunks = []
-    w.begin_tensor({"name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
-                    "region": spec.to_json(), **({"base_digest": digests["base"]} if "base" in digests else {})})
-    # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
-    # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
-    wanted = ([] if summed or "target" in digests else ["target"]) \
-        + (["base"] if old is not None and "base" not in digests else [])
-    hashing = [background(lambda which=which: digest(which), workers) for which in wanted]
-    total = StateDigest.zero()
-    try:
-        for c, nbytes, part in ordered_map(job, ranges if found is None else found, workers):
-            bar.update(nbytes)
-            if part is not None:
-                total = total + part
-            if c is not None:
-                chunks.append(w.add_chunk(c))
-    finally:
-        for f in hashing:  # nothing of this call runs on past it; the first error is raised below
-            f.exception()
-    for f in hashing:
-        f.result()
-    if summed and not reuse:
-        start = StateDigest.from_hex(digests["base"][len("sd:"):]) if old is not None else StateDigest.zero()
-        digests["target"] = sum_digest_text(start + total)
-    entry = {
-        "name": name, "kind": kind, "dtype": dtype_name(new.dtype), "shape": list(spec.global_shape),
-        "region": spec.to_json(), "target_digest": digests["target"], "chunks": chunks,
-    }
-    if old is not None:
-        entry["base_digest"] = digests["base"]
-    w.end_tensor(entry)
-    return entry
+    def begin(self, w) -> None:
+        if self.gone is not None:
+            w.begin_tensor(self.gone)
+            return
+        d = self.digests
+        w.begin_tensor({"name": self.name, "kind": self.kind, "dtype": dtype_name(self.new.dtype),
+                        "shape": list(self.spec.global_shape), "region": self.spec.to_json(),
+                        **({"base_digest": d["base"]} if "base" in d else {})})
+
+    def add(self, w, res, bar) -> None:
+        c, nbytes, part = res
+        bar.update(nbytes)
+        if part is not None:
+            self.total = self.total + part
+        if c is not None:
+            self.chunks.append(w.add_chunk(c))
+
+    def finish(self, w) -> dict:
+        if self.gone is not None:
+            w.end_tensor(self.gone)
+            return self.gone
+        for f in self.hashing:
+            f.result()
+        d = self.digests
+        if self.summed and not self.reuse:
+            start = StateDigest.from_hex(d["base"][len("sd:"):]) if self.old is not None else StateDigest.zero()
+            d["target"] = sum_digest_text(start + self.total)
+        entry = {
+            "name": self.name, "kind": self.kind, "dtype": dtype_name(self.new.dtype),
+            "shape": list(self.spec.global_shape), "region": self.spec.to_json(), "target_digest": d["target"],
+            "chunks": self.chunks,
+        }
+        if self.old is not None:
+            entry["base_digest"] = d["base"]
+        w.end_tensor(entry)
+        return entry
