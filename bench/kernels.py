@@ -25,6 +25,9 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
     snapshot was hashed when it was published);
   * ``fast-scatter`` -- the publisher now: ``diff`` of the target in place against the snapshot,
     whose changes are then scattered into the snapshot (``_Changes``: O(changes), no copy);
+  * ``fast-scatter-many`` -- the same, the shard cut into tensors of half a chunk each (views of
+    it), as a model's tensors and a trainer rank's shards of them mostly are: their chunks share
+    the workers as one tensor's do;
   * ``codec`` -- the chunk encode alone (no digests, no container): the floor of the codec;
 * apply side (``decode+apply``):
   * ``reference`` -- plan (base digest), chunks, then the target digest as a second pass (apply
@@ -250,11 +253,32 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     if _entries(enc_scatter(None)) != _entries(blob3) \
             or not torch.equal(held.view(torch.int16), nb):
         raise AssertionError("the in-place encode differs, or its snapshot is not the target")
+    # the same publisher's path with the shard cut into tensors of half a chunk each (views: the
+    # same bytes), as a model's tensors and a trainer rank's shards of them mostly are
+    cut = [(s, min(s + DEFAULT_CHUNK // 2, n)) for s in range(0, n, DEFAULT_CHUNK // 2)]
+    many = lambda x: {f"t{i:05d}": x[s:e] for i, (s, e) in enumerate(cut)}  # noqa: E731
+    t_many = many(target)
+    known_many = {e.name: e.target_digest for e in DeltaReader.open(
+        diff({}, many(base), encoding="overwrite", level=1, workers=workers, format_version=3)).header.tensors}
+
+    def enc_scatter_many(_):
+        mine = many(held)
+        keep = _Changes(mine, {}, early=True)
+        out = diff(mine, t_many, workers=workers, base_digests=known_many, on_change=keep.also(ChangeDigest()))
+        keep.commit(t_many)
+        return out
+
+    held.copy_(base)
+    enc_scatter_many(None)
+    if not torch.equal(held.view(torch.int16), nb):
+        raise AssertionError("the in-place encode of many tensors does not leave the snapshot at the target")
     rows = [_row("encode", "reference", _median(enc_ref, reps), memcpy),
             _row("encode", "fast", _median(enc_fast, reps), memcpy),
             _row("encode", "fast-v1", _median(enc_fast_v1, reps), memcpy),
             _row("encode", "fast-v3", _median(enc_fast_v3, reps), memcpy),
             _row("encode", "fast-scatter", _median(enc_scatter, reps, setup=lambda: held.copy_(base)), memcpy),
+            _row("encode", "fast-scatter-many", _median(enc_scatter_many, reps, setup=lambda: held.copy_(base)),
+                 memcpy),
             _row("encode", "codec", _median(enc_codec, reps), memcpy)]
 
     recv = {"shard": base.clone()}

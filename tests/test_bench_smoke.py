@@ -259,7 +259,7 @@ def test_kernels_bench_quick_json():
     for ch in (0.01, 0.05):
         for side, path in (("encode", "reference"), ("encode", "fast"), ("encode", "codec"), ("apply", "reference"),
                            ("apply", "fast"), ("apply", "follower"), ("apply", "unverified"), ("encode", "fast-v1"),
-                           ("encode", "fast-scatter"), ("apply", "fast-v1")):
+                           ("encode", "fast-scatter"), ("encode", "fast-scatter-many"), ("apply", "fast-v1")):
             assert (ch, side, path) in rows
     for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
                        ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"),
