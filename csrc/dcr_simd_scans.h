@@ -46,12 +46,14 @@ TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_
 #endif
 /* The members of one, two or four classes (act[0..g-1]; DCR_GROUP gives g) in each of a
  * segment's nb blocks of classes cb, counted in one pass: one load of a block feeds each class's
- * compare (a pass per class spent more on the loop and the load than on the compare). Row h gets
- * cum[h][b + 1], the class's members in blocks 0..b, and cum[h][0] = 0; tt[h] the segment's
- * total. Both scans count this way: the encoder's rank pass and the decoder's scan. */
+ * compare (a pass per class spent more on the loop and the load than on the compare). Row h of
+ * cum (g consecutive rows) gets cum[h][b + 1], the class's members in blocks 0..b, and
+ * cum[h][0] = 0; tt[h] the segment's total. Both scans count this way: the encoder's rank pass
+ * and the decoder's scan. */
 #define DCR_COUNT(h) cum[h][b + 1] = (int16_t)(t##h += (uint32_t)__builtin_popcountll(EQ(v, a##h)))
 TGT static inline __attribute__((always_inline)) void F(count_classes)(const uint8_t *cb, int nb, const ACT_T *act,
-                                                                        int g, int16_t *const cum[4], uint32_t tt[4]) {
+                                                                        int g, int16_t (*cum)[DSEG / 64 + 1],
+                                                                        uint32_t *tt) {
     if (g == 4) {
         const ACT_T a0 = act[0], a1 = act[1], a2 = act[2], a3 = act[3];
         uint32_t t0 = 0, t1 = 0, t2 = 0, t3 = 0;
@@ -81,11 +83,11 @@ TGT static inline __attribute__((always_inline)) void F(count_classes)(const uin
  *
  * Segment by segment (DSEG elements, whole blocks), as the decoder's scan: the segment's classes
  * are computed once into a byte buffer (L1-resident), each active class's members counted block
- * by block, four classes a pass (count_classes; cum: members in the blocks before each), and then each change of the segment gets
- * its rank without a branch: the members of its class before its segment, before its block, and
- * before it in its block. Placing the changes while walking the blocks (a "does this block hold
- * the next change" test per block, with ~0.6 changes per block at 1 %) mispredicted about once
- * per block and cost more than the counting. */
+ * by block, four classes a pass (count_classes; cum: members in the blocks before each), and then
+ * each change of the segment gets its rank without a branch: the members of its class before its
+ * segment, before its block, and before it in its block. Placing the changes while walking the
+ * blocks (a "does this block hold the next change" test per block, with ~0.6 changes per block at
+ * 1 %) mispredicted about once per block and cost more than the counting. */
 TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx,
                        const uint8_t *cls, int64_t k, uint64_t *rank) {
     int slot[256], act[MAXA], A = 0;
@@ -108,8 +110,7 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
         for (int b = 0; b < nb; b++) STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
         for (int a0 = 0; a0 < A; ) {
             const int g = DCR_GROUP(A - a0);
-            int16_t *const rows[4] = {cum[a0], cum[a0 + (g > 1)], cum[a0 + (g > 2 ? 2 : 0)], cum[a0 + (g > 3 ? 3 : 0)]};
-            F(count_classes)(cb, nb, vact + a0, g, rows, tot + a0);
+            F(count_classes)(cb, nb, vact + a0, g, cum + a0, tot + a0);
             a0 += g;
         }
         const int64_t end = i + 64 * (int64_t)nb;
@@ -173,7 +174,6 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     uint16_t sp[DSEG], sv[DSEG];                    /* the segment's changes: place, new bits */
     int64_t out = 0, i = 0;
 #define DCR_DROP(x) do { L--; cls[x] = cls[L]; vact[x] = vact[L]; before[x] = before[L]; next[x] = next[L]; endc[x] = endc[L]; } while (0)
-    int16_t *const rows[4] = {cum[0], cum[1], cum[2], cum[3]};
     while (i + 64 <= n && L) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
@@ -190,7 +190,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
         for (int x0 = 0; x0 < L; ) {  /* the live classes up to four at a time */
             const int g = DCR_GROUP(L - x0);
             uint32_t tt[4];
-            F(count_classes)(cb, nb, vact + x0, g, rows, tt);
+            F(count_classes)(cb, nb, vact + x0, g, cum, tt);
             for (int h = 0; h < g; h++) {
                 const int x = x0 + h;
                 const ACT_T a = vact[x];
