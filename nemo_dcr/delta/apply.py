@@ -348,7 +348,9 @@ def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: 
         return _Run(plan, None, plan.tensor)
     if plan.action == Action.SKIP or (plan.action != Action.CREATE and not plan.entry.chunks):
         report.tensors_skipped += 1
-        if verify:
+        if verify and not (plan.action == Action.SKIP and plan.entry.base_digest == plan.target):
+            # (a ``skip`` of an entry whose target is its base: ``plan_entry`` found that digest
+            # on the tensor already; hashing it again doubled an unchanged tensor's cost)
             verify_plan(plan, plan.held)
         return _Run(plan, None, plan.tensor)
     t = _target_of(plan)

@@ -1,0 +1,64 @@
+"""``apply_checkpoint``: each tensor read by one digest (its base's), and a wrong base refused
+with nothing written."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+
+from nemo_dcr.checkpoint.files import apply_checkpoint, diff_checkpoints
+from nemo_dcr.checkpoint.safetensors_io import save_sharded
+from nemo_dcr.errors import BaseMismatchError
+
+files_mod = sys.modules["nemo_dcr.checkpoint.files"]
+
+
+@pytest.fixture
+def ckpts(tmp_path):
+    """Six one-chunk tensors in two shards (BF16 and FP32), a tenth of the elements changed in
+    four of them, and the delta."""
+    g = torch.Generator().manual_seed(5)
+    base = {f"t{i}": torch.randn(4000, generator=g).to(torch.bfloat16 if i % 2 else torch.float32)
+            for i in range(6)}
+    target = {n: v.clone() for n, v in base.items()}
+    for n in ("t0", "t1", "t3", "t4"):
+        target[n][::10] = target[n][::10] * 1.5 + 1
+    save_sharded(base, str(tmp_path / "base"), shards=2)
+    save_sharded(target, str(tmp_path / "target"), shards=2)
+    diff_checkpoints(str(tmp_path / "base"), str(tmp_path / "target"), str(tmp_path / "d.dcr"), progress=False)
+    return tmp_path
+
+
+def files_of(d):
+    return {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
+
+
+@pytest.mark.parametrize("wrong,says", [("t4", "not the base"), ("t3", "holds the delta's target")])
+def test_a_wrong_base_tensor_late_in_the_order_is_refused_with_nothing_written(ckpts, wrong, says):
+    """A base tensor that is not the delta's base (or is its target already) is refused while
+    tensors before it were prepared and written to temporaries: the output never appears."""
+    from safetensors.torch import load_file, save_file
+    for name in os.listdir(ckpts / "base"):
+        if name.endswith(".safetensors"):
+            state = load_file(ckpts / "base" / name)
+            if wrong in state:
+                state[wrong] = load_file(next((ckpts / "target").glob(name)))[wrong] if says.startswith("holds") \
+                    else state[wrong] + 1
+                save_file(state, ckpts / "base" / name)
+    with pytest.raises(BaseMismatchError, match=f"{wrong}: .*{says}"):
+        apply_checkpoint(str(ckpts / "base"), str(ckpts / "d.dcr"), str(ckpts / "out"), progress=False)
+    assert not (ckpts / "out").exists()
+
+
+def test_each_tensor_is_read_by_a_digest_once(ckpts, monkeypatch):
+    """The base's digest is the only whole-tensor pass: the target's sum digest follows the
+    changes, and an unchanged tensor (its target is its base) is not hashed a second time."""
+    digest_mod, apply_mod = sys.modules["nemo_dcr.state.digest"], sys.modules["nemo_dcr.delta.apply"]
+    hashed, real = [], digest_mod.tensor_digest
+    monkeypatch.setattr(digest_mod, "tensor_digest", lambda t, *a, **k: hashed.append(t.numel()) or real(t, *a, **k))
+    monkeypatch.setattr(apply_mod, "RunningDigest", None)  # a target hashed as it is written: TypeError
+    r = apply_checkpoint(str(ckpts / "base"), str(ckpts / "d.dcr"), str(ckpts / "out"), progress=False)
+    assert hashed == [4000] * 6
+    assert files_of(ckpts / "out") == files_of(ckpts / "target") and r.report.tensors_skipped == 2
