@@ -1,9 +1,11 @@
-"""``apply_checkpoint``: each tensor read by one digest (its base's), and a wrong base refused
-with nothing written."""
+"""``apply_checkpoint``'s tensors prepared side by side (read, base checked, delta applied, target
+checked) while the ones before them are written: the same files, the same report, and the same
+refusals, nothing written, as one tensor at a time."""
 from __future__ import annotations
 
 import os
 import sys
+import threading
 
 import pytest
 import torch
@@ -33,6 +35,26 @@ def ckpts(tmp_path):
 
 def files_of(d):
     return {n: (d / n).read_bytes() for n in sorted(os.listdir(d))}
+
+
+def test_tensors_are_prepared_side_by_side_into_the_same_files(ckpts, monkeypatch):
+    """Two tensors' base checks meet at a barrier, which one tensor at a time never reaches; the
+    result is the target's files byte for byte, and the report is the one-at-a-time apply's."""
+    monkeypatch.setattr(files_mod, "AHEAD_JOBS", 1)
+    alone = apply_checkpoint(str(ckpts / "base"), str(ckpts / "d.dcr"), str(ckpts / "alone"), progress=False)
+    monkeypatch.setattr(files_mod, "AHEAD_JOBS", 4)
+    met, real = threading.Barrier(2, timeout=30), files_mod.plan_entry
+
+    def plan(e, *a, **k):
+        if e.name in ("t0", "t1"):
+            met.wait()  # BrokenBarrierError after 30 s if t1 is not prepared while t0 is
+        return real(e, *a, **k)
+
+    monkeypatch.setattr(files_mod, "plan_entry", plan)
+    both = apply_checkpoint(str(ckpts / "base"), str(ckpts / "d.dcr"), str(ckpts / "both"), progress=False)
+    assert files_of(ckpts / "both") == files_of(ckpts / "alone") == files_of(ckpts / "target")
+    assert both.report == alone.report
+    assert (both.report.tensors_changed, both.report.tensors_skipped) == (4, 2)
 
 
 @pytest.mark.parametrize("wrong,says", [("t4", "not the base"), ("t3", "holds the delta's target")])

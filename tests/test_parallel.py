@@ -1,6 +1,7 @@
 """util/parallel: the ordered map's order and window, and ``background`` beside it (outside the
 window, inline where a wait could deadlock), as ``diff`` uses them for its whole-tensor digests;
-``standing``, the threads a sync's downloads and streamed parts wait on."""
+``standing``, the threads a sync's downloads and streamed parts wait on; ``ordered_ahead``, jobs
+run ahead of their consumer within a budget."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from nemo_dcr import DcrError, diff
-from nemo_dcr.util.parallel import background, default_workers, ordered_map, standing, stream_workers
+from nemo_dcr.util.parallel import background, default_workers, ordered_ahead, ordered_map, standing, stream_workers
 
 
 def test_ordered_map_keeps_order_and_bounds_the_window():
@@ -105,6 +106,60 @@ def test_diff_encodes_the_chunks_of_different_tensors_side_by_side(monkeypatch):
     assert diff(base, target, workers=2, chunk_elems=4096) == alone
     assert diff({"a": base["a"], "b": base["b"]}, {"a": target["a"], "b": target["b"]}, workers=1,
                 chunk_elems=4096) == together
+
+
+def test_ordered_ahead_keeps_order_and_holds_jobs_within_the_budget():
+    """Results in order; jobs out at once never more than ``most``, and their costs with the
+    result the caller holds never over the budget, except one job alone; jobs do run side by side."""
+    lock, out_now, seen, costs = threading.Lock(), {}, [], [3, 1, 1, 9, 2, 2, 2, 1, 5, 1]
+
+    def job(i):
+        with lock:  # started: it counts until the caller is done with its result
+            out_now[i] = costs[i]
+            seen.append(dict(out_now))
+        return i
+
+    got = []
+    for i in ordered_ahead(job, range(len(costs)), costs.__getitem__, budget=6, most=3):
+        got.append(i)
+        with lock:
+            del out_now[i]
+    assert got == list(range(len(costs)))
+    assert all(len(o) <= 3 and (sum(o.values()) <= 6 or len(o) == 1) for o in seen), seen
+    assert max(len(o) for o in seen) == 3  # side by side (0, 1 and 2 start before 0 is handed out)
+
+
+def test_ordered_ahead_hands_an_error_out_in_its_turn_and_leaves_nothing_running():
+    """A job's error reaches the caller after the results before it; a caller that stops early
+    returns only once every job started is done."""
+    def job(i):
+        if i == 2:
+            raise ValueError("job 2")
+        return i
+
+    gen = ordered_ahead(job, range(6), lambda _: 1, budget=10, most=4)
+    assert [next(gen), next(gen)] == [0, 1]
+    with pytest.raises(ValueError, match="job 2"):
+        next(gen)
+
+    go, running = threading.Event(), []
+
+    def waits(i):
+        running.append(i)
+        if i:
+            assert go.wait(30)
+        running.remove(i)
+        return i
+
+    gen = ordered_ahead(waits, range(4), lambda _: 1, budget=10, most=4)
+    assert next(gen) == 0
+    closer = threading.Thread(target=gen.close)
+    closer.start()
+    closer.join(0.5)
+    assert closer.is_alive()  # jobs 1-3 are still running: close waits for them
+    go.set()
+    closer.join(30)
+    assert not closer.is_alive() and running == []
 
 
 def _standing_threads() -> set:

@@ -9,7 +9,9 @@ of it succeeded.
 """
 from __future__ import annotations
 
+import math
 import os
+from contextlib import closing
 from dataclasses import dataclass
 
 from nemo_dcr.checkpoint.safetensors_io import (
@@ -20,6 +22,7 @@ from nemo_dcr.checkpoint.safetensors_io import (
     layout_for,
     refuse_overlap,
     write_checkpoint,
+    write_order,
 )
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import TensorKind
@@ -28,6 +31,7 @@ from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, Action, ApplyReport, di
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.state.digest import tensor_digest_like
 from nemo_dcr.util.atomic import output_file
+from nemo_dcr.util.parallel import default_workers, ordered_ahead
 from nemo_dcr.util.progress import NullProgress, Progress
 
 
@@ -108,7 +112,8 @@ def _apply_files(reader, entries, layout, ckpt, delta, out, in_place, workers, p
     report = ApplyReport()
     bar = Progress(ckpt.total_bytes, "apply") if progress or progress is None else NullProgress(0, "")
 
-    def produce(name):
+    def prepare(name):
+        """Tensor ``name`` read, its base checked, the delta applied, the target checked."""
         e = entries.get(name)
         if e is None or e.removed:
             raise DcrError(f"delta layout names {name!r} but carries no data for it")
@@ -118,17 +123,47 @@ def _apply_files(reader, entries, layout, ckpt, delta, out, in_place, workers, p
             # at the target, not the base: refused (``apply_checkpoint`` then asks whether the
             # whole checkpoint is the target already: an in-place apply killed after its commit)
             raise BaseMismatchError(f"{name}: base tensor holds the delta's target, not the base it was built from")
+        part = ApplyReport()  # (its own: the jobs run at once)
         # verify: the target digest follows the changes (a sum digest: O(changes), not a second pass)
-        result = run_plan(reader, plan, report, workers, verify=True)
-        bar.update(result.numel() * result.element_size())
-        return result
+        return name, run_plan(reader, plan, part, workers, verify=True), part
+
+    def produce(name):
+        got, tensor, part = next(prepared)
+        assert got == name, f"the checkpoint's writer asked for {name!r}, {got!r} was prepared"
+        report.add(part)
+        bar.update(tensor.numel() * tensor.element_size())
+        return tensor
 
     for name, e in entries.items():  # removed tensors: the base must still be the right one
         if e.removed and e.base_digest and tensor_digest_like(ckpt[name], e.base_digest) != e.base_digest:
             raise BaseMismatchError(f"{name}: base tensor is not the one this delta was built from")
-    with bar:
+    # each tensor is prepared on a thread of its own while the ones before it are written, a few
+    # at once: one at a time, a checkpoint of one-chunk tensors kept one worker busy
+    prepared = ordered_ahead(prepare, write_order(layout), lambda n: _nbytes(entries.get(n)),
+                             AHEAD_BYTES, _jobs(workers))
+    with bar, closing(prepared):
         files = write_checkpoint(out, layout, produce, protect=protect)
     return FileApplyResult(out, files, report)
+
+
+#: how many bytes of tensors may be prepared ahead of the writer (one at any size), and how many
+#: tensors at once: twice the workers, so that one-chunk tensors keep them all busy (on 2 cores, 2,
+#: 4 and 8 at once applied 64 tensors of 2M BF16 in the same time; one at a time took twice that)
+AHEAD_BYTES = 256 << 20
+AHEAD_JOBS = 2 * default_workers()
+
+
+def _jobs(workers: int | None) -> int:
+    """Tensors prepared at once for ``workers`` (one asked for: one, each job then runs inline)."""
+    if workers == 1:
+        return 1
+    return AHEAD_JOBS if workers is None else 2 * workers
+
+
+def _nbytes(e) -> int:
+    if e is None or e.removed:
+        return 0
+    return math.prod(e.shape) * e.torch_dtype.itemsize
 
 
 class _TargetShapes(dict):

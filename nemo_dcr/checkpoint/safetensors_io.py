@@ -342,9 +342,14 @@ def refuse_overlap(out: str, touched, protect) -> None:
                                       f"choose another output")
 
 
+def write_order(layout: dict) -> list:
+    """The tensors' names in the order ``write_checkpoint`` asks ``produce`` for them."""
+    return [n for f in layout["files"] for n in tensors_in_order(f["parsed"])]
+
+
 def write_checkpoint(out: str, layout: dict, produce, *, protect=()) -> int:
     """Write the checkpoint ``layout`` (from :func:`check_layout`) describes at ``out``, taking each
-    tensor from ``produce(name)``; returns the number of safetensors files written.
+    tensor from ``produce(name)`` (in ``write_order``); returns the number of safetensors files written.
 
     A symlink named as ``out`` is followed (the file or directory it points to is updated).
     A single file is replaced by one rename. In a directory only the checkpoint's own files

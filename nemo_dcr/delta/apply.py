@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import NoReturn
 
 import torch
@@ -52,6 +52,12 @@ class ApplyReport:
     elements_changed: int = 0
     unverified: list = field(default_factory=list)  # entries only partly held: no digest check possible
     seconds: float = 0.0
+
+    def add(self, other: ApplyReport) -> None:
+        """Count ``other``'s tensors and chunks in (the reports of parts applied apart)."""
+        for f in fields(self):
+            if f.name != "seconds":
+                setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass(frozen=True)

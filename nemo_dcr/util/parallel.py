@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
 _PREFIX = "nemo-dcr"
@@ -125,3 +125,55 @@ def standing(fn: Callable, *args) -> Future:
             _standing = ThreadPoolExecutor(STANDING_MAX, thread_name_prefix="dcr-standing")
         pool = _standing
     return pool.submit(fn, *args)
+
+
+def ordered_ahead(fn: Callable, items: Iterable, cost: Callable, budget: int, most: int) -> Generator:
+    """``fn(item)`` for each of ``items``, handed out in order, each run on a ``standing`` thread
+    (so that its own ``ordered_map`` calls use the pools) while the ones before it are still
+    out: up to ``most`` jobs at once, whose ``cost(item)`` (the memory a job holds, say) adds up
+    to at most ``budget`` together with the result the caller holds. Where nothing is out or
+    held, one job starts at any cost. For a stream of jobs each too small to keep the pools busy
+    on its own: a checkpoint's one-chunk tensors, each checked and applied while the ones before
+    it are written."""
+    it = iter(items)
+    pending: deque = deque()
+    held = 0  # the costs of the jobs out and of the result the caller holds
+    waiting: tuple | None = None  # (item, cost): taken from ``items``, not started (over budget)
+
+    def fill() -> None:
+        nonlocal held, waiting
+        while len(pending) < most:
+            if waiting is None:
+                item = next(it, _END)
+                if item is _END:
+                    return
+                waiting = (item, cost(item))
+            if held and held + waiting[1] > budget:
+                return
+            pending.append((standing(fn, waiting[0]), waiting[1]))
+            held += waiting[1]
+            waiting = None
+
+    try:
+        while True:
+            fill()
+            if not pending:
+                return
+            f, c = pending[0]
+            r = f.result()
+            pending.popleft()
+            fill()  # the next jobs start while the caller uses this result (it counts until then)
+            yield r
+            held -= c
+    finally:
+        for f, _ in pending:
+            f.cancel()
+        for f, _ in pending:  # nothing of this call may still run when it returns
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:
+                    pass
+
+
+_END = object()
