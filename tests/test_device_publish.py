@@ -177,3 +177,11 @@ def test_choosing_the_path():
         choose("on", nc)
     with pytest.raises(DcrError, match="keep"):
         DeviceSnapshot("disk")
+
+
+def test_host_view_answers_membership_without_copying_to_the_host():
+    """``name in view`` (diff asks it of each tensor) must not copy the tensor to the host, as
+    Mapping's own ``__contains__`` did by looking it up (a meta tensor cannot be copied: it raised)."""
+    from nemo_dcr.device.trainer import HostView
+    view = HostView({"a": torch.empty(8, device="meta")})
+    assert "a" in view and "b" not in view

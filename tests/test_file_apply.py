@@ -1,6 +1,7 @@
 """``apply_checkpoint``'s tensors prepared side by side (read, base checked, delta applied, target
 checked) while the ones before them are written: the same files, the same report, and the same
-refusals, nothing written, as one tensor at a time."""
+refusals, nothing written, as one tensor at a time. Each tensor is read from its file once, and
+hashed once."""
 from __future__ import annotations
 
 import os
@@ -11,7 +12,7 @@ import pytest
 import torch
 
 from nemo_dcr.checkpoint.files import apply_checkpoint, diff_checkpoints
-from nemo_dcr.checkpoint.safetensors_io import save_sharded
+from nemo_dcr.checkpoint.safetensors_io import Checkpoint, save_sharded
 from nemo_dcr.errors import BaseMismatchError
 
 files_mod = sys.modules["nemo_dcr.checkpoint.files"]
@@ -84,3 +85,16 @@ def test_each_tensor_is_read_by_a_digest_once(ckpts, monkeypatch):
     r = apply_checkpoint(str(ckpts / "base"), str(ckpts / "d.dcr"), str(ckpts / "out"), progress=False)
     assert hashed == [4000] * 6
     assert files_of(ckpts / "out") == files_of(ckpts / "target") and r.report.tensors_skipped == 2
+
+
+def test_each_tensor_is_read_from_its_file_once(ckpts, monkeypatch):
+    """``name in checkpoint`` answers from the header (Mapping's own read the tensor): a diff
+    reads each base and target tensor once, an apply each base tensor once."""
+    reads, real = [], Checkpoint.__getitem__
+    monkeypatch.setattr(Checkpoint, "__getitem__", lambda self, n: reads.append((self.path, n)) or real(self, n))
+    diff_checkpoints(str(ckpts / "base"), str(ckpts / "target"), str(ckpts / "again.dcr"), progress=False)
+    assert sorted(reads) == sorted((str(ckpts / d), f"t{i}") for d in ("base", "target") for i in range(6))
+    reads.clear()
+    apply_checkpoint(str(ckpts / "base"), str(ckpts / "again.dcr"), str(ckpts / "out"), progress=False)
+    assert sorted(reads) == [(str(ckpts / "base"), f"t{i}") for i in range(6)]
+    assert "t0" in Checkpoint(str(ckpts / "base")) and "t9" not in Checkpoint(str(ckpts / "base"))

@@ -193,6 +193,11 @@ class Checkpoint(Mapping):
         t = torch.frombuffer(buf, dtype=torch.uint8) if buf else torch.empty(0, dtype=torch.uint8)
         return t.view(dtype).reshape(info["shape"])
 
+    def __contains__(self, name) -> bool:
+        # (Mapping's own reads the tensor to answer: every ``name in checkpoint`` of a diff and
+        # an apply read a tensor whole, a second time)
+        return name in self.where
+
     def __iter__(self):
         return iter(self.where)
 

@@ -69,6 +69,9 @@ class HostView(Mapping):
         t = self._t[name]
         return t if t.device.type == "cpu" or name in self._keep else t.detach().cpu()
 
+    def __contains__(self, name) -> bool:
+        return name in self._t  # (Mapping's own looks the tensor up: a copy to the host)
+
     def __iter__(self):
         return iter(self._t)
 
