@@ -278,3 +278,22 @@ def test_a_snapshot_that_cannot_be_restored_is_rebuilt_from_the_store(tmp_path, 
     recv = zeros_like(seq[0])
     Follower(store, recv).sync()
     assert_state(recv, seq[2])
+
+
+def test_a_publisher_on_a_store_takes_the_verified_digest_instead_of_summing_the_state(tmp_path, monkeypatch):
+    """A new publisher rebuilds its base from the store; alone, its digest of that base is the
+    one its sync checked against the manifest, taken as it is (no O(model) sum), and the next
+    version is a delta on it that a follower applies bit-exactly (its digests checked)."""
+    store = LocalStore(tmp_path / "s")
+    seq = _states(3)
+    Publisher(store, chunk_elems=512).publish(seq[0])
+    Publisher(store, chunk_elems=512).publish(seq[1])
+    summed, real = [], publisher_mod.state_contrib
+    monkeypatch.setattr(publisher_mod, "state_contrib", lambda *a, **k: summed.append(1) or real(*a, **k))
+    pub = Publisher(store, chunk_elems=512)
+    r = pub.publish(seq[2])
+    assert r.manifest.base_version == 1 and r.manifest.parts  # a delta on the rebuilt base
+    assert summed == []
+    recv = zeros_like(seq[0])
+    Follower(store, recv).sync()
+    assert_state(recv, seq[2])

@@ -603,7 +603,11 @@ class Publisher:
             and not self.allow_unverified_chain else "env"
         f = Follower(self.store, tensors, shards, group=self.group.group, workers=self.workers, verifier=verifier)
         f.sync(head.version, head=head)
-        self._digest = state_contrib(tensors, shards)
+        m = f.manifest
+        assert m is not None and m.version == head.version  # sync(version) holds it verified, or raised
+        # alone, this rank's digest is the whole state's, which the sync checked against the
+        # manifest: not summed again (an O(model) pass); in a group each rank sums its own part
+        self._digest = state_contrib(tensors, shards) if self.group.active else StateDigest.from_hex(m.target_digest)
         if self._dev is not None:  # the rebuilt base goes where the device path keeps it
             self._dev.reset(tensors, like)
             tensors = self._dev.tensors
