@@ -162,6 +162,30 @@ def test_ordered_ahead_hands_an_error_out_in_its_turn_and_leaves_nothing_running
     assert not closer.is_alive() and running == []
 
 
+def test_diff_hashes_the_bases_of_one_range_tensors_side_by_side(monkeypatch):
+    """A version-3 delta's base digests of tensors summed in one range run beside each other
+    and the chunks (two of them wait for each other at a barrier, which the calling thread,
+    hashing one tensor after another, never reached), and the delta is the same bytes."""
+    import time
+    diff_mod = sys.modules["nemo_dcr.delta.diff"]
+    g = torch.Generator().manual_seed(4)
+    base = {n: torch.randn(3000, generator=g).bfloat16() for n in ("a", "b", "c")}
+    target = {n: v.clone() for n, v in base.items()}
+    for v in target.values():
+        v[::7] = v[::7] * 1.01
+    monkeypatch.setattr(time, "time", lambda: 1700000000.0)  # the header's "created": the same bytes
+    alone = diff(base, target, workers=1, chunk_elems=4096)
+    met, real = threading.Barrier(2, timeout=30), diff_mod.tensor_digest
+
+    def digest(t, *a, **k):
+        if t is base["b"] or t is base["c"]:
+            met.wait()  # BrokenBarrierError after 30 s if c's base is not hashed while b's is
+        return real(t, *a, **k)
+
+    monkeypatch.setattr(diff_mod, "tensor_digest", digest)
+    assert diff(base, target, workers=2, chunk_elems=4096) == alone
+
+
 def _standing_threads() -> set:
     return {t.ident for t in threading.enumerate() if t.name.startswith("dcr-standing")}
 

@@ -13,6 +13,7 @@ import contextlib
 import io
 import time
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future
 from typing import BinaryIO
 
 import torch
@@ -29,7 +30,7 @@ from nemo_dcr.state.digest import SUM_NAME, algo_of, state_digest, sum_digest_ra
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.statedigest import StateDigest, change_contrib
+from nemo_dcr.state.statedigest import StateDigest, change_contrib, one_range
 from nemo_dcr.util.parallel import background, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
 
@@ -177,8 +178,8 @@ def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_
 
 class _Tensor:
     """One tensor on its way through ``diff``: prepared on the calling thread (what it is, its
-    base digest, its ranges or the chunks the chunker found), its chunks encoded on the workers
-    (``job``), then written in order (``begin``, ``add`` per chunk, ``finish``)."""
+    base digest or its future, its ranges or the chunks the chunker found), its chunks encoded
+    on the workers (``job``), then written in order (``begin``, ``add`` per chunk, ``finish``)."""
 
     def __init__(self, name, base, target, spec, base_spec, encoding, level, chunk_elems, workers,
                  on_change: OnChange | None, known_base: str | None, chunker: Chunker | None, fv: Version,
@@ -187,6 +188,7 @@ class _Tensor:
         self.hashing: list = []
         self.items: list = []
         self.gone: dict | None = None
+        self.early: Future | None = None  # the base digest, hashed beside the chunks before it
         if name not in target:
             old = base[name]
             report_gone(name, old, base_spec, on_change)
@@ -226,18 +228,28 @@ class _Tensor:
         self.reuse = reuse = known_target is not None and (found is not None or (summed and old is None))
         if known_target is not None and reuse:
             digests["target"] = known_target
+        early = None
         if old is not None and "base" not in digests and segmented:
             # a segmented delta (version 3) names the base digest in the tensor's first piece, which
-            # may be written before its last chunk is encoded: hashed now, not beside the chunks
-            digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
+            # may be written before its last chunk is encoded: it is there by ``begin``. A tensor
+            # summed in one range is so on one thread anyway: beside the chunks of the tensors
+            # before it (the calling thread waited for each, one tensor after another: a
+            # checkpoint's diff spent a third of its time so); a longer one on all the workers now
+            if fv.tensor_digest == "sd" and one_range(old.numel()):
+                early = background(lambda: self._digest("base"), workers)
+            else:
+                digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
         self.items = ranges if found is None else found
         self.chunks: list = []
         self.total = StateDigest.zero()
         # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
         # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
         wanted = ([] if summed or "target" in digests else ["target"]) \
-            + (["base"] if old is not None and "base" not in digests else [])
+            + (["base"] if old is not None and "base" not in digests and early is None else [])
         self.hashing = [background(lambda which=which: self._digest(which), workers) for which in wanted]
+        self.early = early
+        if early is not None:
+            self.hashing.append(early)
 
     def _digest(self, which: str) -> None:
         self.digests[which] = tensor_digest(self.new if which == "target" else self.old, self.fv.tensor_digest,
@@ -278,6 +290,8 @@ class _Tensor:
         if self.gone is not None:
             w.begin_tensor(self.gone)
             return
+        if self.early is not None:
+            self.early.result()
         d = self.digests
         w.begin_tensor({"name": self.name, "kind": self.kind, "dtype": dtype_name(self.new.dtype),
                         "shape": list(self.spec.global_shape), "region": self.spec.to_json(),

@@ -146,6 +146,12 @@ class _Keys:
 _NATIVE_RANGE = 1 << 23  # elements per native call: the unit spread over the worker threads
 
 
+def one_range(numel: int) -> bool:
+    """Whether a tensor of ``numel`` elements is summed in one range: on one thread, whatever
+    the workers (its digest may then as well run beside other work)."""
+    return numel <= _NATIVE_RANGE
+
+
 @functools.lru_cache(maxsize=4096)
 def _keys(name: str, dtype: str, global_shape: tuple) -> _Keys:
     ident = json.dumps([name, dtype, list(global_shape)]).encode()
