@@ -152,6 +152,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/codec.py
 	$(BIN)/python bench/shard.py
 	$(BIN)/python bench/kernels.py
+	$(BIN)/python bench/files.py
 
 clean:
 	rm -rf $(VENV) runs   # the cached venvs stay: rm -rf $(VLLM_VENV) $(TRL_VENV) $(NEMO_VENV) $(VERL_VENV)

@@ -350,3 +350,21 @@ def test_kernels_wide_steps_are_the_several_ulp_regime():
     assert float(ulps.float().mean()) > 1.5 and float((ulps >= 2).float().mean()) > 0.5
     k, rows, pb, vb = classes.encode(ob, nb, classes.MANTISSA[torch.bfloat16])[:4]
     assert len(pb) + len(vb) > chunk.CLASSES_ENOUGH * k
+
+
+def test_files_bench_quick_json():
+    """bench/files.py --quick --json: the copy, diff and apply rows, each ratio to the copy, the
+    apply's files checked against the target's inside the run (it raises otherwise)."""
+    files = bench.load("files")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = files.main(["--quick", "--json"])
+    assert rc == 0, err.getvalue()
+    r = json.loads(out.getvalue())
+    assert r["config"]["quick"] and r["config"]["tensors"] == 16 and r["config"]["elements_per_tensor"] == 1 << 18
+    rows = {row["path"]: row for row in r["rows"]}
+    assert list(rows) == ["copy", "diff", "apply"]
+    for row in rows.values():
+        assert row["seconds"] > 0 and math.isclose(row["x_copy"], row["seconds"] / rows["copy"]["seconds"])
+    assert 0 < r["delta_bytes"] < r["config"]["bytes"] / 10  # 1 % changed: a delta, not a copy
+    assert "| apply |" in files.format_table(r)
