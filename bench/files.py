@@ -82,20 +82,14 @@ def _files(d: str) -> dict:
     return out
 
 
-def _load() -> str:
-    try:
-        return " ".join(f"{v:.2f}" for v in os.getloadavg())
-    except OSError:
-        return "?"
-
-
 def run(tensors: int, elems: int, rate: float, reps: int, workers: int | None, quick: bool = False) -> dict:
     t0 = time.perf_counter()
-    median = _kernels()._median
+    k = _kernels()
+    median, load = k._median, k._load
     out = {"config": {"tensors": tensors, "elements_per_tensor": elems, "bytes": 2 * tensors * elems,
                       "dtype": "bfloat16", "change": rate, "reps": reps, "workers": workers, "quick": quick},
            "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
-                       "torch": torch.__version__, "load_before": _load()}, "rows": []}
+                       "torch": torch.__version__, "load_before": load()}, "rows": []}
     with tempfile.TemporaryDirectory(prefix="dcr-bench-files-") as tmp:
         base, target = make_checkpoints(tmp, tensors, elems, rate)
         delta, out_dir = os.path.join(tmp, "step.dcr"), os.path.join(tmp, "out")
@@ -114,7 +108,7 @@ def run(tensors: int, elems: int, rate: float, reps: int, workers: int | None, q
         out["delta_bytes"] = os.path.getsize(delta)
     for path, s in timings.items():
         out["rows"].append({"path": path, "seconds": s, "x_copy": s / timings["copy"]})
-    out["machine"]["load_after"] = _load()
+    out["machine"]["load_after"] = load()
     out["seconds_total"] = time.perf_counter() - t0
     return out
 

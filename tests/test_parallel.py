@@ -77,19 +77,25 @@ def test_diff_raises_what_its_digest_job_raised(monkeypatch):
         diff({"w": a}, {"w": b}, workers=2, chunk_elems=1024)
 
 
+def _three_tensors(monkeypatch, seed: int, every: int):
+    """Three one-chunk BF16 tensors, every ``every``-th element changed, and the delta one worker
+    writes, with the clock fixed (the header's "created": the same bytes from any run)."""
+    import time
+    g = torch.Generator().manual_seed(seed)
+    base = {n: torch.randn(3000, generator=g).bfloat16() for n in ("a", "b", "c")}
+    target = {n: v.clone() for n, v in base.items()}
+    for v in target.values():
+        v[::every] = v[::every] * 1.01
+    monkeypatch.setattr(time, "time", lambda: 1700000000.0)
+    return base, target, diff(base, target, workers=1, chunk_elems=4096)
+
+
 def test_diff_encodes_the_chunks_of_different_tensors_side_by_side(monkeypatch):
     """``diff``'s tensors share one stream over the workers: two tensors of one chunk each are
     encoded at once (the encodes wait for each other at a barrier, which a map per tensor, each
     ending with its one chunk, never reaches), and the delta is the one a single worker writes."""
-    import time
     diff_mod = sys.modules["nemo_dcr.delta.diff"]
-    g = torch.Generator().manual_seed(3)
-    base = {n: torch.randn(3000, generator=g).bfloat16() for n in ("a", "b", "c")}
-    target = {n: v.clone() for n, v in base.items()}
-    for v in target.values():
-        v[::5] = v[::5] * 1.01
-    monkeypatch.setattr(time, "time", lambda: 1700000000.0)  # the header's "created": the same bytes
-    alone = diff(base, target, workers=1, chunk_elems=4096)
+    base, target, alone = _three_tensors(monkeypatch, 3, 5)
     met = threading.Barrier(2, timeout=30)
     real = diff_mod.encode_chunk
 
@@ -166,15 +172,8 @@ def test_diff_hashes_the_bases_of_one_range_tensors_side_by_side(monkeypatch):
     """A version-3 delta's base digests of tensors summed in one range run beside each other
     and the chunks (two of them wait for each other at a barrier, which the calling thread,
     hashing one tensor after another, never reached), and the delta is the same bytes."""
-    import time
     diff_mod = sys.modules["nemo_dcr.delta.diff"]
-    g = torch.Generator().manual_seed(4)
-    base = {n: torch.randn(3000, generator=g).bfloat16() for n in ("a", "b", "c")}
-    target = {n: v.clone() for n, v in base.items()}
-    for v in target.values():
-        v[::7] = v[::7] * 1.01
-    monkeypatch.setattr(time, "time", lambda: 1700000000.0)  # the header's "created": the same bytes
-    alone = diff(base, target, workers=1, chunk_elems=4096)
+    base, target, alone = _three_tensors(monkeypatch, 4, 7)
     met, real = threading.Barrier(2, timeout=30), diff_mod.tensor_digest
 
     def digest(t, *a, **k):
