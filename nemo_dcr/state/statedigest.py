@@ -68,6 +68,11 @@ _M32 = 0xFFFFFFFF
 _F1 = 0x7FEB352D
 _F2 = 0x31848BAB
 _PERSON = b"nemo-dcr-sd-v1"
+#: tensors whose keys are kept (``_keys``, ``_native_keys``): ~2.4 KB each, so ~150 MB at most. A
+#: diff or apply asks for a tensor's keys once per chunk, and its tensor digests' keys once more:
+#: a model of more tensors than the cache holds (4096 before: a mixture of experts, a trainer
+#: rank's shards of one) missed on every call, ~90 us of BLAKE2b and modular powers each
+KEYS_CACHED = 1 << 16
 _HEX_WIDTH = 8  # hex digits per lane (P < 16**8)
 
 
@@ -152,7 +157,7 @@ def one_range(numel: int) -> bool:
     return numel <= _NATIVE_RANGE
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=KEYS_CACHED)
 def _keys(name: str, dtype: str, global_shape: tuple) -> _Keys:
     ident = json.dumps([name, dtype, list(global_shape)]).encode()
     counter = 0
@@ -230,7 +235,7 @@ def _kernel(keys: _Keys, gidx: torch.Tensor, bits: torch.Tensor) -> list:
     return out
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=KEYS_CACHED)
 def _native_keys(keys: _Keys):
     """The keys as the C arrays ``dcr_sd_contrib`` takes (kept alive by the cache)."""
     import ctypes
