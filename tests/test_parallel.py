@@ -34,6 +34,38 @@ def test_ordered_map_keeps_order_and_bounds_the_window():
     assert max(ahead) == 3  # the window is used, and not exceeded
 
 
+def test_light_items_run_on_the_calling_thread_in_their_turn():
+    """``light`` items, with nothing before them still out, run on the calling thread at once,
+    in order, and an error is raised in its turn; a light item behind a job still running goes
+    to a worker (here the job waits for it: kept back for the calling thread, it would never run)."""
+    me, yielded, ran = threading.current_thread(), [0], {}
+
+    def fn(x):
+        ran[x] = (threading.current_thread() is me, yielded[0])
+        if x == 7:
+            raise ValueError("seven")
+        return x * 10
+
+    out = []
+    with pytest.raises(ValueError, match="seven"):
+        for r in ordered_map(fn, range(10), workers=2, window=4, light=lambda x: True):
+            out.append(r)
+            yielded[0] += 1
+    assert out == [0, 10, 20, 30, 40, 50, 60]
+    assert ran == {x: (True, x) for x in range(8)}  # each in its turn, nothing after the error
+
+    go = threading.Event()
+
+    def waits(x):
+        if x == 0:
+            assert go.wait(30), "the light item behind this job was not run meanwhile"
+        else:
+            go.set()
+        return threading.current_thread() is me
+
+    assert list(ordered_map(waits, range(2), workers=2, light=lambda x: x == 1)) == [False, False]
+
+
 def test_background_runs_beside_the_ordered_stream():
     """A background job that can only finish once every item of the map is out: it must not
     hold the map's window (it would wait for itself) nor run before it."""
@@ -112,6 +144,42 @@ def test_diff_encodes_the_chunks_of_different_tensors_side_by_side(monkeypatch):
     assert diff(base, target, workers=2, chunk_elems=4096) == alone
     assert diff({"a": base["a"], "b": base["b"]}, {"a": target["a"], "b": target["b"]}, workers=1,
                 chunk_elems=4096) == together
+
+
+def test_small_chunks_are_encoded_and_applied_on_the_calling_thread(monkeypatch):
+    """A delta's chunks of up to ``LIGHT_DELTA`` elements, with nothing before them still out,
+    are encoded and applied on the calling thread (mostly Python: two threads only passed the GIL
+    back and forth over them), larger ones on the workers; the delta and the applied state are
+    the same either way."""
+    from nemo_dcr import apply
+    from nemo_dcr.codec.chunk import LIGHT_DELTA
+    from nemo_dcr.state.digest import tensor_digest
+    g = torch.Generator().manual_seed(5)
+    sizes = {"s1": 3000, "s2": 5000, "t_big": LIGHT_DELTA + 4096}  # (name order: nothing out before s1, s2)
+    base = {n: torch.randn(k, generator=g).bfloat16() for n, k in sizes.items()}
+    target = {n: v.clone() for n, v in base.items()}
+    for v in target.values():
+        v[::50] = v[::50] * 1.01
+    me = threading.current_thread()
+    import time
+    monkeypatch.setattr(time, "time", lambda: 1700000000.0)  # the header's "created": the same bytes
+
+    def where(threads):
+        def on_change(name, *rest):
+            threads.setdefault(name, set()).add(threading.current_thread() is me)
+        return on_change
+
+    # the base's digests known (the publisher's snapshot): none is hashed beside the chunks
+    known = {n: tensor_digest(v, "sd") for n, v in base.items()}
+    enc: dict = {}
+    blob = diff(base, target, workers=2, on_change=where(enc), base_digests=known)
+    assert blob == diff(base, target, workers=1)
+    assert enc == {"t_big": {False}, "s1": {True}, "s2": {True}}
+    held = {n: v.clone() for n, v in base.items()}
+    dec: dict = {}
+    apply(held, blob, workers=2, on_change=where(dec))
+    assert dec == {"t_big": {False}, "s1": {True}, "s2": {True}}
+    assert all(torch.equal(held[n].view(torch.int16), target[n].view(torch.int16)) for n in sizes)
 
 
 def test_ordered_ahead_keeps_order_and_holds_jobs_within_the_budget():

@@ -510,6 +510,15 @@ def _two_versions(tmp_path, seed: int, tensors: int, changed: int):
     return store, v0, v1, pub.publish(v1).manifest
 
 
+def _no_light_chunks(monkeypatch) -> None:
+    """These tests' chunks are small, and so ``light`` (``codec/chunk.py``): written on the calling
+    thread where nothing before them is out. Made heavy here: what is tested is the workers' stream,
+    which chunks above that size take."""
+    import nemo_dcr.codec.chunk as chunk_mod
+    monkeypatch.setattr(chunk_mod, "LIGHT_DELTA", 0)
+    monkeypatch.setattr(chunk_mod, "LIGHT_DENSE", 0)
+
+
 def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
     """A streamed object whose chunks cross its segments' ends lists each tensor again in the next
     segment with no chunk of its own. Those entries go through the ordered stream too, and at
@@ -519,6 +528,7 @@ def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
     import importlib
     apply_mod = importlib.import_module("nemo_dcr.delta.apply")
     monkeypatch.setattr(fmt, "SEGMENT_BYTES", 64)  # each chunk's bytes cross a segment's end
+    _no_light_chunks(monkeypatch)
     store, v0, v1, m = _two_versions(tmp_path, seed=9, tensors=8, changed=200)
     segs = list(fmt.SegmentStream(memoryview(store.get(m.parts[0].key))).ready(m.parts[0].size))
     assert any(not e.chunks for r in segs for e in r.header.tensors)  # entries continued, no chunk here
@@ -555,6 +565,7 @@ def test_a_sync_writes_on_one_more_worker_than_cores(tmp_path, monkeypatch):
     import importlib
     apply_mod = importlib.import_module("nemo_dcr.delta.apply")
     monkeypatch.setattr("os.cpu_count", lambda: 2)
+    _no_light_chunks(monkeypatch)
     store, v0, v1, _ = _two_versions(tmp_path, seed=11, tensors=6, changed=100)
     real = apply_mod._apply_chunk
     together = threading.Barrier(3, timeout=GATE)

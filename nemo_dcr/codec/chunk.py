@@ -45,6 +45,19 @@ VALUES_ALGO = VERSIONS[FORMAT_VERSION].values_digest  # the pre/post digests a w
 
 _tls = threading.local()
 
+#: chunks up to these many elements are ``light``: a delta's chunk (its positions coded, its
+#: elements mostly unchanged) and a dense one (every element sent: a keyframe's, a tensor sent
+#: whole), whose C work per element is several times a delta's
+LIGHT_DELTA = 1 << 18
+LIGHT_DENSE = 1 << 14
+
+
+def light(n: int, dense: bool) -> bool:
+    """Whether encoding or applying a chunk of ``n`` elements is mostly the Python around its C
+    calls (~0.1-0.3 ms), so that a stream of them runs faster on one thread than on two
+    (``util.parallel.ordered_map``'s ``light``; measured in docs/results.md, twenty-second turn)."""
+    return n <= (LIGHT_DENSE if dense else LIGHT_DELTA)
+
 
 #: streams of at least this many bytes get ``_LARGE`` parameters at level 1 (see ``_compressor``)
 LARGE_STREAM = 128 * 1024

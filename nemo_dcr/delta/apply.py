@@ -25,7 +25,7 @@ from typing import NoReturn
 import torch
 
 from nemo_dcr.codec import ordered, planes
-from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, dense_stream, locate_chunk
+from nemo_dcr.codec.chunk import ADD, CLASSES, OVERWRITE, decode_chunk, dense_stream, light, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
 from nemo_dcr.codec.positions import DENSE
@@ -452,7 +452,7 @@ def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, 
     # workers None: ``stream_workers`` (one more than the cores, up to 8 cores): a worker that
     # waits to take the GIL back between a chunk's steps leaves its core to the extra one
     workers = workers or stream_workers()
-    for r, c, res in ordered_map(one, items(), workers, window=8 * workers):
+    for r, c, res in ordered_map(one, items(), workers, window=8 * workers, light=_light):
         if c is not None:
             status, k = res
             if status != "applied" and isinstance(r.running, MovedSumDigest):
@@ -471,6 +471,15 @@ def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, 
             _finish(r, report, bar)
             if done is not None:
                 done(r.plan, r.tensor)
+
+
+def _light(item) -> bool:
+    """``_run_segments``' items run on the calling thread: an entry's start or end without a chunk,
+    a failure, a small chunk (``codec.chunk.light``)."""
+    if isinstance(item, _Failed):
+        return True
+    c = item[2]
+    return c is None or light(c.n, c.pos == DENSE)
 
 
 def _verifies(plan: Plan) -> bool:

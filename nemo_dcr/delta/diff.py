@@ -19,7 +19,7 @@ from typing import BinaryIO
 import torch
 
 from nemo_dcr import __version__
-from nemo_dcr.codec.chunk import AUTO, CHOICES, EncodedChunk, encode_chunk
+from nemo_dcr.codec.chunk import AUTO, CHOICES, EncodedChunk, encode_chunk, light
 from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
 from nemo_dcr.codec.names import DEFAULT_CHUNK, DEFAULT_LEVEL  # re-exported by nemo_dcr.delta
@@ -161,7 +161,7 @@ def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_
 
     cur: _Tensor | None = None
     try:
-        for t, res in ordered_map(one, items(), workers):
+        for t, res in ordered_map(one, items(), workers, light=_light):
             if t is not cur:
                 if cur is not None:
                     yield cur.finish(w)
@@ -174,6 +174,20 @@ def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_
     finally:
         for f in hashing:  # nothing of this call runs on past it; the first error is raised above
             f.exception()
+
+
+def _light(item) -> bool:
+    """``_stream``'s items run on the calling thread: a tensor without chunks, a chunk found
+    already (the chunker's: only its changes are reported), a small chunk (``codec.chunk.light``),
+    unless its base is still being hashed: the calling thread would wait for that digest at the
+    tensor's first piece before preparing the next tensors, whose base digests run beside it."""
+    t, it = item
+    if t.early is not None and not t.early.done():
+        return False
+    if it is None or isinstance(it, EncodedChunk):
+        return True
+    s, e = it
+    return light(e - s, t.old is None)
 
 
 class _Tensor:

@@ -67,7 +67,17 @@ def _inline(workers: int) -> bool:
     return workers <= 1 or threading.current_thread().name.startswith(_PREFIX)
 
 
-def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, window: int | None = None) -> Iterator:
+def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, window: int | None = None,
+                light: Callable[[object], bool] | None = None) -> Iterator:
+    """``fn(item)`` for each of ``items``, results in order, on ``workers`` threads with at most
+    ``window`` items in flight. ``light(item)`` true: where nothing before the item is still out,
+    it is run on the calling thread, at once; behind a job still running it goes to a worker as
+    any other (so nothing waits on the calling thread while ``items`` blocks for the next item:
+    a segment of an object still arriving). For jobs that are mostly Python (a chunk of a few
+    thousand elements: its C calls are microseconds, the calls around them a hundred or more):
+    two threads only pass the GIL back and forth over them, each hand-off moving the
+    interpreter's state to the other core, and a stream of such jobs on two workers took 1.5x its
+    time on one (a delta of 4096 tensors of 32K BF16; docs/results.md, twenty-second turn)."""
     workers = workers or default_workers()
     if _inline(workers):
         for it in items:
@@ -78,8 +88,13 @@ def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, windo
     pending: deque[Future] = deque()
     try:
         for it in items:
+            if light is not None and not pending and light(it):
+                yield fn(it)  # its turn: nothing before it is out
+                continue
             pending.append(pool.submit(fn, it))
             if len(pending) >= window:
+                yield pending.popleft().result()
+            while pending and pending[0].done():  # handed out as they finish: the stream is often empty
                 yield pending.popleft().result()
         while pending:
             yield pending.popleft().result()
