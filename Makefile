@@ -153,6 +153,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/shard.py
 	$(BIN)/python bench/kernels.py
 	$(BIN)/python bench/files.py
+	$(BIN)/python bench/tensors.py
 
 clean:
 	rm -rf $(VENV) runs   # the cached venvs stay: rm -rf $(VLLM_VENV) $(TRL_VENV) $(NEMO_VENV) $(VERL_VENV)

@@ -368,3 +368,21 @@ def test_files_bench_quick_json():
         assert row["seconds"] > 0 and math.isclose(row["x_copy"], row["seconds"] / rows["copy"]["seconds"])
     assert 0 < r["delta_bytes"] < r["config"]["bytes"] / 10  # 1 % changed: a delta, not a copy
     assert "| apply |" in files.format_table(r)
+
+
+def test_tensors_bench_quick_json():
+    """bench/tensors.py --quick --json: the four paths for each tensor count, each ratio to the
+    one-tensor cell of its path; both followers' bits checked against the target inside the run
+    (it raises otherwise)."""
+    tensors = bench.load("tensors")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = tensors.main(["--quick", "--json"])
+    assert rc == 0, err.getvalue()
+    r = json.loads(out.getvalue())
+    assert r["config"]["quick"] and r["config"]["tensors"] == [1, 16, 256] and r["config"]["elements"] == 8 << 20
+    rows = {(row["tensors"], row["path"]): row for row in r["rows"]}
+    assert set(rows) == {(n, p) for n in (1, 16, 256) for p in tensors.PATHS}
+    for (_n, p), row in rows.items():
+        assert row["seconds"] > 0 and math.isclose(row["x_one"], row["seconds"] / rows[1, p]["seconds"])
+    assert "| delta sync |" in tensors.format_table(r)
