@@ -608,8 +608,11 @@ def _checked_plans(tensors, reader: DeltaReader, shards, verify: bool, resume: b
     # lone 64M tensor while the other idled)
     def plan(e: TensorEntry) -> Plan:
         return plan_entry(e, tensors.get(e.name), shards.get(e.name), verify=verify, resume=resume)
+
+    def hashes_little(e: TensorEntry) -> bool:  # a plan that hashes nothing, or a small tensor: light
+        return not verify or light(e.numel, dense=True)
     few = len(entries) < (workers or default_workers())
-    plans = [plan(e) for e in entries] if few else list(ordered_map(plan, entries, workers))
+    plans = [plan(e) for e in entries] if few else list(ordered_map(plan, entries, workers, light=hashes_little))
     _refuse_undecodable(plans, journal, decoded)
     refuse_misfits(tensors, [p.entry for p in plans if p.action == Action.CREATE], shards)
     # a created tensor is built aside and handed over whole; every other write is in place

@@ -14,6 +14,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 _PREFIX = "nemo-dcr"
 _pools: dict[int, ThreadPoolExecutor] = {}
@@ -68,7 +69,7 @@ def _inline(workers: int) -> bool:
 
 
 def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, window: int | None = None,
-                light: Callable[[object], bool] | None = None) -> Iterator:
+                light: Callable[[Any], bool] | None = None) -> Iterator:
     """``fn(item)`` for each of ``items``, results in order, on ``workers`` threads with at most
     ``window`` items in flight. ``light(item)`` true: where nothing before the item is still out,
     it is run on the calling thread, at once; behind a job still running it goes to a worker as
