@@ -31,10 +31,12 @@ from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, Action, ApplyReport, di
 from nemo_dcr.errors import BaseMismatchError, DcrError
 from nemo_dcr.state.digest import tensor_digest_like
 from nemo_dcr.util.atomic import output_file
+from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_ahead
 from nemo_dcr.util.progress import NullProgress, Progress
 
 
+@pausing
 def diff_checkpoints(base: str, target: str, out: str, *, encoding: str = "auto", level: int = DEFAULT_LEVEL,
                      chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None,
                      progress: bool | None = None, format_version: int = FORMAT_VERSION) -> dict:
@@ -62,6 +64,7 @@ class FileApplyResult:
     already: bool = False  # an in-place apply found the checkpoint at the target already (nothing written)
 
 
+@pausing
 def apply_checkpoint(base: str, delta: str, out: str, *, workers: int | None = None,
                      progress: bool | None = None) -> FileApplyResult:
     if input_kind(delta, "delta") != "file":  # a FIFO would block the reader forever

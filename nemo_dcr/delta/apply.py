@@ -37,6 +37,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
+from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
 
@@ -503,6 +504,7 @@ def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> 
                                   f"(got {d}, expected {plan.entry.target_digest})")
 
 
+@pausing
 def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
           verify: bool = True, resume: bool = False, workers: int | None = None,
           progress: bool | None = None, journal: set | None = None, on_change: OnChange | None = None,

@@ -31,6 +31,7 @@ from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import StateDigest, change_contrib, one_range
+from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import background, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
 
@@ -39,6 +40,7 @@ from nemo_dcr.util.progress import NullProgress, Progress
 Chunker = Callable[[str, torch.Tensor, torch.Tensor, int, str, int, bool], "list[EncodedChunk] | None"]
 
 
+@pausing
 def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *, encoding: str = AUTO,
          level: int = DEFAULT_LEVEL, chunk_elems: int = DEFAULT_CHUNK, shards: Mapping[str, ShardSpec] | None = None,
          base_shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None, meta: dict | None = None,

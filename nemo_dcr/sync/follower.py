@@ -74,6 +74,7 @@ from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.pace import LinkEstimate, Pacer
 from nemo_dcr.sync.speculate import Speculation, predicted
 from nemo_dcr.sync.versions import Head, Manifest, head_manifest, manifest_at, no_plan, plans
+from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.memory import PrefaultedBuffer, release_freed_memory
 from nemo_dcr.util.parallel import standing
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -348,6 +349,7 @@ class Follower:
         return head.manifest == self._held.key and head.manifest_sha256 in (None, self._held.sha256)
 
     # ------------------------------------------------------------------ sync
+    @pausing
     def sync(self, version: int | None = None, *, head: Head | None = None) -> SyncResult:
         """Bring the tensors to ``version`` (default: the newest committed one)."""
         try:

@@ -57,6 +57,7 @@ from nemo_dcr.sync.versions import (
     read_head,
     version_dir,
 )
+from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.memory import release_freed_memory
 from nemo_dcr.util.parallel import standing
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -236,6 +237,7 @@ class Publisher:
         return self._base, self._shards
 
     # ------------------------------------------------------------------ publish
+    @pausing
     def publish(self, tensors: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec] | None = None, *,
                 keyframe: bool = False, step: int | None = None, meta: dict | None = None) -> PublishResult:
         """Publish the next version. ``tensors`` are read during this call only (the caller may
