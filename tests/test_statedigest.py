@@ -339,6 +339,22 @@ def test_keys_of_a_model_of_many_tensors_stay_cached():
     assert after.misses == before.misses and after.hits - before.hits == len(tensors)
 
 
+def test_small_tensors_are_summed_in_jobs_of_a_range_each(monkeypatch):
+    """The C kernel's ranges go to the workers in jobs of up to one range of elements: small
+    tensors share a job (one job per tensor made a model of many small tensors as many jobs of
+    microseconds each), a long tensor is cut into ranges as before; the digest is the same."""
+    monkeypatch.setattr(sd, "_NATIVE_RANGE", 1000)
+    sizes = [300, 300, 300, 300, 2500, 10, 990]
+    tensors = {f"t{i}": random_tensor((n,), torch.bfloat16, seed=40 + i) for i, n in enumerate(sizes)}
+    pieces = [sd._pieces(name, t, None) for name, t in tensors.items()]
+    if not all(threaded for _, _, threaded in pieces):
+        pytest.skip("the C kernel is not built here: the reference sums on the calling thread")
+    # elements per job: 900 | 300 | 1000 | 1000 | 500 + 10 | 990
+    assert [len(job) for job in sd._batches(pieces)] == [3, 1, 1, 1, 2, 1]
+    assert state_contrib(tensors, workers=2) == sum((tensor_contrib(n, t) for n, t in tensors.items()),
+                                                    StateDigest.zero())
+
+
 def test_zero_tensor_differs_from_missing_and_duplicates_are_visible():
     z = torch.zeros(5, 5)
     assert tensor_contrib("z", z) != StateDigest.zero()
