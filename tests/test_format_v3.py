@@ -153,7 +153,7 @@ def test_diff_of_a_known_base_hashes_no_tensor_whole(monkeypatch):
 
 
 def test_indexes_come_before_their_chunks_in_segments_of_bounded_size(monkeypatch):
-    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 4096)
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 4096 // fmt.KEYFRAME_SEGMENT_SCALE)  # a keyframe's: 4096
     base, target = states(3)
     blob = diff({}, target, format_version=3, chunk_elems=1 << 12)  # a keyframe: 600 KB of payloads
     pos, seen, kinds = fmt.PREAMBLE.size, 0, []
@@ -164,6 +164,35 @@ def test_indexes_come_before_their_chunks_in_segments_of_bounded_size(monkeypatc
         seen += sum(len(p["chunks"]) for p in index.get("tensors", []))
     assert kinds[0] == "open" and kinds[-1] == "close" and len(kinds) > 10
     assert seen == sum(len(t.chunks) for t in DeltaReader.open(blob).header.tensors)
+
+
+def _segment_sizes(blob: bytes) -> list:
+    """The bytes of each segment of ``blob`` that holds tensors (its index and payloads)."""
+    pos, out = fmt.PREAMBLE.size, []
+    while pos < len(blob) - fmt.TRAILER.size:
+        index, start, pos = fmt.read_segment(blob, pos, len(blob) - fmt.TRAILER.size, AssertionError)
+        if "tensors" in index:
+            out.append(pos - start)
+    return out
+
+
+def test_a_keyframes_segments_gather_more_than_a_deltas(monkeypatch):
+    """A keyframe (every tensor sent whole) gathers KEYFRAME_SEGMENT_SCALE times a delta's
+    segment bytes: a model of small tensors was a segment per tensor, each with an index to make
+    and parse. The keyframe applies to the same state either way."""
+    g = torch.Generator().manual_seed(8)
+    state = {f"layers.{i:03d}.weight": torch.randn(16384, generator=g).bfloat16() for i in range(64)}
+    blob = diff({}, state, format_version=3)
+    sizes = _segment_sizes(blob)
+    limit = fmt.SEGMENT_BYTES * fmt.KEYFRAME_SEGMENT_SCALE
+    assert all(n <= limit + 2 * 16384 * 2 for n in sizes) and len(sizes) <= -(-sum(sizes) // limit) + 1
+    monkeypatch.setattr(fmt, "KEYFRAME_SEGMENT_SCALE", 1)
+    small = diff({}, state, format_version=3)
+    assert len(_segment_sizes(small)) >= 16 * len(sizes)
+    for b in (blob, small):
+        recv: dict = {}
+        apply(recv, b)
+        assert_state(recv, state)
 
 
 def test_a_segment_full_of_pieces_ends_with_whole_tensors():

@@ -66,6 +66,11 @@ SEGMENTED = 3                     # the first version whose container is segment
 # come. At 32 KiB a segment's own cost, its ~16-byte header and its pieces' names and digests
 # in the index, is ~0.6-0.8 % of a delta's bytes (docs/results.md, issue 25's sixth turn)
 SEGMENT_BYTES = 32 << 10
+# ... and a keyframe's (every tensor sent whole: the model's bytes, applied as they come) this many
+# times that, 1 MiB: at 32 KiB a model of many small tensors was a segment per tensor, each with its
+# own index to make and parse (a keyframe of 4096 tensors of 32K BF16: 4096 segments), while a
+# keyframe's 1M-element chunks are a segment each at any size (docs/results.md, twenty-second turn)
+KEYFRAME_SEGMENT_SCALE = 32
 SEGMENT_PIECES = 1024             # ... or tensor pieces (many unchanged tensors make no payload)
 MAX_SEGMENTS = 1 << 24
 
@@ -87,9 +92,12 @@ class DeltaWriter:
     Versions 1 and 2 write each payload at once and the header at the end; version 3 gathers up
     to ``SEGMENT_BYTES`` of payloads and writes them after their index."""
 
-    def __init__(self, f: BinaryIO, version: int = FORMAT_VERSION):
+    def __init__(self, f: BinaryIO, version: int = FORMAT_VERSION, keyframe: bool = False):
+        """``keyframe``: the object sends every tensor whole (no base): its segments gather
+        ``KEYFRAME_SEGMENT_SCALE`` times ``SEGMENT_BYTES``."""
         self.f = f
         self.version = version
+        self.keyframe = keyframe
         self.f.write(PREAMBLE.pack(MAGIC, version, 0))
         self.offset = PREAMBLE.size
         self.segmented = version >= SEGMENTED
@@ -139,7 +147,7 @@ class DeltaWriter:
         self._payload += (c.pos_bytes, c.val_bytes)
         self._payload_len += len(c.pos_bytes) + len(c.val_bytes)
         self._chunks.append(h)
-        if self._payload_len >= SEGMENT_BYTES:
+        if self._payload_len >= SEGMENT_BYTES * (KEYFRAME_SEGMENT_SCALE if self.keyframe else 1):
             self._flush()
         return h
 

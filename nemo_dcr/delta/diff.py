@@ -85,7 +85,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     shards = shards or {}
     base_shards = shards if base_shards is None else base_shards
     buf = io.BytesIO()
-    w = DeltaWriter(out if out is not None else buf, fv.number)
+    w = DeltaWriter(out if out is not None else buf, fv.number, keyframe=len(base) == 0)
     names = sorted(set(base.keys()) | set(target.keys()))
     total = getattr(target, "total_bytes", None)
     if total is None and isinstance(target, dict):
