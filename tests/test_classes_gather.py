@@ -81,6 +81,7 @@ def test_alone_a_receiver_holding_every_tensor_whole_gathers_nothing(published, 
     without planning the entries a second time to look for chunks held in part (~5 % of a delta
     sync of many small tensors), bit-exactly."""
     import importlib
+
     from nemo_dcr.sync.follower import Follower
 
     def refuse(*a, **k):
