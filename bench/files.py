@@ -21,7 +21,6 @@ optimizer-like step (``make_shard``, ``make_target``), cut into ``--tensors`` te
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -35,18 +34,16 @@ import torch
 from nemo_dcr.checkpoint.files import apply_checkpoint, diff_checkpoints
 from nemo_dcr.checkpoint.safetensors_io import save_sharded
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from benchload import script  # noqa: E402
+
 
 def _kernels():
-    """bench/kernels.py (loaded by path: bench/ is not a package, and ``kernels`` is also a package
-    of Hugging Face's), for its shard, its step and its timer."""
-    name = "nemo_dcr_bench_kernels"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                          "kernels.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """bench/kernels.py, for its shard, its step, its timer and its load reading."""
+    return script("kernels")
 
 
 def make_checkpoints(root: str, tensors: int, elems: int, rate: float, shards: int = 2) -> tuple[str, str]:

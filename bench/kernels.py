@@ -61,7 +61,6 @@ is present, and the rows land in the same table with their ratio to the same mem
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -88,21 +87,20 @@ from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher, _Changes
 from nemo_dcr.util.parallel import ordered_map
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from benchload import script  # noqa: E402
+
 #: hook for device paths (see the module docstring): fn(base, target, rate, workers, reps) -> rows
 DEVICE_PATHS: list[Callable] = []
 _REF_DIGEST_MAX = 1 << 23  # the torch state digest is timed on at most this many elements
 
 
 def _median(fn, reps, setup=None) -> float:
-    """bench/codec.py's timer (loaded by path: bench/ is not a package), one timer for every bench."""
-    name = "nemo_dcr_bench_codec"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                          "codec.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]._median_time(fn, reps, setup)
+    """bench/codec.py's timer, one timer for every bench."""
+    return script("codec")._median_time(fn, reps, setup)
 
 
 def make_shard(elems: int, seed: int = 0) -> torch.Tensor:

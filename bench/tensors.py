@@ -23,7 +23,6 @@ Each cell is the median of ``--reps``; ``x one`` is the cell over the same row's
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -38,19 +37,18 @@ from nemo_dcr.stores import LocalStore
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher
 
+HERE = os.path.dirname(os.path.abspath(__file__))
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from benchload import script  # noqa: E402
+
 PATHS = ("keyframe publish", "delta publish", "delta sync", "keyframe sync")
 
 
 def _kernels():
-    """bench/kernels.py (loaded by path, as bench/files.py does), for its shard, step and load."""
-    name = "nemo_dcr_bench_kernels"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                                          "kernels.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """bench/kernels.py, for its shard, its step, its timer and its load reading."""
+    return script("kernels")
 
 
 def cut(flat: torch.Tensor, tensors: int) -> dict:
