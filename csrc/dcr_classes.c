@@ -23,7 +23,7 @@
 #define ESC_BITS 48  /* escaped values are sent in this many bits */
 #define TAB 6        /* table row: class, changes, kp, bigs, kb, ke */
 
-enum { E_TABLE = -1, E_STREAM = -2, E_TRAILING = -3, E_RANK = -4, E_VALUE = -5, E_NOMEM = -6, E_ARGS = -7 };
+enum { E_TABLE = -1, E_STREAM = -2, E_TRAILING = -3, E_RANK = -4, E_VALUE = -5, E_NOMEM = -6, E_ARGS = -7, E_RANGE = -8 };
 
 /* ------------------------------------------------------------------ bit writer (LSB first) */
 /* The buffer always has 8 bytes of room past len (w_room): a put stores the whole accumulator
@@ -1035,4 +1035,15 @@ int dcr_sd_change(const void *new_bits, const void *old_bits, int w, const int64
         out[l] = v;
     }
     return 0;
+}
+
+/* dcr_sd_change of the n >= 1 changes at gidx, the indices first checked to lie in [0, numel):
+ * E_RANGE, nothing summed, when one does not. One call where a chunk's changes made two (their
+ * range, then their sum): a model of many small tensors makes one or two a tensor. */
+int dcr_sd_change_in(const void *new_bits, const void *old_bits, int w, const int64_t *gidx, int64_t n,
+                     int64_t numel, uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *out) {
+    int64_t lo, hi;
+    if (gidx == NULL || dcr_i64_range(gidx, n, &lo, &hi) != 0) return E_ARGS;
+    if (lo < 0 || hi >= numel) return E_RANGE;
+    return dcr_sd_change(new_bits, old_bits, w, gidx, 0, n, s1, s2, t, kpow, out);
 }

@@ -10,6 +10,7 @@ import torch
 from dcr_testing.shards import cut
 from nemo_dcr import ShardSpec
 from nemo_dcr.codec import native
+from nemo_dcr.errors import DcrError
 from nemo_dcr.state import statedigest as sd
 from nemo_dcr.state.dtypes import DTYPES, dtype_name, int_view
 from nemo_dcr.state.statedigest import (
@@ -134,6 +135,35 @@ def test_change_in_one_pass_equals_the_two_sides(dtype, n, any_simd, reference):
     assert change_contrib("w", dtype, shape, idx, old, new) == two
     assert reference(change_contrib, "w", dtype, shape, idx, old, new) == two
     assert change_contrib("w", dtype, shape, idx, old, old) == StateDigest.zero()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64], ids=str)
+def test_a_chunks_changes_take_one_call_and_sum_as_the_general_path(dtype, monkeypatch):
+    """A chunk's changes as diff and apply report them (1-D host tensors, int64 indices) go to
+    ``dcr_sd_change_in`` alone, which checks their range and sums them in one call; the general
+    path (2-D indices here) gives the same digest, and an index past the end is refused by both."""
+    shape = (700, 3)
+    g = torch.Generator().manual_seed(3)
+    idx = torch.sort(torch.randperm(2100, generator=g)[:300]).values
+    old, new = special_tensor(dtype, 300, seed=3), special_tensor(dtype, 300, seed=4)
+    called = []
+    real = native.held()
+
+    class Recording:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+    monkeypatch.setattr(native, "held", lambda: Recording())
+    fast = change_contrib("w", dtype, shape, idx, old, new)
+    assert called == ["dcr_sd_change_in"]
+    assert change_contrib("w", dtype, list(shape), idx.reshape(30, 10), old, new) == fast
+    assert fast == changes_contrib("w", dtype, shape, idx, new) - changes_contrib("w", dtype, shape, idx, old)
+    for bad in (2100, -1):
+        worse = idx.clone()
+        worse[-1 if bad > 0 else 0] = bad
+        for i in (worse, worse.reshape(30, 10)):
+            with pytest.raises(DcrError, match="out of range"):
+                change_contrib("w", dtype, shape, i, old, new)
 
 
 def test_change_digest_moves_a_state_digest_to_the_new_state(any_simd):

@@ -53,7 +53,7 @@ _NUMPY_BITS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
 def _bytes(bits: torch.Tensor):
-    if bits.device.type == "cpu" and bits.dtype in _NUMPY_BITS and not bits.requires_grad:
+    if bits.is_cpu and bits.dtype in _NUMPY_BITS and not bits.requires_grad:  # (is_cpu: .device makes an object)
         # numpy's byte view, not torch's: torch's view gives the GIL up, once per chunk's
         # pre-image on the apply's workers (docs/results.md, eighteenth turn); same bytes
         return bits.contiguous().numpy().reshape(-1).view(np.uint8).data
