@@ -79,6 +79,21 @@ def test_native_equals_reference_and_round_trips(dtype, n, p):
     _check(old, new, classes.MANTISSA[dtype])
 
 
+@pytest.mark.skipif(native.lib() is None, reason="the C kernels' out-arguments")
+def test_encodes_on_several_threads_each_get_their_own_results():
+    """The encoder's out-arguments are made once per thread (``classes._EncodeOut``): chunks
+    encoded on four threads at once give what each gives alone, changes included."""
+    from concurrent.futures import ThreadPoolExecutor
+    pairs = [_pair(torch.bfloat16, 20000, 0.01 * (i + 1), seed=i) for i in range(16)]
+    alone = [classes.encode(o, n, 7, with_changes=True) for o, n in pairs]
+    with ThreadPoolExecutor(4) as ex:
+        together = list(ex.map(lambda p: classes.encode(p[0], p[1], 7, with_changes=True), pairs * 4))
+    for i, got in enumerate(together):
+        want = alone[i % len(pairs)]
+        assert got[:4] == want[:4]
+        assert all(torch.equal(a, b) for a, b in zip(got[4:], want[4:]))
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_every_bit_pattern_as_base(dtype):
     """Every pattern of the dtype (all of them for 8 and 16 bits, a sample for 32) as a base

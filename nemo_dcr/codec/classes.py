@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import array
 import ctypes
+import threading
 
 import numpy as np
 import torch
@@ -370,6 +371,31 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+class _EncodeOut:
+    """``dcr_cls_encode``'s out-arguments, made once per thread: making them (a class table, eight
+    ctypes values and their references) for every chunk was a fifth of a small chunk's encode
+    (docs/results.md, twenty-third turn)."""
+
+    def __init__(self):
+        self.table = np.empty(256 * ROW, dtype=np.int64)  # every row the kernel may fill
+        self.table_addr = self.table.ctypes.data
+        self.ntab, self.plen, self.vlen = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
+        self.pp, self.vp, self.ip, self.op, self.np_ = (ctypes.c_void_p() for _ in range(5))
+        self.ptrs = (self.pp, self.vp, self.ip, self.op, self.np_)
+        self.refs = tuple(ctypes.byref(v) for v in (self.ntab, self.pp, self.plen, self.vp, self.vlen, self.ip,
+                                                    self.op, self.np_))
+
+
+_tls = threading.local()
+
+
+def _encode_out() -> _EncodeOut:
+    o = getattr(_tls, "enc", None)
+    if o is None:
+        o = _tls.enc = _EncodeOut()
+    return o
+
+
 def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | None = None,
            with_changes: bool = False):
     """As ``encode_reference``, with the C kernel when it is available. ``with_changes``: the
@@ -386,28 +412,25 @@ def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | N
         return out + (idx, old[idx], new[idx])
     old, new = old.contiguous(), new.contiguous()
     w = new.element_size()
-    table = torch.empty(256 * ROW, dtype=torch.int64)
-    ntab, plen, vlen = ctypes.c_int64(), ctypes.c_int64(), ctypes.c_int64()
-    pp, vp, ip, op, np_ = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_void_p()
-    k = lib.dcr_cls_encode(_ptr(old), _ptr(new), new.numel(), w, mant, _ptr(table), ctypes.byref(ntab),
-                           ctypes.byref(pp), ctypes.byref(plen), ctypes.byref(vp), ctypes.byref(vlen), ctypes.byref(ip),
-                           ctypes.byref(op), ctypes.byref(np_))
+    o = _encode_out()
+    k = lib.dcr_cls_encode(_ptr(old), _ptr(new), new.numel(), w, mant, o.table_addr, *o.refs)
     if k < 0:
         raise DcrError(f"classes encode failed in the C kernel: {_ERRORS.get(k, k)}")
     try:
-        pos = ctypes.string_at(pp, plen.value) if plen.value else b""
-        val = ctypes.string_at(vp, vlen.value) if vlen.value else b""
+        plen, vlen = o.plen.value, o.vlen.value
+        pos = ctypes.string_at(o.pp, plen) if plen else b""
+        val = ctypes.string_at(o.vp, vlen) if vlen else b""
         if with_changes:
-            idx = torch.empty(k, dtype=torch.int64)
-            ov, nv = torch.empty(k, dtype=new.dtype), torch.empty(k, dtype=new.dtype)
+            idx, ov, nv = _out(k, torch.int64), _out(k, new.dtype), _out(k, new.dtype)
             if k:
-                ctypes.memmove(idx.data_ptr(), ip, 8 * k)
-                ctypes.memmove(ov.data_ptr(), op, w * k)
-                ctypes.memmove(nv.data_ptr(), np_, w * k)
+                ctypes.memmove(idx.data_ptr(), o.ip, 8 * k)
+                ctypes.memmove(ov.data_ptr(), o.op, w * k)
+                ctypes.memmove(nv.data_ptr(), o.np_, w * k)
     finally:
-        for ptr in (pp, vp, ip, op, np_):
+        for ptr in o.ptrs:
             lib.dcr_free(ptr)
-    rows = table[: ntab.value * ROW].reshape(-1, ROW).tolist()
+            ptr.value = None  # (freed: not to be freed again should the next call fail before setting it)
+    rows = o.table[: o.ntab.value * ROW].reshape(-1, ROW).tolist()
     return (int(k), rows, pos, val, idx, ov, nv) if with_changes else (int(k), rows, pos, val)
 
 
