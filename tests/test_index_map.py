@@ -466,3 +466,24 @@ def test_factor_pieces_splits_a_per_group_regroup_into_boxes():
     assert len(factor_pieces(t.T.reshape(-1), torch.arange(24), (4, 6))) == 1
     assert factor_pieces(torch.randperm(24, generator=torch.Generator().manual_seed(1)), torch.arange(24),
                          (4, 6), max_pieces=4) is None
+
+
+def test_maps_of_one_spec_share_its_work_and_a_bad_spec_fails_every_time():
+    """An ``IndexMap`` works its spec out once (``index_map._derived``): a second map of an equal
+    spec maps alike without working it out again, and a spec that does not fit is refused each
+    time it is asked for, never remembered."""
+    from nemo_dcr.state import index_map as im
+    spec = ShardSpec((6, 8, 5), (2, 0, 1), (3, 8, 3))
+    a = IndexMap(spec)
+    hits = im._derived.cache_info().hits
+    b = IndexMap(ShardSpec((6, 8, 5), (2, 0, 1), (3, 8, 3)))
+    assert im._derived.cache_info().hits == hits + 1
+    local = torch.arange(spec.numel)
+    assert torch.equal(a.to_global(local), b.to_global(local))
+    assert torch.equal(b.to_local(b.to_global(local))[0], local)
+    listed = IndexMap(ShardSpec([6, 8, 5], [2, 0, 1], [3, 8, 3]))  # (unhashable: not kept, same map)
+    assert torch.equal(listed.to_global(local), a.to_global(local))
+    bad = ShardSpec((4,), (3,), (2,))
+    for _ in range(2):
+        with pytest.raises(DcrError, match="does not fit"):
+            IndexMap(bad)

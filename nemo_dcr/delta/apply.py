@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, fields
 from typing import NoReturn
 
 import torch
@@ -103,7 +103,7 @@ class _Target:
         return self.plan.action in (Action.APPLY, Action.RESUME, Action.UNVERIFIED)
 
 
-def _target_of(plan: Plan) -> _Target:
+def _target_of(plan: Plan, moved: MovedSumDigest | None = None) -> _Target:
     dtype = plan.entry.torch_dtype
     region = plan.sent
     if plan.action == Action.CREATE:
@@ -115,7 +115,7 @@ def _target_of(plan: Plan) -> _Target:
     else:
         assert plan.recv is not None  # plan_entry places a held tensor without a shard spec as the whole tensor
         tensor, recv = plan.held, plan.recv
-    return _Target(plan, tensor, FlatAccess(tensor), IndexMap(region), IndexMap(recv), dtype, itemsize(dtype))
+    return _Target(plan, tensor, FlatAccess(tensor), IndexMap(region), IndexMap(recv), dtype, itemsize(dtype), moved)
 
 
 # ----------------------------------------------------------------------------- the four steps
@@ -360,20 +360,20 @@ def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: 
             # on the tensor already; hashing it again doubled an unchanged tensor's cost)
             verify_plan(plan, plan.held)
         return _Run(plan, None, plan.tensor)
-    t = _target_of(plan)
+    verifies = verify and _verifies(plan)
+    base = plan.entry.base_digest
+    moved = None
+    if verifies and plan.action == Action.APPLY and base is not None and algo_of(plan.target) == "sd" \
+            and algo_of(base) == "sd":
+        # the base's sum was checked (plan_entry), and a sum moves with the changes: the
+        # target is checked in O(changes), not by reading the tensor again
+        moved = MovedSumDigest(base, plan.entry.torch_dtype, plan.sent.shape)
+    t = _target_of(plan, moved)
     if plan.replaces:
         report_gone(plan.name, plan.held, plan.recv, on_change)
-    running: RunningDigest | MovedSumDigest | None = None
-    if verify and _verifies(plan):
-        base = plan.entry.base_digest
-        if plan.action == Action.APPLY and algo_of(plan.target) == "sd" and base is not None \
-                and algo_of(base) == "sd":
-            # the base's sum was checked (plan_entry), and a sum moves with the changes: the
-            # target is checked in O(changes), not by reading the tensor again
-            running = MovedSumDigest(base, t.dtype, plan.sent.shape)
-            t = replace(t, moved=running)
-        else:
-            running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target))
+    running: RunningDigest | MovedSumDigest | None = moved
+    if verifies and moved is None:
+        running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target))
     return _Run(plan, t, t.tensor, running, len(plan.entry.chunks))
 
 

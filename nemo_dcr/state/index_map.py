@@ -11,6 +11,7 @@ maps are one multiply-add per element.
 """
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -241,16 +242,13 @@ class IndexMap:
     """local flat index <-> canonical flat index for one shard."""
 
     def __init__(self, spec: ShardSpec):
-        spec.validate()
         self.spec = spec
-        self.numel = spec.numel
-        g, o, s = _collapse(spec.box_shape, spec.offsets, spec.shape)
-        self._g, self._o, self._s = g, o, s
-        self.identity = spec.is_full or (len(s) <= 1 and (not o or o[0] == 0) and s == g)
-        # A shard whose collapsed form is 1-D is a single contiguous run of the canonical tensor.
-        self.run_offset = o[0] if len(s) == 1 else None
-        self._gstrides = _strides(g)
-        self._lstrides = _strides(s)
+        try:
+            derived = _derived(spec)
+        except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
+            derived = _derived.__wrapped__(spec)
+        (self.numel, self._g, self._o, self._s, self.identity, self.run_offset, self._gstrides,
+         self._lstrides) = derived
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         local = local.to(torch.int64)
@@ -292,6 +290,20 @@ class IndexMap:
             mask &= (q >= 0) & (q < sz)
             out += q * ls
         return out[mask], mask
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _derived(spec: ShardSpec) -> tuple:
+    """What an ``IndexMap`` of ``spec`` works out, once per spec: a sync or publish makes a map
+    or two per tensor, and a model of thousands of small tensors (a mixture of experts) made them
+    again every time (docs/results.md, twenty-third turn). A spec that does not validate raises
+    (and is not kept)."""
+    spec.validate()
+    g, o, s = _collapse(spec.box_shape, spec.offsets, spec.shape)
+    identity = spec.is_full or (len(s) <= 1 and (not o or o[0] == 0) and s == g)
+    # A shard whose collapsed form is 1-D is a single contiguous run of the canonical tensor.
+    run_offset = o[0] if len(s) == 1 else None
+    return spec.numel, g, o, s, identity, run_offset, _strides(g), _strides(s)
 
 
 def _strides(shape):
