@@ -372,3 +372,53 @@ def test_auto_mixes_encodings_and_beats_both():
         r = {"x": base.clone()}
         apply(r, b)
         assert_bits_equal(r["x"], target)
+
+
+def test_no_zstd_frame_of_content_is_shorter_than_min_frame():
+    """``MIN_FRAME`` bounds every value stream ``pack`` makes from below (with the raw length):
+    one byte, runs of one byte that zstd shrinks the most, small and large streams (two
+    compressors), at every level a publisher may ask for."""
+    from nemo_dcr.codec.chunk import LARGE_STREAM, MIN_FRAME, pack
+    g = torch.Generator().manual_seed(0)
+    for level in (1, 3, 19):
+        for raw in (b"\0", b"\0\0", bytes(64), bytes(LARGE_STREAM), bytes(4 * LARGE_STREAM), b"ab" * 9000,
+                    torch.randint(0, 4, (LARGE_STREAM,), generator=g, dtype=torch.uint8).numpy().tobytes()):
+            stored, _ = pack(raw, level)
+            assert len(stored) >= min(len(raw), MIN_FRAME), (level, len(raw), len(stored))
+
+
+@pytest.mark.parametrize("dname,bound_taken", [("bfloat16", True), ("float16", True), ("float32", False)])
+def test_classes_taken_without_trying_the_rest_only_where_it_would_win(dname, bound_taken, monkeypatch):
+    """A ``classes`` chunk costing no more than its positions alone plus the shortest value
+    stream is taken without trying xor, add and overwrite: every chunk comes out as it does
+    after trying them (the bound off). The bound is taken for some 2-byte chunks; FP32's classes
+    chunks cost ~4 bytes a change (its mantissas), far above their positions alone, so every
+    coding is tried for them, as before."""
+    from nemo_dcr.codec import chunk as chunk_mod
+    dtype = DTYPES[dname]
+    g = torch.Generator().manual_seed(7)
+    base = torch.randn(1 << 16, generator=g).to(dtype)
+    target = base.clone()
+    for rate, lo in ((0.01, 0), (0.05, 1 << 15)):  # an optimizer-like nudge, then wider changes
+        idx = torch.randperm(1 << 15, generator=g)[: int(rate * (1 << 15))] + lo
+        target[idx] = (base[idx].float() * (1 + 0.01 * torch.randn(idx.numel(), generator=g))).to(dtype)
+
+    def chunks(n):
+        out = []
+        for s in range(0, base.numel(), n):
+            c = chunk_mod.encode_chunk(int_view(base)[s:s + n], int_view(target)[s:s + n], s, "auto", 1,
+                                       keep_changes=False, dtype=dtype)
+            if c is not None:
+                out.append(c)
+        return out
+    bounded, taken = {}, 0
+    for n in (1024, 4096, 16384):
+        bounded[n] = chunks(n)
+        taken += sum(1 for c in bounded[n] if c.enc == "classes" and set(c.alt_val_len) == {"classes"}
+                     and c.alt_val_len["classes"] > CLASSES_ENOUGH * c.k)
+    assert (taken > 0) == bound_taken
+    monkeypatch.setattr(chunk_mod, "MIN_FRAME", -(1 << 40))  # the bound never holds: every coding tried
+    for n, got in bounded.items():
+        want = chunks(n)
+        assert [(c.header(0), c.pos_bytes, c.val_bytes) for c in got] == \
+            [(c.header(0), c.pos_bytes, c.val_bytes) for c in want]
