@@ -365,7 +365,8 @@ def _out(k: int, dtype: torch.dtype) -> torch.Tensor:
 
 def _ptr(t: torch.Tensor) -> int:
     # the C kernel dereferences this on the host: a device pointer must never reach it
-    if t.device.type != "cpu":
+    # (is_cpu: .device makes an object, four times the time, four times a chunk)
+    if not t.is_cpu:
         raise DcrError(f"the classes C kernel reads host memory; got a tensor on {t.device} "
                        "(decode_streams + locate run where the tensor is)")
     return t.data_ptr()
