@@ -9,7 +9,7 @@ import ctypes
 import pytest
 import torch
 
-from dcr_testing import assert_bits_equal
+from dcr_testing import assert_bits_equal, record_held_calls
 from nemo_dcr.codec import chunk as chunk_mod
 from nemo_dcr.codec import native
 from nemo_dcr.codec.format import DeltaReader
@@ -63,14 +63,7 @@ def test_a_syncs_short_calls_keep_the_gil(tmp_path, monkeypatch):
     """A delta sync's CRCs of its segments and its state digest changes (with their index checks,
     ``dcr_sd_change_in``) go through the library's GIL-keeping handle; the result is the target,
     bit for bit."""
-    called: set = set()
-    real = native.held()
-
-    class Recording:
-        def __getattr__(self, name):
-            called.add(name)
-            return getattr(real, name)
-    monkeypatch.setattr(native, "held", lambda: Recording())
+    called = record_held_calls(monkeypatch)
     v0, v1 = _states()
     store = LocalStore(tmp_path / "s")
     pub = Publisher(store, signer=None)
@@ -80,7 +73,7 @@ def test_a_syncs_short_calls_keep_the_gil(tmp_path, monkeypatch):
     assert Follower(store, held, version=0, verify_initial=False, stream=True).sync().version == 1
     for k, v in v1.items():
         assert_bits_equal(held[k], v)
-    assert {"dcr_crc32", "dcr_sd_change_in"} <= called, called
+    assert {"dcr_crc32", "dcr_sd_change_in"} <= set(called), called
 
 
 def test_checked_payloads_are_not_crcd_again_and_unchecked_ones_are(monkeypatch):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dcr_testing import record_held_calls
 from dcr_testing.shards import cut
 from nemo_dcr import ShardSpec
 from nemo_dcr.codec import native
@@ -146,14 +147,7 @@ def test_a_chunks_changes_take_one_call_and_sum_as_the_general_path(dtype, monke
     g = torch.Generator().manual_seed(3)
     idx = torch.sort(torch.randperm(2100, generator=g)[:300]).values
     old, new = special_tensor(dtype, 300, seed=3), special_tensor(dtype, 300, seed=4)
-    called = []
-    real = native.held()
-
-    class Recording:
-        def __getattr__(self, name):
-            called.append(name)
-            return getattr(real, name)
-    monkeypatch.setattr(native, "held", lambda: Recording())
+    called = record_held_calls(monkeypatch)
     fast = change_contrib("w", dtype, shape, idx, old, new)
     assert called == ["dcr_sd_change_in"]
     assert change_contrib("w", dtype, list(shape), idx.reshape(30, 10), old, new) == fast

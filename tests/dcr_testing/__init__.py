@@ -70,3 +70,18 @@ def deadline(seconds: int):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
+
+
+def record_held_calls(monkeypatch) -> list:
+    """The names of the C library's functions called through ``native.held()`` (its GIL-keeping
+    handle) from now on, in order; the calls themselves go to the real library."""
+    from nemo_dcr.codec import native
+    called: list = []
+    real = native.held()
+
+    class Recording:
+        def __getattr__(self, name):
+            called.append(name)
+            return getattr(real, name)
+    monkeypatch.setattr(native, "held", lambda: Recording())
+    return called
