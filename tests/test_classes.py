@@ -194,6 +194,13 @@ def test_malformed_streams_are_refused_the_same_way():
                 classes.decode(old, t, pos, val, k, mant, use_native=use)
             with pytest.raises(DeltaFormatError):
                 _located(old, t, pos, val, k, mant, use)
+        # a parsed entry's table is not checked again in Python (``table_checked``): the kernel
+        # alone refuses it, and never reads past it
+        before = old.clone()
+        for into in (False, True):
+            with pytest.raises(DeltaFormatError):
+                classes.decode(old, t, pos, val, k, mant, use_native=True, into=into, table_checked=True)
+            assert torch.equal(old, before)
 
 
 # ----------------------------------------------------------------------------- through diff/apply

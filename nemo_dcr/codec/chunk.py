@@ -321,7 +321,7 @@ def decode_chunk(h: ChunkEntry, payload, w: int, base: torch.Tensor | None = Non
         if base is None or base.numel() != h.n:
             raise DeltaFormatError("a classes chunk decodes only against the whole base chunk")
         return classes.decode(base, h.cls, pos_raw, val_raw, h.k, mant, with_old=with_old, into=into,
-                              offset=offset)
+                              offset=offset, table_checked=True)
     if h.vraw != h.k * w:  # what planes.join would allocate: never more than the header's k allows
         raise DeltaFormatError(f"value stream of {h.vraw} bytes for {h.k} changes of {w} bytes")
     pos_raw = unpack(p[: h.plen], h.pz, h.praw)

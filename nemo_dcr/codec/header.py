@@ -89,7 +89,9 @@ class ChunkEntry:
     crc: int
     pre: str
     post: str
-    cls: tuple | None = None  # the classes table: rows of 6 ints (classes coding only)
+    # the classes table: rows of 6 ints (classes coding only), checked where the entry is made
+    # (``parse``; ``EncodedChunk.entry``: the encoder's own), so a decoder need not check it again
+    cls: tuple | None = None
     # what ``pre``/``post`` are made with (``state.digest.values_digest``): the delta's format
     # version says, not the entry (codec/versions.py)
     values_algo: str = _c.VALUES_ALGO
