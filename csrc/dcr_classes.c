@@ -1047,3 +1047,15 @@ int dcr_sd_change_in(const void *new_bits, const void *old_bits, int w, const in
     if (lo < 0 || hi >= numel) return E_RANGE;
     return dcr_sd_change(new_bits, old_bits, w, gidx, 0, n, s1, s2, t, kpow, out);
 }
+
+/* dcr_sd_change_in, added into acc: a running sum's LANES lanes (each in [0, P), kept so) held
+ * in C memory by its Python owner, who calls this keeping the GIL (native.held: one caller at a
+ * time), so that a chunk's change costs one call and no object. acc is left as it was on error. */
+int dcr_sd_change_acc(const void *new_bits, const void *old_bits, int w, const int64_t *gidx, int64_t n,
+                      int64_t numel, uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *acc) {
+    uint64_t out[4];
+    int rc = dcr_sd_change_in(new_bits, old_bits, w, gidx, n, numel, s1, s2, t, kpow, out);
+    if (rc) return rc;
+    for (int l = 0; l < 4; l++) acc[l] = sd_mod(sd_mod(acc[l]) + out[l]);
+    return 0;
+}

@@ -61,7 +61,7 @@ def test_a_state_digest_change_out_of_range_is_refused_before_the_kernel():
 
 def test_a_syncs_short_calls_keep_the_gil(tmp_path, monkeypatch):
     """A delta sync's CRCs of its segments and its state digest changes (with their index checks,
-    ``dcr_sd_change_in``) go through the library's GIL-keeping handle; the result is the target,
+    ``dcr_sd_change_acc``) go through the library's GIL-keeping handle; the result is the target,
     bit for bit."""
     called = record_held_calls(monkeypatch)
     v0, v1 = _states()
@@ -73,7 +73,7 @@ def test_a_syncs_short_calls_keep_the_gil(tmp_path, monkeypatch):
     assert Follower(store, held, version=0, verify_initial=False, stream=True).sync().version == 1
     for k, v in v1.items():
         assert_bits_equal(held[k], v)
-    assert {"dcr_crc32", "dcr_sd_change_in"} <= set(called), called
+    assert {"dcr_crc32", "dcr_sd_change_acc"} <= set(called), called
 
 
 def test_checked_payloads_are_not_crcd_again_and_unchecked_ones_are(monkeypatch):

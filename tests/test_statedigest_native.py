@@ -17,6 +17,7 @@ from nemo_dcr.state.dtypes import DTYPES, dtype_name, int_view
 from nemo_dcr.state.statedigest import (
     ChangeDigest,
     P,
+    RunningSum,
     StateDigest,
     change_contrib,
     changes_contrib,
@@ -158,6 +159,39 @@ def test_a_chunks_changes_take_one_call_and_sum_as_the_general_path(dtype, monke
         for i in (worse, worse.reshape(30, 10)):
             with pytest.raises(DcrError, match="out of range"):
                 change_contrib("w", dtype, shape, i, old, new)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
+def test_a_running_sum_adds_chunks_in_c_from_several_threads(dtype, monkeypatch):
+    """``RunningSum.add_change``: one GIL-keeping call a chunk (``dcr_sd_change_acc``), adding into
+    lanes kept in C. Chunks reported from four threads at once sum to what the general path's
+    parts add up to; a chunk with an index past the end is refused and leaves the sum as it was;
+    parts added whole (``add``) join it."""
+    from concurrent.futures import ThreadPoolExecutor
+    shape, numel = (700, 3), 2100
+    g = torch.Generator().manual_seed(11)
+    chunks = [(torch.sort(torch.randperm(numel, generator=g)[:60]).values, special_tensor(dtype, 60, seed=20 + i),
+               special_tensor(dtype, 60, seed=200 + i)) for i in range(48)]
+    start = StateDigest((5, P - 1, 0, 123456789))
+    want = start
+    for idx, old, new in chunks:  # (2-D indices: the general path)
+        want = want + change_contrib("w", dtype, list(shape), idx.reshape(6, 10), old, new)
+    called = record_held_calls(monkeypatch)
+    s = RunningSum(start)
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda c: s.add_change("w", dtype, shape, *c), chunks))
+    assert set(called) == {"dcr_sd_change_acc"} and len(called) == len(chunks)
+    assert s.total == want
+    idx, old, new = chunks[0]
+    for bad in (numel, -1):
+        worse = idx.clone()
+        worse[-1 if bad > 0 else 0] = bad
+        with pytest.raises(DcrError, match="out of range"):
+            s.add_change("w", dtype, shape, worse, old, new)
+        assert s.total == want
+    part = changes_contrib("v", dtype, (9,), torch.arange(9), special_tensor(dtype, 9, seed=3))
+    s.add(part)
+    assert s.total == want + part
 
 
 def test_change_digest_moves_a_state_digest_to_the_new_state(any_simd):

@@ -117,6 +117,8 @@ def _declare(lib) -> None:
     lib.dcr_sd_change.argtypes = [p, p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p]
     lib.dcr_sd_change_in.restype = ctypes.c_int
     lib.dcr_sd_change_in.argtypes = [p, p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p]
+    lib.dcr_sd_change_acc.restype = ctypes.c_int
+    lib.dcr_sd_change_acc.argtypes = [p, p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p]
     for f in (lib.dcr_planes_split, lib.dcr_planes_join):
         f.restype = ctypes.c_int
         f.argtypes = [p, i64, ctypes.c_int, p]

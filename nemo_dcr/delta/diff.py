@@ -30,7 +30,7 @@ from nemo_dcr.state.digest import SUM_NAME, algo_of, state_digest, sum_digest_ra
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.statedigest import StateDigest, change_contrib, one_range
+from nemo_dcr.state.statedigest import RunningSum, StateDigest, one_range
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import background, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -257,7 +257,7 @@ class _Tensor:
                 digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
         self.items = ranges if found is None else found
         self.chunks: list = []
-        self.total = StateDigest.zero()
+        self.target_sum = RunningSum()  # a summed target digest's parts: the chunks' changes, or dense ranges
         # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
         # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
         wanted = ([] if summed or "target" in digests else ["target"]) \
@@ -298,7 +298,7 @@ class _Tensor:
                 self.on_change(self.name, new.dtype, self.spec.global_shape, self.region_map.to_global(idx + s),
                                oldv, newv)
             if self.summed and self.old is not None and not self.reuse:
-                part = change_contrib(SUM_NAME, new.dtype, new.shape, (idx + s).cpu(), oldv.cpu(), newv.cpu())
+                self.target_sum.add_change(SUM_NAME, new.dtype, new.shape, (idx + s).cpu(), oldv.cpu(), newv.cpu())
             c.changes = None
         return c, (e - s) * new.element_size(), part
 
@@ -317,7 +317,7 @@ class _Tensor:
         c, nbytes, part = res
         bar.update(nbytes)
         if part is not None:
-            self.total = self.total + part
+            self.target_sum.add(part)
         if c is not None:
             self.chunks.append(w.add_chunk(c))
 
@@ -330,7 +330,7 @@ class _Tensor:
         d = self.digests
         if self.summed and not self.reuse:
             start = StateDigest.from_hex(d["base"][len("sd:"):]) if self.old is not None else StateDigest.zero()
-            d["target"] = sum_digest_text(start + self.total)
+            d["target"] = sum_digest_text(start + self.target_sum.total)
         entry = {
             "name": self.name, "kind": self.kind, "dtype": dtype_name(self.new.dtype),
             "shape": list(self.spec.global_shape), "region": self.spec.to_json(), "target_digest": d["target"],

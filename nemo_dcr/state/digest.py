@@ -139,30 +139,24 @@ class MovedSumDigest:
     ``RunningDigest``'s, so ``apply`` checks a target either way."""
 
     def __init__(self, start: str, dtype: torch.dtype, shape):
-        from nemo_dcr.state.statedigest import StateDigest
-        self._sum = StateDigest.from_hex(start[len(_PREFIX["sd"]):])
+        from nemo_dcr.state.statedigest import RunningSum, StateDigest
+        self._sum = RunningSum(StateDigest.from_hex(start[len(_PREFIX["sd"]):]))
         self._dtype, self._shape = dtype, tuple(shape)
-        self._lock = threading.Lock()
 
     def advance(self, end: int) -> None:
         pass  # nothing to hash: the changes came with ``change``
 
     def change(self, idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
         """The elements at flat ``idx`` went from ``old`` to ``new`` bits."""
-        from nemo_dcr.state.statedigest import change_contrib
-        part = change_contrib(SUM_NAME, self._dtype, self._shape, idx.cpu(), old.cpu(), new.cpu())
-        with self._lock:
-            self._sum = self._sum + part
+        self._sum.add_change(SUM_NAME, self._dtype, self._shape, idx.cpu(), old.cpu(), new.cpu())
 
     def replace(self, start: int, old: torch.Tensor, new: torch.Tensor) -> None:
         """The flat elements from ``start`` went from ``old`` to ``new`` bits (a dense range)."""
-        part = sum_digest_range(self._dtype, self._shape, new, start) \
-            - sum_digest_range(self._dtype, self._shape, old, start)
-        with self._lock:
-            self._sum = self._sum + part
+        self._sum.add(sum_digest_range(self._dtype, self._shape, new, start)
+                      - sum_digest_range(self._dtype, self._shape, old, start))
 
     def hexdigest(self) -> str:
-        return sum_digest_text(self._sum)
+        return sum_digest_text(self._sum.total)
 
 
 def sum_digest_range(dtype: torch.dtype, shape, bits: torch.Tensor, start: int):

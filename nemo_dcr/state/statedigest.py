@@ -35,6 +35,7 @@ most 2**15 terms); nothing relies on signed overflow. See docs/format.md, "State
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import json
@@ -239,8 +240,6 @@ def _kernel(keys: _Keys, gidx: torch.Tensor, bits: torch.Tensor) -> list:
 @functools.lru_cache(maxsize=KEYS_CACHED)
 def _native_keys(keys: _Keys):
     """The keys as the C arrays ``dcr_sd_contrib`` takes (kept alive by the cache)."""
-    import ctypes
-
     t = (ctypes.c_uint32 * LANES)(*keys.t)
     kp = (ctypes.c_uint64 * (4 * LANES))(*[v for lane in keys.kpow for v in lane])
     c = (ctypes.c_uint64 * LANES)(*keys.c)
@@ -250,8 +249,6 @@ def _native_keys(keys: _Keys):
 def _native_kernel(lib, keys: _Keys, bits: torch.Tensor, start: int = 0, gidx: torch.Tensor | None = None) -> list:
     """``_kernel`` in C: ``bits`` contiguous; canonical indices ``gidx`` (int64, contiguous) or,
     when None, ``start + k`` for element ``k``. Any length (the C loop reduces in blocks)."""
-    import ctypes
-
     t, kp, c = _native_keys(keys)
     out = (ctypes.c_uint64 * LANES)()
     rc = lib.dcr_sd_contrib(bits.data_ptr(), bits.element_size(), gidx.data_ptr() if gidx is not None else None,
@@ -405,7 +402,6 @@ def _out_of_range(idx: torch.Tensor, numel: int) -> bool:
     if h is not None:
         # in C, keeping the GIL: aminmax and its two values each gave it up, three waits a chunk
         # on the apply's workers (docs/results.md, eighteenth turn)
-        import ctypes
         lo, hi = ctypes.c_int64(), ctypes.c_int64()
         if h.dcr_i64_range(idx.data_ptr(), idx.numel(), ctypes.byref(lo), ctypes.byref(hi)) == 0:
             return lo.value < 0 or hi.value >= numel
@@ -472,7 +468,6 @@ def change_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[i
         return changes_contrib(name, dtype, global_shape, idx, n) - changes_contrib(name, dtype, global_shape, idx, o)
     if not idx.numel():
         return StateDigest.zero()
-    import ctypes
     t, kp, _ = _native_keys(keys)
     out = (ctypes.c_uint64 * LANES)()
     n, o, idx = n.contiguous(), o.contiguous(), idx.contiguous()
@@ -496,11 +491,12 @@ def _prepared(name: str, dtype: torch.dtype | str, global_shape: tuple) -> tuple
     return keys, t, kp, math.prod(shape), itemsize(dt)
 
 
-def _change_fast(name, dtype, global_shape, idx, old, new) -> StateDigest | None:
-    """``change_contrib`` of a chunk's changes as diff and apply report them (1-D contiguous host
-    tensors, int64 indices, at most ``HELD_CHANGES``), with the same checks in fewer calls; None
-    for anything else (the general path). A model of many small tensors makes a call or two per
-    tensor, and ``_checked``'s conversions were half of one (docs/results.md, twenty-third turn)."""
+def _fast_args(name, dtype, global_shape, idx, old, new) -> tuple | None:
+    """(the GIL-keeping library, ``dcr_sd_change_in``'s arguments but the last) for a chunk's
+    changes as diff and apply report them (1-D contiguous host tensors, int64 indices, at most
+    ``HELD_CHANGES``), with ``change_contrib``'s checks in fewer calls; None for anything else
+    (the general path). A model of many small tensors makes a call or two per tensor, and
+    ``_checked``'s conversions were half of one (docs/results.md, twenty-third turn)."""
     k = idx.numel()
     if not (0 < k <= HELD_CHANGES and type(global_shape) in (tuple, torch.Size) and idx.dtype == torch.int64
             and idx.dim() == old.dim() == new.dim() == 1 and old.numel() == k and new.numel() == k
@@ -513,15 +509,53 @@ def _change_fast(name, dtype, global_shape, idx, old, new) -> StateDigest | None
     keys, t, kp, numel, w = _prepared(name, dtype, global_shape)
     if old.element_size() != w or new.element_size() != w:
         return None  # (the general path says what is wrong)
-    import ctypes
-    out = (ctypes.c_uint64 * LANES)()
-    rc = h.dcr_sd_change_in(new.data_ptr(), old.data_ptr(), w, idx.data_ptr(), k, numel, keys.s1, keys.s2, t, kp,
-                            out)
+    return h, (new.data_ptr(), old.data_ptr(), w, idx.data_ptr(), k, numel, keys.s1, keys.s2, t, kp)
+
+
+def _fast_rc(rc: int, name: str, global_shape) -> None:
     if rc == _E_RANGE:
         raise DcrError(f"{name}: global index out of range for shape {list(global_shape)}")
     if rc != 0:
         raise DcrError(f"state digest kernel failed ({rc})")
+
+
+def _change_fast(name, dtype, global_shape, idx, old, new) -> StateDigest | None:
+    """``change_contrib`` in one C call where ``_fast_args`` allows; None otherwise."""
+    a = _fast_args(name, dtype, global_shape, idx, old, new)
+    if a is None:
+        return None
+    out = (ctypes.c_uint64 * LANES)()
+    _fast_rc(a[0].dcr_sd_change_in(*a[1], out), name, global_shape)
     return StateDigest._of(tuple(out))
+
+
+class RunningSum:
+    """A StateDigest summed from parts reported from any thread. A chunk's change
+    (``add_change``: ``change_contrib``'s arguments) goes straight into lanes held in C memory,
+    by a C call that keeps the GIL (``native.held``), so no two run at once: one call a chunk, no
+    digest object and no lock (a diff or apply of many small tensors makes one or two a tensor:
+    docs/results.md, twenty-fourth turn). Other parts (``add``) are summed under a lock."""
+
+    def __init__(self, start: StateDigest | None = None):
+        self._parts = start if start is not None else StateDigest.zero()
+        self._acc = (ctypes.c_uint64 * LANES)()  # lanes in [0, P): dcr_sd_change_acc keeps them so
+        self._lock = threading.Lock()
+
+    def add_change(self, name, dtype, global_shape, global_idx, old, new) -> None:
+        a = _fast_args(name, dtype, global_shape, global_idx, old, new)
+        if a is None:
+            self.add(change_contrib(name, dtype, global_shape, global_idx, old, new))
+        else:
+            _fast_rc(a[0].dcr_sd_change_acc(*a[1], self._acc), name, global_shape)
+
+    def add(self, part: StateDigest) -> None:
+        with self._lock:
+            self._parts = self._parts + part
+
+    @property
+    def total(self) -> StateDigest:
+        with self._lock:  # (the C adds keep the GIL: the lanes are read between two of them)
+            return self._parts + StateDigest._of(tuple(self._acc))
 
 
 class ChangeDigest:
@@ -537,20 +571,19 @@ class ChangeDigest:
     """
 
     def __init__(self):
-        self.total = StateDigest.zero()
-        self._lock = threading.Lock()
+        self._sum = RunningSum()
+
+    @property
+    def total(self) -> StateDigest:
+        return self._sum.total
 
     def __call__(self, name, dtype, global_shape, global_idx, old, new) -> None:
         if new is not None and old is not None:
-            c = change_contrib(name, dtype, global_shape, global_idx, old, new)
+            self._sum.add_change(name, dtype, global_shape, global_idx, old, new)
         elif new is not None:
-            c = changes_contrib(name, dtype, global_shape, global_idx, new)
+            self._sum.add(changes_contrib(name, dtype, global_shape, global_idx, new))
         elif old is not None:
-            c = -changes_contrib(name, dtype, global_shape, global_idx, old)
-        else:
-            return
-        with self._lock:
-            self.total = self.total + c
+            self._sum.add(-changes_contrib(name, dtype, global_shape, global_idx, old))
 
 
 def allreduce_digest(d: StateDigest, group: ProcessGroup | None = None) -> StateDigest:
