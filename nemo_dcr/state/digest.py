@@ -17,7 +17,6 @@
 from __future__ import annotations
 
 import hashlib
-import threading
 from collections.abc import Mapping
 from typing import Any, Protocol
 
