@@ -490,6 +490,47 @@ def test_a_chunk_decoded_into_a_wrong_base_is_written_back():
     assert_bits_equal(held, wrong)
 
 
+@pytest.mark.parametrize("receiver", ["whole", "rows 8-47", "rows 16-31", "rows 24-63"])
+def test_a_row_shard_is_applied_in_place_where_its_receiver_holds_it_as_one_run(receiver, monkeypatch):
+    """A trainer rank's row shard (rows 16-31 of a (64, 300) tensor: one run of the canonical
+    tensor) decodes into a receiver that holds it as one run -- the tensor whole, or a row shard
+    that contains it -- as a whole tensor's chunks do (``apply._shift``), with no per-element index
+    maps. A receiver whose shard only overlaps it ("rows 24-63") is refused with the classes
+    error, as before. The target's bits land at the shard's rows and nowhere else, and a base one
+    bit off at a changed position is refused with the receiver's bits as they were."""
+    import importlib
+    apply_mod = importlib.import_module("nemo_dcr.delta.apply")
+    base, target = _model(seed=8)
+    b, t = base["t0"], target["t0"]  # (64, 300) BF16
+    region = ShardSpec.of(b.shape, [16, 0], [16, 300])
+    blob = diff({"t0": b[16:32].clone()}, {"t0": t[16:32].clone()}, shards={"t0": region}, encoding="classes",
+                chunk_elems=1000)
+    lo, hi = {"whole": (0, 64), "rows 8-47": (8, 48), "rows 16-31": (16, 32), "rows 24-63": (24, 64)}[receiver]
+    spec = ShardSpec.of(b.shape, [lo, 0], [hi - lo, 300])
+    if receiver == "rows 24-63":
+        with pytest.raises(DcrError, match="portable"):
+            apply({"t0": b[lo:hi].clone()}, blob, shards={"t0": spec}, verify=False)
+        return
+    want = b[lo:hi].clone()
+    want[16 - lo:32 - lo] = t[16:32]
+    maps = []
+    real = apply_mod.IndexMap.to_local
+    monkeypatch.setattr(apply_mod.IndexMap, "to_local", lambda self, g: maps.append(1) or real(self, g))
+    held = b[lo:hi].clone()
+    apply({"t0": held}, blob, shards={"t0": spec})
+    assert_bits_equal(held, want)
+    assert not maps  # no chunk mapped its elements one by one
+    one = diff({"t0": b[16:32].clone()}, {"t0": t[16:32].clone()}, shards={"t0": region}, encoding="classes")
+    changed = torch.nonzero(_bits(b[16:32]) != _bits(t[16:32])).squeeze(1)
+    wrong = b[lo:hi].clone()
+    _bits(wrong[16 - lo:32 - lo])[changed[len(changed) // 2]] ^= 1
+    held = wrong.clone()
+    with pytest.raises(PartialApplyError) as e:  # (one chunk: nothing else was written before it)
+        apply({"t0": held}, one, shards={"t0": spec}, verify=False, workers=1)
+    assert isinstance(e.value.__cause__, BaseMismatchError)
+    assert_bits_equal(held, wrong)
+
+
 def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     """Deltas written before the SHA-256 tensor digests carry bare BLAKE2b ones: a reader checks
     each with the algorithm it names, and still refuses a wrong base."""

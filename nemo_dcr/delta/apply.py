@@ -93,10 +93,7 @@ class _Target:
     dtype: torch.dtype
     w: int
     moved: MovedSumDigest | None = None  # the target digest, moved by each chunk's changes
-
-    @property
-    def identity(self) -> bool:  # region and receiver both whole: region-local == local
-        return self.region_map.identity and self.recv_map.identity
+    shift: int | None = None  # region-local + shift == local, where the region is one run held whole (_shift)
 
     @property
     def xor_ok(self) -> bool:  # chunks coded against the base (xor, add) need a base
@@ -115,7 +112,25 @@ def _target_of(plan: Plan, moved: MovedSumDigest | None = None) -> _Target:
     else:
         assert plan.recv is not None  # plan_entry places a held tensor without a shard spec as the whole tensor
         tensor, recv = plan.held, plan.recv
-    return _Target(plan, tensor, FlatAccess(tensor), IndexMap(region), IndexMap(recv), dtype, itemsize(dtype), moved)
+    region_map, recv_map = IndexMap(region), IndexMap(recv)
+    return _Target(plan, tensor, FlatAccess(tensor), region_map, recv_map, dtype, itemsize(dtype), moved,
+                   _shift(region_map, recv_map))
+
+
+def _shift(region_map: IndexMap, recv_map: IndexMap) -> int | None:
+    """The constant that takes a region-local flat index to the receiver's local one where the
+    region is one run of the canonical tensor and lies whole inside the receiver's memory as one
+    run: both whole, or a trainer rank's row shard of a tensor the receiver holds whole (or holds
+    a row shard of that contains it). Its chunks then read and write the receiver's memory as a
+    range, as a whole tensor's do; other layouts map each chunk's elements through the index
+    maps (an index per element of the chunk: ~230 us more per 16K-element shard; docs/results.md,
+    twenty-fourth turn). None where it is not so."""
+    ro = 0 if region_map.identity else region_map.run_offset
+    rr = 0 if recv_map.identity else recv_map.run_offset
+    if ro is None or rr is None:
+        return None
+    shift = ro - rr
+    return shift if 0 <= shift and shift + region_map.numel <= recv_map.numel else None
 
 
 # ----------------------------------------------------------------------------- the four steps
@@ -146,14 +161,14 @@ def _decode(reader: DeltaReader, t: _Target, c: ChunkEntry):
     # a classes chunk decodes against the receiver's bits of the *whole* chunk
     if not t.plan.checks_chunks:
         raise undecodable(t.plan.name, c)
-    if t.identity:
-        base = t.fa.read(c.start, c.end)  # (a view of the tensor where it is contiguous)
+    if t.shift is not None:
+        base = t.fa.read(t.shift + c.start, t.shift + c.end)  # (a view of the tensor where it is contiguous)
     else:
         local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end, device=dev)))
         base = t.fa.gather(local)
     try:
         if on_host(base):
-            into = t.identity and t.fa.contiguous
+            into = t.shift is not None and t.fa.contiguous
             return (*decode_chunk(c, reader.payload(c), t.w, base=base, dtype=t.dtype, with_old=True, into=into,
                                   checked=reader.payloads_checked, offset=c.start), into)
         idx, vals = locate_chunk(c, reader.payload(c), base, t.dtype)
@@ -174,8 +189,8 @@ def _locate(t: _Target, pos: torch.Tensor, vals: torch.Tensor):
     """Positions in the tensor's region -> (canonical indices, the receiver's local indices,
     values) of the changes it holds."""
     glob = t.region_map.to_global(pos)
-    if t.identity:
-        return glob, glob, vals
+    if t.shift is not None:  # (the receiver whole: its local indices are the canonical ones)
+        return glob, glob if t.recv_map.identity else pos + t.shift, vals
     local, mask = t.recv_map.to_local(glob)
     if not bool(mask.all()):
         vals, glob = vals[mask], glob[mask]  # (to_local returns the held ones only)
@@ -250,7 +265,7 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         if journal is not None:
             journal.add(key)
         return out
-    if c.pos == DENSE and on_change is None and t.identity and t.fa.contiguous:
+    if c.pos == DENSE and on_change is None and t.shift is not None and t.fa.contiguous:
         out = _apply_range(reader, t, c, in_journal)
         if journal is not None and out[0] == "applied":
             journal.add(key)
@@ -296,7 +311,8 @@ def _apply_range(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: boo
     itself. The general path makes three int64 arrays of the chunk's length (positions, canonical,
     local) and scatters through them: 5x the chunk's BF16 bytes of scratch per worker, which the
     C library's arenas kept (a keyframe sync peaked at 2.3x the model for 2 MiB tensors)."""
-    view = t.fa.read(c.start, c.end)  # (a view: contiguous)
+    assert t.shift is not None  # (the caller's condition)
+    view = t.fa.read(t.shift + c.start, t.shift + c.end)  # (a view: contiguous)
     raw = dense_stream(c, reader.payload(c), t.w, checked=reader.payloads_checked)  # decompressed: nothing below fails
     need_cur = t.xor_ok and t.plan.action != Action.CREATE
     if t.plan.checks_chunks and _check(t, c, view, in_journal):
