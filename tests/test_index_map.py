@@ -140,6 +140,8 @@ def test_to_global_matches_reference_and_round_trips(layout):
         perm = torch.randperm(spec.numel, generator=torch.Generator().manual_seed(spec.numel + 1))
         back2, mask2 = m.to_local(m.to_global(perm))
         assert bool(mask2.all()) and torch.equal(back2, perm)
+        # canonical indices known to be held: the same local ones without the mask
+        assert torch.equal(m.held_to_local(m.to_global(perm)), perm)
         seen[glob] += 1
     # the shards tile the global tensor exactly once
     assert torch.equal(seen, torch.ones(gnumel, dtype=torch.int64))

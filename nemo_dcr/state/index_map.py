@@ -267,6 +267,18 @@ class IndexMap:
             out += (q + off) * gs
         return out
 
+    def held_to_local(self, glob: torch.Tensor) -> torch.Tensor:
+        """Local indices of canonical ones known to lie in this shard (its own changes, found in
+        the tensor that holds it): ``to_local`` without the mask, which on a whole tensor or a run
+        was most of a small tensor's publish with shard specs (~28 us a chunk; docs/results.md,
+        twenty-fourth turn). An index outside it is then out of the local tensor's bounds, which
+        the write that uses it refuses."""
+        if self.identity:
+            return glob
+        if self.run_offset is not None:
+            return glob - self.run_offset
+        return self.to_local(glob)[0]
+
     def to_local(self, glob: torch.Tensor):
         """Return (local indices of the held elements, boolean mask of which inputs are held)."""
         glob = glob.to(torch.int64)

@@ -655,7 +655,8 @@ class _Changes:
 
     def _local(self, name: str, global_idx: torch.Tensor) -> torch.Tensor:
         spec = self._shards.get(name)
-        return global_idx if spec is None else IndexMap(spec).to_local(global_idx)[0]
+        # (the diff's changes of the snapshot's own shard: every index is held)
+        return global_idx if spec is None else IndexMap(spec).held_to_local(global_idx)
 
     def __call__(self, name: str, global_idx: torch.Tensor, old: torch.Tensor | None,
                  new: torch.Tensor | None) -> None:
