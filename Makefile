@@ -154,6 +154,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/kernels.py
 	$(BIN)/python bench/files.py
 	$(BIN)/python bench/tensors.py
+	$(BIN)/python bench/ranks.py
 
 clean:
 	rm -rf $(VENV) runs   # the cached venvs stay: rm -rf $(VLLM_VENV) $(TRL_VENV) $(NEMO_VENV) $(VERL_VENV)

@@ -370,6 +370,25 @@ def test_files_bench_quick_json():
     assert "| apply |" in files.format_table(r)
 
 
+def test_ranks_bench_quick_json():
+    """bench/ranks.py --quick --json: real rank processes (gloo) publish their row shards, and a
+    follower holding the tensors whole syncs them, its bits checked against the target inside
+    the run (it raises otherwise); each ratio is to the one-rank cell of its path."""
+    ranks = bench.load("ranks")
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = ranks.main(["--quick", "--json"])
+    assert rc == 0, err.getvalue()
+    r = json.loads(out.getvalue())
+    assert r["config"]["quick"] and r["config"]["ranks"] == [1, 4] and r["config"]["tensors"] == 64
+    rows = {(row["ranks"], row["path"]): row for row in r["rows"]}
+    assert set(rows) == {(n, p) for n in (1, 4) for p in ranks.PATHS}
+    for (n, p), row in rows.items():
+        assert row["entries"] == 64 * n
+        assert row["seconds"] > 0 and math.isclose(row["x_one"], row["seconds"] / rows[1, p]["seconds"])
+    assert "| delta sync |" in ranks.format_table(r)
+
+
 def test_tensors_bench_quick_json():
     """bench/tensors.py --quick --json: the four paths for each tensor count, each ratio to the
     one-tensor cell of its path; both followers' bits checked against the target inside the run

@@ -1,0 +1,211 @@
+"""A version published by a trainer's ranks, each its row shard of every tensor, and synced by a
+follower that holds the tensors whole: the follower's delta sync and the ranks' delta publish for
+1, 2, 4 and 8 ranks, each as a multiple of the one-rank time, in one run.
+
+    python bench/ranks.py             # 64M BF16 elements as 512 (256, 512) tensors, 1, 2, 4 and 8 ranks
+    python bench/ranks.py --json      # the same as JSON
+    python bench/ranks.py --quick     # 8M elements as 64 tensors, 1 and 4 ranks, one repetition
+
+A trainer sharded as FSDP shards (dim 0, one row shard per rank) publishes each tensor as one
+entry per rank; a follower holding the tensor whole (a rollout engine without tensor parallelism)
+applies them all. The bytes are about the same at every rank count; what a row shard costs the
+follower beyond its bytes (its header entry, its plan, its chunk's Python) shows as the ratio
+over 1.00 (docs/results.md, twenty-fourth turn: before a row shard held as one run was decoded
+in place, 4 ranks' shards took a follower 11x one rank's whole tensors).
+
+The model is ``bench/kernels.py``'s shard and its optimizer-like step (``--change``, 1 %), cut
+into ``--tensors`` tensors of (256, elements / tensors / 256). For each rank count, on a fresh
+local store: that many processes (``--publish-rank``, gloo on 127.0.0.1) each publish their row
+shard of every tensor (a keyframe, then the step: ``delta publish`` is the slowest rank's second
+publish), and in this process ``--reps`` fresh ``Follower``s holding the first version sync to the
+second (``delta sync``, the median); each follower's tensors are compared with the target's bits.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+if HERE not in sys.path:
+    sys.path.insert(0, HERE)
+
+from benchload import script  # noqa: E402
+
+PATHS = ("delta publish", "delta sync")
+ROWS = 256  # each tensor's rows: every rank count divides them
+
+
+def _kernels():
+    """bench/kernels.py, for its shard, its step and its load reading."""
+    return script("kernels")
+
+
+def model(elems: int, tensors: int, rate: float) -> tuple[dict, dict]:
+    """(base, target): ``tensors`` (ROWS, cols) BF16 tensors of the shard and its step."""
+    k = _kernels()
+    flat_base = k.make_shard(elems)
+    flat_target = k.make_target(flat_base, rate)
+    n = elems // tensors
+
+    def cut(flat: torch.Tensor) -> dict:
+        return {f"layers.{i:04d}.weight": flat[i * n:(i + 1) * n].clone().view(ROWS, n // ROWS) for i in range(tensors)}
+    return cut(flat_base), cut(flat_target)
+
+
+def publish_rank(rank: int, world: int, port: int, store: str, data: str, out: str) -> None:
+    """One rank (``--publish-rank``): its row shards of the first version, then of the second."""
+    import torch.distributed as dist
+
+    from nemo_dcr import ShardSpec
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.publisher import Publisher
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        d = torch.load(data, weights_only=True)
+        rows = ROWS // world
+        specs = {n: ShardSpec(tuple(t.shape), (rank * rows, 0), (rows, t.shape[1])) for n, t in d["base"].items()}
+        live = {n: t[rank * rows:(rank + 1) * rows].clone() for n, t in d["base"].items()}
+        pub = Publisher(LocalStore(store), signer=None, group=dist.group.WORLD)
+        pub.publish(live, specs)
+        for n, t in live.items():
+            t.copy_(d["target"][n][rank * rows:(rank + 1) * rows])
+        t0 = time.perf_counter()
+        pub.publish(live, specs)
+        seconds = time.perf_counter() - t0
+    finally:
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "delta_publish_seconds": seconds}, f)
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def publish(world: int, store: str, data: str, tmp: str) -> float:
+    """``world`` rank processes publish both versions -> the slowest rank's delta publish, s. Their
+    output goes to files (a pipe read while they run could fill and hold them)."""
+    port = _port()
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    procs = []
+    for r in range(world):
+        log = open(os.path.join(tmp, f"rank-{world}-{r}.log"), "w")
+        cmd = [sys.executable, os.path.abspath(__file__), "--publish-rank", str(r), "--world", str(world),
+               "--port", str(port), "--store", store, "--data", data,
+               "--out", os.path.join(tmp, f"rank-{world}-{r}.json")]
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
+    failed = []
+    for r, (p, log) in enumerate(procs):
+        if p.wait(timeout=900) != 0:
+            failed.append(r)
+        log.close()
+    if failed:
+        with open(os.path.join(tmp, f"rank-{world}-{failed[0]}.log")) as f:
+            raise RuntimeError(f"{world} ranks: rank {failed[0]} failed:\n{f.read()[-3000:]}")
+    times = []
+    for r in range(world):
+        with open(os.path.join(tmp, f"rank-{world}-{r}.json")) as f:
+            times.append(json.load(f)["delta_publish_seconds"])
+    return max(times)
+
+
+def follow(store: str, base: dict, target: dict, reps: int) -> float:
+    """The median of ``reps`` fresh followers' delta syncs, s; each ends at the target's bits."""
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.follower import Follower
+    times = []
+    for _ in range(reps):
+        held = {n: t.clone() for n, t in base.items()}
+        f = Follower(LocalStore(store), held, version=0, verify_initial=False)
+        t0 = time.perf_counter()
+        r = f.sync()
+        times.append(time.perf_counter() - t0)
+        if r.version != 1 or not all(torch.equal(held[n].view(torch.int16), target[n].view(torch.int16))
+                                     for n in held):
+            raise AssertionError("the follower did not end at the target's bits")
+    return statistics.median(times)
+
+
+def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: bool = False) -> dict:
+    t0 = time.perf_counter()
+    k = _kernels()
+    out = {"config": {"elements": elems, "bytes": 2 * elems, "tensors": tensors, "ranks": counts, "dtype": "bfloat16",
+                      "change": rate, "reps": reps, "quick": quick},
+           "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+                       "torch": torch.__version__, "load_before": k._load()}, "rows": []}
+    base, target = model(elems, tensors, rate)
+    cells: dict = {}
+    with tempfile.TemporaryDirectory(prefix="dcr-bench-ranks-") as tmp:
+        data = os.path.join(tmp, "model.pt")
+        torch.save({"base": base, "target": target}, data)
+        for world in counts:
+            store = os.path.join(tmp, f"store-{world}")
+            cells[world] = {"delta publish": publish(world, store, data, tmp),
+                            "delta sync": follow(store, base, target, reps)}
+    for world in counts:
+        for p in PATHS:
+            s = cells[world][p]
+            out["rows"].append({"ranks": world, "entries": world * tensors, "path": p, "seconds": s,
+                                "x_one": s / cells[counts[0]][p]})
+    out["machine"]["load_after"] = k._load()
+    out["seconds_total"] = time.perf_counter() - t0
+    return out
+
+
+def format_table(r: dict) -> str:
+    c = r["config"]
+    counts = c["ranks"]
+    lines = [f"model: {c['elements'] / 1e6:.0f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB) as {c['tensors']} tensors, "
+             f"{100 * c['change']:g} % changed, published as 1 row shard per rank of each; local store; follower "
+             f"holds the tensors whole; medians of {c['reps']}; load {r['machine']['load_before']} -> "
+             f"{r['machine']['load_after']}",
+             "", "| path | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}: ms (x one)" for n in counts) + " |",
+             "|---|" + "---:|" * len(counts)]
+    by = {(row["ranks"], row["path"]): row for row in r["rows"]}
+    for p in PATHS:
+        lines.append(f"| {p} | " + " | ".join(f"{1e3 * by[n, p]['seconds']:.0f} ({by[n, p]['x_one']:.2f}x)"
+                                              for n in counts) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--elems", type=int, default=64 << 20, help="BF16 elements in all (default 64M)")
+    ap.add_argument("--tensors", type=int, default=512, help="tensors of (256, cols) to cut them into")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4, 8],
+                    help="rank counts (each divides 256; the first is the unit of the ratios)")
+    ap.add_argument("--change", type=float, default=0.01)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--quick", action="store_true", help="8M elements as 64 tensors, 1 and 4 ranks, 1 repetition")
+    ap.add_argument("--json", action="store_true")
+    for hidden in ("--publish-rank", "--world", "--port"):
+        ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
+    for hidden in ("--store", "--data", "--out"):
+        ap.add_argument(hidden, help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.publish_rank is not None:
+        publish_rank(a.publish_rank, a.world, a.port, a.store, a.data, a.out)
+        return 0
+    elems, tensors, counts, reps = (8 << 20, 64, [1, 4], 1) if a.quick else (a.elems, a.tensors, a.ranks, a.reps)
+    if elems % (tensors * ROWS) or any(ROWS % n for n in counts):
+        ap.error(f"--elems {elems} must cut into {tensors} tensors of {ROWS} rows, and each rank count divide {ROWS}")
+    r = run(elems, tensors, counts, a.change, reps, a.quick)
+    print(json.dumps(r, indent=1) if a.json else format_table(r))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
