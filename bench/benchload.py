@@ -20,3 +20,21 @@ def script(name: str):
         sys.modules[mod_name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[mod_name]
+
+
+def ratio_rows(cells: dict, counts: list, paths, key: str, **per_count) -> list:
+    """One row per (count, path) of ``cells[count][path]`` seconds, ``x_one`` its ratio to the
+    first count's cell of the same path; ``per_count``: more fields, each a function of the count."""
+    return [{key: n, **{f: fn(n) for f, fn in per_count.items()}, "path": p, "seconds": cells[n][p],
+             "x_one": cells[n][p] / cells[counts[0]][p]} for n in counts for p in paths]
+
+
+def ratio_table(rows: list, key: str, counts: list, paths, label) -> list:
+    """The markdown lines of ``ratio_rows``' table: a row per path, a column per count (``label(n)``)."""
+    lines = ["| path | " + " | ".join(f"{label(n)}: ms (x one)" for n in counts) + " |",
+             "|---|" + "---:|" * len(counts)]
+    by = {(row[key], row["path"]): row for row in rows}
+    for p in paths:
+        lines.append(f"| {p} | " + " | ".join(f"{1e3 * by[n, p]['seconds']:.0f} ({by[n, p]['x_one']:.2f}x)"
+                                              for n in counts) + " |")
+    return lines

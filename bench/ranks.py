@@ -40,7 +40,7 @@ ROOT = os.path.dirname(HERE)
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from benchload import script  # noqa: E402
+from benchload import ratio_rows, ratio_table, script  # noqa: E402
 
 PATHS = ("delta publish", "delta sync")
 ROWS = 256  # each tensor's rows: every rank count divides them
@@ -155,11 +155,7 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
             store = os.path.join(tmp, f"store-{world}")
             cells[world] = {"delta publish": publish(world, store, data, tmp),
                             "delta sync": follow(store, base, target, reps)}
-    for world in counts:
-        for p in PATHS:
-            s = cells[world][p]
-            out["rows"].append({"ranks": world, "entries": world * tensors, "path": p, "seconds": s,
-                                "x_one": s / cells[counts[0]][p]})
+    out["rows"] = ratio_rows(cells, counts, PATHS, "ranks", entries=lambda n: n * tensors)
     out["machine"]["load_after"] = k._load()
     out["seconds_total"] = time.perf_counter() - t0
     return out
@@ -171,14 +167,9 @@ def format_table(r: dict) -> str:
     lines = [f"model: {c['elements'] / 1e6:.0f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB) as {c['tensors']} tensors, "
              f"{100 * c['change']:g} % changed, published as 1 row shard per rank of each; local store; follower "
              f"holds the tensors whole; medians of {c['reps']}; load {r['machine']['load_before']} -> "
-             f"{r['machine']['load_after']}",
-             "", "| path | " + " | ".join(f"{n} rank{'s' if n > 1 else ''}: ms (x one)" for n in counts) + " |",
-             "|---|" + "---:|" * len(counts)]
-    by = {(row["ranks"], row["path"]): row for row in r["rows"]}
-    for p in PATHS:
-        lines.append(f"| {p} | " + " | ".join(f"{1e3 * by[n, p]['seconds']:.0f} ({by[n, p]['x_one']:.2f}x)"
-                                              for n in counts) + " |")
-    return "\n".join(lines)
+             f"{r['machine']['load_after']}", ""]
+    return "\n".join(lines + ratio_table(r["rows"], "ranks", counts, PATHS,
+                                         lambda n: f"{n} rank{'s' if n > 1 else ''}"))
 
 
 def main(argv=None) -> int:

@@ -41,7 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
     sys.path.insert(0, HERE)
 
-from benchload import script  # noqa: E402
+from benchload import ratio_rows, ratio_table, script  # noqa: E402
 
 PATHS = ("keyframe publish", "delta publish", "delta sync", "keyframe sync")
 
@@ -105,10 +105,7 @@ def run(elems: int, counts: list, rate: float, reps: int, workers: int | None, q
         base, target = cut(flat_base, n), cut(flat_target, n)
         times = [one_rep(base, target, workers) for _ in range(reps)]
         cells[n] = {p: statistics.median(t[p] for t in times) for p in PATHS}
-    for n in counts:
-        for p in PATHS:
-            s = cells[n][p]
-            out["rows"].append({"tensors": n, "path": p, "seconds": s, "x_one": s / cells[counts[0]][p]})
+    out["rows"] = ratio_rows(cells, counts, PATHS, "tensors")
     out["machine"]["load_after"] = k._load()
     out["seconds_total"] = time.perf_counter() - t0
     return out
@@ -119,14 +116,8 @@ def format_table(r: dict) -> str:
     counts = c["tensors"]
     lines = [f"model: {c['elements'] / 1e6:.0f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB), {100 * c['change']:g} % "
              f"changed, as {', '.join(map(str, counts))} tensors; local store; workers {c['workers'] or 'default'}; "
-             f"medians of {c['reps']}; load {r['machine']['load_before']} -> {r['machine']['load_after']}",
-             "", "| path | " + " | ".join(f"{n} tensors: ms (x one)" for n in counts) + " |",
-             "|---|" + "---:|" * len(counts)]
-    by = {(row["tensors"], row["path"]): row for row in r["rows"]}
-    for p in PATHS:
-        lines.append(f"| {p} | " + " | ".join(f"{1e3 * by[n, p]['seconds']:.0f} ({by[n, p]['x_one']:.2f}x)"
-                                              for n in counts) + " |")
-    return "\n".join(lines)
+             f"medians of {c['reps']}; load {r['machine']['load_before']} -> {r['machine']['load_after']}", ""]
+    return "\n".join(lines + ratio_table(r["rows"], "tensors", counts, PATHS, lambda n: f"{n} tensors"))
 
 
 def main(argv=None) -> int:
