@@ -1,6 +1,6 @@
 """A version published by a trainer's ranks, each its row shard of every tensor, and synced by a
-follower that holds the tensors whole: the follower's delta sync and the ranks' delta publish for
-1, 2, 4 and 8 ranks, each as a multiple of the one-rank time, in one run.
+follower that holds the tensors whole: the ranks' delta publish and the follower's delta and
+keyframe sync for 1, 2, 4 and 8 ranks, each as a multiple of the one-rank time, in one run.
 
     python bench/ranks.py             # 64M BF16 elements as 512 (256, 512) tensors, 1, 2, 4 and 8 ranks
     python bench/ranks.py --json      # the same as JSON
@@ -18,7 +18,8 @@ into ``--tensors`` tensors of (256, elements / tensors / 256). For each rank cou
 local store: that many processes (``--publish-rank``, gloo on 127.0.0.1) each publish their row
 shard of every tensor (a keyframe, then the step: ``delta publish`` is the slowest rank's second
 publish), and in this process ``--reps`` fresh ``Follower``s holding the first version sync to the
-second (``delta sync``, the median); each follower's tensors are compared with the target's bits.
+second (``delta sync``, the median), and as many holding zeros (``keyframe sync``: the keyframe,
+then the delta); each follower's tensors are compared with the target's bits.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ if HERE not in sys.path:
 
 from benchload import ratio_rows, ratio_table, script  # noqa: E402
 
-PATHS = ("delta publish", "delta sync")
+PATHS = ("delta publish", "delta sync", "keyframe sync")
 ROWS = 256  # each tensor's rows: every rank count divides them
 
 
@@ -122,14 +123,20 @@ def publish(world: int, store: str, data: str, tmp: str) -> float:
     return max(times)
 
 
-def follow(store: str, base: dict, target: dict, reps: int) -> float:
-    """The median of ``reps`` fresh followers' delta syncs, s; each ends at the target's bits."""
+def follow(store: str, base: dict, target: dict, reps: int, keyframe: bool = False) -> float:
+    """The median of ``reps`` fresh followers' delta syncs (``keyframe``: followers holding zeros,
+    of the tensors' shapes, sync to the second version: the keyframe, then the delta), s; each
+    ends at the target's bits."""
     from nemo_dcr.stores import LocalStore
     from nemo_dcr.sync.follower import Follower
     times = []
     for _ in range(reps):
-        held = {n: t.clone() for n, t in base.items()}
-        f = Follower(LocalStore(store), held, version=0, verify_initial=False)
+        if keyframe:
+            held = {n: torch.zeros_like(t) for n, t in base.items()}
+            f = Follower(LocalStore(store), held)
+        else:
+            held = {n: t.clone() for n, t in base.items()}
+            f = Follower(LocalStore(store), held, version=0, verify_initial=False)
         t0 = time.perf_counter()
         r = f.sync()
         times.append(time.perf_counter() - t0)
@@ -154,7 +161,8 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
         for world in counts:
             store = os.path.join(tmp, f"store-{world}")
             cells[world] = {"delta publish": publish(world, store, data, tmp),
-                            "delta sync": follow(store, base, target, reps)}
+                            "delta sync": follow(store, base, target, reps),
+                            "keyframe sync": follow(store, base, target, reps, keyframe=True)}
     out["rows"] = ratio_rows(cells, counts, PATHS, "ranks", entries=lambda n: n * tensors)
     out["machine"]["load_after"] = k._load()
     out["seconds_total"] = time.perf_counter() - t0
