@@ -189,7 +189,7 @@ def _locate(t: _Target, pos: torch.Tensor, vals: torch.Tensor):
     """Positions in the tensor's region -> (canonical indices, the receiver's local indices,
     values) of the changes it holds."""
     glob = t.region_map.to_global(pos)
-    if t.shift is not None:  # (the receiver whole: its local indices are the canonical ones)
+    if t.shift is not None:  # every position held, at pos + shift (a receiver holding it whole: at glob)
         return glob, glob if t.recv_map.identity else pos + t.shift, vals
     local, mask = t.recv_map.to_local(glob)
     if not bool(mask.all()):
