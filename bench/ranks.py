@@ -7,11 +7,12 @@ keyframe sync for 1, 2, 4 and 8 ranks, each as a multiple of the one-rank time, 
     python bench/ranks.py --quick     # 8M elements as 64 tensors, 1 and 4 ranks, one repetition
 
 A trainer sharded as FSDP shards (dim 0, one row shard per rank) publishes each tensor as one
-entry per rank; a follower holding the tensor whole (a rollout engine without tensor parallelism)
-applies them all. The bytes are about the same at every rank count; what a row shard costs the
-follower beyond its bytes (its header entry, its plan, its chunk's Python) shows as the ratio
-over 1.00 (docs/results.md, twenty-fourth turn: before a row shard held as one run was decoded
-in place, 4 ranks' shards took a follower 11x one rank's whole tensors).
+entry per rank; a follower holding the tensors whole (a rollout engine without tensor parallelism)
+applies them all. The changes are the same at every rank count; the bytes grow with it
+(``delta bytes``: the second version's parts and manifest in the store), as each shard has its own
+entry in the segment index, ~100 bytes. What a row shard costs beyond its bytes shows as the ratio over 1.00
+(docs/results.md, twenty-fourth turn: before a row shard held as one run was decoded in place,
+2 to 8 ranks' shards took a follower 11-20x one rank's whole tensors).
 
 The model is ``bench/kernels.py``'s shard and its optimizer-like step (``--change``, 1 %), cut
 into ``--tensors`` tensors of (256, elements / tensors / 256). For each rank count, on a fresh
@@ -123,6 +124,12 @@ def publish(world: int, store: str, data: str, tmp: str) -> float:
     return max(times)
 
 
+def delta_bytes(store: str) -> int:
+    """The bytes of the store's second version (version 1: the ranks' delta parts and its manifest)."""
+    root = os.path.join(store, "versions", f"{1:012d}")
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(root) for f in files)
+
+
 def follow(store: str, base: dict, target: dict, reps: int, keyframe: bool = False) -> float:
     """The median of ``reps`` fresh followers' delta syncs (``keyframe``: followers holding zeros,
     of the tensors' shapes, sync to the second version: the keyframe, then the delta), s; each
@@ -155,6 +162,7 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
                        "torch": torch.__version__, "load_before": k._load()}, "rows": []}
     base, target = model(elems, tensors, rate)
     cells: dict = {}
+    sizes: dict = {}  # ranks -> the second version's bytes in the store (its parts and manifest)
     with tempfile.TemporaryDirectory(prefix="dcr-bench-ranks-") as tmp:
         data = os.path.join(tmp, "model.pt")
         torch.save({"base": base, "target": target}, data)
@@ -163,7 +171,9 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
             cells[world] = {"delta publish": publish(world, store, data, tmp),
                             "delta sync": follow(store, base, target, reps),
                             "keyframe sync": follow(store, base, target, reps, keyframe=True)}
-    out["rows"] = ratio_rows(cells, counts, PATHS, "ranks", entries=lambda n: n * tensors)
+            sizes[world] = delta_bytes(store)
+    out["rows"] = ratio_rows(cells, counts, PATHS, "ranks", entries=lambda n: n * tensors,
+                             delta_bytes=sizes.__getitem__)
     out["machine"]["load_after"] = k._load()
     out["seconds_total"] = time.perf_counter() - t0
     return out
@@ -172,10 +182,12 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
 def format_table(r: dict) -> str:
     c = r["config"]
     counts = c["ranks"]
+    by_n = {row["ranks"]: row["delta_bytes"] for row in r["rows"]}
     lines = [f"model: {c['elements'] / 1e6:.0f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB) as {c['tensors']} tensors, "
              f"{100 * c['change']:g} % changed, published as 1 row shard per rank of each; local store; follower "
              f"holds the tensors whole; medians of {c['reps']}; load {r['machine']['load_before']} -> "
-             f"{r['machine']['load_after']}", ""]
+             f"{r['machine']['load_after']}",
+             "delta bytes: " + ", ".join(f"{n} rank{'s' if n > 1 else ''} {by_n[n] / 1e3:.0f} KB" for n in counts), ""]
     return "\n".join(lines + ratio_table(r["rows"], "ranks", counts, PATHS,
                                          lambda n: f"{n} rank{'s' if n > 1 else ''}"))
 

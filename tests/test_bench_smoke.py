@@ -384,9 +384,10 @@ def test_ranks_bench_quick_json():
     rows = {(row["ranks"], row["path"]): row for row in r["rows"]}
     assert set(rows) == {(n, p) for n in (1, 4) for p in ranks.PATHS}
     for (n, p), row in rows.items():
-        assert row["entries"] == 64 * n
+        assert row["entries"] == 64 * n and row["delta_bytes"] > 0
         assert row["seconds"] > 0 and math.isclose(row["x_one"], row["seconds"] / rows[1, p]["seconds"])
-    assert "| delta sync |" in ranks.format_table(r)
+    table = ranks.format_table(r)
+    assert "| delta sync |" in table and f"4 ranks {rows[4, 'delta sync']['delta_bytes'] / 1e3:.0f} KB" in table
 
 
 def test_tensors_bench_quick_json():
