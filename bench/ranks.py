@@ -10,9 +10,9 @@ A trainer sharded as FSDP shards (dim 0, one row shard per rank) publishes each 
 entry per rank; a follower holding the tensors whole (a rollout engine without tensor parallelism)
 applies them all. The changes are the same at every rank count; the bytes grow with it
 (``delta bytes``: the second version's parts and manifest in the store), as each shard has its own
-entry in the segment index, ~100 bytes. What a row shard costs beyond its bytes shows as the ratio over 1.00
-(docs/results.md, twenty-fourth turn: before a row shard held as one run was decoded in place,
-2 to 8 ranks' shards took a follower 11-20x one rank's whole tensors).
+entry in the segment index, ~100 bytes. What a row shard costs beyond its bytes shows as the ratio
+over 1.00 (docs/results.md, twenty-fourth turn: before a row shard held as one run was decoded in
+place, 2 to 8 ranks' shards took a follower 11-20x one rank's whole tensors).
 
 The model is ``bench/kernels.py``'s shard and its optimizer-like step (``--change``, 1 %), cut
 into ``--tensors`` tensors of (256, elements / tensors / 256). For each rank count, on a fresh
