@@ -460,8 +460,11 @@ def change_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[i
     kernel (``dcr_sd_change``) weighs each index once for both sides: the index weights are most
     of a contribution's cost, so a change costs about half of the two calls."""
     fast = _change_fast(name, dtype, global_shape, global_idx, old, new)
-    if fast is not None:
-        return fast
+    return fast if fast is not None else _change_general(name, dtype, global_shape, global_idx, old, new)
+
+
+def _change_general(name, dtype, global_shape, global_idx, old, new) -> StateDigest:
+    """``change_contrib`` for what ``_fast_args`` does not take: any shape, device and index type."""
     keys, idx, o, n = _checked(name, dtype, global_shape, global_idx, old, new)
     lib = native.lib() if n.device.type == o.device.type == idx.device.type == "cpu" else None
     if lib is None:  # the reference: the two sides' contributions
@@ -543,8 +546,8 @@ class RunningSum:
 
     def add_change(self, name, dtype, global_shape, global_idx, old, new) -> None:
         a = _fast_args(name, dtype, global_shape, global_idx, old, new)
-        if a is None:
-            self.add(change_contrib(name, dtype, global_shape, global_idx, old, new))
+        if a is None:  # (the general path: _fast_args' checks are not made a second time)
+            self.add(_change_general(name, dtype, global_shape, global_idx, old, new))
         else:
             _fast_rc(a[0].dcr_sd_change_acc(*a[1], self._acc), name, global_shape)
 
