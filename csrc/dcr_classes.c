@@ -769,6 +769,93 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
     return dcr_cls_decode_old(oldp, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, NULL, 0);
 }
 
+/* ------------------------------------------------------------------ a receiver's runs of a chunk
+ * A receiver rank that holds only part of a classes chunk (sync/chunk_gather.py) holds it as runs:
+ * run r is n[r] consecutive elements of the chunk at base + start[r] (elements of width w). The
+ * group places the chunk's changes from every rank's class counts per run (dcr_cls_run_counts);
+ * each rank then finds the elements it was asked for: the within-th element of a class in a run
+ * (dcr_cls_run_select). Each is one pass over the runs' elements where they are, with no index
+ * array or sort (torch's took ~10 us per element held; docs/results.md, twenty-fifth turn). */
+
+static inline __attribute__((always_inline)) void run_count(const uint8_t *p, int64_t n, const int w, int mant,
+                                                            int lo, int hi, uint32_t (*cnt)[256]) {
+    const uint64_t absmask = (1ULL << (8 * w - 1)) - 1;
+    for (int64_t i = 0; i < n; i++) cnt[i & 3][class_of(load_u(p, i, w), absmask, mant, lo, hi) - lo]++;
+}
+
+/* counts[r * (hi - lo + 1) + c - lo]: run r's elements of class c (clamped to [lo, hi]) */
+int dcr_cls_run_counts(const void *base, int w, int mant, int lo, int hi, const int64_t *start, const int64_t *n,
+                       int64_t nruns, uint32_t *counts) {
+    if ((w != 1 && w != 2 && w != 4) || mant < 0 || mant >= 8 * w - 1 || lo < 0 || hi < lo || hi > 255 || nruns < 0)
+        return -7;
+    const int nc = hi - lo + 1;
+    uint32_t cnt[4][256];  /* four interleaved tables, as rank_scalar: no stall between neighbours of a class */
+    for (int64_t r = 0; r < nruns; r++) {
+        if (start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX) return -7;
+        for (int t = 0; t < 4; t++) memset(cnt[t], 0, (size_t)nc * sizeof(uint32_t));
+        const uint8_t *p = (const uint8_t *)base + start[r] * w;
+        if (w == 2) run_count(p, n[r], 2, mant, lo, hi, cnt);
+        else if (w == 4) run_count(p, n[r], 4, mant, lo, hi, cnt);
+        else run_count(p, n[r], 1, mant, lo, hi, cnt);
+        for (int c = 0; c < nc; c++) counts[r * nc + c] = cnt[0][c] + cnt[1][c] + cnt[2][c] + cnt[3][c];
+    }
+    return 0;
+}
+
+static inline __attribute__((always_inline)) int64_t run_select(
+        const uint8_t *p, int64_t n, const int w, int mant, int lo, int hi, uint32_t *cnt, uint32_t *want,
+        int64_t *next, const int64_t *endc, const int64_t *within, int64_t left, int64_t *out) {
+    const uint64_t absmask = (1ULL << (8 * w - 1)) - 1;
+    for (int64_t i = 0; i < n && left; i++) {
+        int c = class_of(load_u(p, i, w), absmask, mant, lo, hi) - lo;
+        if (__builtin_expect(cnt[c]++ == want[c], 0)) {
+            int64_t q = next[c]++;
+            out[q] = i;
+            want[c] = next[c] < endc[c] ? (uint32_t)within[next[c]] : UINT32_MAX;
+            left--;
+        }
+    }
+    return left;
+}
+
+/* Requests j = 0..k-1, sorted by (run, cls, within), cls counted from lo: out[j] = the offset in
+ * run[j] of its within[j]-th element (from 0) of class lo + cls[j]. -4: a run holds fewer
+ * elements of a class than asked for (the counts the requests came from were not these bits);
+ * -7: requests out of range or order. */
+int dcr_cls_run_select(const void *base, int w, int mant, int lo, int hi, const int64_t *start, const int64_t *n,
+                       int64_t nruns, const int64_t *run, const int64_t *cls, const int64_t *within, int64_t k,
+                       int64_t *out) {
+    if ((w != 1 && w != 2 && w != 4) || mant < 0 || mant >= 8 * w - 1 || lo < 0 || hi < lo || hi > 255 || nruns < 0
+        || k < 0)
+        return -7;
+    const int nc = hi - lo + 1;
+    uint32_t cnt[256], want[256];
+    int64_t next[256], endc[256];
+    for (int64_t j = 0; j < k;) {
+        const int64_t r = run[j];
+        if (r < 0 || r >= nruns || start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX) return -7;
+        for (int c = 0; c < nc; c++) { cnt[c] = 0; want[c] = UINT32_MAX; next[c] = endc[c] = 0; }
+        int64_t e = j;
+        for (; e < k && run[e] == r; e++) {
+            const int64_t c = cls[e], v = within[e];
+            if (c < 0 || c >= nc || v < 0) return -7;
+            if (e > j && (c < cls[e - 1] || (c == cls[e - 1] && v <= within[e - 1]))) return -7;
+            if (v >= n[r]) return -4;
+            if (e == j || c != cls[e - 1]) { next[c] = e; want[c] = (uint32_t)v; }
+            endc[c] = e + 1;
+        }
+        if (e < k && run[e] < r) return -7;
+        const uint8_t *p = (const uint8_t *)base + start[r] * w;
+        int64_t left;
+        if (w == 2) left = run_select(p, n[r], 2, mant, lo, hi, cnt, want, next, endc, within, e - j, out);
+        else if (w == 4) left = run_select(p, n[r], 4, mant, lo, hi, cnt, want, next, endc, within, e - j, out);
+        else left = run_select(p, n[r], 1, mant, lo, hi, cnt, want, next, endc, within, e - j, out);
+        if (left) return -4;
+        j = e;
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ state digest
  * The per-element arithmetic of the sharding-independent state digest; its definition, and the
  * PyTorch reference this must equal bit for bit, are in nemo_dcr/state/statedigest.py (spec:

@@ -303,6 +303,90 @@ def locate(uo: torch.Tensor, rows, cls: torch.Tensor, rank: torch.Tensor, d: tor
     return idx, new_values(uo[idx], d, w)
 
 
+def _run_elements(start: torch.Tensor, length: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runs (``start[r]``, ``length[r]`` elements) -> (each element's index, its run), in turn."""
+    run_of = torch.repeat_interleave(torch.arange(start.numel(), device=start.device), length)
+    first = torch.cumsum(length, 0) - length
+    return start[run_of] + torch.arange(run_of.numel(), device=start.device) - first[run_of], run_of
+
+
+def _runs_of(base: torch.Tensor, start: np.ndarray, length: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
+    """(runs, classes) of a runs call, its arguments checked (numpy: a chunk's runs are a few
+    dozen numbers, where each torch call costs more than the check)."""
+    if base.dim() != 1 or start.ndim != 1 or start.shape != length.shape or not 0 <= lo <= hi <= 255 \
+            or start.dtype != np.int64 or length.dtype != np.int64:
+        raise DcrError("runs of a base: a 1-D base, as many int64 starts as lengths, 0 <= lo <= hi <= 255")
+    if start.size and ((start < 0).any() or (length < 0).any() or (start + length > base.numel()).any()):
+        raise DcrError("a run outside its base")
+    return start.size, hi - lo + 1
+
+
+def run_counts(base: torch.Tensor, start: np.ndarray, length: np.ndarray, lo: int, hi: int, mant: int,
+               use_native: bool | None = None) -> np.ndarray:
+    """The class counts of runs of ``base`` (a 1-D integer view of bits, anywhere; run ``r``:
+    ``length[r]`` elements from ``start[r]``): per run, its elements of each class ``lo..hi``
+    (clamped to that range, as a chunk's table clamps them) -> uint32 ``[runs, hi - lo + 1]``. What
+    a receiver rank holding part of a chunk tells its group (``sync/chunk_gather.py``)."""
+    runs, nc = _runs_of(base, start, length, lo, hi)
+    lib = native.lib() if use_native is not False and base.is_cpu else None
+    if lib is None:
+        if use_native and base.is_cpu:
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
+        at, run_of = _run_elements(torch.from_numpy(start).to(base.device), torch.from_numpy(length).to(base.device))
+        ctx = _classes(unsigned(base[at]), base.element_size(), mant).clamp(lo, hi) - lo
+        n = torch.bincount(run_of * nc + ctx, minlength=runs * nc)
+        return n.cpu().numpy().astype(np.uint32).reshape(runs, nc)
+    base = base.contiguous()
+    out = np.empty((runs, nc), dtype=np.uint32)
+    rc = lib.dcr_cls_run_counts(_ptr(base), base.element_size(), mant, lo, hi, start.ctypes.data, length.ctypes.data,
+                                runs, out.ctypes.data)
+    if rc:
+        raise DcrError(f"class counts of runs failed in the C kernel: {_ERRORS.get(rc, rc)}")
+    return out
+
+
+def run_select(base: torch.Tensor, start: np.ndarray, length: np.ndarray, lo: int, hi: int, mant: int,
+               run: np.ndarray, cls: np.ndarray, within: np.ndarray, use_native: bool | None = None) -> np.ndarray:
+    """``run_counts``' runs, and per request ``j`` a run, a class (``- lo``) and a place: the
+    offset in run ``run[j]`` of its ``within[j]``-th element (from 0) of class ``lo + cls[j]`` ->
+    int64, in the requests' order. ``RankPastClass``: a run holds fewer elements of a class than
+    asked for (the counts the requests were placed by were not of these bits)."""
+    runs, nc = _runs_of(base, start, length, lo, hi)
+    run, cls, within = (np.ascontiguousarray(x, dtype=np.int64) for x in (run, cls, within))
+    k = run.size
+    if k == 0:
+        return np.empty(0, dtype=np.int64)
+    if (run < 0).any() or (run >= runs).any() or (cls < 0).any() or (cls >= nc).any() or (within < 0).any():
+        raise DcrError("a request outside the runs or their classes")
+    lib = native.lib() if use_native is not False and base.is_cpu else None
+    if lib is None:
+        if use_native and base.is_cpu:
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
+        dev = base.device
+        at, run_of = _run_elements(torch.from_numpy(start).to(dev), torch.from_numpy(length).to(dev))
+        group = run_of * nc + _classes(unsigned(base[at]), base.element_size(), mant).clamp(lo, hi) - lo
+        order = torch.argsort(group, stable=True)  # each (run, class) group's elements in index order
+        size = torch.bincount(group, minlength=runs * nc)
+        g, v = torch.from_numpy(run * nc + cls).to(dev), torch.from_numpy(within).to(dev)
+        if bool((v >= size[g]).any()):
+            raise RankPastClass("a run holds fewer elements of a class than asked for")
+        el = order[(torch.cumsum(size, 0) - size)[g] + v].cpu().numpy()  # its place among all the runs' elements
+        return el - (np.cumsum(length) - length)[run]
+    sort = np.lexsort((within, cls, run))  # the kernel's order
+    srun, scls, swithin = run[sort], cls[sort], within[sort]
+    got = np.empty(k, dtype=np.int64)
+    base = base.contiguous()
+    rc = lib.dcr_cls_run_select(_ptr(base), base.element_size(), mant, lo, hi, start.ctypes.data, length.ctypes.data,
+                                runs, srun.ctypes.data, scls.ctypes.data, swithin.ctypes.data, k, got.ctypes.data)
+    if rc == -4:
+        raise RankPastClass("a run holds fewer elements of a class than asked for")
+    if rc:
+        raise DcrError(f"elements of runs by class failed in the C kernel: {_ERRORS.get(rc, rc)}")
+    out = np.empty(k, dtype=np.int64)
+    out[sort] = got
+    return out
+
+
 def new_values(uo: torch.Tensor, d: torch.Tensor, w: int) -> torch.Tensor:
     """The new unsigned bits of changes from their old unsigned bits and decoded differences (the
     value stream codes each as a difference in the format's monotone order)."""

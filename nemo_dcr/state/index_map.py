@@ -267,6 +267,18 @@ class IndexMap:
             out += (q + off) * gs
         return out
 
+    def rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """The shard as runs consecutive in both its local and the canonical flat order: its
+        collapsed rows (a whole tensor or a row shard is one run, a column shard one per row) ->
+        (each run's local start, its canonical start, the runs' length), increasing. What a
+        receiver group maps chunks with, per run rather than per element (``sync/chunk_gather.py``)."""
+        length = self._s[-1] if self._s else 1
+        if self.numel == 0:
+            empty = torch.empty(0, dtype=torch.int64)
+            return empty, empty, 1
+        local = torch.arange(0, self.numel, length, dtype=torch.int64)
+        return local, self.to_global(local), length
+
     def held_to_local(self, glob: torch.Tensor) -> torch.Tensor:
         """Local indices of canonical ones known to lie in this shard (its own changes, found in
         the tensor that holds it): ``to_local`` without the mask, which on a whole tensor or a run

@@ -38,6 +38,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from nemo_dcr.codec import classes
@@ -68,15 +69,38 @@ class Gathered:
 
 
 @dataclass(frozen=True)
+class _Runs:
+    """Runs of consecutive positions of one chunk that one rank holds: run ``i`` is the chunk's
+    positions ``[cstart[i], cstart[i] + length[i])``, at local flat indices ``[lstart[i], ...)``
+    of the rank's tensor; in chunk order (int64 arrays). A row of a column-split tensor is one run,
+    a row shard's part of a chunk one in all: what maps a chunk to a rank is O(runs), not
+    O(elements)."""
+
+    cstart: np.ndarray
+    lstart: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.cstart)
+
+    @property
+    def total(self) -> int:
+        return int(self.length.sum())
+
+
+_NO_RUNS = _Runs(*(np.empty(0, dtype=np.int64) for _ in range(3)))
+
+
+@dataclass(frozen=True)
 class _Share:
-    """One chunk to decode together: which of its positions (in chunk order) each rank holds, and
-    the runs of positions each rank answers for (those no lower rank holds)."""
+    """One chunk to decode together: the ranks holding some of its positions, and the runs of
+    positions each rank answers for (those no lower rank holds)."""
 
     part: int
     name: str
     chunk: ChunkEntry
-    masks: dict[int, torch.Tensor]  # rank -> bool mask over the chunk's positions
-    runs: dict[int, tuple[torch.Tensor, torch.Tensor]]  # rank -> (starts, ends) of its runs, increasing
+    holders: frozenset  # ranks holding some of the chunk's positions
+    runs: dict[int, _Runs]  # rank -> the runs it answers for
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -89,25 +113,109 @@ class _Share:
 
     def count_bytes(self, rank: int) -> int:
         """Bytes of ``rank``'s class counts of the chunk (int32 per class per run)."""
-        return len(self.runs[rank][0]) * self.classes * 4 if rank in self.runs else 0
-
-
-def _runs(m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A bool mask -> (starts, ends) of its runs of True."""
-    z = torch.zeros(1, dtype=torch.int8)
-    d = torch.diff(m.to(torch.int8), prepend=z, append=z)
-    return (d == 1).nonzero().flatten(), (d == -1).nonzero().flatten()
+        return len(self.runs[rank]) * self.classes * 4 if rank in self.runs else 0
 
 
 def _has_classes(e: TensorEntry) -> bool:
     return e.kind == TensorKind.DELTA and e.region is not None and any(c.enc == CLASSES for c in e.chunks)
 
 
-def _chunk_positions(e: TensorEntry, c: ChunkEntry, device=None) -> torch.Tensor:
-    """The chunk's canonical positions, computed on ``device`` (where a receiver's tensor is: its
-    indices are not built on the host and copied over)."""
-    assert e.region is not None  # _has_classes
-    return IndexMap(e.region).to_global(torch.arange(c.start, c.start + c.n, dtype=torch.int64, device=device))
+_Rows = tuple  # (local starts, canonical starts: int64 arrays, length): IndexMap.rows on the host
+
+
+def _rows(spec: ShardSpec) -> _Rows:
+    local, glob, length = IndexMap(spec).rows()
+    return local.numpy(), glob.numpy(), length
+
+
+class _Maps:
+    """What maps chunks to ranks, worked out once per decode: the entries of a version share a
+    few layouts (every layer's shard of one shape on one rank), so most chunks' runs are a lookup."""
+
+    def __init__(self):
+        self._rows: dict = {}
+        self._held: dict = {}
+
+    def rows(self, spec: ShardSpec) -> _Rows:
+        try:
+            got = self._rows.get(spec)
+        except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
+            return _rows(spec)
+        if got is None:
+            got = self._rows[spec] = _rows(spec)
+        return got
+
+    def held(self, region: ShardSpec, start: int, n: int, spec: ShardSpec) -> _Runs:
+        """``_held`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec``."""
+        key = (region, start, n, spec)
+        try:
+            got = self._held.get(key)
+        except TypeError:
+            return _held(self.rows(region), start, n, self.rows(spec))
+        if got is None:
+            got = self._held[key] = _held(self.rows(region), start, n, self.rows(spec))
+        return got
+
+
+def _cut(rows: _Rows, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A shard's rows cut to its local flat range ``[lo, hi)`` (not empty) -> (local starts,
+    canonical starts, lengths)."""
+    local, glob, length = rows
+    i, j = lo // length, (hi - 1) // length + 1
+    ls, gs = local[i:j].copy(), glob[i:j].copy()
+    ends = ls + length
+    ends[-1] = min(int(ends[-1]), hi)
+    gs[0] += lo - ls[0]
+    ls[0] = lo
+    return ls, gs, ends - ls
+
+
+def _held(region: _Rows, start: int, n: int, rows: _Rows) -> _Runs:
+    """The runs of chunk ``[start, start + n)`` of an entry's region (its rows) that a shard
+    (its rows) holds: the two sets of runs intersected in canonical order, where both increase."""
+    bl, bg, bn = rows
+    if not len(bl):
+        return _NO_RUNS
+    al, ag, an = _cut(region, start, start + n)
+    aend = ag + an
+    first = np.searchsorted(bg, ag - bn, side="right")  # the first shard run ending past each chunk run's start
+    last = np.searchsorted(bg, aend, side="left")  # past the last starting before its end
+    cnt = np.maximum(last - first, 0)
+    total = int(cnt.sum())
+    if not total:
+        return _NO_RUNS
+    ai = np.repeat(np.arange(len(al)), cnt)
+    bi = first[ai] + np.arange(total) - (np.cumsum(cnt) - cnt)[ai]
+    lo, hi = np.maximum(ag[ai], bg[bi]), np.minimum(aend[ai], bg[bi] + bn)
+    keep = hi > lo
+    ai, bi, lo, hi = ai[keep], bi[keep], lo[keep], hi[keep]
+    return _Runs(al[ai] - start + (lo - ag[ai]), bl[bi] + (lo - bg[bi]), hi - lo)
+
+
+def _expand(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Runs -> the index of each of their elements, in turn."""
+    first = np.cumsum(length) - length
+    return np.repeat(start - first, length) + np.arange(int(length.sum()), dtype=np.int64)
+
+
+def _answering(held: dict[int, _Runs], n: int, disjoint: bool) -> dict[int, _Runs]:
+    """The runs each rank answers for: its own where no two ranks' shards overlap, else the
+    positions no lower rank holds (several ranks holding the same elements: replicas)."""
+    if disjoint:
+        return dict(held)
+    covered = np.zeros(n, dtype=bool)
+    out = {}
+    for rank in sorted(held):
+        h = held[rank]
+        c, local = _expand(h.cstart, h.length), _expand(h.lstart, h.length)
+        own = ~covered[c]
+        covered[c] = True
+        c, local = c[own], local[own]
+        if c.size:  # as runs again, split where either order jumps
+            cut = np.flatnonzero((np.diff(c) != 1) | (np.diff(local) != 1)) + 1
+            starts = np.concatenate(([0], cut))
+            out[rank] = _Runs(c[starts], local[starts], np.diff(np.concatenate((starts, [c.size]))))
+    return out
 
 
 def _my_plans(readers: Sequence[DeltaReader], tensors: Mapping, shards: Mapping) -> dict:
@@ -127,7 +235,7 @@ def _my_plans(readers: Sequence[DeltaReader], tensors: Mapping, shards: Mapping)
     return plans
 
 
-def _shares(readers: Sequence[DeltaReader], layouts: list[dict]) -> list[_Share]:
+def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: _Maps) -> list[_Share]:
     """The chunks some rank holds only part of, the same list on every rank (derived from every
     rank's layout alone). Raises when the group together lacks a position of one."""
     entries = {(i, e.name): e for i, r in enumerate(readers) for e in r.header.tensors}
@@ -138,34 +246,40 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict]) -> list[_Share]
         assert e.region is not None  # _has_classes
         if all(s.contains(e.region) for s in holders.values()):
             continue  # every holder has every chunk whole: each decodes its own
-        maps = {rank: IndexMap(s) for rank, s in holders.items()}
+        ranks = sorted(holders)
+        disjoint = not any(holders[a].overlaps(holders[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:])
         for c in e.chunks:
             if c.enc != CLASSES or not c.k:
                 continue
-            glob = _chunk_positions(e, c)
-            masks = {rank: m.to_local(glob)[1] for rank, m in maps.items()}
-            masks = {rank: m for rank, m in masks.items() if bool(m.any())}
-            if all(bool(m.all()) for m in masks.values()):
+            held = {rank: h for rank in ranks if len(h := maps.held(e.region, c.start, c.n, holders[rank]))}
+            if all(h.total == c.n for h in held.values()):
                 continue  # nobody holds part of it
-            held = torch.zeros(c.n, dtype=torch.bool)
-            runs = {}
-            for rank in sorted(masks):  # a position held by several ranks is answered for by the lowest
-                own = masks[rank] & ~held
-                held |= masks[rank]
-                if bool(own.any()):
-                    runs[rank] = _runs(own)
-            if not bool(held.all()):
+            runs = _answering(held, c.n, disjoint)
+            if sum(r.total for r in runs.values()) != c.n:
                 raise undecodable(e.name, c)
-            out.append(_Share(key[0], e.name, c, masks, runs))
+            out.append(_Share(key[0], e.name, c, frozenset(held), runs))
     return out
 
 
-def _own_bits(p: Plan, glob: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(this rank's bits at the chunk positions it holds, in chunk order; the mask of those), where
-    the tensor and ``glob`` are."""
-    assert p.recv is not None  # plan_entry gives every held tensor its shard spec
-    local, mask = IndexMap(p.recv).to_local(glob)
-    return FlatAccess(p.held).gather(local), mask
+def _run_bits(p: Plan, runs: _Runs) -> tuple[torch.Tensor, np.ndarray]:
+    """This rank's bits of ``runs``, where its tensor is, as (a 1-D integer view, each run's start
+    in it): the tensor's own flat bits when it is contiguous (nothing copied), else the runs
+    gathered."""
+    fa = FlatAccess(p.held)
+    if fa.contiguous:
+        return fa.read(0, fa.numel), runs.lstart
+    at = torch.from_numpy(_expand(runs.lstart, runs.length)).to(p.held.device)
+    return fa.gather(at), np.cumsum(runs.length) - runs.length
+
+
+def _chunk_bits(p: Plan, runs: _Runs) -> torch.Tensor:
+    """This rank's bits of a chunk it holds whole (``runs`` cover it), in chunk order: a view where
+    the chunk is one run of a contiguous tensor."""
+    fa = FlatAccess(p.held)
+    if len(runs) == 1 and fa.contiguous:
+        lo = int(runs.lstart[0])
+        return fa.read(lo, lo + int(runs.length[0]))
+    return fa.gather(torch.from_numpy(_expand(runs.lstart, runs.length)).to(p.held.device))
 
 
 def _decode(p: Plan, c: ChunkEntry, payload, base: torch.Tensor, where: str) -> Decoded:
@@ -188,63 +302,58 @@ def _decode(p: Plan, c: ChunkEntry, payload, base: torch.Tensor, where: str) -> 
     return Decoded(idx, base[idx], new)
 
 
-def _answered(p: Plan, s: _Share, me: int):
-    """The positions of chunk ``s`` this rank answers for, where its tensor is: (their places in
-    the chunk, their bits, their classes - lo, the index of this rank's run each is in)."""
-    dev = p.held.device
-    starts, ends = (t.to(dev) for t in s.runs[me])
-    lengths = ends - starts
-    run_of = torch.repeat_interleave(torch.arange(starts.numel(), device=dev), lengths)
-    pos = starts[run_of] + torch.arange(run_of.numel(), device=dev) - (torch.cumsum(lengths, 0) - lengths)[run_of]
-    bits, _ = _own_bits(p, _chunk_positions(p.entry, s.chunk, dev)[pos])
-    ctx = classes.context(bits, s.chunk.cls, classes.MANTISSA[p.entry.torch_dtype]).to(torch.int64)
-    return pos, bits, ctx, run_of
-
-
 @dataclass(frozen=True)
 class _Placed:
     """A chunk's changes placed from every rank's class counts: per change (in stream order), the
     class - lo, the rank answering for its position, that rank's run and the change's place among
-    the run's elements of its class; and the value differences."""
+    the run's elements of its class (int64 arrays); and the value differences."""
 
-    cls: torch.Tensor
-    owner: torch.Tensor
-    run: torch.Tensor
-    within: torch.Tensor
+    cls: np.ndarray
+    owner: np.ndarray
+    run: np.ndarray
+    within: np.ndarray
     d: torch.Tensor
 
 
-def _place(p: Plan, s: _Share, payload, counts: dict[int, torch.Tensor]) -> _Placed:
+def _place(p: Plan, s: _Share, payload, counts: dict[int, np.ndarray]) -> _Placed:
     """Every change of chunk ``s`` to the run holding it, from the runs' class counts (every rank
     holding part of the chunk computes the same). A change past the last of its class: the streams
-    do not fit the group's base."""
+    do not fit the group's base. (numpy: a few dozen runs and classes, a few hundred changes a
+    chunk, where torch's per-call cost was most of a chunk's time.)"""
     dtype = p.entry.torch_dtype
     lo = s.chunk.cls[0][0] if s.chunk.cls else 0
     try:
-        cls, rank, d = chunk_streams(s.chunk, payload, dtype.itemsize, dtype)
+        cls_t, rank_t, d = chunk_streams(s.chunk, payload, dtype.itemsize, dtype)
     except DeltaFormatError:
         raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base") from None
-    cls = cls - lo
+    cls, rank = cls_t.numpy() - lo, rank_t.numpy()
     holders = sorted(s.runs)
-    starts = torch.cat([s.runs[r][0] for r in holders])
-    owner = torch.cat([torch.full((len(s.runs[r][0]),), r, dtype=torch.int64) for r in holders])
-    local = torch.cat([torch.arange(len(s.runs[r][0])) for r in holders])
-    n = torch.cat([counts[r] for r in holders])  # [runs, classes]
-    o = torch.argsort(starts)
+    starts = np.concatenate([s.runs[r].cstart for r in holders])
+    owner = np.concatenate([np.full(len(s.runs[r]), r, dtype=np.int64) for r in holders])
+    local = np.concatenate([np.arange(len(s.runs[r]), dtype=np.int64) for r in holders])
+    n = np.concatenate([counts[r] for r in holders])  # [runs, classes]
+    o = np.argsort(starts, kind="stable")
     owner, local, n = owner[o], local[o], n[o]
-    upto = torch.cumsum(n, 0)  # of each class, in the runs up to and including each
+    upto = np.cumsum(n, 0)  # of each class, in the runs up to and including each
     bad = (cls < 0) | (cls >= s.classes)
-    if not bool(bad.any()):
+    if not bad.any():
         bad = rank >= upto[-1][cls]
-    if bool(bad.any()):
+    if bad.any():
         raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base (its class "
                                 "counts gathered from the receiver group)")
-    run = torch.empty_like(rank)
-    for c in torch.unique(cls).tolist():
-        at = cls == c
-        run[at] = torch.searchsorted(upto[:, c].contiguous(), rank[at], right=True)
+    # each change's run: the first whose count of its class, summed, passes its rank; one search
+    # over the classes' columns laid end to end (class c's column offset by c * big keeps it sorted)
+    runs, big = len(n), int(upto[-1].max()) + 1
+    run = np.searchsorted((np.arange(s.classes)[:, None] * big + upto.T).ravel(), cls * big + rank,
+                          side="right") - cls * runs
     within = rank - (upto - n)[run, cls]
     return _Placed(cls, owner[run], local[run], within, d)
+
+
+def _range(s: _Share) -> tuple[int, int]:
+    """The chunk's class range (its table's first and last class)."""
+    rows = s.chunk.cls
+    return (rows[0][0], rows[-1][0]) if rows else (0, 0)
 
 
 def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -263,7 +372,8 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         return {k: (p.recv.global_shape, p.recv.offsets, p.recv.shape, p.recv.index_shape) for k, p in plans.items()}
 
     layouts = group.run(layout, "list the classes chunks held in part", gather=True)
-    shares = group.run(lambda: _shares(readers, layouts), "find the classes chunks to decode together")
+    maps = _Maps()
+    shares = group.run(lambda: _shares(readers, layouts, maps), "find the classes chunks to decode together")
     me, world = group.rank, group.world_size
 
     received = 0
@@ -274,9 +384,11 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             mine = [torch.empty(0, dtype=torch.uint8)]
             for s in shares:
                 if me in s.runs:
-                    _, _, ctx, run_of = _answered(plans[(s.part, s.name)], s, me)
-                    n = torch.bincount(run_of * s.classes + ctx, minlength=len(s.runs[me][0]) * s.classes)
-                    mine.append(n.to(torch.int32).cpu().view(torch.uint8))
+                    p, runs = plans[(s.part, s.name)], s.runs[me]
+                    base, starts = _run_bits(p, runs)
+                    lo, hi = _range(s)
+                    n = classes.run_counts(base, starts, runs.length, lo, hi, classes.MANTISSA[p.entry.torch_dtype])
+                    mine.append(torch.from_numpy(n.reshape(-1).view(np.uint8)))
             return torch.cat(mine)
 
         sizes = [sum(s.count_bytes(r) for s in shares) for r in range(world)]
@@ -289,34 +401,36 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                 got = {}
                 for r in sorted(s.runs):  # (every rank walks every buffer to its next chunk)
                     n = s.count_bytes(r)
-                    raw = bufs[r][offs[r]: offs[r] + n].clone()  # (aligned for the int32 view)
-                    got[r] = raw.view(torch.int32).to(torch.int64).reshape(-1, s.classes)
+                    raw = bufs[r][offs[r]: offs[r] + n].numpy()
+                    got[r] = raw.view(np.uint32).astype(np.int64).reshape(-1, s.classes)
                     offs[r] += n
-                if me not in s.masks:
+                if me not in s.holders:
                     continue
                 p = plans[(s.part, s.name)]
                 pl = placed[s.key] = _place(p, s, readers[s.part].payload(s.chunk), got)
                 if me not in s.runs:
                     continue
-                mine = (pl.owner == me).nonzero().flatten()
-                # gathered and classed again, not kept from counts(): kept for every chunk of a
-                # version it would be ~3 int64 per element held, several times the weights
-                pos, bits, ctx, run_of = _answered(p, s, me)
-                dev = pos.device
-                # this rank's elements grouped by (run, class), in index order within each group
-                group_of = run_of * s.classes + ctx
-                order = torch.argsort(group_of, stable=True)
-                size = torch.bincount(group_of, minlength=len(s.runs[me][0]) * s.classes)
-                first = torch.cumsum(size, 0) - size
-                at = (pl.run[mine] * s.classes + pl.cls[mine]).to(dev)
-                el = order[first[at] + pl.within[mine].to(dev)]
-                # (which changes they are, every rank knows: pl.owner; a position in a chunk fits int32)
-                sent[s.key] = (pos[el].to(torch.int32).cpu(), bits[el].cpu())
+                mine = np.flatnonzero(pl.owner == me)
+                runs, run = s.runs[me], pl.run[mine]
+                # the bits read again, not kept from counts(): kept for every chunk of a version they
+                # would be a copy of the weights held in part
+                base, starts = _run_bits(p, runs)
+                lo, hi = _range(s)
+                try:
+                    off = classes.run_select(base, starts, runs.length, lo, hi, classes.MANTISSA[p.entry.torch_dtype],
+                                             run, pl.cls[mine], pl.within[mine])
+                except classes.RankPastClass:  # (cannot be, from this rank's own counts; said as what it would mean)
+                    raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base "
+                                            "(its class counts)") from None
+                local = torch.from_numpy(runs.lstart[run] + off).to(p.held.device)
+                # (which changes they are, every rank knows: pl.owner; a position in a chunk fits int32.
+                # numpy, not tensors: all_gather_object pickles them, and a tensor pickles ~20x slower)
+                bits = FlatAccess(p.held).gather(local).cpu().numpy()
+                sent[s.key] = ((runs.cstart[run] + off).astype(np.int32), bits)
             return sent
 
         found = group.run(locate, "place the changes of the classes chunks held in part", gather=True)
-        received += sum(sum(t.numel() * t.element_size() for t in v) for r, d in enumerate(found) if r != me
-                        for v in d.values())
+        received += sum(sum(a.nbytes for a in v) for r, d in enumerate(found) if r != me for v in d.values())
 
     def together(p: Plan, s: _Share) -> Decoded:
         """Chunk ``s`` from the changes every rank placed: checked as a whole-chunk holder does."""
@@ -325,20 +439,21 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             raise DeltaFormatError(f"{p.name}: chunk at element {c.start} holds {pl.d.numel()} changes, "
                                    f"its entry {c.k}")
         bits_dtype = _bits_dtype(p.entry.torch_dtype)
-        idx = torch.full((c.k,), -1, dtype=torch.int64)
-        old = torch.empty(c.k, dtype=bits_dtype)
+        at_all = np.full(c.k, -1, dtype=np.int64)  # each change's position, in stream order
+        old_all = np.zeros(c.k, dtype=torch.empty(0, dtype=bits_dtype).numpy().dtype)
         for r in sorted(s.runs):
             if s.key in found[r]:
-                where, b = found[r][s.key]
-                i = (pl.owner == r).nonzero().flatten()
-                if i.numel() != where.numel():
-                    raise BaseMismatchError(f"{p.name}: chunk at element {c.start}: rank {r} placed {where.numel()} of "
-                                            f"its {i.numel()} changes")
-                idx[i], old[i] = where.to(torch.int64), b
-        o = torch.argsort(idx)
-        idx, old, d = idx[o], old[o], pl.d[o]
+                at, b = found[r][s.key]
+                i = np.flatnonzero(pl.owner == r)
+                if i.size != at.size or b.dtype != old_all.dtype:
+                    raise BaseMismatchError(f"{p.name}: chunk at element {c.start}: rank {r} placed {at.size} of "
+                                            f"its {i.size} changes")
+                at_all[i], old_all[i] = at, b
+        o = np.argsort(at_all, kind="stable")
+        at_all = at_all[o]
+        idx, old, d = torch.from_numpy(at_all), torch.from_numpy(old_all[o]), pl.d[torch.from_numpy(o)]
         where = f"its changes placed by ranks {sorted(s.runs)} of the receiver group"
-        if bool((idx < 0).any()) or bool((idx[1:] <= idx[:-1]).any()) or values_digest(old, c.values_algo) != c.pre:
+        if (at_all < 0).any() or (np.diff(at_all) <= 0).any() or values_digest(old, c.values_algo) != c.pre:
             raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base ({where})")
         new = to_bits(classes.new_values(unsigned(old), d, old.element_size()), old.element_size()).view(bits_dtype)
         if values_digest(new, c.values_algo) != c.post:
@@ -353,18 +468,19 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             if p.action != Action.UNVERIFIED:
                 continue  # holds the entry's whole region: apply decodes and checks it
             bits_dtype = _bits_dtype(p.entry.torch_dtype)
+            assert p.recv is not None and p.entry.region is not None  # plan_entry, _has_classes
             for c in p.entry.chunks:
                 if c.enc != CLASSES:
                     continue
                 key = (i, name, c.start)
-                if key in by_key and me in by_key[key].masks:
+                if key in by_key and me in by_key[key].holders:
                     out[i][(name, c.start)] = together(p, by_key[key])
                     continue
-                bits, mask = _own_bits(p, _chunk_positions(p.entry, c, p.held.device))
-                if not bool(mask.any()) or not c.k:
+                mine = maps.held(p.entry.region, c.start, c.n, p.recv)
+                if not len(mine) or not c.k:
                     out[i][(name, c.start)] = Decoded.nothing(bits_dtype)
                 else:  # (_shares: this rank holds the whole chunk)
-                    out[i][(name, c.start)] = _decode(p, c, readers[i].payload(c), bits, "held here")
+                    out[i][(name, c.start)] = _decode(p, c, readers[i].payload(c), _chunk_bits(p, mine), "held here")
         return out
 
     decoded = group.run(decode_mine, "decode the classes chunks held in part")

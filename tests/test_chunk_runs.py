@@ -1,0 +1,154 @@
+"""How a receiver group maps a ``classes`` chunk to the ranks holding part of it, per run rather
+than per element (nemo_dcr/sync/chunk_gather.py; docs/results.md, twenty-fifth turn):
+
+- ``IndexMap.rows``: a shard's runs, consecutive in its local and the canonical order;
+- which runs of a chunk each rank holds (``_held``) and answers for (``_answering``: the lowest
+  holding a position), equal to the per-element index maps on row, column, box and index-shape
+  layouts, overlapping ones included;
+- ``classes.run_counts`` / ``run_select``: the C kernels equal to the torch reference on every
+  classes dtype, NaN payloads, -0.0, subnormals and infinities included, and refusing what does
+  not fit."""
+import numpy as np
+import pytest
+import torch
+
+from dcr_testing import bits as int_bits
+from nemo_dcr.codec import classes
+from nemo_dcr.codec.native import lib
+from nemo_dcr.errors import DcrError
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
+from nemo_dcr.sync import chunk_gather as cg
+
+pytestmark = pytest.mark.skipif(lib() is None, reason="the C kernels are what is compared with the reference")
+
+# (global shape, region (offsets, shape) or None: whole, [receiver specs as (offsets, shape[, index_shape])])
+LAYOUTS = [
+    ((24, 40), None, [((0, 0), (24, 13)), ((0, 13), (24, 14)), ((0, 27), (24, 13))]),   # columns
+    ((24, 40), ((8, 0), (8, 40)), [((0, 0), (24, 20)), ((0, 20), (24, 20))]),          # a row shard, columns
+    ((24, 40), ((0, 10), (24, 20)), [((0, 0), (7, 40)), ((7, 0), (17, 40))]),          # a column shard, rows
+    ((30, 16), None, [((0, 0), (7, 16)), ((7, 0), (12, 16)), ((19, 0), (11, 16))]),    # rows off chunk bounds
+    ((6, 8, 10), ((1, 0, 0), (4, 8, 10)), [((0, 0, 0), (6, 4, 10)), ((0, 4, 0), (6, 4, 5)),
+                                           ((0, 4, 5), (6, 4, 5))]),                    # 3-D boxes
+    ((12, 40), None, [((0, 0), (12, 25)), ((0, 10), (12, 30)), ((0, 5), (12, 25))]),   # overlapping columns
+    ((12, 40), None, [((0, 0), (12, 20)), ((0, 0), (12, 20)), ((0, 20), (12, 20))]),   # a shard held twice
+    ((12, 18), None, [((0, 0, 0), (12, 1, 6), (12, 3, 6)), ((0, 1, 0), (12, 2, 6), (12, 3, 6))]),  # index shapes
+]
+
+
+def _specs(shape, region, recv):
+    reg = ShardSpec.full(shape) if region is None else ShardSpec.of(shape, *region)
+    return reg, {r: ShardSpec.of(shape, *s[:2], index_shape=s[2] if len(s) > 2 else None) for r, s in enumerate(recv)}
+
+
+def _by_element(reg: ShardSpec, spec: ShardSpec, start: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """(chunk positions, local indices) the shard holds, by the per-element index maps."""
+    glob = IndexMap(reg).to_global(torch.arange(start, start + n))
+    local, mask = IndexMap(spec).to_local(glob)
+    return mask.nonzero().flatten().numpy(), local.numpy()
+
+
+def _elements(runs) -> tuple[np.ndarray, np.ndarray]:
+    return cg._expand(runs.cstart, runs.length), cg._expand(runs.lstart, runs.length)
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+def test_rows_cover_each_shard_once_in_both_orders(layout):
+    shape, region, recv = LAYOUTS[layout]
+    for spec in [*_specs(shape, region, recv)[1].values(), _specs(shape, region, recv)[0]]:
+        local, glob, length = IndexMap(spec).rows()
+        m = IndexMap(spec)
+        assert local.numel() * length == spec.numel
+        every = torch.arange(spec.numel)
+        want = m.to_global(every).view(-1, length)
+        assert torch.equal(want[:, 0], glob) and torch.equal(local, every.view(-1, length)[:, 0])
+        assert bool((want[:, 1:] - want[:, :-1] == 1).all())  # each run consecutive in canonical order
+        assert bool((glob[1:] > glob[:-1]).all())
+
+
+@pytest.mark.parametrize("layout", range(len(LAYOUTS)))
+@pytest.mark.parametrize("chunk", [7, 64, 1000])
+def test_each_rank_holds_and_answers_what_the_index_maps_say(layout, chunk):
+    shape, region, recv = LAYOUTS[layout]
+    reg, specs = _specs(shape, region, recv)
+    maps = cg._Maps()
+    for start in range(0, reg.numel, chunk):
+        n = min(chunk, reg.numel - start)
+        held = {}
+        for r, spec in specs.items():
+            runs = maps.held(reg, start, n, spec)
+            c, local = _elements(runs)
+            want_c, want_local = _by_element(reg, spec, start, n)
+            assert np.array_equal(c, want_c) and np.array_equal(local, want_local), (r, start)
+            if len(runs):
+                held[r] = runs
+        ranks = sorted(specs)
+        disjoint = not any(specs[a].overlaps(specs[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:])
+        answers = cg._answering(held, n, disjoint)
+        covered = np.zeros(n, dtype=bool)
+        for r in sorted(held):  # the lowest rank holding a position answers for it
+            c, local = _by_element(reg, specs[r], start, n)
+            own = ~covered[c]
+            covered[c] = True
+            got = _elements(answers[r]) if r in answers else (np.empty(0), np.empty(0))
+            assert np.array_equal(got[0], c[own]) and np.array_equal(got[1], local[own]), (r, start)
+        assert sum(a.total for a in answers.values()) == int(covered.sum())
+
+
+DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn, torch.float8_e5m2]
+SPECIAL = {  # NaN payloads, -0.0, subnormals, infinities (unsigned bits)
+    1: [0x7F, 0xFF, 0x80, 0x01, 0x87, 0x7C],
+    2: [0x7FC1, 0xFF81, 0x7F81, 0x8000, 0x0001, 0x807F, 0x7F80],
+    4: [0x7FC00001, 0xFFA00005, 0x80000000, 0x00000001, 0x807FFFFF, 0x7F800000],
+}
+
+
+def _base(dtype, n=6000, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    b = int_bits((torch.randn(n, generator=g) * 4).to(dtype)).clone()
+    w = b.element_size()
+    at = torch.randperm(n, generator=g)[: 8 * len(SPECIAL[w])]
+    b[at] = torch.tensor(SPECIAL[w] * 8, dtype=torch.int64).to(b.dtype)  # (wraps into the signed view)
+    return b
+
+
+RUNS = (np.array([0, 100, 1000, 4000, 2500, 5999], dtype=np.int64), np.array([50, 700, 0, 1000, 300, 1], dtype=np.int64))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_run_counts_and_select_in_c_equal_the_reference(dtype):
+    base, mant = _base(dtype), classes.MANTISSA[dtype]
+    start, length = RUNS
+    hi = (1 << (8 * base.element_size() - 1 - mant)) - 1  # every exponent is a class
+    for lo, top in ((0, hi), (3, hi // 2)):  # the whole range, and one that clamps at both ends
+        counts = classes.run_counts(base, start, length, lo, top, mant, use_native=True)
+        assert np.array_equal(counts, classes.run_counts(base, start, length, lo, top, mant, use_native=False))
+        ctx = [classes.context(base[s:s + n], [[lo], [top]], mant) for s, n in zip(start, length)]
+        assert np.array_equal(counts, np.stack([np.bincount(c.numpy(), minlength=top - lo + 1) for c in ctx]))
+        g = np.random.default_rng(5)
+        req = [(r, c, v) for r in range(len(start)) for c in range(top - lo + 1)
+               for v in g.permutation(int(counts[r, c]))[: max(1, int(counts[r, c]) // 3)]]
+        run, cls, within = (np.array(x, dtype=np.int64) for x in zip(*g.permutation(req)))
+        got = classes.run_select(base, start, length, lo, top, mant, run, cls, within, use_native=True)
+        assert np.array_equal(got, classes.run_select(base, start, length, lo, top, mant, run, cls, within,
+                                                      use_native=False))
+        for j in range(len(run)):  # the within-th element of its class in its run
+            assert int(np.flatnonzero(ctx[run[j]].numpy() == cls[j])[within[j]]) == got[j]
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_run_select_refuses_what_the_runs_do_not_hold(native):
+    base, mant = _base(torch.bfloat16), classes.MANTISSA[torch.bfloat16]
+    start, length = RUNS
+    counts = classes.run_counts(base, start, length, 0, 255, mant)
+    r, c = np.unravel_index(int(np.argmax(counts)), counts.shape)
+    past = np.array([counts[r, c]])
+    with pytest.raises(classes.RankPastClass):
+        classes.run_select(base, start, length, 0, 255, mant, np.array([r]), np.array([c]), past, use_native=native)
+    for run, cls, within in (([len(start)], [0], [0]), ([0], [256], [0]), ([0], [0], [-1])):
+        with pytest.raises(DcrError):
+            classes.run_select(base, start, length, 0, 255, mant, np.array(run), np.array(cls), np.array(within),
+                               use_native=native)
+    with pytest.raises(DcrError):  # a run past the base
+        classes.run_counts(base, np.array([5990]), np.array([20]), 0, 255, mant, use_native=native)
+    assert classes.run_select(base, start, length, 0, 255, mant, *(np.empty(0, dtype=np.int64),) * 3,
+                              use_native=native).size == 0
