@@ -1,6 +1,7 @@
 """A version published by a trainer's ranks, each its row shard of every tensor, and synced by a
-follower that holds the tensors whole: the ranks' delta publish and the follower's delta and
-keyframe sync for 1, 2, 4 and 8 ranks, each as a multiple of the one-rank time, in one run.
+follower that holds the tensors whole and by a TP=2 receiver group: the ranks' delta publish, the
+follower's delta and keyframe sync and the group's delta sync for 1, 2, 4 and 8 ranks, each as a
+multiple of the one-rank time, in one run.
 
     python bench/ranks.py             # 64M BF16 elements as 512 (256, 512) tensors, 1, 2, 4 and 8 ranks
     python bench/ranks.py --json      # the same as JSON
@@ -20,7 +21,13 @@ local store: that many processes (``--publish-rank``, gloo on 127.0.0.1) each pu
 shard of every tensor (a keyframe, then the step: ``delta publish`` is the slowest rank's second
 publish), and in this process ``--reps`` fresh ``Follower``s holding the first version sync to the
 second (``delta sync``, the median), and as many holding zeros (``keyframe sync``: the keyframe,
-then the delta); each follower's tensors are compared with the target's bits.
+then the delta); each follower's tensors are compared with the target's bits. Then two
+processes (``--follow-rank``, a TP=2 receiver group on gloo, as a vLLM engine's workers) each
+holding its columns (``delta sync, TP=2 columns``: a row-parallel layer) or its rows (``TP=2
+rows``: a column-parallel one) of every tensor sync the delta ``--reps`` times (the median of the
+slower rank's times): a rank holding part of a ``classes`` chunk decodes it with the group's help
+(sync/chunk_gather.py; docs/results.md, twenty-fifth turn: the group took 70-180x one follower's
+time before it mapped chunks by runs).
 """
 from __future__ import annotations
 
@@ -44,8 +51,10 @@ if HERE not in sys.path:
 
 from benchload import ratio_rows, ratio_table, script  # noqa: E402
 
-PATHS = ("delta publish", "delta sync", "keyframe sync")
+PATHS = ("delta publish", "delta sync", "keyframe sync", "delta sync, TP=2 columns", "delta sync, TP=2 rows")
 ROWS = 256  # each tensor's rows: every rank count divides them
+TP = 2  # the receiver group's ranks (a vLLM engine at tensor parallelism 2)
+CUTS = {"delta sync, TP=2 columns": "columns", "delta sync, TP=2 rows": "rows"}
 
 
 def _kernels():
@@ -91,23 +100,65 @@ def publish_rank(rank: int, world: int, port: int, store: str, data: str, out: s
         json.dump({"rank": rank, "delta_publish_seconds": seconds}, f)
 
 
+def receiver_spec(shape: tuple, rank: int, world: int, cut: str):
+    """A receiver group rank's shard of a (ROWS, cols) tensor: its columns (a row-parallel layer of
+    a TP engine) or its rows (a column-parallel one)."""
+    from nemo_dcr import ShardSpec
+    rows, cols = shape
+    if cut == "columns":
+        return ShardSpec(tuple(shape), (0, rank * cols // world), (rows, cols // world))
+    return ShardSpec(tuple(shape), (rank * rows // world, 0), (rows // world, cols))
+
+
+def follow_rank(rank: int, world: int, port: int, store: str, data: str, out: str, cut: str, reps: int) -> None:
+    """One rank of a receiver group (``--follow-rank``): ``reps`` fresh followers holding this
+    rank's ``cut`` of the first version sync to the second, each checked against the target's bits;
+    the group decodes the classes chunks its ranks hold in part together (sync/chunk_gather.py)."""
+    import torch.distributed as dist
+
+    from nemo_dcr.stores import LocalStore
+    from nemo_dcr.sync.follower import Follower
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        d = torch.load(data, weights_only=True)
+        specs = {n: receiver_spec(tuple(t.shape), rank, world, cut) for n, t in d["base"].items()}
+
+        def mine(t, s):
+            return t[s.offsets[0]:s.offsets[0] + s.shape[0], s.offsets[1]:s.offsets[1] + s.shape[1]].clone()
+        times = []
+        for _ in range(reps):
+            held = {n: mine(t, specs[n]) for n, t in d["base"].items()}
+            f = Follower(LocalStore(store), held, specs, version=0, verify_initial=False, group=dist.group.WORLD)
+            dist.barrier()
+            t0 = time.perf_counter()
+            r = f.sync()
+            times.append(time.perf_counter() - t0)
+            if r.version != 1 or not all(torch.equal(held[n].view(torch.int16), mine(d["target"][n], specs[n])
+                                                      .view(torch.int16)) for n in held):
+                raise AssertionError("a receiver rank did not end at the target's bits")
+    finally:
+        dist.destroy_process_group()
+    with open(out, "w") as f:
+        json.dump({"rank": rank, "seconds": times}, f)
+
+
 def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def publish(world: int, store: str, data: str, tmp: str) -> float:
-    """``world`` rank processes publish both versions -> the slowest rank's delta publish, s. Their
-    output goes to files (a pipe read while they run could fill and hold them)."""
+def _ranks(world: int, tmp: str, tag: str, args: list) -> list:
+    """``world`` processes of this script, rank ``r`` with ``args`` and ``--world``, ``--port``,
+    ``--out``, on one gloo group -> each rank's JSON. Their output goes to files (a pipe read while
+    they run could fill and hold them)."""
     port = _port()
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     procs = []
     for r in range(world):
-        log = open(os.path.join(tmp, f"rank-{world}-{r}.log"), "w")
-        cmd = [sys.executable, os.path.abspath(__file__), "--publish-rank", str(r), "--world", str(world),
-               "--port", str(port), "--store", store, "--data", data,
-               "--out", os.path.join(tmp, f"rank-{world}-{r}.json")]
+        log = open(os.path.join(tmp, f"{tag}-{r}.log"), "w")
+        cmd = [sys.executable, os.path.abspath(__file__), *args, str(r), "--world", str(world), "--port", str(port),
+               "--out", os.path.join(tmp, f"{tag}-{r}.json")]
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env), log))
     failed = []
     for r, (p, log) in enumerate(procs):
@@ -115,13 +166,27 @@ def publish(world: int, store: str, data: str, tmp: str) -> float:
             failed.append(r)
         log.close()
     if failed:
-        with open(os.path.join(tmp, f"rank-{world}-{failed[0]}.log")) as f:
-            raise RuntimeError(f"{world} ranks: rank {failed[0]} failed:\n{f.read()[-3000:]}")
-    times = []
+        with open(os.path.join(tmp, f"{tag}-{failed[0]}.log")) as f:
+            raise RuntimeError(f"{tag}: rank {failed[0]} failed:\n{f.read()[-3000:]}")
+    out = []
     for r in range(world):
-        with open(os.path.join(tmp, f"rank-{world}-{r}.json")) as f:
-            times.append(json.load(f)["delta_publish_seconds"])
-    return max(times)
+        with open(os.path.join(tmp, f"{tag}-{r}.json")) as f:
+            out.append(json.load(f))
+    return out
+
+
+def publish(world: int, store: str, data: str, tmp: str) -> float:
+    """``world`` rank processes publish both versions -> the slowest rank's delta publish, s."""
+    got = _ranks(world, tmp, f"rank-{world}", ["--store", store, "--data", data, "--publish-rank"])
+    return max(g["delta_publish_seconds"] for g in got)
+
+
+def follow_group(store: str, data: str, tmp: str, cut: str, reps: int) -> float:
+    """A receiver group of TP ranks, each holding its ``cut`` of every tensor, syncs the delta
+    ``reps`` times -> the median over the syncs of the slowest rank's time, s."""
+    got = _ranks(TP, tmp, f"follow-{cut}", ["--store", store, "--data", data, "--cut", cut, "--reps", str(reps),
+                                            "--follow-rank"])
+    return statistics.median(max(g["seconds"][i] for g in got) for i in range(reps))
 
 
 def delta_bytes(store: str) -> int:
@@ -170,7 +235,8 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
             store = os.path.join(tmp, f"store-{world}")
             cells[world] = {"delta publish": publish(world, store, data, tmp),
                             "delta sync": follow(store, base, target, reps),
-                            "keyframe sync": follow(store, base, target, reps, keyframe=True)}
+                            "keyframe sync": follow(store, base, target, reps, keyframe=True),
+                            **{path: follow_group(store, data, tmp, cut, reps) for path, cut in CUTS.items()}}
             sizes[world] = delta_bytes(store)
     out["rows"] = ratio_rows(cells, counts, PATHS, "ranks", entries=lambda n: n * tensors,
                              delta_bytes=sizes.__getitem__)
@@ -202,13 +268,16 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8M elements as 64 tensors, 1 and 4 ranks, 1 repetition")
     ap.add_argument("--json", action="store_true")
-    for hidden in ("--publish-rank", "--world", "--port"):
+    for hidden in ("--publish-rank", "--follow-rank", "--world", "--port"):
         ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
-    for hidden in ("--store", "--data", "--out"):
+    for hidden in ("--store", "--data", "--out", "--cut"):
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.publish_rank is not None:
         publish_rank(a.publish_rank, a.world, a.port, a.store, a.data, a.out)
+        return 0
+    if a.follow_rank is not None:
+        follow_rank(a.follow_rank, a.world, a.port, a.store, a.data, a.out, a.cut, a.reps)
         return 0
     elems, tensors, counts, reps = (8 << 20, 64, [1, 4], 1) if a.quick else (a.elems, a.tensors, a.ranks, a.reps)
     if elems % (tensors * ROWS) or any(ROWS % n for n in counts):

@@ -783,15 +783,16 @@ static inline __attribute__((always_inline)) void run_count(const uint8_t *p, in
     for (int64_t i = 0; i < n; i++) cnt[i & 3][class_of(load_u(p, i, w), absmask, mant, lo, hi) - lo]++;
 }
 
-/* counts[r * (hi - lo + 1) + c - lo]: run r's elements of class c (clamped to [lo, hi]) */
-int dcr_cls_run_counts(const void *base, int w, int mant, int lo, int hi, const int64_t *start, const int64_t *n,
-                       int64_t nruns, uint32_t *counts) {
+/* counts[r * (hi - lo + 1) + c - lo]: run r's elements of class c (clamped to [lo, hi]); the runs
+ * lie in base's nbase elements (-7 otherwise) */
+int dcr_cls_run_counts(const void *base, int64_t nbase, int w, int mant, int lo, int hi, const int64_t *start,
+                       const int64_t *n, int64_t nruns, uint32_t *counts) {
     if ((w != 1 && w != 2 && w != 4) || mant < 0 || mant >= 8 * w - 1 || lo < 0 || hi < lo || hi > 255 || nruns < 0)
         return -7;
     const int nc = hi - lo + 1;
     uint32_t cnt[4][256];  /* four interleaved tables, as rank_scalar: no stall between neighbours of a class */
     for (int64_t r = 0; r < nruns; r++) {
-        if (start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX) return -7;
+        if (start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX || start[r] > nbase - n[r]) return -7;
         for (int t = 0; t < 4; t++) memset(cnt[t], 0, (size_t)nc * sizeof(uint32_t));
         const uint8_t *p = (const uint8_t *)base + start[r] * w;
         if (w == 2) run_count(p, n[r], 2, mant, lo, hi, cnt);
@@ -821,10 +822,10 @@ static inline __attribute__((always_inline)) int64_t run_select(
 /* Requests j = 0..k-1, sorted by (run, cls, within), cls counted from lo: out[j] = the offset in
  * run[j] of its within[j]-th element (from 0) of class lo + cls[j]. -4: a run holds fewer
  * elements of a class than asked for (the counts the requests came from were not these bits);
- * -7: requests out of range or order. */
-int dcr_cls_run_select(const void *base, int w, int mant, int lo, int hi, const int64_t *start, const int64_t *n,
-                       int64_t nruns, const int64_t *run, const int64_t *cls, const int64_t *within, int64_t k,
-                       int64_t *out) {
+ * -7: requests out of range or order, or a run outside base's nbase elements. */
+int dcr_cls_run_select(const void *base, int64_t nbase, int w, int mant, int lo, int hi, const int64_t *start,
+                       const int64_t *n, int64_t nruns, const int64_t *run, const int64_t *cls, const int64_t *within,
+                       int64_t k, int64_t *out) {
     if ((w != 1 && w != 2 && w != 4) || mant < 0 || mant >= 8 * w - 1 || lo < 0 || hi < lo || hi > 255 || nruns < 0
         || k < 0)
         return -7;
@@ -833,7 +834,7 @@ int dcr_cls_run_select(const void *base, int w, int mant, int lo, int hi, const 
     int64_t next[256], endc[256];
     for (int64_t j = 0; j < k;) {
         const int64_t r = run[j];
-        if (r < 0 || r >= nruns || start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX) return -7;
+        if (r < 0 || r >= nruns || start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX || start[r] > nbase - n[r]) return -7;
         for (int c = 0; c < nc; c++) { cnt[c] = 0; want[c] = UINT32_MAX; next[c] = endc[c] = 0; }
         int64_t e = j;
         for (; e < k && run[e] == r; e++) {

@@ -111,7 +111,8 @@ def _base(dtype, n=6000, seed=3):
     return b
 
 
-RUNS = (np.array([0, 100, 1000, 4000, 2500, 5999], dtype=np.int64), np.array([50, 700, 0, 1000, 300, 1], dtype=np.int64))
+RUNS = (np.array([0, 100, 1000, 4000, 2500, 5999], dtype=np.int64),  # starts (out of order, one run empty)
+        np.array([50, 700, 0, 1000, 300, 1], dtype=np.int64))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -152,3 +153,19 @@ def test_run_select_refuses_what_the_runs_do_not_hold(native):
         classes.run_counts(base, np.array([5990]), np.array([20]), 0, 255, mant, use_native=native)
     assert classes.run_select(base, start, length, 0, 255, mant, *(np.empty(0, dtype=np.int64),) * 3,
                               use_native=native).size == 0
+
+
+def test_the_kernels_alone_refuse_runs_past_their_base():
+    """The Python checks aside, the C kernels never read past the base they are given."""
+    base, mant = _base(torch.bfloat16, n=100), classes.MANTISSA[torch.bfloat16]
+    counts = np.zeros(256, dtype=np.uint32)
+    for start, n in ((90, 11), (101, 0), (-1, 2), (0, -1)):
+        s, ln = np.array([start], dtype=np.int64), np.array([n], dtype=np.int64)
+        assert lib().dcr_cls_run_counts(base.data_ptr(), 100, 2, mant, 0, 255, s.ctypes.data, ln.ctypes.data, 1,
+                                        counts.ctypes.data) == -7
+        req, got = np.zeros(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+        assert lib().dcr_cls_run_select(base.data_ptr(), 100, 2, mant, 0, 255, s.ctypes.data, ln.ctypes.data, 1,
+                                        req.ctypes.data, req.ctypes.data, req.ctypes.data, 1, got.ctypes.data) == -7
+    s, ln = np.array([90], dtype=np.int64), np.array([10], dtype=np.int64)  # the last ten: in bounds
+    assert lib().dcr_cls_run_counts(base.data_ptr(), 100, 2, mant, 0, 255, s.ctypes.data, ln.ctypes.data, 1,
+                                    counts.ctypes.data) == 0 and int(counts.sum()) == 10

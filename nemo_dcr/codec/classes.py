@@ -338,8 +338,8 @@ def run_counts(base: torch.Tensor, start: np.ndarray, length: np.ndarray, lo: in
         return n.cpu().numpy().astype(np.uint32).reshape(runs, nc)
     base = base.contiguous()
     out = np.empty((runs, nc), dtype=np.uint32)
-    rc = lib.dcr_cls_run_counts(_ptr(base), base.element_size(), mant, lo, hi, start.ctypes.data, length.ctypes.data,
-                                runs, out.ctypes.data)
+    rc = lib.dcr_cls_run_counts(_ptr(base), base.numel(), base.element_size(), mant, lo, hi, start.ctypes.data,
+                                length.ctypes.data, runs, out.ctypes.data)
     if rc:
         raise DcrError(f"class counts of runs failed in the C kernel: {_ERRORS.get(rc, rc)}")
     return out
@@ -376,8 +376,9 @@ def run_select(base: torch.Tensor, start: np.ndarray, length: np.ndarray, lo: in
     srun, scls, swithin = run[sort], cls[sort], within[sort]
     got = np.empty(k, dtype=np.int64)
     base = base.contiguous()
-    rc = lib.dcr_cls_run_select(_ptr(base), base.element_size(), mant, lo, hi, start.ctypes.data, length.ctypes.data,
-                                runs, srun.ctypes.data, scls.ctypes.data, swithin.ctypes.data, k, got.ctypes.data)
+    rc = lib.dcr_cls_run_select(_ptr(base), base.numel(), base.element_size(), mant, lo, hi, start.ctypes.data,
+                                length.ctypes.data, runs, srun.ctypes.data, scls.ctypes.data, swithin.ctypes.data, k,
+                                got.ctypes.data)
     if rc == -4:
         raise RankPastClass("a run holds fewer elements of a class than asked for")
     if rc:

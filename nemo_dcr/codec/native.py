@@ -104,10 +104,10 @@ def _declare(lib) -> None:
     lib.dcr_cls_decode_streams.restype = ctypes.c_int
     lib.dcr_cls_decode_streams.argtypes = [i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p]
     lib.dcr_cls_run_counts.restype = ctypes.c_int
-    lib.dcr_cls_run_counts.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, i64, p]
+    lib.dcr_cls_run_counts.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, i64, p]
     lib.dcr_cls_run_select.restype = ctypes.c_int
-    lib.dcr_cls_run_select.argtypes = [p, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, i64, p, p, p,
-                                       i64, p]
+    lib.dcr_cls_run_select.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, i64, p, p,
+                                       p, i64, p]
     lib.dcr_free.restype = None
     lib.dcr_free.argtypes = [p]
     lib.dcr_set_simd.restype = None
