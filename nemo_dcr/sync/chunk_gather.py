@@ -360,6 +360,14 @@ def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
     return int_view(torch.empty(0, dtype=dtype)).dtype
 
 
+def _np_bits(dtype: torch.dtype) -> np.dtype:
+    """numpy's dtype of ``dtype``'s integer view (the exchanged base bits)."""
+    return _NP_BITS.setdefault(dtype, torch.empty(0, dtype=_bits_dtype(dtype)).numpy().dtype)
+
+
+_NP_BITS: dict = {}
+
+
 def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shards: Mapping, group: Group) -> Gathered:
     """Decode, before anything is written, every ``classes`` chunk of ``blobs`` (the parts of one
     version, the same on every rank) in entries this rank holds only part of. Collective: every
@@ -432,15 +440,15 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         found = group.run(locate, "place the changes of the classes chunks held in part", gather=True)
         received += sum(sum(a.nbytes for a in v) for r, d in enumerate(found) if r != me for v in d.values())
 
-    def together(p: Plan, s: _Share) -> Decoded:
-        """Chunk ``s`` from the changes every rank placed: checked as a whole-chunk holder does."""
+    def together(p: Plan, s: _Share) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Chunk ``s``'s changes as every rank placed them, in position order, checked against its
+        pre-image as a whole-chunk holder checks them -> (positions, base bits, differences)."""
         c, pl = s.chunk, placed[s.key]
         if pl.d.numel() != c.k:
             raise DeltaFormatError(f"{p.name}: chunk at element {c.start} holds {pl.d.numel()} changes, "
                                    f"its entry {c.k}")
-        bits_dtype = _bits_dtype(p.entry.torch_dtype)
         at_all = np.full(c.k, -1, dtype=np.int64)  # each change's position, in stream order
-        old_all = np.zeros(c.k, dtype=torch.empty(0, dtype=bits_dtype).numpy().dtype)
+        old_all = np.zeros(c.k, dtype=_np_bits(p.entry.torch_dtype))
         for r in sorted(s.runs):
             if s.key in found[r]:
                 at, b = found[r][s.key]
@@ -452,18 +460,35 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         o = np.argsort(at_all, kind="stable")
         at_all = at_all[o]
         idx, old, d = torch.from_numpy(at_all), torch.from_numpy(old_all[o]), pl.d[torch.from_numpy(o)]
-        where = f"its changes placed by ranks {sorted(s.runs)} of the receiver group"
         if (at_all < 0).any() or (np.diff(at_all) <= 0).any() or values_digest(old, c.values_algo) != c.pre:
-            raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base ({where})")
-        new = to_bits(classes.new_values(unsigned(old), d, old.element_size()), old.element_size()).view(bits_dtype)
-        if values_digest(new, c.values_algo) != c.post:
-            raise DeltaFormatError(f"{p.name}: chunk at element {c.start} decodes to values that do not match its "
-                                   "post-image digest")
-        return Decoded(idx, old, new)
+            raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base (its changes "
+                                    f"placed by ranks {sorted(s.runs)} of the receiver group)")
+        return idx, old, d
+
+    def new_bits(pending: list) -> list[Decoded]:
+        """The new bits of the chunks decoded together, ``(plan, chunk, positions, base bits,
+        differences)`` each: one pass per element width for all of them (a dozen torch calls a
+        version, not a chunk), each chunk checked against its post-image."""
+        out: list[Decoded | None] = [None] * len(pending)
+        by_width: dict = {}
+        for j, item in enumerate(pending):
+            by_width.setdefault(item[3].element_size(), []).append(j)
+        for w, js in by_width.items():
+            old, d = torch.cat([pending[j][3] for j in js]), torch.cat([pending[j][4] for j in js])
+            new = to_bits(classes.new_values(unsigned(old), d, w), w)
+            for j, part in zip(js, torch.split(new, [pending[j][3].numel() for j in js])):
+                p, c, idx, base, _ = pending[j]
+                part = part.view(base.dtype)
+                if values_digest(part, c.values_algo) != c.post:
+                    raise DeltaFormatError(f"{p.name}: chunk at element {c.start} decodes to values that do not "
+                                           "match its post-image digest")
+                out[j] = Decoded(idx, base, part)
+        return out  # type: ignore[return-value]
 
     def decode_mine():
         out: list[dict] = [{} for _ in readers]
         by_key = {s.key: s for s in shares}
+        pending, where = [], []
         for (i, name), p in sorted(plans.items()):
             if p.action != Action.UNVERIFIED:
                 continue  # holds the entry's whole region: apply decodes and checks it
@@ -474,13 +499,16 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                     continue
                 key = (i, name, c.start)
                 if key in by_key and me in by_key[key].holders:
-                    out[i][(name, c.start)] = together(p, by_key[key])
+                    pending.append((p, c, *together(p, by_key[key])))
+                    where.append((i, name, c.start))
                     continue
                 mine = maps.held(p.entry.region, c.start, c.n, p.recv)
                 if not len(mine) or not c.k:
                     out[i][(name, c.start)] = Decoded.nothing(bits_dtype)
                 else:  # (_shares: this rank holds the whole chunk)
                     out[i][(name, c.start)] = _decode(p, c, readers[i].payload(c), _chunk_bits(p, mine), "held here")
+        for (i, name, start), dec in zip(where, new_bits(pending)):
+            out[i][(name, start)] = dec
         return out
 
     decoded = group.run(decode_mine, "decode the classes chunks held in part")
