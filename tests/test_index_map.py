@@ -9,6 +9,7 @@ import torch
 
 from dcr_testing.shards import cut, grid
 from nemo_dcr import DcrError, IndexMap, ShardSpec, apply, diff
+from nemo_dcr.state import index_map
 from nemo_dcr.state.dtypes import int_view
 
 # ----------------------------------------------------------------------------- helpers
@@ -119,8 +120,16 @@ def test_slices_of_requires_containment():
 
 # ----------------------------------------------------------------------------- IndexMap
 
+@pytest.fixture(params=["numpy", "torch"])
+def general_maps(request, monkeypatch):
+    """The general maps run on numpy arrays for a few host indices, on torch tensors else
+    (index_map._small): each test below runs both ways."""
+    monkeypatch.setattr(index_map, "SMALL", 1 << 40 if request.param == "numpy" else -1)
+    return request.param
+
+
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_to_global_matches_reference_and_round_trips(layout):
+def test_to_global_matches_reference_and_round_trips(layout, general_maps):
     gshape, splits = layout
     specs = grid(gshape, splits)
     gnumel = math.prod(gshape)
@@ -148,7 +157,7 @@ def test_to_global_matches_reference_and_round_trips(layout):
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=layout_id)
-def test_to_local_of_every_global_index(layout):
+def test_to_local_of_every_global_index(layout, general_maps):
     gshape, splits = layout
     gnumel = math.prod(gshape)
     allg = torch.arange(-3, gnumel + 3, dtype=torch.int64)  # includes out-of-range indices
