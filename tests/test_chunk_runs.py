@@ -1,5 +1,5 @@
-"""How a receiver group maps a ``classes`` chunk to the ranks holding part of it, per run rather
-than per element (nemo_dcr/sync/chunk_gather.py; docs/results.md, twenty-fifth turn):
+"""A chunk's positions a receiver holds, as runs rather than elements (nemo_dcr/state/runs.py; a
+receiver group's decode, nemo_dcr/sync/chunk_gather.py; docs/results.md, twenty-fifth turn):
 
 - ``IndexMap.rows``: a shard's runs, consecutive in its local and the canonical order;
 - which runs of a chunk each rank holds (``_held``) and answers for (``_answering``: the lowest
@@ -16,8 +16,8 @@ from dcr_testing import bits as int_bits
 from nemo_dcr.codec import classes
 from nemo_dcr.codec.native import lib
 from nemo_dcr.errors import DcrError
+from nemo_dcr.state import runs as R
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.sync import chunk_gather as cg
 
 pytestmark = pytest.mark.skipif(lib() is None, reason="the C kernels are what is compared with the reference")
 
@@ -48,7 +48,7 @@ def _by_element(reg: ShardSpec, spec: ShardSpec, start: int, n: int) -> tuple[np
 
 
 def _elements(runs) -> tuple[np.ndarray, np.ndarray]:
-    return cg._expand(runs.cstart, runs.length), cg._expand(runs.lstart, runs.length)
+    return R.expand(runs.cstart, runs.length), R.expand(runs.lstart, runs.length)
 
 
 @pytest.mark.parametrize("layout", range(len(LAYOUTS)))
@@ -70,7 +70,7 @@ def test_rows_cover_each_shard_once_in_both_orders(layout):
 def test_each_rank_holds_and_answers_what_the_index_maps_say(layout, chunk):
     shape, region, recv = LAYOUTS[layout]
     reg, specs = _specs(shape, region, recv)
-    maps = cg._Maps()
+    maps = R.RunMaps()
     for start in range(0, reg.numel, chunk):
         n = min(chunk, reg.numel - start)
         held = {}
@@ -83,7 +83,7 @@ def test_each_rank_holds_and_answers_what_the_index_maps_say(layout, chunk):
                 held[r] = runs
         ranks = sorted(specs)
         disjoint = not any(specs[a].overlaps(specs[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:])
-        answers = cg._answering(held, n, disjoint)
+        answers = R.answering(held, n, disjoint)
         covered = np.zeros(n, dtype=bool)
         for r in sorted(held):  # the lowest rank holding a position answers for it
             c, local = _by_element(reg, specs[r], start, n)

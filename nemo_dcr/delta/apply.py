@@ -37,6 +37,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
+from nemo_dcr.state.runs import copy_runs, held_runs, shard_rows
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -265,11 +266,17 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         if journal is not None:
             journal.add(key)
         return out
-    if c.pos == DENSE and on_change is None and t.shift is not None and t.fa.contiguous:
-        out = _apply_range(reader, t, c, in_journal)
-        if journal is not None and out[0] == "applied":
-            journal.add(key)
-        return out
+    if c.pos == DENSE and on_change is None and t.fa.contiguous:
+        if t.shift is not None:
+            out = _apply_range(reader, t, c, in_journal)
+        elif c.enc == OVERWRITE and t.moved is None and not check and t.tensor.is_cpu:
+            out = _apply_runs(reader, t, c)
+        else:
+            out = None
+        if out is not None:
+            if journal is not None and out[0] == "applied":
+                journal.add(key)
+            return out
     pos, vals, held, written = _decode(reader, t, c)
     glob, local, vals = _locate(t, pos, vals)
     need_cur = (t.xor_ok or on_change is not None) and t.plan.action != Action.CREATE
@@ -327,6 +334,21 @@ def _apply_range(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: boo
         t.moved.replace(c.start, view, new)
     view.copy_(new)
     return "applied", c.n
+
+
+def _apply_runs(reader: DeltaReader, t: _Target, c: ChunkEntry):
+    """A ``dense`` overwrite chunk (a keyframe's) into a receiver holding its region in part (a TP
+    engine's columns of a tensor a trainer rank published whole), unchecked and with no one told:
+    its values copied run by run (``state/runs.py``), where the general path mapped each of the
+    chunk's elements through the index maps (a 64M BF16 keyframe into two ranks' columns spent
+    ~3 s of each rank's CPU there; docs/results.md, twenty-fifth turn)."""
+    runs = held_runs(shard_rows(t.region_map.spec), c.start, c.n, shard_rows(t.recv_map.spec))
+    if not len(runs):
+        return "applied", 0
+    raw = dense_stream(c, reader.payload(c), t.w, checked=reader.payloads_checked)
+    dst = t.fa.read(0, t.fa.numel)
+    copy_runs(dst, planes.join(raw, c.k, t.w).view(dst.dtype), runs)
+    return "applied", runs.total
 
 
 def run_plan(reader: DeltaReader, plan: Plan, report: ApplyReport, workers: int | None = None, bar=None,

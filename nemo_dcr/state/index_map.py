@@ -319,6 +319,7 @@ class IndexMap:
             held = (q >= 0) & (q < sz)
             mask = held if mask is None else mask & held
             out = q * ls if out is None else out + q * ls
+        assert out is not None and mask is not None  # (not identity: at least one dimension)
         return out[mask], mask
 
 

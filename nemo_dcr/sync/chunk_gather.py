@@ -52,7 +52,8 @@ from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError
 from nemo_dcr.state.digest import values_digest
 from nemo_dcr.state.dtypes import int_view
 from nemo_dcr.state.flat import FlatAccess
-from nemo_dcr.state.index_map import IndexMap, ShardSpec
+from nemo_dcr.state.index_map import ShardSpec
+from nemo_dcr.state.runs import RunMaps, Runs, answering, expand
 from nemo_dcr.sync.group import Group
 
 __all__ = ["Gathered", "decode_partial"]
@@ -69,29 +70,6 @@ class Gathered:
 
 
 @dataclass(frozen=True)
-class _Runs:
-    """Runs of consecutive positions of one chunk that one rank holds: run ``i`` is the chunk's
-    positions ``[cstart[i], cstart[i] + length[i])``, at local flat indices ``[lstart[i], ...)``
-    of the rank's tensor; in chunk order (int64 arrays). A row of a column-split tensor is one run,
-    a row shard's part of a chunk one in all: what maps a chunk to a rank is O(runs), not
-    O(elements)."""
-
-    cstart: np.ndarray
-    lstart: np.ndarray
-    length: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.cstart)
-
-    @property
-    def total(self) -> int:
-        return int(self.length.sum())
-
-
-_NO_RUNS = _Runs(*(np.empty(0, dtype=np.int64) for _ in range(3)))
-
-
-@dataclass(frozen=True)
 class _Share:
     """One chunk to decode together: the ranks holding some of its positions, and the runs of
     positions each rank answers for (those no lower rank holds)."""
@@ -100,7 +78,7 @@ class _Share:
     name: str
     chunk: ChunkEntry
     holders: frozenset  # ranks holding some of the chunk's positions
-    runs: dict[int, _Runs]  # rank -> the runs it answers for
+    runs: dict[int, Runs]  # rank -> the runs it answers for
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -120,104 +98,6 @@ def _has_classes(e: TensorEntry) -> bool:
     return e.kind == TensorKind.DELTA and e.region is not None and any(c.enc == CLASSES for c in e.chunks)
 
 
-_Rows = tuple  # (local starts, canonical starts: int64 arrays, length): IndexMap.rows on the host
-
-
-def _rows(spec: ShardSpec) -> _Rows:
-    local, glob, length = IndexMap(spec).rows()
-    return local.numpy(), glob.numpy(), length
-
-
-class _Maps:
-    """What maps chunks to ranks, worked out once per decode: the entries of a version share a
-    few layouts (every layer's shard of one shape on one rank), so most chunks' runs are a lookup."""
-
-    def __init__(self):
-        self._rows: dict = {}
-        self._held: dict = {}
-
-    def rows(self, spec: ShardSpec) -> _Rows:
-        try:
-            got = self._rows.get(spec)
-        except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
-            return _rows(spec)
-        if got is None:
-            got = self._rows[spec] = _rows(spec)
-        return got
-
-    def held(self, region: ShardSpec, start: int, n: int, spec: ShardSpec) -> _Runs:
-        """``_held`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec``."""
-        key = (region, start, n, spec)
-        try:
-            got = self._held.get(key)
-        except TypeError:
-            return _held(self.rows(region), start, n, self.rows(spec))
-        if got is None:
-            got = self._held[key] = _held(self.rows(region), start, n, self.rows(spec))
-        return got
-
-
-def _cut(rows: _Rows, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """A shard's rows cut to its local flat range ``[lo, hi)`` (not empty) -> (local starts,
-    canonical starts, lengths)."""
-    local, glob, length = rows
-    i, j = lo // length, (hi - 1) // length + 1
-    ls, gs = local[i:j].copy(), glob[i:j].copy()
-    ends = ls + length
-    ends[-1] = min(int(ends[-1]), hi)
-    gs[0] += lo - ls[0]
-    ls[0] = lo
-    return ls, gs, ends - ls
-
-
-def _held(region: _Rows, start: int, n: int, rows: _Rows) -> _Runs:
-    """The runs of chunk ``[start, start + n)`` of an entry's region (its rows) that a shard
-    (its rows) holds: the two sets of runs intersected in canonical order, where both increase."""
-    bl, bg, bn = rows
-    if not len(bl):
-        return _NO_RUNS
-    al, ag, an = _cut(region, start, start + n)
-    aend = ag + an
-    first = np.searchsorted(bg, ag - bn, side="right")  # the first shard run ending past each chunk run's start
-    last = np.searchsorted(bg, aend, side="left")  # past the last starting before its end
-    cnt = np.maximum(last - first, 0)
-    total = int(cnt.sum())
-    if not total:
-        return _NO_RUNS
-    ai = np.repeat(np.arange(len(al)), cnt)
-    bi = first[ai] + np.arange(total) - (np.cumsum(cnt) - cnt)[ai]
-    lo, hi = np.maximum(ag[ai], bg[bi]), np.minimum(aend[ai], bg[bi] + bn)
-    keep = hi > lo
-    ai, bi, lo, hi = ai[keep], bi[keep], lo[keep], hi[keep]
-    return _Runs(al[ai] - start + (lo - ag[ai]), bl[bi] + (lo - bg[bi]), hi - lo)
-
-
-def _expand(start: np.ndarray, length: np.ndarray) -> np.ndarray:
-    """Runs -> the index of each of their elements, in turn."""
-    first = np.cumsum(length) - length
-    return np.repeat(start - first, length) + np.arange(int(length.sum()), dtype=np.int64)
-
-
-def _answering(held: dict[int, _Runs], n: int, disjoint: bool) -> dict[int, _Runs]:
-    """The runs each rank answers for: its own where no two ranks' shards overlap, else the
-    positions no lower rank holds (several ranks holding the same elements: replicas)."""
-    if disjoint:
-        return dict(held)
-    covered = np.zeros(n, dtype=bool)
-    out = {}
-    for rank in sorted(held):
-        h = held[rank]
-        c, local = _expand(h.cstart, h.length), _expand(h.lstart, h.length)
-        own = ~covered[c]
-        covered[c] = True
-        c, local = c[own], local[own]
-        if c.size:  # as runs again, split where either order jumps
-            cut = np.flatnonzero((np.diff(c) != 1) | (np.diff(local) != 1)) + 1
-            starts = np.concatenate(([0], cut))
-            out[rank] = _Runs(c[starts], local[starts], np.diff(np.concatenate((starts, [c.size]))))
-    return out
-
-
 def _my_plans(readers: Sequence[DeltaReader], tensors: Mapping, shards: Mapping) -> dict:
     """(part, name) -> the apply plan of each entry with ``classes`` chunks that this rank holds
     some of. An entry that does not fit the receiver is left to ``apply`` to report."""
@@ -235,7 +115,7 @@ def _my_plans(readers: Sequence[DeltaReader], tensors: Mapping, shards: Mapping)
     return plans
 
 
-def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: _Maps) -> list[_Share]:
+def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: RunMaps) -> list[_Share]:
     """The chunks some rank holds only part of, the same list on every rank (derived from every
     rank's layout alone). Raises when the group together lacks a position of one."""
     entries = {(i, e.name): e for i, r in enumerate(readers) for e in r.header.tensors}
@@ -254,32 +134,32 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: _Maps) ->
             held = {rank: h for rank in ranks if len(h := maps.held(e.region, c.start, c.n, holders[rank]))}
             if all(h.total == c.n for h in held.values()):
                 continue  # nobody holds part of it
-            runs = _answering(held, c.n, disjoint)
+            runs = answering(held, c.n, disjoint)
             if sum(r.total for r in runs.values()) != c.n:
                 raise undecodable(e.name, c)
             out.append(_Share(key[0], e.name, c, frozenset(held), runs))
     return out
 
 
-def _run_bits(p: Plan, runs: _Runs) -> tuple[torch.Tensor, np.ndarray]:
+def _run_bits(p: Plan, runs: Runs) -> tuple[torch.Tensor, np.ndarray]:
     """This rank's bits of ``runs``, where its tensor is, as (a 1-D integer view, each run's start
     in it): the tensor's own flat bits when it is contiguous (nothing copied), else the runs
     gathered."""
     fa = FlatAccess(p.held)
     if fa.contiguous:
         return fa.read(0, fa.numel), runs.lstart
-    at = torch.from_numpy(_expand(runs.lstart, runs.length)).to(p.held.device)
+    at = torch.from_numpy(expand(runs.lstart, runs.length)).to(p.held.device)
     return fa.gather(at), np.cumsum(runs.length) - runs.length
 
 
-def _chunk_bits(p: Plan, runs: _Runs) -> torch.Tensor:
+def _chunk_bits(p: Plan, runs: Runs) -> torch.Tensor:
     """This rank's bits of a chunk it holds whole (``runs`` cover it), in chunk order: a view where
     the chunk is one run of a contiguous tensor."""
     fa = FlatAccess(p.held)
     if len(runs) == 1 and fa.contiguous:
         lo = int(runs.lstart[0])
         return fa.read(lo, lo + int(runs.length[0]))
-    return fa.gather(torch.from_numpy(_expand(runs.lstart, runs.length)).to(p.held.device))
+    return fa.gather(torch.from_numpy(expand(runs.lstart, runs.length)).to(p.held.device))
 
 
 def _decode(p: Plan, c: ChunkEntry, payload, base: torch.Tensor, where: str) -> Decoded:
@@ -380,7 +260,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         return {k: (p.recv.global_shape, p.recv.offsets, p.recv.shape, p.recv.index_shape) for k, p in plans.items()}
 
     layouts = group.run(layout, "list the classes chunks held in part", gather=True)
-    maps = _Maps()
+    maps = RunMaps()
     shares = group.run(lambda: _shares(readers, layouts, maps), "find the classes chunks to decode together")
     me, world = group.rank, group.world_size
 

@@ -1,0 +1,164 @@
+"""A shard's part of a chunk as runs: positions consecutive in both the chunk's (its region's flat
+order) and the shard's local order. A row of a column-split tensor is one run, a row shard's part
+of a chunk one in all, so what maps a chunk to a receiver is O(runs), not O(elements): a receiver
+group's ``classes`` decode (``sync/chunk_gather.py``) and a dense chunk written into a receiver that
+holds its region in part (``delta/apply.py``) work from them. Host-side numpy: a chunk's runs are
+a few numbers to a few thousand.
+
+The geometry: ``IndexMap.rows`` gives a shard's runs (its collapsed rows), increasing in canonical
+order; a chunk's runs on a shard are its region's runs cut to the chunk, intersected with the
+shard's (``held_runs``; both increase in canonical order, so one search each)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
+
+__all__ = ["NO_RUNS", "RunMaps", "Runs", "answering", "copy_runs", "expand", "held_runs", "shard_rows"]
+
+
+@dataclass(frozen=True)
+class Runs:
+    """Runs of consecutive positions of one chunk that one shard holds: run ``i`` is the chunk's
+    positions ``[cstart[i], cstart[i] + length[i])``, at local flat indices ``[lstart[i], ...)``
+    of the shard's tensor; in chunk order (int64 arrays)."""
+
+    cstart: np.ndarray
+    lstart: np.ndarray
+    length: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.cstart)
+
+    @property
+    def total(self) -> int:
+        return int(self.length.sum())
+
+
+NO_RUNS = Runs(*(np.empty(0, dtype=np.int64) for _ in range(3)))
+
+
+
+Rows = tuple  # (local starts, canonical starts: int64 arrays, length): IndexMap.rows on the host
+
+
+def shard_rows(spec: ShardSpec) -> Rows:
+    local, glob, length = IndexMap(spec).rows()
+    return local.numpy(), glob.numpy(), length
+
+
+class RunMaps:
+    """``shard_rows`` and ``held_runs`` worked out once per layout for as long as this lives (a
+    version's decode): the entries of a version share a few layouts (every layer's shard of one
+    shape on one rank), so most chunks' runs are a lookup."""
+
+    def __init__(self):
+        self._rows: dict = {}
+        self._held: dict = {}
+
+    def rows(self, spec: ShardSpec) -> Rows:
+        try:
+            got = self._rows.get(spec)
+        except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
+            return shard_rows(spec)
+        if got is None:
+            got = self._rows[spec] = shard_rows(spec)
+        return got
+
+    def held(self, region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
+        """``_held`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec``."""
+        key = (region, start, n, spec)
+        try:
+            got = self._held.get(key)
+        except TypeError:
+            return held_runs(self.rows(region), start, n, self.rows(spec))
+        if got is None:
+            got = self._held[key] = held_runs(self.rows(region), start, n, self.rows(spec))
+        return got
+
+
+def _cut(rows: Rows, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """A shard's rows cut to its local flat range ``[lo, hi)`` (not empty) -> (local starts,
+    canonical starts, lengths)."""
+    local, glob, length = rows
+    i, j = lo // length, (hi - 1) // length + 1
+    ls, gs = local[i:j].copy(), glob[i:j].copy()
+    ends = ls + length
+    ends[-1] = min(int(ends[-1]), hi)
+    gs[0] += lo - ls[0]
+    ls[0] = lo
+    return ls, gs, ends - ls
+
+
+def held_runs(region: Rows, start: int, n: int, rows: Rows) -> Runs:
+    """The runs of chunk ``[start, start + n)`` of an entry's region (its rows) that a shard
+    (its rows) holds: the two sets of runs intersected in canonical order, where both increase."""
+    bl, bg, bn = rows
+    if not len(bl):
+        return NO_RUNS
+    al, ag, an = _cut(region, start, start + n)
+    aend = ag + an
+    first = np.searchsorted(bg, ag - bn, side="right")  # the first shard run ending past each chunk run's start
+    last = np.searchsorted(bg, aend, side="left")  # past the last starting before its end
+    cnt = np.maximum(last - first, 0)
+    total = int(cnt.sum())
+    if not total:
+        return NO_RUNS
+    ai = np.repeat(np.arange(len(al)), cnt)
+    bi = first[ai] + np.arange(total) - (np.cumsum(cnt) - cnt)[ai]
+    lo, hi = np.maximum(ag[ai], bg[bi]), np.minimum(aend[ai], bg[bi] + bn)
+    keep = hi > lo
+    ai, bi, lo, hi = ai[keep], bi[keep], lo[keep], hi[keep]
+    return Runs(al[ai] - start + (lo - ag[ai]), bl[bi] + (lo - bg[bi]), hi - lo)
+
+
+def expand(start: np.ndarray, length: np.ndarray) -> np.ndarray:
+    """Runs -> the index of each of their elements, in turn."""
+    first = np.cumsum(length) - length
+    return np.repeat(start - first, length) + np.arange(int(length.sum()), dtype=np.int64)
+
+
+def answering(held: dict[int, Runs], n: int, disjoint: bool) -> dict[int, Runs]:
+    """The runs of a chunk of ``n`` positions each rank of a group answers for, from the runs it
+    holds: its own where no two ranks' shards overlap (``disjoint``), else the positions no lower
+    rank holds (several ranks holding the same elements: replicas)."""
+    if disjoint:
+        return dict(held)
+    covered = np.zeros(n, dtype=bool)
+    out = {}
+    for rank in sorted(held):
+        h = held[rank]
+        c, local = expand(h.cstart, h.length), expand(h.lstart, h.length)
+        own = ~covered[c]
+        covered[c] = True
+        c, local = c[own], local[own]
+        if c.size:  # as runs again, split where either order jumps
+            cut = np.flatnonzero((np.diff(c) != 1) | (np.diff(local) != 1)) + 1
+            starts = np.concatenate(([0], cut))
+            out[rank] = Runs(c[starts], local[starts], np.diff(np.concatenate((starts, [c.size]))))
+    return out
+
+
+def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
+    """``dst[lstart[i] : + length[i]] = src[cstart[i] : + length[i]]`` for every run (``dst``,
+    ``src``: 1-D contiguous): the runs between the first and the last, where they are alike (one
+    length, one step in each order: a box's full rows), as one strided copy; others one by one."""
+    n = len(runs)
+    if n == 0:
+        return
+    c, loc, ln = runs.cstart, runs.lstart, runs.length
+    mid = slice(1, n - 1)
+    if n > 3 and (ln[mid] == ln[1]).all() and (np.diff(c[mid]) == c[2] - c[1]).all() \
+            and (np.diff(loc[mid]) == loc[2] - loc[1]).all():
+        shape = (n - 2, int(ln[1]))
+        dst.as_strided(shape, (int(loc[2] - loc[1]), 1), dst.storage_offset() + int(loc[1])).copy_(
+            src.as_strided(shape, (int(c[2] - c[1]), 1), src.storage_offset() + int(c[1])))
+        each = [0, n - 1]
+    else:
+        each = list(range(n))
+    for i in each:
+        a, b, k = int(c[i]), int(loc[i]), int(ln[i])
+        dst[b:b + k].copy_(src[a:a + k])
