@@ -23,11 +23,12 @@ publish), and in this process ``--reps`` fresh ``Follower``s holding the first v
 second (``delta sync``, the median), and as many holding zeros (``keyframe sync``: the keyframe,
 then the delta); each follower's tensors are compared with the target's bits. Then two
 processes (``--follow-rank``, a TP=2 receiver group on gloo, as a vLLM engine's workers) each
-holding its columns (``delta sync, TP=2 columns``: a row-parallel layer) or its rows (``TP=2
-rows``: a column-parallel one) of every tensor sync the delta ``--reps`` times (the median of the
-slower rank's times): a rank holding part of a ``classes`` chunk decodes it with the group's help
-(sync/chunk_gather.py; docs/results.md, twenty-fifth turn: the group took 70-180x one follower's
-time before it mapped chunks by runs).
+holding its columns (``TP=2 columns``: a row-parallel layer) or its rows (``TP=2 rows``: a
+column-parallel one) of every tensor sync the delta and the keyframe ``--reps`` times each (the
+median of the slower rank's times): a rank holding part of a ``classes`` chunk decodes it with the
+group's help (sync/chunk_gather.py), and a keyframe's chunks are copied into it run by run
+(docs/results.md, twenty-fifth turn: the group's delta sync took 70-180x one follower's time
+before chunks were mapped by runs).
 """
 from __future__ import annotations
 
@@ -51,10 +52,11 @@ if HERE not in sys.path:
 
 from benchload import ratio_rows, ratio_table, script  # noqa: E402
 
-PATHS = ("delta publish", "delta sync", "keyframe sync", "delta sync, TP=2 columns", "delta sync, TP=2 rows")
+CUTS = ("columns", "rows")  # how a TP receiver group holds each tensor
+PATHS = ("delta publish", "delta sync", "keyframe sync",
+         *(f"{sync} sync, TP=2 {cut}" for cut in CUTS for sync in ("delta", "keyframe")))
 ROWS = 256  # each tensor's rows: every rank count divides them
 TP = 2  # the receiver group's ranks (a vLLM engine at tensor parallelism 2)
-CUTS = {"delta sync, TP=2 columns": "columns", "delta sync, TP=2 rows": "rows"}
 
 
 def _kernels():
@@ -112,8 +114,9 @@ def receiver_spec(shape: tuple, rank: int, world: int, cut: str):
 
 def follow_rank(rank: int, world: int, port: int, store: str, data: str, out: str, cut: str, reps: int) -> None:
     """One rank of a receiver group (``--follow-rank``): ``reps`` fresh followers holding this
-    rank's ``cut`` of the first version sync to the second, each checked against the target's bits;
-    the group decodes the classes chunks its ranks hold in part together (sync/chunk_gather.py)."""
+    rank's ``cut`` of the first version sync to the second (``delta``), and as many holding zeros
+    (``keyframe``: the keyframe, then the delta), each checked against the target's bits; the group
+    decodes the classes chunks its ranks hold in part together (sync/chunk_gather.py)."""
     import torch.distributed as dist
 
     from nemo_dcr.stores import LocalStore
@@ -125,17 +128,23 @@ def follow_rank(rank: int, world: int, port: int, store: str, data: str, out: st
 
         def mine(t, s):
             return t[s.offsets[0]:s.offsets[0] + s.shape[0], s.offsets[1]:s.offsets[1] + s.shape[1]].clone()
-        times = []
-        for _ in range(reps):
-            held = {n: mine(t, specs[n]) for n, t in d["base"].items()}
-            f = Follower(LocalStore(store), held, specs, version=0, verify_initial=False, group=dist.group.WORLD)
-            dist.barrier()
-            t0 = time.perf_counter()
-            r = f.sync()
-            times.append(time.perf_counter() - t0)
-            if r.version != 1 or not all(torch.equal(held[n].view(torch.int16), mine(d["target"][n], specs[n])
-                                                      .view(torch.int16)) for n in held):
-                raise AssertionError("a receiver rank did not end at the target's bits")
+        times: dict = {"delta": [], "keyframe": []}
+        for sync in times:
+            for _ in range(reps):
+                held = {n: mine(t, specs[n]) for n, t in d["base"].items()}
+                if sync == "keyframe":
+                    held = {n: torch.zeros_like(t) for n, t in held.items()}
+                    f = Follower(LocalStore(store), held, specs, group=dist.group.WORLD)
+                else:
+                    f = Follower(LocalStore(store), held, specs, version=0, verify_initial=False,
+                                 group=dist.group.WORLD)
+                dist.barrier()
+                t0 = time.perf_counter()
+                r = f.sync()
+                times[sync].append(time.perf_counter() - t0)
+                if r.version != 1 or not all(torch.equal(held[n].view(torch.int16), mine(d["target"][n], specs[n])
+                                                          .view(torch.int16)) for n in held):
+                    raise AssertionError(f"a receiver rank's {sync} sync did not end at the target's bits")
     finally:
         dist.destroy_process_group()
     with open(out, "w") as f:
@@ -181,12 +190,14 @@ def publish(world: int, store: str, data: str, tmp: str) -> float:
     return max(g["delta_publish_seconds"] for g in got)
 
 
-def follow_group(store: str, data: str, tmp: str, cut: str, reps: int) -> float:
-    """A receiver group of TP ranks, each holding its ``cut`` of every tensor, syncs the delta
-    ``reps`` times -> the median over the syncs of the slowest rank's time, s."""
+def follow_group(store: str, data: str, tmp: str, cut: str, reps: int) -> dict:
+    """A receiver group of TP ranks, each holding its ``cut`` of every tensor, syncs the delta and
+    the keyframe ``reps`` times each -> per path, the median over the syncs of the slowest rank's
+    time, s."""
     got = _ranks(TP, tmp, f"follow-{cut}", ["--store", store, "--data", data, "--cut", cut, "--reps", str(reps),
                                             "--follow-rank"])
-    return statistics.median(max(g["seconds"][i] for g in got) for i in range(reps))
+    return {f"{sync} sync, TP={TP} {cut}": statistics.median(max(g["seconds"][sync][i] for g in got)
+                                                          for i in range(reps)) for sync in ("delta", "keyframe")}
 
 
 def delta_bytes(store: str) -> int:
@@ -236,7 +247,7 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
             cells[world] = {"delta publish": publish(world, store, data, tmp),
                             "delta sync": follow(store, base, target, reps),
                             "keyframe sync": follow(store, base, target, reps, keyframe=True),
-                            **{path: follow_group(store, data, tmp, cut, reps) for path, cut in CUTS.items()}}
+                            **{k: v for cut in CUTS for k, v in follow_group(store, data, tmp, cut, reps).items()}}
             sizes[world] = delta_bytes(store)
     out["rows"] = ratio_rows(cells, counts, PATHS, "ranks", entries=lambda n: n * tensors,
                              delta_bytes=sizes.__getitem__)
