@@ -40,12 +40,11 @@ class Runs:
 
 NO_RUNS = Runs(*(np.empty(0, dtype=np.int64) for _ in range(3)))
 
-
-
 Rows = tuple  # (local starts, canonical starts: int64 arrays, length): IndexMap.rows on the host
 
 
 def shard_rows(spec: ShardSpec) -> Rows:
+    """``IndexMap.rows`` of the shard, as numpy arrays."""
     local, glob, length = IndexMap(spec).rows()
     return local.numpy(), glob.numpy(), length
 
@@ -69,7 +68,7 @@ class RunMaps:
         return got
 
     def held(self, region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
-        """``_held`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec``."""
+        """``held_runs`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec``."""
         key = (region, start, n, spec)
         try:
             got = self._held.get(key)
