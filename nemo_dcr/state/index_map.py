@@ -273,8 +273,8 @@ class IndexMap:
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The shard as runs consecutive in both its local and the canonical flat order: its
         collapsed rows (a whole tensor or a row shard is one run, a column shard one per row) ->
-        (each run's local start, its canonical start, the runs' length), increasing. What a
-        receiver group maps chunks with, per run rather than per element (``sync/chunk_gather.py``)."""
+        (each run's local start, its canonical start, the runs' length), increasing. What chunks
+        are mapped to shards with, per run rather than per element (``state/runs.py``)."""
         length = self._s[-1] if self._s else 1
         if self.numel == 0:
             empty = torch.empty(0, dtype=torch.int64)
