@@ -857,6 +857,49 @@ int dcr_cls_run_select(const void *base, int64_t nbase, int w, int mant, int lo,
     return 0;
 }
 
+/* A receiver group's chunks of one version at once: call i of dcr_cls_run_counts (or _select)
+ * on base[i] (an address: a rank's bits of chunk i's tensor), its runs run_off[i] ..
+ * run_off[i + 1] - 1 of start / n, its counts from counts + cnt_off[i] (and its requests
+ * req_off[i] .. req_off[i + 1] - 1, numbered in its own runs), with its own width, mantissa and
+ * class range. One call from Python for a version's thousands of small chunks, where one each
+ * cost ~40 us of argument handling around a few us of counting (docs/results.md, twenty-sixth
+ * turn). Returns 0, or the first failing call's code with *failed its index. */
+int dcr_cls_run_counts_many(int64_t calls, const int64_t *base, const int64_t *nbase, const int32_t *w,
+                            const int32_t *mant, const int32_t *lo, const int32_t *hi, const int64_t *run_off,
+                            const int64_t *start, const int64_t *n, const int64_t *cnt_off, uint32_t *counts,
+                            int64_t *failed) {
+    for (int64_t i = 0; i < calls; i++) {
+        int rc = run_off[i] < 0 || run_off[i + 1] < run_off[i] || cnt_off[i] < 0 ? -7
+                 : dcr_cls_run_counts((const void *)(intptr_t)base[i], nbase[i], w[i], mant[i], lo[i], hi[i],
+                                      start + run_off[i], n + run_off[i], run_off[i + 1] - run_off[i],
+                                      counts + cnt_off[i]);
+        if (rc) { *failed = i; return rc; }
+    }
+    return 0;
+}
+
+/* ... and the bits there: bits[j] = the base element request j found (zero-extended) */
+int dcr_cls_run_select_many(int64_t calls, const int64_t *base, const int64_t *nbase, const int32_t *w,
+                            const int32_t *mant, const int32_t *lo, const int32_t *hi, const int64_t *run_off,
+                            const int64_t *start, const int64_t *n, const int64_t *req_off, const int64_t *run,
+                            const int64_t *cls, const int64_t *within, int64_t *out, uint32_t *bits,
+                            int64_t *failed) {
+    for (int64_t i = 0; i < calls; i++) {
+        const int64_t r0 = run_off[i], q0 = req_off[i], k = req_off[i + 1] - q0;
+        int rc = r0 < 0 || run_off[i + 1] < r0 || q0 < 0 || k < 0 ? -7
+                 : dcr_cls_run_select((const void *)(intptr_t)base[i], nbase[i], w[i], mant[i], lo[i], hi[i],
+                                      start + r0, n + r0, run_off[i + 1] - r0, run + q0, cls + q0, within + q0, k,
+                                      out + q0);
+        if (rc) { *failed = i; return rc; }
+        const uint8_t *b = (const uint8_t *)(intptr_t)base[i];
+        for (int64_t j = q0; j < q0 + k; j++) {
+            const int64_t at = start[r0 + run[j]] + out[j];  /* within the base: the select checked the run */
+            bits[j] = (uint32_t)load_u(b, at, w[i]);
+        }
+    }
+    return 0;
+}
+
 /* ------------------------------------------------------------------ state digest
  * The per-element arithmetic of the sharding-independent state digest; its definition, and the
  * PyTorch reference this must equal bit for bit, are in nemo_dcr/state/statedigest.py (spec:

@@ -7,7 +7,7 @@ receiver group's decode, nemo_dcr/sync/chunk_gather.py; docs/results.md, twenty-
   layouts, overlapping ones included;
 - ``classes.run_counts`` / ``run_select``: the C kernels equal to the torch reference on every
   classes dtype, NaN payloads, -0.0, subnormals and infinities included, and refusing what does
-  not fit."""
+  not fit; their ``_many`` forms (a version's chunks in one call) equal to one call each."""
 import numpy as np
 import pytest
 import torch
@@ -169,3 +169,63 @@ def test_the_kernels_alone_refuse_runs_past_their_base():
     s, ln = np.array([90], dtype=np.int64), np.array([10], dtype=np.int64)  # the last ten: in bounds
     assert lib().dcr_cls_run_counts(base.data_ptr(), 100, 2, mant, 0, 255, s.ctypes.data, ln.ctypes.data, 1,
                                     counts.ctypes.data) == 0 and int(counts.sum()) == 10
+
+
+@pytest.mark.parametrize("stream_order", [True, False], ids=["stream-order", "any-order"])
+def test_many_calls_at_once_equal_one_call_each(stream_order):
+    """``run_counts_many`` / ``run_select_many`` (a version's chunks in one C call): each call's
+    counts, offsets and base bits as ``run_counts`` / ``run_select`` give them alone, over calls of
+    every dtype and class range, an empty call among them; requests in a chunk's stream order
+    (the one-sort path) and in any order (the fallback); and the torch reference the same."""
+    g = np.random.default_rng(11)
+    calls, reqs = [], []
+    for i, dtype in enumerate([*DTYPES, torch.bfloat16]):
+        base, mant = _base(dtype, n=3000, seed=i), classes.MANTISSA[dtype]
+        start, length = (np.empty(0, dtype=np.int64),) * 2 if i == 2 else RUNS  # call 2: no runs
+        start = np.minimum(start, 3000 - length)
+        hi = (1 << (8 * base.element_size() - 1 - mant)) - 1
+        lo, top = (0, hi) if i % 2 else (2, hi // 2)
+        calls.append(classes.RunCall(base, start, length, lo, top, mant))
+        counts = classes.run_counts(base, start, length, lo, top, mant)
+        req = [(c, r, v) for c in range(top - lo + 1) for r in range(len(start))
+               for v in sorted(g.permutation(int(counts[r, c]))[: int(counts[r, c]) // 4])]
+        if not stream_order:
+            req = [req[j] for j in g.permutation(len(req))]
+        reqs.append(tuple(np.array(x, dtype=np.int64).reshape(-1) for x in (zip(*req) if req else ([], [], []))))
+    per = np.array([r[0].size for r in reqs])
+    cls, run, within = (np.concatenate([r[j] for r in reqs]) for j in range(3))
+    assert per.sum() > 1000 and per[2] == 0
+    for native in (True, False):
+        flat = classes.run_counts_many(calls, use_native=native)
+        alone = [classes.run_counts(c.base, c.start, c.length, c.lo, c.hi, c.mant).reshape(-1) for c in calls]
+        assert np.array_equal(flat, np.concatenate(alone))
+        off, bits = classes.run_select_many(calls, per, run, cls, within, use_native=native)
+        q = 0
+        for c, (k, r, v) in zip(calls, reqs):
+            one = classes.run_select(c.base, c.start, c.length, c.lo, c.hi, c.mant, r, k, v)
+            assert np.array_equal(off[q:q + r.size], one)
+            at = torch.from_numpy(c.start[r] + one)
+            want = (c.base[at].to(torch.int64) & ((1 << (8 * c.base.element_size())) - 1)).numpy()
+            assert np.array_equal(bits[q:q + r.size], want.astype(np.uint32))
+            q += r.size
+
+
+def test_many_calls_refuse_what_one_call_refuses():
+    """A request past its class's members is ``RankPastClass``, named by its call; a request or a
+    run out of range, or a base not contiguous, is refused before the kernel runs."""
+    base, mant = _base(torch.bfloat16), classes.MANTISSA[torch.bfloat16]
+    start, length = RUNS
+    counts = classes.run_counts(base, start, length, 0, 255, mant)
+    r, c = np.unravel_index(int(np.argmax(counts)), counts.shape)
+    calls = [classes.RunCall(base, start, length, 0, 255, mant)] * 2
+    one = np.array([1, 1])
+    with pytest.raises(classes.RankPastClass, match="call 1"):
+        classes.run_select_many(calls, one, np.array([r, r]), np.array([c, c]), np.array([0, counts[r, c]]))
+    with pytest.raises(DcrError):
+        classes.run_select_many(calls, one, np.array([0, len(start)]), np.array([0, 0]), np.array([0, 0]))
+    with pytest.raises(DcrError):
+        classes.run_select_many(calls, np.array([1, 2]), np.array([0, 0]), np.array([0, 0]), np.array([0, 0]))
+    with pytest.raises(DcrError, match="outside its base"):
+        classes.run_counts_many([classes.RunCall(base, np.array([5990]), np.array([20]), 0, 255, mant)])
+    with pytest.raises(DcrError, match="contiguous"):
+        classes.run_counts_many([classes.RunCall(base[::2], np.array([0]), np.array([20]), 0, 255, mant)])

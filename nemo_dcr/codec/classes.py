@@ -28,6 +28,8 @@ from __future__ import annotations
 import array
 import ctypes
 import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -386,6 +388,133 @@ def run_select(base: torch.Tensor, start: np.ndarray, length: np.ndarray, lo: in
     out = np.empty(k, dtype=np.int64)
     out[sort] = got
     return out
+
+
+@dataclass(frozen=True)
+class RunCall:
+    """One chunk's runs on one rank's bits, for ``run_counts_many`` / ``run_select_many``: as
+    ``run_counts``' arguments (``base`` a 1-D integer view of bits; run ``r``: ``length[r]``
+    elements from ``start[r]``; classes ``lo..hi``; ``mant`` mantissa bits)."""
+
+    base: torch.Tensor
+    start: np.ndarray
+    length: np.ndarray
+    lo: int
+    hi: int
+    mant: int
+
+
+def _many(calls: Sequence[RunCall]) -> tuple[np.ndarray, ...]:
+    """The calls' arguments as the C kernels' arrays (each base contiguous: the kernels read it at
+    its address), checked as ``_runs_of`` checks one call's ->
+    (bases, their lengths, widths, mantissas, lo, hi, run offsets, starts, lengths, runs per call)."""
+    if any(c.base.dim() != 1 or not c.base.is_contiguous() or not 0 <= c.lo <= c.hi <= 255 or c.start.ndim != 1
+           or c.start.shape != c.length.shape for c in calls):
+        raise DcrError("runs of a base: a 1-D contiguous base, as many int64 starts as lengths, 0 <= lo <= hi <= 255")
+    nruns = np.array([c.start.size for c in calls], dtype=np.int64)
+    start = np.concatenate([c.start for c in calls]).astype(np.int64, copy=False) if calls else nruns
+    length = np.concatenate([c.length for c in calls]).astype(np.int64, copy=False) if calls else nruns
+    nbase = np.array([c.base.numel() for c in calls], dtype=np.int64)
+    if start.size and ((start < 0).any() or (length < 0).any() or (start + length > np.repeat(nbase, nruns)).any()):
+        raise DcrError("a run outside its base")
+    off = np.zeros(len(calls) + 1, dtype=np.int64)
+    np.cumsum(nruns, out=off[1:])
+    i32 = np.int32
+    return (np.array([_ptr(c.base) for c in calls], dtype=np.int64), nbase,
+            np.array([c.base.element_size() for c in calls], dtype=i32), np.array([c.mant for c in calls], dtype=i32),
+            np.array([c.lo for c in calls], dtype=i32), np.array([c.hi for c in calls], dtype=i32), off, start, length,
+            nruns)
+
+
+def _native_many(calls: Sequence[RunCall], use_native: bool | None):
+    """The library where every call's base is on the host and it is wanted, else None."""
+    if use_native is False or not all(c.base.is_cpu for c in calls):
+        return None
+    lib = native.lib()
+    if lib is None and use_native:
+        raise DcrError(f"C kernels unavailable: {native.build_error}")
+    return lib
+
+
+def run_counts_many(calls: Sequence[RunCall], use_native: bool | None = None) -> np.ndarray:
+    """``run_counts`` of every call, one after another in one uint32 array (call ``i``'s
+    ``[runs, classes]`` counts flattened, then call ``i + 1``'s): one C call for all of them (a
+    version's chunks held in part, thousands on an FSDP trainer's shards)."""
+    lib = _native_many(calls, use_native)
+    if lib is None:
+        got = [run_counts(c.base, c.start, c.length, c.lo, c.hi, c.mant, use_native=use_native).reshape(-1)
+               for c in calls]
+        return np.concatenate(got) if got else np.empty(0, dtype=np.uint32)
+    bases, nbase, w, mant, lo, hi, off, start, length, nruns = args = _many(calls)
+    cnt_off = np.zeros(len(calls) + 1, dtype=np.int64)
+    np.cumsum(nruns * (hi - lo + 1), out=cnt_off[1:])
+    out = np.empty(int(cnt_off[-1]), dtype=np.uint32)
+    failed = np.zeros(1, dtype=np.int64)
+    rc = lib.dcr_cls_run_counts_many(len(calls), *(a.ctypes.data for a in args[:-1]), cnt_off.ctypes.data,
+                                     out.ctypes.data, failed.ctypes.data)
+    if rc:
+        raise DcrError(f"class counts of runs failed in the C kernel (call {int(failed[0])}): {_ERRORS.get(rc, rc)}")
+    return out
+
+
+def _request_order(call: np.ndarray, run: np.ndarray, cls: np.ndarray, within: np.ndarray) -> np.ndarray:
+    """The requests in the kernel's order: by call, run, class and place. A chunk's requests come
+    in stream order (by class, places increasing): one stable sort by (call, run, class) then
+    leaves each group's places in order (several times faster than ``lexsort``, which sorts
+    any order and is the fallback)."""
+    if call.size and int(call[-1]) < 1 << 22 and int(run.max()) < 1 << 33:
+        o = np.argsort((call << 41) | (run << 8) | cls, kind="stable")
+        w, key = within[o], ((call << 41) | (run << 8) | cls)[o]
+        if not ((key[1:] == key[:-1]) & (w[1:] <= w[:-1])).any():
+            return o
+    return np.lexsort((within, cls, run, call))
+
+
+def run_select_many(calls: Sequence[RunCall], requests: np.ndarray, run: np.ndarray, cls: np.ndarray,
+                    within: np.ndarray, use_native: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """``run_select`` of every call: call ``i``'s requests are the next ``requests[i]`` of ``run``
+    (numbered in its own runs), ``cls`` and ``within``, in any order -> (each request's offset in
+    its run, the base bits found there, zero-extended to uint32), in the requests' order. One C
+    call for all of them. ``RankPastClass`` as ``run_select``."""
+    run, cls, within = (np.ascontiguousarray(x, dtype=np.int64) for x in (run, cls, within))
+    requests = np.asarray(requests, dtype=np.int64)
+    k = run.size
+    if requests.shape != (len(calls),) or (requests < 0).any() or int(requests.sum()) != k \
+            or cls.size != k or within.size != k:
+        raise DcrError("requests of runs: one count per call, adding up to the requests")
+    lib = _native_many(calls, use_native)
+    if lib is None:
+        offs, held, q = [np.empty(0, np.int64)], [np.empty(0, np.uint32)], 0
+        for c, m in zip(calls, requests.tolist()):
+            o = run_select(c.base, c.start, c.length, c.lo, c.hi, c.mant, run[q:q + m], cls[q:q + m],
+                           within[q:q + m], use_native=use_native)
+            at = torch.from_numpy(c.start[run[q:q + m]] + o).to(c.base.device)
+            offs.append(o)
+            held.append(unsigned(c.base[at]).cpu().numpy().astype(np.uint32))
+            q += m
+        return np.concatenate(offs), np.concatenate(held)
+    bases, nbase, w, mant, lo, hi, off, start, length, nruns = args = _many(calls)
+    call = np.repeat(np.arange(len(calls)), requests)
+    if k and ((run < 0).any() or (run >= nruns[call]).any() or (cls < 0).any() or (cls > (hi - lo)[call]).any()
+              or (within < 0).any()):
+        raise DcrError("a request outside the runs or their classes")
+    req_off = np.zeros(len(calls) + 1, dtype=np.int64)
+    np.cumsum(requests, out=req_off[1:])
+    sort = _request_order(call, run, cls, within)
+    srun, scls, swithin = run[sort], cls[sort], within[sort]
+    got, found = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.uint32)
+    failed = np.zeros(1, dtype=np.int64)
+    rc = lib.dcr_cls_run_select_many(len(calls), *(a.ctypes.data for a in args[:-1]), req_off.ctypes.data,
+                                     srun.ctypes.data, scls.ctypes.data, swithin.ctypes.data, got.ctypes.data,
+                                     found.ctypes.data, failed.ctypes.data)
+    if rc == -4:
+        raise RankPastClass(f"a run holds fewer elements of a class than asked for (call {int(failed[0])})")
+    if rc:
+        raise DcrError(f"elements of runs by class failed in the C kernel (call {int(failed[0])}): "
+                       f"{_ERRORS.get(rc, rc)}")
+    out, bits = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.uint32)
+    out[sort], bits[sort] = got, found
+    return out, bits
 
 
 def new_values(uo: torch.Tensor, d: torch.Tensor, w: int) -> torch.Tensor:

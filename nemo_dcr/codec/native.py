@@ -108,6 +108,10 @@ def _declare(lib) -> None:
     lib.dcr_cls_run_select.restype = ctypes.c_int
     lib.dcr_cls_run_select.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, i64, p, p,
                                        p, i64, p]
+    lib.dcr_cls_run_counts_many.restype = ctypes.c_int
+    lib.dcr_cls_run_counts_many.argtypes = [i64] + [p] * 12
+    lib.dcr_cls_run_select_many.restype = ctypes.c_int
+    lib.dcr_cls_run_select_many.argtypes = [i64] + [p] * 16
     lib.dcr_free.restype = None
     lib.dcr_free.argtypes = [p]
     lib.dcr_set_simd.restype = None
