@@ -67,11 +67,15 @@ class Decoded:
     """A ``classes`` chunk decoded with what the receiver's group holds of the whole base chunk:
     ``idx`` the changed positions (relative to the chunk), ``old`` the base bits there (checked
     against the chunk's pre-image digest), ``new`` the new bits. Empty: the receiver holds none of
-    the chunk's positions."""
+    the chunk's positions. ``local``, where the group placed the changes this receiver holds
+    itself (its shards and the others' do not overlap): ``idx``, ``old`` and ``new`` are those
+    changes only (the whole chunk was checked), ``local`` their flat indices in its tensor, and
+    the index maps are not asked again."""
 
     idx: torch.Tensor
     old: torch.Tensor
     new: torch.Tensor
+    local: torch.Tensor | None = None
 
     @classmethod
     def nothing(cls, bits_dtype: torch.dtype) -> Decoded:
@@ -186,16 +190,16 @@ def undecodable(name: str, c: ChunkEntry) -> DcrError:
                     "receivers sharded differently")
 
 
-def _locate(t: _Target, pos: torch.Tensor, vals: torch.Tensor):
-    """Positions in the tensor's region -> (canonical indices, the receiver's local indices,
-    values) of the changes it holds."""
+def _locate(t: _Target, pos: torch.Tensor, *vals: torch.Tensor):
+    """Positions in the tensor's region, and values per position -> (canonical indices, the
+    receiver's local indices, each of the values) of the changes it holds."""
     glob = t.region_map.to_global(pos)
     if t.shift is not None:  # every position held, at pos + shift (a receiver holding it whole: at glob)
-        return glob, glob if t.recv_map.identity else pos + t.shift, vals
+        return glob, glob if t.recv_map.identity else pos + t.shift, *vals
     local, mask = t.recv_map.to_local(glob)
-    if not bool(mask.all()):
-        vals, glob = vals[mask], glob[mask]  # (to_local returns the held ones only)
-    return glob, local, vals
+    if not bool(mask.all()):  # (to_local returns the held ones only)
+        return glob[mask], local, *(v[mask] for v in vals)
+    return glob, local, *vals
 
 
 def _check(t: _Target, c: ChunkEntry, cur: torch.Tensor, in_journal: bool) -> bool:
@@ -239,8 +243,11 @@ def _apply_decoded(t: _Target, c: ChunkEntry, d: Decoded, on_change: OnChange | 
     chunk held in part: its positions placed from the group's class counts), the changes go where
     the tensor is: O(changes)."""
     dev = t.tensor.device
-    glob, local, both = _locate(t, d.idx.to(dev) + c.start, torch.stack([d.old, d.new], 1).to(dev))
-    old, new = both[:, 0], both[:, 1]
+    if d.local is not None:  # placed here: the changes held, where
+        glob, local, old, new = t.region_map.to_global(d.idx.to(dev) + c.start), d.local.to(dev), d.old.to(dev), \
+            d.new.to(dev)
+    else:  # (old and new apart, not stacked: the state digest's one-call path takes contiguous bits)
+        glob, local, old, new = _locate(t, d.idx.to(dev) + c.start, d.old.to(dev), d.new.to(dev))
     cur = t.fa.gather(local)
     if torch.equal(cur, new):
         return "already", 0

@@ -51,7 +51,9 @@ THREADED_MIN = 4 << 20
 _NUMPY_BITS = (torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64)
 
 
-def _bytes(bits: torch.Tensor):
+def _bytes(bits: torch.Tensor | np.ndarray):
+    if isinstance(bits, np.ndarray):  # (the bits of a receiver group's chunks, placed in numpy)
+        return np.ascontiguousarray(bits).reshape(-1).view(np.uint8).data
     if bits.is_cpu and bits.dtype in _NUMPY_BITS and not bits.requires_grad:  # (is_cpu: .device makes an object)
         # numpy's byte view, not torch's: torch's view gives the GIL up, once per chunk's
         # pre-image on the apply's workers (docs/results.md, eighteenth turn); same bytes
@@ -206,8 +208,9 @@ def tensor_digest_like(t: torch.Tensor, ref: str) -> str:
     return tensor_digest(t, algo_of(ref))
 
 
-def values_digest(bits: torch.Tensor, algo: str = "blake3") -> str:
-    """64 bits (hex) of ``algo`` over the bytes of ``bits``; ``algo`` as the delta's format
+def values_digest(bits: torch.Tensor | np.ndarray, algo: str = "blake3") -> str:
+    """64 bits (hex) of ``algo`` over the bytes of ``bits`` (a tensor, or a numpy array of an
+    integer view); ``algo`` as the delta's format
     version says (``ChunkEntry.values_algo``). One chunk's values: hashed on the calling thread
     (the chunks of a tensor are on the worker threads already)."""
     if algo == "blake3":

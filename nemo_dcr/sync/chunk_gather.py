@@ -45,7 +45,7 @@ from nemo_dcr.codec import classes
 from nemo_dcr.codec.chunk import CLASSES, chunk_streams, decode_chunk, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
-from nemo_dcr.codec.ordered import to_bits, unsigned
+from nemo_dcr.codec.ordered import to_bits
 from nemo_dcr.delta.apply import Decoded, on_host, undecodable
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError
@@ -79,6 +79,8 @@ class _Share:
     chunk: ChunkEntry
     holders: frozenset  # ranks holding some of the chunk's positions
     runs: dict[int, Runs]  # rank -> the runs it answers for
+    width: int  # bytes per element (known to every rank from the header: ranks not holding it too)
+    disjoint: bool  # no two ranks' shards of its tensor overlap: a rank answers for what it holds
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -137,7 +139,7 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: RunMaps) 
             runs = answering(held, c.n, disjoint)
             if sum(r.total for r in runs.values()) != c.n:
                 raise undecodable(e.name, c)
-            out.append(_Share(key[0], e.name, c, frozenset(held), runs))
+            out.append(_Share(key[0], e.name, c, frozenset(held), runs, e.torch_dtype.itemsize, disjoint))
     return out
 
 
@@ -182,54 +184,6 @@ def _decode(p: Plan, c: ChunkEntry, payload, base: torch.Tensor, where: str) -> 
     return Decoded(idx, base[idx], new)
 
 
-@dataclass(frozen=True)
-class _Placed:
-    """A chunk's changes placed from every rank's class counts: per change (in stream order), the
-    class - lo, the rank answering for its position, that rank's run and the change's place among
-    the run's elements of its class (int64 arrays); and the value differences."""
-
-    cls: np.ndarray
-    owner: np.ndarray
-    run: np.ndarray
-    within: np.ndarray
-    d: torch.Tensor
-
-
-def _place(p: Plan, s: _Share, payload, counts: dict[int, np.ndarray]) -> _Placed:
-    """Every change of chunk ``s`` to the run holding it, from the runs' class counts (every rank
-    holding part of the chunk computes the same). A change past the last of its class: the streams
-    do not fit the group's base. (numpy: a few dozen runs and classes, a few hundred changes a
-    chunk, where torch's per-call cost was most of a chunk's time.)"""
-    dtype = p.entry.torch_dtype
-    lo = s.chunk.cls[0][0] if s.chunk.cls else 0
-    try:
-        cls_t, rank_t, d = chunk_streams(s.chunk, payload, dtype.itemsize, dtype)
-    except DeltaFormatError:
-        raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base") from None
-    cls, rank = cls_t.numpy() - lo, rank_t.numpy()
-    holders = sorted(s.runs)
-    starts = np.concatenate([s.runs[r].cstart for r in holders])
-    owner = np.concatenate([np.full(len(s.runs[r]), r, dtype=np.int64) for r in holders])
-    local = np.concatenate([np.arange(len(s.runs[r]), dtype=np.int64) for r in holders])
-    n = np.concatenate([counts[r] for r in holders])  # [runs, classes]
-    o = np.argsort(starts, kind="stable")
-    owner, local, n = owner[o], local[o], n[o]
-    upto = np.cumsum(n, 0)  # of each class, in the runs up to and including each
-    bad = (cls < 0) | (cls >= s.classes)
-    if not bad.any():
-        bad = rank >= upto[-1][cls]
-    if bad.any():
-        raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base (its class "
-                                "counts gathered from the receiver group)")
-    # each change's run: the first whose count of its class, summed, passes its rank; one search
-    # over the classes' columns laid end to end (class c's column offset by c * big keeps it sorted)
-    runs, big = len(n), int(upto[-1].max()) + 1
-    run = np.searchsorted((np.arange(s.classes)[:, None] * big + upto.T).ravel(), cls * big + rank,
-                          side="right") - cls * runs
-    within = rank - (upto - n)[run, cls]
-    return _Placed(cls, owner[run], local[run], within, d)
-
-
 def _range(s: _Share) -> tuple[int, int]:
     """The chunk's class range (its table's first and last class)."""
     rows = s.chunk.cls
@@ -246,12 +200,234 @@ def _np_bits(dtype: torch.dtype) -> np.dtype:
 
 
 _NP_BITS: dict = {}
+_UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+
+
+def _call(p: Plan, s: _Share, runs: Runs) -> classes.RunCall:
+    """This rank's bits of chunk ``s``'s runs ``runs`` as a call of the runs kernels."""
+    base, starts = _run_bits(p, runs)
+    lo, hi = _range(s)
+    return classes.RunCall(base, starts, runs.length, lo, hi, classes.MANTISSA[p.entry.torch_dtype])
+
+
+def _offsets(sizes: np.ndarray) -> np.ndarray:
+    """Sizes -> where each starts, and the total last."""
+    out = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """The changes of the chunks this rank holds part of (``shares``, in order), placed from every
+    rank's class counts, one after another (int64 arrays; each chunk's in stream order): the chunk
+    of each (``share``: its index in ``shares``), its class - lo, the rank answering for its
+    position, that rank's run and the change's place among the run's elements of its class; the
+    value differences per chunk; ``first``: where each chunk's changes start (and the total last)."""
+
+    shares: list
+    share: np.ndarray
+    cls: np.ndarray
+    owner: np.ndarray
+    run: np.ndarray
+    within: np.ndarray
+    d: list
+    first: np.ndarray
+
+
+def _order(s: _Share, cache: dict) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The runs of chunk ``s``, every answering rank's, in chunk order -> (each one's rank, its
+    index among that rank's runs, its place among the ranks' runs laid end to end); alike for
+    the chunks of one layout (kept in ``cache``)."""
+    holders = sorted(s.runs)
+    key = tuple((r, id(s.runs[r])) for r in holders)  # (the Runs live as long as the shares)
+    got = cache.get(key)
+    if got is None:
+        starts = np.concatenate([s.runs[r].cstart for r in holders])
+        owner = np.concatenate([np.full(len(s.runs[r]), r, dtype=np.int64) for r in holders])
+        local = np.concatenate([np.arange(len(s.runs[r]), dtype=np.int64) for r in holders])
+        o = np.argsort(starts, kind="stable")
+        got = cache[key] = (owner[o], local[o], o)
+    return got
+
+
+def _place(plans: Mapping, readers: Sequence[DeltaReader], held: list[_Share], counts: list[np.ndarray]) -> _Placed:
+    """Every change of the chunks ``held`` to the run holding it, from the runs' class counts
+    (``counts[i]``: chunk i's, ``[runs, classes]``, each answering rank's runs in turn, ranks in
+    order; every rank holding part of a chunk computes the same). A change past the last of its
+    class: the streams do not fit the group's base. All the chunks in one pass (numpy): the
+    classes' cumulative counts of every chunk laid end to end, one search for every change."""
+    cache: dict = {}
+    cls_l, rank_l, d_l, nrun, ncls, owner_l, local_l, cols = [], [], [], [], [], [], [], []
+    for s, n in zip(held, counts):
+        p = plans[(s.part, s.name)]
+        dtype = p.entry.torch_dtype
+        try:
+            cls_t, rank_t, d = chunk_streams(s.chunk, readers[s.part].payload(s.chunk), dtype.itemsize, dtype)
+        except DeltaFormatError:
+            raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base") from None
+        if d.numel() != s.chunk.k:
+            raise DeltaFormatError(f"{p.name}: chunk at element {s.chunk.start} holds {d.numel()} changes, "
+                                   f"its entry {s.chunk.k}")
+        owner, local, o = _order(s, cache)
+        cls_l.append(cls_t.numpy() - _range(s)[0])
+        rank_l.append(rank_t.numpy())
+        d_l.append(d)
+        owner_l.append(owner)
+        local_l.append(local)
+        cols.append(n[o].T.ravel())  # class by class, the runs in chunk order
+        nrun.append(len(o))
+        ncls.append(s.classes)
+    k = np.array([c.size for c in cls_l], dtype=np.int64)
+    share = np.repeat(np.arange(len(held)), k)
+    cls, rank = np.concatenate(cls_l), np.concatenate(rank_l)
+    R, C = np.array(nrun, dtype=np.int64), np.array(ncls, dtype=np.int64)
+    f = np.concatenate(cols)
+    col_at = _offsets(np.repeat(R, C))  # where each column starts (one column per class of a chunk)
+    # the counts summed over every column laid end to end: nondecreasing, so a change's run is one
+    # search in it, offset by what the columns before its own hold
+    g = np.cumsum(f, dtype=np.int64)
+    before = np.append(g[col_at[:-1]] - f[col_at[:-1]], 0)  # (a 0 column for a class out of range)
+    total = np.append(g[col_at[1:] - 1], 0) - before  # each column's members
+    col = _offsets(C)[share] + cls
+    bad = (cls < 0) | (cls >= C[share])
+    col[bad] = col_at.size - 1
+    bad |= rank >= total[col]
+    if bad.any():
+        s = held[int(share[np.argmax(bad)])]
+        raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start} does not match its base (its class "
+                                "counts gathered from the receiver group)")
+    # each change's run: the first whose count of its class, summed, passes its rank
+    at = np.searchsorted(g, before[col] + rank, side="right")
+    where = _offsets(R)[share] + at - col_at[col]  # its run, in chunk order, among every chunk's
+    return _Placed(held, share, cls, np.concatenate(owner_l)[where], np.concatenate(local_l)[where],
+                   rank - (g[at] - f[at] - before[col]), d_l, _offsets(k))
+
+
+def _select(plans: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
+    """The changes this rank answers for, found in its bits -> (what it sends: how many of each
+    chunk it answers for (int32, in ``pl.shares`` order where it answers for some runs), their
+    positions in their chunks (int32: a chunk's positions fit) and base bits by element width
+    (``{width: unsigned array}``); per change of ``pl``, its flat index in this rank's tensor where
+    this rank answers for it, else -1). One kernel call for all the chunks."""
+    answers = [i for i, s in enumerate(pl.shares) if me in s.runs]
+    mine = np.flatnonzero(pl.owner == me)
+    per = np.bincount(pl.share[mine], minlength=len(pl.shares))[answers]
+    calls = [_call(plans[(s.part, s.name)], s, s.runs[me]) for s in (pl.shares[i] for i in answers)]
+    run = pl.run[mine]
+    try:
+        off, bits = classes.run_select_many(calls, per, run, pl.cls[mine], pl.within[mine])
+    except classes.RankPastClass:  # (cannot be, from this rank's own counts; said as what it would mean)
+        s = pl.shares[answers[0]] if answers else pl.shares[0]
+        raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start} does not match its base "
+                                "(its class counts)") from None
+    runs = [pl.shares[i].runs[me] for i in answers]
+    empty = np.empty(0, np.int64)
+    cstart = np.concatenate([r.cstart for r in runs]) if runs else empty
+    lstart = np.concatenate([r.lstart for r in runs]) if runs else empty
+    at = _offsets(np.array([len(r) for r in runs], dtype=np.int64))[np.repeat(np.arange(len(answers)), per)] + run
+    local = np.full(pl.owner.size, -1, dtype=np.int64)
+    local[mine] = lstart[at] + off
+    width = np.repeat(np.array([c.base.element_size() for c in calls], dtype=np.int64), per)
+    sent = (per.astype(np.int32), (cstart[at] + off).astype(np.int32),
+            {int(w): bits[width == w].astype(_UNSIGNED[int(w)]) for w in np.unique(width)})
+    return sent, local
+
+
+def _received(pl: _Placed, shares: list[_Share], found: list) -> tuple[np.ndarray, np.ndarray]:
+    """Every rank's answers put together for the chunks of ``pl`` -> per change of ``pl`` (stream
+    order), its position in its chunk (-1 where no rank answered) and its base bits (uint32)."""
+    n = int(pl.first[-1])
+    at_all = np.full(n, -1, dtype=np.int64)
+    old_all = np.zeros(n, dtype=np.uint32)
+    index = {s.key: i for i, s in enumerate(pl.shares)}
+    for r, (per, pos, bits) in enumerate(found):
+        answered = [s for s in shares if r in s.runs]
+        if len(per) != len(answered):
+            raise BaseMismatchError(f"rank {r} of the receiver group answered for {len(per)} chunks, not "
+                                    f"{len(answered)}")
+        mine = np.array([index.get(s.key, -1) for s in answered], dtype=np.int64)
+        widths = np.repeat(np.array([s.width for s in answered], dtype=np.int64), per)
+        if pos.size != widths.size:
+            raise BaseMismatchError(f"rank {r} of the receiver group sent {pos.size} positions, not {widths.size}")
+        full = np.zeros(widths.size, dtype=np.uint32)
+        for w, b in bits.items():
+            m = widths == w
+            if int(m.sum()) != b.size:
+                raise BaseMismatchError(f"rank {r} of the receiver group sent {b.size} base bits of width {w}, "
+                                        f"not {int(m.sum())}")
+            full[m] = b
+        idx = np.flatnonzero(pl.owner == r)
+        expect = np.bincount(pl.share[idx], minlength=len(pl.shares))
+        got = np.zeros(len(pl.shares), dtype=np.int64)
+        got[mine[mine >= 0]] = per[mine >= 0]
+        if (got != expect).any():
+            i = int(np.argmax(got != expect))
+            s = pl.shares[i]
+            raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start}: rank {r} placed {got[i]} of "
+                                    f"its {expect[i]} changes")
+        keep = np.repeat(mine >= 0, per)
+        at_all[idx], old_all[idx] = pos[keep], full[keep]
+    return at_all, old_all
+
+
+def _together(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, local: np.ndarray) -> dict:
+    """Every chunk of ``pl`` decoded from its changes as the ranks answering for them placed them,
+    in position order, checked against its pre- and post-image as a whole-chunk holder checks it
+    -> share key -> ``Decoded`` (with ``local``, the changes this rank holds, where the group's
+    shards do not overlap). The new bits in one pass per element width, every chunk's at once;
+    per chunk only views of those arrays and its two digests (numpy: a torch call costs more)."""
+    at_all, old_all = _received(pl, shares, found)
+    # each chunk's changes in position order (one key: a stable sort of keys sorted by chunk
+    # already is ~5x faster than lexsort; a position no rank answered, -1, sorts last and fails)
+    o = np.argsort((pl.share << 32) | (at_all & 0xFFFFFFFF), kind="stable")
+    at_all, old_all, share, local = at_all[o], old_all[o], pl.share[o], local[o]
+    same = share[1:] == share[:-1]
+    bad = np.zeros(len(pl.shares), dtype=bool)
+    bad[share[at_all < 0]] = True
+    bad[share[1:][same & (np.diff(at_all) <= 0)]] = True
+    d_all = torch.cat(pl.d)[torch.from_numpy(o)]
+    width = np.array([s.width for s in pl.shares], dtype=np.int64)
+    slot = np.zeros(share.size, dtype=np.int64)  # each change's place among the changes of its width
+    by_width: dict = {}  # width -> (old bits, new bits, and of the changes held here: which, positions, local)
+    for w in np.unique(width).tolist():
+        m = np.flatnonzero(width[share] == w)
+        slot[m] = np.arange(m.size)
+        u = old_all[m].astype(np.int64)
+        new = to_bits(classes.new_values(torch.from_numpy(u), d_all[torch.from_numpy(m)], w), w).numpy()
+        old = u.astype(_UNSIGNED[w]).view(new.dtype)
+        held = np.flatnonzero(local[m] >= 0)
+        by_width[w] = (old, new, held, at_all[m][held], old[held], new[held], local[m][held])
+    out = {}
+    for i, s in enumerate(pl.shares):
+        p, c = plans[(s.part, s.name)], s.chunk
+        a, b = int(pl.first[i]), int(pl.first[i + 1])  # (a chunk to share has changes: b > a)
+        j, k = int(slot[a]), b - a
+        old, new, held, at_h, old_h, new_h, local_h = by_width[s.width]
+        bits = _np_bits(p.entry.torch_dtype)
+        if bad[i] or values_digest(old[j:j + k], c.values_algo) != c.pre:
+            raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base (its changes "
+                                    f"placed by ranks {sorted(s.runs)} of the receiver group)")
+        if values_digest(new[j:j + k], c.values_algo) != c.post:
+            raise DeltaFormatError(f"{p.name}: chunk at element {c.start} decodes to values that do not "
+                                   "match its post-image digest")
+        if s.disjoint:
+            h0, h1 = np.searchsorted(held, (j, j + k))
+            out[s.key] = Decoded(torch.from_numpy(at_h[h0:h1]), torch.from_numpy(old_h[h0:h1].view(bits)),
+                                 torch.from_numpy(new_h[h0:h1].view(bits)), torch.from_numpy(local_h[h0:h1]))
+        else:
+            out[s.key] = Decoded(torch.from_numpy(at_all[a:b]), torch.from_numpy(old[j:j + k].view(bits)),
+                                 torch.from_numpy(new[j:j + k].view(bits)))
+    return out
 
 
 def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shards: Mapping, group: Group) -> Gathered:
     """Decode, before anything is written, every ``classes`` chunk of ``blobs`` (the parts of one
     version, the same on every rank) in entries this rank holds only part of. Collective: every
-    rank of ``group`` calls it with the same parts."""
+    rank of ``group`` calls it with the same parts. Each stage does a version's chunks together
+    (one kernel call, a few numpy passes): an FSDP trainer's ranks publish thousands of small
+    chunks, where a stage per chunk cost ~0.5 ms of Python a rank (docs/results.md, twenty-sixth
+    turn)."""
     readers = [DeltaReader.open(b) for b in blobs]
     plans: dict = {}
 
@@ -265,110 +441,42 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
     me, world = group.rank, group.world_size
 
     received = 0
-    placed: dict = {}  # share key -> _Placed
-    found: list[dict] = [{} for _ in range(world)]  # rank -> share key -> (its changes' positions, base bits)
+    placed: _Placed | None = None
+    local: list = [None]  # per change of placed, its flat index in this rank's tensor (-1: another rank's)
+    found: list = []
     if shares:
-        def counts():
-            mine = [torch.empty(0, dtype=torch.uint8)]
-            for s in shares:
-                if me in s.runs:
-                    p, runs = plans[(s.part, s.name)], s.runs[me]
-                    base, starts = _run_bits(p, runs)
-                    lo, hi = _range(s)
-                    n = classes.run_counts(base, starts, runs.length, lo, hi, classes.MANTISSA[p.entry.torch_dtype])
-                    mine.append(torch.from_numpy(n.reshape(-1).view(np.uint8)))
-            return torch.cat(mine)
+        answers = [s for s in shares if me in s.runs]
+        bytes_of = [[s.count_bytes(r) for s in shares] for r in range(world)]
 
-        sizes = [sum(s.count_bytes(r) for s in shares) for r in range(world)]
+        def counts():
+            calls = [_call(plans[(s.part, s.name)], s, s.runs[me]) for s in answers]
+            return torch.from_numpy(classes.run_counts_many(calls).view(np.uint8))
+
+        sizes = [sum(b) for b in bytes_of]
         bufs = group.all_gather_bytes(group.run(counts, "count the classes of the chunks held in part"), sizes)
         received += sum(n for r, n in enumerate(sizes) if r != me)
 
         def locate():
-            offs, sent = [0] * world, {}
-            for s in shares:
-                got = {}
-                for r in sorted(s.runs):  # (every rank walks every buffer to its next chunk)
-                    n = s.count_bytes(r)
-                    raw = bufs[r][offs[r]: offs[r] + n].numpy()
-                    got[r] = raw.view(np.uint32).astype(np.int64).reshape(-1, s.classes)
-                    offs[r] += n
-                if me not in s.holders:
-                    continue
-                p = plans[(s.part, s.name)]
-                pl = placed[s.key] = _place(p, s, readers[s.part].payload(s.chunk), got)
-                if me not in s.runs:
-                    continue
-                mine = np.flatnonzero(pl.owner == me)
-                runs, run = s.runs[me], pl.run[mine]
-                # the bits read again, not kept from counts(): kept for every chunk of a version they
-                # would be a copy of the weights held in part
-                base, starts = _run_bits(p, runs)
-                lo, hi = _range(s)
-                try:
-                    off = classes.run_select(base, starts, runs.length, lo, hi, classes.MANTISSA[p.entry.torch_dtype],
-                                             run, pl.cls[mine], pl.within[mine])
-                except classes.RankPastClass:  # (cannot be, from this rank's own counts; said as what it would mean)
-                    raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base "
-                                            "(its class counts)") from None
-                local = torch.from_numpy(runs.lstart[run] + off).to(p.held.device)
-                # (which changes they are, every rank knows: pl.owner; a position in a chunk fits int32.
-                # numpy, not tensors: all_gather_object pickles them, and a tensor pickles ~20x slower)
-                bits = FlatAccess(p.held).gather(local).cpu().numpy()
-                sent[s.key] = ((runs.cstart[run] + off).astype(np.int32), bits)
+            nonlocal placed
+            at = [_offsets(np.array(b, dtype=np.int64)) for b in bytes_of]  # each chunk's counts in each buffer
+            held, got = [], []
+            for i, s in enumerate(shares):
+                if me in s.holders:
+                    held.append(s)
+                    got.append(np.concatenate([bufs[r][int(at[r][i]): int(at[r][i + 1])].numpy().view(np.uint32)
+                                               for r in sorted(s.runs)]).reshape(-1, s.classes))
+            if not held:
+                return np.empty(0, np.int32), np.empty(0, np.int32), {}
+            placed = _place(plans, readers, held, got)
+            sent, local[0] = _select(plans, placed, me)
             return sent
 
         found = group.run(locate, "place the changes of the classes chunks held in part", gather=True)
-        received += sum(sum(a.nbytes for a in v) for r, d in enumerate(found) if r != me for v in d.values())
-
-    def together(p: Plan, s: _Share) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Chunk ``s``'s changes as every rank placed them, in position order, checked against its
-        pre-image as a whole-chunk holder checks them -> (positions, base bits, differences)."""
-        c, pl = s.chunk, placed[s.key]
-        if pl.d.numel() != c.k:
-            raise DeltaFormatError(f"{p.name}: chunk at element {c.start} holds {pl.d.numel()} changes, "
-                                   f"its entry {c.k}")
-        at_all = np.full(c.k, -1, dtype=np.int64)  # each change's position, in stream order
-        old_all = np.zeros(c.k, dtype=_np_bits(p.entry.torch_dtype))
-        for r in sorted(s.runs):
-            if s.key in found[r]:
-                at, b = found[r][s.key]
-                i = np.flatnonzero(pl.owner == r)
-                if i.size != at.size or b.dtype != old_all.dtype:
-                    raise BaseMismatchError(f"{p.name}: chunk at element {c.start}: rank {r} placed {at.size} of "
-                                            f"its {i.size} changes")
-                at_all[i], old_all[i] = at, b
-        o = np.argsort(at_all, kind="stable")
-        at_all = at_all[o]
-        idx, old, d = torch.from_numpy(at_all), torch.from_numpy(old_all[o]), pl.d[torch.from_numpy(o)]
-        if (at_all < 0).any() or (np.diff(at_all) <= 0).any() or values_digest(old, c.values_algo) != c.pre:
-            raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base (its changes "
-                                    f"placed by ranks {sorted(s.runs)} of the receiver group)")
-        return idx, old, d
-
-    def new_bits(pending: list) -> list[Decoded]:
-        """The new bits of the chunks decoded together, ``(plan, chunk, positions, base bits,
-        differences)`` each: one pass per element width for all of them (a dozen torch calls a
-        version, not a chunk), each chunk checked against its post-image."""
-        out: list[Decoded | None] = [None] * len(pending)
-        by_width: dict = {}
-        for j, item in enumerate(pending):
-            by_width.setdefault(item[3].element_size(), []).append(j)
-        for w, js in by_width.items():
-            old, d = torch.cat([pending[j][3] for j in js]), torch.cat([pending[j][4] for j in js])
-            new = to_bits(classes.new_values(unsigned(old), d, w), w)
-            for j, part in zip(js, torch.split(new, [pending[j][3].numel() for j in js])):
-                p, c, idx, base, _ = pending[j]
-                part = part.view(base.dtype)
-                if values_digest(part, c.values_algo) != c.post:
-                    raise DeltaFormatError(f"{p.name}: chunk at element {c.start} decodes to values that do not "
-                                           "match its post-image digest")
-                out[j] = Decoded(idx, base, part)
-        return out  # type: ignore[return-value]
+        received += sum(sum(a.nbytes for a in (v[0], v[1], *v[2].values())) for r, v in enumerate(found) if r != me)
 
     def decode_mine():
         out: list[dict] = [{} for _ in readers]
-        by_key = {s.key: s for s in shares}
-        pending, where = [], []
+        together = _together(plans, placed, shares, found, local[0]) if placed is not None else {}
         for (i, name), p in sorted(plans.items()):
             if p.action != Action.UNVERIFIED:
                 continue  # holds the entry's whole region: apply decodes and checks it
@@ -378,17 +486,14 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                 if c.enc != CLASSES:
                     continue
                 key = (i, name, c.start)
-                if key in by_key and me in by_key[key].holders:
-                    pending.append((p, c, *together(p, by_key[key])))
-                    where.append((i, name, c.start))
+                if key in together:
+                    out[i][(name, c.start)] = together[key]
                     continue
                 mine = maps.held(p.entry.region, c.start, c.n, p.recv)
                 if not len(mine) or not c.k:
                     out[i][(name, c.start)] = Decoded.nothing(bits_dtype)
                 else:  # (_shares: this rank holds the whole chunk)
                     out[i][(name, c.start)] = _decode(p, c, readers[i].payload(c), _chunk_bits(p, mine), "held here")
-        for (i, name, start), dec in zip(where, new_bits(pending)):
-            out[i][(name, start)] = dec
         return out
 
     decoded = group.run(decode_mine, "decode the classes chunks held in part")
