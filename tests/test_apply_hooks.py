@@ -30,6 +30,26 @@ def test_keyframe_from_row_shards_into_column_shards_over_stale_data():
         assert_bits_equal(recv_t, full[:, recv_s.offsets[1]:recv_s.offsets[1] + recv_s.shape[1]], "column shard")
 
 
+def test_keyframe_of_whole_tensors_into_column_shards_row_by_row():
+    """A keyframe's chunk holding many rows of a receiver's columns is copied into it as one
+    strided copy (``state/runs.py``, ``copy_runs``): every element width, chunks cut mid-row, a
+    3-D box; each receiver's bits, and nothing outside its shard, as the tensor's."""
+    g = torch.Generator().manual_seed(2)
+    for dtype in (torch.bfloat16, torch.float32, torch.float8_e4m3fn, torch.int64):
+        full = (torch.randn(16, 12, generator=g) * 8).to(dtype)
+        for chunk in (None, 40):  # a chunk per tensor, and chunks that start and end mid-row
+            blob = diff({}, {"w": full}, **({"chunk_elems": chunk} if chunk else {}))
+            for recv_t, recv_s in _shards(torch.zeros_like(full), 3, 1):
+                apply({"w": recv_t}, blob, shards={"w": recv_s})
+                assert_bits_equal(recv_t, full[:, recv_s.offsets[1]:recv_s.offsets[1] + recv_s.shape[1]],
+                                  f"{dtype} column shard, chunks of {chunk}")
+    box = torch.randn(4, 6, 10, generator=g).bfloat16()
+    spec = ShardSpec.of(box.shape, (1, 2, 3), (3, 4, 5))
+    recv = torch.zeros(3, 4, 5, dtype=torch.bfloat16)
+    apply({"w": recv}, diff({}, {"w": box}), shards={"w": spec})
+    assert_bits_equal(recv, box[1:4, 2:6, 3:8], "3-D box")
+
+
 def test_full_entry_already_at_target_is_skipped():
     full = torch.arange(24, dtype=torch.int32).reshape(4, 6)
     blob = diff({}, {"w": full})

@@ -10,6 +10,7 @@ order; a chunk's runs on a shard are its region's runs cut to the chunk, interse
 shard's (``held_runs``; both increase in canonical order, so one search each)."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -43,29 +44,37 @@ NO_RUNS = Runs(*(np.empty(0, dtype=np.int64) for _ in range(3)))
 Rows = tuple  # (local starts, canonical starts: int64 arrays, length): IndexMap.rows on the host
 
 
+def _rows(spec: ShardSpec) -> Rows:
+    lt, gt, length = IndexMap(spec).rows()
+    local, glob = lt.numpy(), gt.numpy()
+    local.flags.writeable = glob.flags.writeable = False  # (shared by every caller: _kept)
+    return local, glob, length
+
+
+_kept = functools.lru_cache(maxsize=1 << 12)(_rows)
+
+
 def shard_rows(spec: ShardSpec) -> Rows:
-    """``IndexMap.rows`` of the shard, as numpy arrays."""
-    local, glob, length = IndexMap(spec).rows()
-    return local.numpy(), glob.numpy(), length
+    """``IndexMap.rows`` of the shard, as numpy arrays (read-only), worked out once per layout: a
+    keyframe's chunks into a TP engine's shards asked for them per chunk, ~80 us each (a model's
+    tensors share a few layouts)."""
+    try:
+        hash(spec)
+    except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
+        return _rows(spec)
+    return _kept(spec)
 
 
 class RunMaps:
-    """``shard_rows`` and ``held_runs`` worked out once per layout for as long as this lives (a
-    version's decode): the entries of a version share a few layouts (every layer's shard of one
-    shape on one rank), so most chunks' runs are a lookup."""
+    """``held_runs`` worked out once per layout for as long as this lives (a version's decode):
+    the entries of a version share a few layouts (every layer's shard of one shape on one rank),
+    so most chunks' runs are a lookup."""
 
     def __init__(self):
-        self._rows: dict = {}
         self._held: dict = {}
 
     def rows(self, spec: ShardSpec) -> Rows:
-        try:
-            got = self._rows.get(spec)
-        except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
-            return shard_rows(spec)
-        if got is None:
-            got = self._rows[spec] = shard_rows(spec)
-        return got
+        return shard_rows(spec)
 
     def held(self, region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
         """``held_runs`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec``."""
@@ -141,23 +150,42 @@ def answering(held: dict[int, Runs], n: int, disjoint: bool) -> dict[int, Runs]:
     return out
 
 
+_NP_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
     """``dst[lstart[i] : + length[i]] = src[cstart[i] : + length[i]]`` for every run (``dst``,
-    ``src``: 1-D contiguous): the runs between the first and the last, where they are alike (one
-    length, one step in each order: a box's full rows), as one strided copy; others one by one."""
+    ``src``: 1-D contiguous, one element size): the runs between the first and the last, where
+    they are alike (one length, one step in each order: a box's full rows), as one strided copy;
+    others one by one. On the host through numpy: a chunk's copy is ~100 KB on an apply worker,
+    where torch's copy split it over its own threads as well, and with a TP engine's workers on
+    the same cores a copy waited ~1 ms for a descheduled helper (docs/results.md, twenty-sixth
+    turn)."""
     n = len(runs)
     if n == 0:
         return
     c, loc, ln = runs.cstart, runs.lstart, runs.length
     mid = slice(1, n - 1)
-    if n > 3 and (ln[mid] == ln[1]).all() and (np.diff(c[mid]) == c[2] - c[1]).all() \
-            and (np.diff(loc[mid]) == loc[2] - loc[1]).all():
+    alike = n > 3 and (ln[mid] == ln[1]).all() and (np.diff(c[mid]) == c[2] - c[1]).all() \
+        and (np.diff(loc[mid]) == loc[2] - loc[1]).all()
+    each = [0, n - 1] if alike else range(n)
+    if not (dst.is_cpu and src.is_cpu):
+        if alike:
+            shape = (n - 2, int(ln[1]))
+            dst.as_strided(shape, (int(loc[2] - loc[1]), 1), dst.storage_offset() + int(loc[1])).copy_(
+                src.as_strided(shape, (int(c[2] - c[1]), 1), src.storage_offset() + int(c[1])))
+        for i in each:
+            dst[int(loc[i]):int(loc[i] + ln[i])].copy_(src[int(c[i]):int(c[i] + ln[i])])
+        return
+    view = _NP_VIEW[dst.element_size()]
+    d, s = dst.view(view).numpy(), src.view(view).numpy()
+    if alike:
         shape = (n - 2, int(ln[1]))
-        dst.as_strided(shape, (int(loc[2] - loc[1]), 1), dst.storage_offset() + int(loc[1])).copy_(
-            src.as_strided(shape, (int(c[2] - c[1]), 1), src.storage_offset() + int(c[1])))
-        each = [0, n - 1]
-    else:
-        each = list(range(n))
+        for at, size in ((loc, d.size), (c, s.size)):  # (numpy's as_strided checks no bounds: here)
+            if min(at[1], at[n - 2]) < 0 or max(at[1], at[n - 2]) + shape[1] > size:
+                raise IndexError(f"runs outside their tensors ({size} elements)")
+        w, as_strided = d.itemsize, np.lib.stride_tricks.as_strided
+        np.copyto(as_strided(d[int(loc[1]):], shape, (int(loc[2] - loc[1]) * w, w)),
+                  as_strided(s[int(c[1]):], shape, (int(c[2] - c[1]) * w, w)))
     for i in each:
-        a, b, k = int(c[i]), int(loc[i]), int(ln[i])
-        dst[b:b + k].copy_(src[a:a + k])
+        d[int(loc[i]):int(loc[i] + ln[i])] = s[int(c[i]):int(c[i] + ln[i])]
