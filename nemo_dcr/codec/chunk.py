@@ -371,4 +371,4 @@ def chunk_streams(h: ChunkEntry, payload, w: int, dtype: torch.dtype):
     if crc32(payload) != h.crc:
         raise DeltaFormatError("chunk checksum mismatch")
     pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
-    return classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant)
+    return classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant, table_checked=True)

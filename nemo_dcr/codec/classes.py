@@ -535,15 +535,19 @@ def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, ma
 
 
 def decode_streams(rows, pos: bytes, val: bytes, k: int, n: int, w: int, mant: int,
-                   use_native: bool | None = None):
-    """As ``decode_streams_reference``, with the C kernel when it is available."""
+                   use_native: bool | None = None, table_checked: bool = False):
+    """As ``decode_streams_reference``, with the C kernel when it is available. ``table_checked``
+    as ``decode``'s (a receiver group decodes thousands of small chunks' streams a version)."""
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
             raise DcrError(f"C kernels unavailable: {native.build_error}")
         return decode_streams_reference(rows, pos, val, k, n, w, mant)
-    _check_table(rows, w, mant, k)
+    if not table_checked:
+        _check_table(rows, w, mant, k)
     table = _table(rows)
+    if rows and len(table) != ROW * len(rows):  # (the kernel reads ROW a row: never past the table)
+        raise DeltaFormatError("classes table row is not 6 integers")
     out = [torch.empty(k, dtype=torch.int64) for _ in range(3)]
     rc = lib.dcr_cls_decode_streams(n, w, mant, _addr(table), len(rows), bytes(pos), len(pos), bytes(val), len(val), k,
                                     *(_ptr(t) for t in out))
