@@ -7,7 +7,8 @@ over two of the three ranks, or whole (a replica). Each classes chunk is decoded
 help (the classes of the base elements, the base bits at the changed positions): bit-exact on
 integer views, NaN payloads, -0.0, subnormals and infinities included, in bf16, fp16 (held
 non-contiguous), fp32 and both fp8s. A base that is not the version's on one rank is the same
-typed error on every rank, and nothing is written anywhere.
+typed error on every rank, and nothing is written anywhere. Columns held by several ranks at once
+(overlapping, not a replica) are decoded and written by every rank holding them.
 
 Alone (no group), a receiver holding part of a classes chunk is refused before its first write."""
 import time
@@ -74,6 +75,23 @@ def test_group_sharded_differently_decodes_classes_chunks_bit_exactly(published,
         # decode; the replica's chunks through apply's
         assert all(res[r]["located"]["group_locate"] > 0 for r in range(G.WORLD)), [res[r]["located"] for r in res]
         assert all(res[r]["located"]["locate"] >= res[r]["located"]["group_locate"] for r in range(G.WORLD))
+
+
+def test_group_holding_overlapping_columns_decodes_bit_exactly(published, tmp_path):
+    """Columns held by two or three ranks at once (not a replica): the lowest rank answers for a
+    position, and every rank holding it writes it, found through the index maps (``Decoded`` without
+    ``local``); each rank's columns end at the target's bits."""
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = {"kind": "local", "root": published}
+    res, codes, hung = launch(W.main, G.WORLD, lambda r, port: (r, G.WORLD, port, spec, "gather-overlapping",
+                                                                 str(out)), out, DEADLINE)
+    assert not hung, f"ranks {hung} still running after {DEADLINE}s; results so far: {res}"
+    failed = [r for r in range(G.WORLD) if not res.get(r, {}).get("ok")]
+    assert not failed, "\n".join(f"rank {r}:\n{res.get(r, {}).get('traceback')}" for r in failed)
+    for r in range(G.WORLD):
+        assert res[r]["versions"] == [1, 2] and all(n > 0 for n in res[r]["gathered"]), res[r]
+        assert res[r]["local"] == [0, 0]  # (overlapping shards: the index maps say what a rank holds)
 
 
 def test_alone_a_receiver_holding_every_tensor_whole_gathers_nothing(published, monkeypatch):

@@ -177,6 +177,43 @@ def follow_located(rank, world, spec, res):
     res["located"] = calls
 
 
+# cols_bf16's columns held overlapping (not a replica): positions two or three ranks hold are
+# answered for by the lowest; the others find them through the index maps
+OVERLAP = {0: (0, 25), 1: (10, 30), 2: (5, 25)}  # rank -> (first column, columns)
+
+
+def follow_overlapping(rank, world, spec, res):
+    """Versions 1 and 2 decoded by the group (``decode_partial``) and applied by each rank to its
+    columns of ``cols_bf16``, which overlap the others': no rank's bits may differ from the target
+    (the follower's state digest, summed over the ranks, counts such positions twice; the rollout
+    loader hides only exact replicas from it, so this runs the decode and apply themselves)."""
+    import torch.distributed as dist
+
+    from dcr_testing.mp_workers import open_spec
+    from nemo_dcr.delta import apply
+    from nemo_dcr.state.index_map import ShardSpec
+    from nemo_dcr.sync.chunk_gather import decode_partial
+    from nemo_dcr.sync.group import Group
+    from nemo_dcr.sync.versions import manifest_at
+
+    group = Group(dist.new_group(list(range(world))))
+    lo, n = OVERLAP[rank]
+    shards = {"cols_bf16": ShardSpec.of((24, 40), (0, lo), (24, n))}
+    tensors = {"cols_bf16": global_state(0)["cols_bf16"][:, lo:lo + n].clone()}
+    store = open_spec(spec)
+    res["versions"], res["gathered"], res["local"] = [], [], []
+    for v in (1, 2):
+        blobs = [store.get(p.key) for p in manifest_at(store, v).parts]
+        got = decode_partial(blobs, tensors, shards, group)
+        res["local"].append(sum(d.local is not None for part in got.decoded for d in part.values()))
+        for blob, dec in zip(blobs, got.decoded):
+            apply(tensors, blob, shards=shards, verify=False, resume=True, held_only=True, decoded=dec)
+        if not torch.equal(int_bits(tensors["cols_bf16"]), int_bits(global_state(v)["cols_bf16"][:, lo:lo + n])):
+            raise AssertionError(f"version {v}: rank {rank}'s overlapping columns differ from the target")
+        res["versions"].append(v)
+        res["gathered"].append(got.received)
+
+
 def follow_device(rank, world, spec, res):
     """The group on the device, as a GPU engine's TP workers run it: each rank's shards moved to
     ``$DCR_GROUP_DEVICE`` (tests/gpu/run_gpu.py: ``cuda``, the ranks sharing one GPU), a
