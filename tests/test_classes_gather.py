@@ -48,10 +48,11 @@ def published(tmp_path_factory):
     return root
 
 
-@pytest.mark.parametrize("route", ["gather", "gather-located"])
+@pytest.mark.parametrize("route", ["gather", "gather-located", "gather-widths"])
 def test_group_sharded_differently_decodes_classes_chunks_bit_exactly(published, tmp_path, route):
     """``gather-located``: as on a GPU engine's TP workers, the chunks held whole located against
-    the bits where they are, the group's exchanges fed from there (gather_workers.follow_located)."""
+    the bits where they are, the group's exchanges fed from there (gather_workers.follow_located).
+    ``gather-widths``: the class counts sent 4, 2 and 1 bytes wide, chunk by chunk."""
     out = tmp_path / f"out-{time.monotonic_ns()}"
     out.mkdir()
     spec = {"kind": "local", "root": published}

@@ -81,6 +81,7 @@ class _Share:
     runs: dict[int, Runs]  # rank -> the runs it answers for
     width: int  # bytes per element (known to every rank from the header: ranks not holding it too)
     disjoint: bool  # no two ranks' shards of its tensor overlap: a rank answers for what it holds
+    count_width: int = 4  # bytes per class count sent: what the longest run's count needs (_count_width)
 
     @property
     def key(self) -> tuple[int, str, int]:
@@ -92,8 +93,15 @@ class _Share:
         return rows[-1][0] - rows[0][0] + 1 if rows else 1
 
     def count_bytes(self, rank: int) -> int:
-        """Bytes of ``rank``'s class counts of the chunk (int32 per class per run)."""
-        return len(self.runs[rank]) * self.classes * 4 if rank in self.runs else 0
+        """Bytes of ``rank``'s class counts of the chunk (``count_width`` per class per run)."""
+        return len(self.runs[rank]) * self.classes * self.count_width if rank in self.runs else 0
+
+
+def _count_width(longest: int) -> int:
+    """Bytes a class count of a run of at most ``longest`` elements is sent in: a TP engine's run
+    is a row of its columns (hundreds to thousands of elements), and the counts are most of what a
+    group exchanges (~7 per change at 1 %), so 1 or 2 bytes, not 4, where the runs allow."""
+    return 1 if longest <= 0xFF else 2 if longest <= 0xFFFF else 4
 
 
 def _has_classes(e: TensorEntry) -> bool:
@@ -130,6 +138,7 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: RunMaps) 
             continue  # every holder has every chunk whole: each decodes its own
         ranks = sorted(holders)
         disjoint = not any(holders[a].overlaps(holders[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:])
+        row = max(maps.rows(h)[2] for h in holders.values())  # no run is longer than a holder's row
         for c in e.chunks:
             if c.enc != CLASSES or not c.k:
                 continue
@@ -139,7 +148,8 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: RunMaps) 
             runs = answering(held, c.n, disjoint)
             if sum(r.total for r in runs.values()) != c.n:
                 raise undecodable(e.name, c)
-            out.append(_Share(key[0], e.name, c, frozenset(held), runs, e.torch_dtype.itemsize, disjoint))
+            out.append(_Share(key[0], e.name, c, frozenset(held), runs, e.torch_dtype.itemsize, disjoint,
+                              _count_width(min(c.n, row))))
     return out
 
 
@@ -450,7 +460,15 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
 
         def counts():
             calls = [_call(plans[(s.part, s.name)], s, s.runs[me]) for s in answers]
-            return torch.from_numpy(classes.run_counts_many(calls).view(np.uint8))
+            n = classes.run_counts_many(calls)
+            widths = {s.count_width for s in answers}
+            if len(widths) == 1:  # (the usual case: every chunk's runs alike)
+                sent = n.astype(_UNSIGNED[widths.pop()])
+            else:
+                at = _offsets(np.array([len(s.runs[me]) * s.classes for s in answers], dtype=np.int64))
+                sent = np.concatenate([np.empty(0, np.uint8)] + [n[at[i]:at[i + 1]].astype(_UNSIGNED[s.count_width])
+                                                                 .view(np.uint8) for i, s in enumerate(answers)])
+            return torch.from_numpy(sent.view(np.uint8))
 
         sizes = [sum(b) for b in bytes_of]
         bufs = group.all_gather_bytes(group.run(counts, "count the classes of the chunks held in part"), sizes)
@@ -463,7 +481,8 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             for i, s in enumerate(shares):
                 if me in s.holders:
                     held.append(s)
-                    got.append(np.concatenate([bufs[r][int(at[r][i]): int(at[r][i + 1])].numpy().view(np.uint32)
+                    got.append(np.concatenate([bufs[r][int(at[r][i]): int(at[r][i + 1])].numpy()
+                                               .view(_UNSIGNED[s.count_width])
                                                for r in sorted(s.runs)]).reshape(-1, s.classes))
             if not held:
                 return np.empty(0, np.int32), np.empty(0, np.int32), {}

@@ -177,6 +177,18 @@ def follow_located(rank, world, spec, res):
     res["located"] = calls
 
 
+def follow_widths(rank, world, spec, res):
+    """``follow`` with the class counts sent 4, 2 and 1 bytes wide in turn, chunk by chunk (every
+    rank the same: each works out the same chunks in the same order), where the test's short runs
+    would all go as 1 byte: the exchange's mixed widths and the 2- and 4-byte ones."""
+    import itertools
+
+    from nemo_dcr.sync import chunk_gather
+    widths = itertools.cycle((4, 2, 1))
+    chunk_gather._count_width = lambda longest: next(widths)
+    follow(rank, world, spec, res)
+
+
 # cols_bf16's columns held overlapping (not a replica): positions two or three ranks hold are
 # answered for by the lowest; the others find them through the index maps
 OVERLAP = {0: (0, 25), 1: (10, 30), 2: (5, 25)}  # rank -> (first column, columns)

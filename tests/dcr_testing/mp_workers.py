@@ -253,6 +253,11 @@ def _gather_follow_located(rank, world, spec, res):
     follow_located(rank, world, spec, res)
 
 
+def _gather_follow_widths(rank, world, spec, res):
+    from dcr_testing.gather_workers import follow_widths
+    follow_widths(rank, world, spec, res)
+
+
 def _gather_follow_overlapping(rank, world, spec, res):
     from dcr_testing.gather_workers import follow_overlapping
     follow_overlapping(rank, world, spec, res)
@@ -268,6 +273,7 @@ SCENARIOS = {
     "gather-located": _gather_follow_located,
     "gather-device": _gather_follow_device,
     "gather-overlapping": _gather_follow_overlapping,
+    "gather-widths": _gather_follow_widths,
     "restore": _restore_download_fails,
     "joint": _joint_publish_and_follow,
     "die": _die_mid_upload,
