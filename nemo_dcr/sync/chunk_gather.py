@@ -100,7 +100,7 @@ class _Share:
 def _count_width(longest: int) -> int:
     """Bytes a class count of a run of at most ``longest`` elements is sent in: a TP engine's run
     is a row of its columns (hundreds to thousands of elements), and the counts are most of what a
-    group exchanges (~7 per change at 1 %), so 1 or 2 bytes, not 4, where the runs allow."""
+    group exchanges (~3 per change at 1 %), so 1 or 2 bytes, not 4, where the runs allow."""
     return 1 if longest <= 0xFF else 2 if longest <= 0xFFFF else 4
 
 
