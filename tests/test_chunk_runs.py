@@ -70,12 +70,13 @@ def test_rows_cover_each_shard_once_in_both_orders(layout):
 def test_each_rank_holds_and_answers_what_the_index_maps_say(layout, chunk):
     shape, region, recv = LAYOUTS[layout]
     reg, specs = _specs(shape, region, recv)
-    maps = R.RunMaps()
     for start in range(0, reg.numel, chunk):
         n = min(chunk, reg.numel - start)
         held = {}
         for r, spec in specs.items():
-            runs = maps.held(reg, start, n, spec)
+            runs = R.chunk_runs(reg, start, n, spec)
+            assert R.chunk_runs(reg, start, n, spec) is runs  # kept per layout
+            assert not runs.cstart.flags.writeable  # (so shared safely)
             c, local = _elements(runs)
             want_c, want_local = _by_element(reg, spec, start, n)
             assert np.array_equal(c, want_c) and np.array_equal(local, want_local), (r, start)

@@ -37,7 +37,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.runs import copy_runs, held_runs, shard_rows
+from nemo_dcr.state.runs import chunk_runs, copy_runs
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -349,7 +349,7 @@ def _apply_runs(reader: DeltaReader, t: _Target, c: ChunkEntry):
     its values copied run by run (``state/runs.py``), where the general path mapped each of the
     chunk's elements through the index maps (a 64M BF16 keyframe into two ranks' columns spent
     ~3 s of each rank's CPU there; docs/results.md, twenty-fifth turn)."""
-    runs = held_runs(shard_rows(t.region_map.spec), c.start, c.n, shard_rows(t.recv_map.spec))
+    runs = chunk_runs(t.region_map.spec, c.start, c.n, t.recv_map.spec)
     if not len(runs):
         return "applied", 0
     raw = dense_stream(c, reader.payload(c), t.w, checked=reader.payloads_checked)

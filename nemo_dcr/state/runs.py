@@ -18,7 +18,7 @@ import torch
 
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 
-__all__ = ["NO_RUNS", "RunMaps", "Runs", "answering", "copy_runs", "expand", "held_runs", "shard_rows"]
+__all__ = ["NO_RUNS", "Runs", "answering", "chunk_runs", "copy_runs", "expand", "held_runs", "shard_rows"]
 
 
 @dataclass(frozen=True)
@@ -65,27 +65,26 @@ def shard_rows(spec: ShardSpec) -> Rows:
     return _kept(spec)
 
 
-class RunMaps:
-    """``held_runs`` worked out once per layout for as long as this lives (a version's decode):
-    the entries of a version share a few layouts (every layer's shard of one shape on one rank),
-    so most chunks' runs are a lookup."""
+def _held(region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
+    runs = held_runs(shard_rows(region), start, n, shard_rows(spec))
+    for a in (runs.cstart, runs.lstart, runs.length):
+        a.flags.writeable = False  # (shared by every caller: _held_kept)
+    return runs
 
-    def __init__(self):
-        self._held: dict = {}
 
-    def rows(self, spec: ShardSpec) -> Rows:
-        return shard_rows(spec)
+_held_kept = functools.lru_cache(maxsize=1 << 10)(_held)
 
-    def held(self, region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
-        """``held_runs`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec``."""
-        key = (region, start, n, spec)
-        try:
-            got = self._held.get(key)
-        except TypeError:
-            return held_runs(self.rows(region), start, n, self.rows(spec))
-        if got is None:
-            got = self._held[key] = held_runs(self.rows(region), start, n, self.rows(spec))
-        return got
+
+def chunk_runs(region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
+    """``held_runs`` of chunk ``[start, start + n)`` of ``region`` by the shard ``spec`` (read-only
+    arrays), worked out once per layout: the entries of a version share a few (every layer's shard
+    of one shape on one rank), so most chunks' runs are a lookup, in a receiver group's decode and
+    in a keyframe's copy into a receiver's shards alike (~130 us a chunk worked out)."""
+    try:
+        hash((region, spec))
+    except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
+        return held_runs(shard_rows(region), start, n, shard_rows(spec))
+    return _held_kept(region, start, n, spec)
 
 
 def _cut(rows: Rows, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

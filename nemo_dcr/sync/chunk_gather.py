@@ -53,7 +53,7 @@ from nemo_dcr.state.digest import values_digest
 from nemo_dcr.state.dtypes import int_view
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import ShardSpec
-from nemo_dcr.state.runs import RunMaps, Runs, answering, expand
+from nemo_dcr.state.runs import Runs, answering, chunk_runs, expand, shard_rows
 from nemo_dcr.sync.group import Group
 
 __all__ = ["Gathered", "decode_partial"]
@@ -125,7 +125,7 @@ def _my_plans(readers: Sequence[DeltaReader], tensors: Mapping, shards: Mapping)
     return plans
 
 
-def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: RunMaps) -> list[_Share]:
+def _shares(readers: Sequence[DeltaReader], layouts: list[dict]) -> list[_Share]:
     """The chunks some rank holds only part of, the same list on every rank (derived from every
     rank's layout alone). Raises when the group together lacks a position of one."""
     entries = {(i, e.name): e for i, r in enumerate(readers) for e in r.header.tensors}
@@ -138,11 +138,11 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict], maps: RunMaps) 
             continue  # every holder has every chunk whole: each decodes its own
         ranks = sorted(holders)
         disjoint = not any(holders[a].overlaps(holders[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:])
-        row = max(maps.rows(h)[2] for h in holders.values())  # no run is longer than a holder's row
+        row = max(shard_rows(h)[2] for h in holders.values())  # no run is longer than a holder's row
         for c in e.chunks:
             if c.enc != CLASSES or not c.k:
                 continue
-            held = {rank: h for rank in ranks if len(h := maps.held(e.region, c.start, c.n, holders[rank]))}
+            held = {rank: h for rank in ranks if len(h := chunk_runs(e.region, c.start, c.n, holders[rank]))}
             if all(h.total == c.n for h in held.values()):
                 continue  # nobody holds part of it
             runs = answering(held, c.n, disjoint)
@@ -446,8 +446,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         return {k: (p.recv.global_shape, p.recv.offsets, p.recv.shape, p.recv.index_shape) for k, p in plans.items()}
 
     layouts = group.run(layout, "list the classes chunks held in part", gather=True)
-    maps = RunMaps()
-    shares = group.run(lambda: _shares(readers, layouts, maps), "find the classes chunks to decode together")
+    shares = group.run(lambda: _shares(readers, layouts), "find the classes chunks to decode together")
     me, world = group.rank, group.world_size
 
     received = 0
@@ -508,7 +507,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
                 if key in together:
                     out[i][(name, c.start)] = together[key]
                     continue
-                mine = maps.held(p.entry.region, c.start, c.n, p.recv)
+                mine = chunk_runs(p.entry.region, c.start, c.n, p.recv)
                 if not len(mine) or not c.k:
                     out[i][(name, c.start)] = Decoded.nothing(bits_dtype)
                 else:  # (_shares: this rank holds the whole chunk)
