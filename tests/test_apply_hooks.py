@@ -40,7 +40,11 @@ def test_keyframe_of_whole_tensors_into_column_shards_row_by_row():
         for chunk in (None, 40):  # a chunk per tensor, and chunks that start and end mid-row
             blob = diff({}, {"w": full}, **({"chunk_elems": chunk} if chunk else {}))
             for recv_t, recv_s in _shards(torch.zeros_like(full), 3, 1):
+                version = recv_t._version
                 apply({"w": recv_t}, blob, shards={"w": recv_s})
+                # written through numpy: torch's version counter says so all the same (the rollout
+                # loader sends a replica on, and a vLLM worker rebuilds a layer, by it)
+                assert recv_t._version > version
                 assert_bits_equal(recv_t, full[:, recv_s.offsets[1]:recv_s.offsets[1] + recv_s.shape[1]],
                                   f"{dtype} column shard, chunks of {chunk}")
     box = torch.randn(4, 6, 10, generator=g).bfloat16()

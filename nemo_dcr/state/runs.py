@@ -188,3 +188,6 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
                   as_strided(s[int(c[1]):], shape, (int(c[2] - c[1]) * w, w)))
     for i in each:
         d[int(loc[i]):int(loc[i] + ln[i])] = s[int(c[i]):int(c[i] + ln[i])]
+    # written behind torch's back: its version counter says so, as copy_ would (the rollout
+    # loader's replicas and a vLLM worker's rebuilt layers go by it)
+    torch.autograd.graph.increment_version(dst)
