@@ -44,31 +44,36 @@ NO_RUNS = Runs(*(np.empty(0, dtype=np.int64) for _ in range(3)))
 Rows = tuple  # (local starts, canonical starts: int64 arrays, length): IndexMap.rows on the host
 
 
+def _kept_or_worked(kept, work, *key):
+    """``kept(*key)`` (an lru_cache of ``work``), or ``work(*key)`` where the key cannot be kept:
+    a spec of lists, not tuples, is unhashable."""
+    try:
+        hash(key)
+    except TypeError:
+        return work(*key)
+    return kept(*key)
+
+
 def _rows(spec: ShardSpec) -> Rows:
     lt, gt, length = IndexMap(spec).rows()
     local, glob = lt.numpy(), gt.numpy()
-    local.flags.writeable = glob.flags.writeable = False  # (shared by every caller: _kept)
+    local.flags.writeable = glob.flags.writeable = False  # (shared by every caller: kept)
     return local, glob, length
 
 
-_kept = functools.lru_cache(maxsize=1 << 12)(_rows)
+_rows_kept = functools.lru_cache(maxsize=1 << 12)(_rows)
 
 
 def shard_rows(spec: ShardSpec) -> Rows:
-    """``IndexMap.rows`` of the shard, as numpy arrays (read-only), worked out once per layout: a
-    keyframe's chunks into a TP engine's shards asked for them per chunk, ~80 us each (a model's
-    tensors share a few layouts)."""
-    try:
-        hash(spec)
-    except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
-        return _rows(spec)
-    return _kept(spec)
+    """``IndexMap.rows`` of the shard, as numpy arrays (read-only), worked out once per layout (a
+    model's tensors share a few; a keyframe's copy into a receiver's shards asks per chunk)."""
+    return _kept_or_worked(_rows_kept, _rows, spec)
 
 
 def _held(region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
     runs = held_runs(shard_rows(region), start, n, shard_rows(spec))
     for a in (runs.cstart, runs.lstart, runs.length):
-        a.flags.writeable = False  # (shared by every caller: _held_kept)
+        a.flags.writeable = False  # (shared by every caller: kept)
     return runs
 
 
@@ -80,11 +85,7 @@ def chunk_runs(region: ShardSpec, start: int, n: int, spec: ShardSpec) -> Runs:
     arrays), worked out once per layout: the entries of a version share a few (every layer's shard
     of one shape on one rank), so most chunks' runs are a lookup, in a receiver group's decode and
     in a keyframe's copy into a receiver's shards alike (~130 us a chunk worked out)."""
-    try:
-        hash((region, spec))
-    except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
-        return held_runs(shard_rows(region), start, n, shard_rows(spec))
-    return _held_kept(region, start, n, spec)
+    return _kept_or_worked(_held_kept, _held, region, start, n, spec)
 
 
 def _cut(rows: Rows, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -451,7 +451,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
 
     received = 0
     placed: _Placed | None = None
-    local: list = [None]  # per change of placed, its flat index in this rank's tensor (-1: another rank's)
+    local = np.empty(0, np.int64)  # per change of placed, its flat index in this rank's tensor (-1: another rank's)
     found: list = []
     if shares:
         answers = [s for s in shares if me in s.runs]
@@ -474,7 +474,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         received += sum(n for r, n in enumerate(sizes) if r != me)
 
         def locate():
-            nonlocal placed
+            nonlocal placed, local
             at = [_offsets(np.array(b, dtype=np.int64)) for b in bytes_of]  # each chunk's counts in each buffer
             held, got = [], []
             for i, s in enumerate(shares):
@@ -486,7 +486,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             if not held:
                 return np.empty(0, np.int32), np.empty(0, np.int32), {}
             placed = _place(plans, readers, held, got)
-            sent, local[0] = _select(plans, placed, me)
+            sent, local = _select(plans, placed, me)
             return sent
 
         found = group.run(locate, "place the changes of the classes chunks held in part", gather=True)
@@ -494,7 +494,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
 
     def decode_mine():
         out: list[dict] = [{} for _ in readers]
-        together = _together(plans, placed, shares, found, local[0]) if placed is not None else {}
+        together = _together(plans, placed, shares, found, local) if placed is not None else {}
         for (i, name), p in sorted(plans.items()):
             if p.action != Action.UNVERIFIED:
                 continue  # holds the entry's whole region: apply decodes and checks it
