@@ -462,9 +462,10 @@ def _request_order(call: np.ndarray, run: np.ndarray, cls: np.ndarray, within: n
     in stream order (by class, places increasing): one stable sort by (call, run, class) then
     leaves each group's places in order (several times faster than ``lexsort``, which sorts
     any order and is the fallback)."""
-    if call.size and int(call[-1]) < 1 << 22 and int(run.max()) < 1 << 33:
-        o = np.argsort((call << 41) | (run << 8) | cls, kind="stable")
-        w, key = within[o], ((call << 41) | (run << 8) | cls)[o]
+    if call.size and int(call[-1]) < 1 << 22 and int(run.max()) < 1 << 33:  # (cls < 256: checked)
+        key = (call << 41) | (run << 8) | cls
+        o = np.argsort(key, kind="stable")
+        key, w = key[o], within[o]
         if not ((key[1:] == key[:-1]) & (w[1:] <= w[:-1])).any():
             return o
     return np.lexsort((within, cls, run, call))
