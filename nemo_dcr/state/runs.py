@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 
 __all__ = ["NO_RUNS", "Runs", "answering", "chunk_runs", "copy_runs", "expand", "held_runs", "shard_rows"]
@@ -150,9 +151,6 @@ def answering(held: dict[int, Runs], n: int, disjoint: bool) -> dict[int, Runs]:
     return out
 
 
-_NP_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
     """``dst[lstart[i] : + length[i]] = src[cstart[i] : + length[i]]`` for every run (``dst``,
     ``src``: 1-D contiguous, one element size): the runs between the first and the last, where
@@ -177,7 +175,7 @@ def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
         for i in each:
             dst[int(loc[i]):int(loc[i] + ln[i])].copy_(src[int(c[i]):int(c[i] + ln[i])])
         return
-    view = _NP_VIEW[dst.element_size()]
+    view = INT_VIEW[dst.element_size()]
     d, s = dst.view(view).numpy(), src.view(view).numpy()
     if alike:
         shape = (n - 2, int(ln[1]))
