@@ -777,6 +777,18 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
  * (dcr_cls_run_select). Each is one pass over the runs' elements where they are, with no index
  * array or sort (torch's took ~10 us per element held; docs/results.md, twenty-fifth turn). */
 
+/* which of the vector loops (dcr_simd_scans.h) a receiver's runs take: 2 AVX-512BW, 1 AVX2, 0 the
+ * scalar ones below (other widths, more than MAXA classes, dcr_set_simd(0)); runs shorter than
+ * a block take the scalar ones in any case */
+static int run_isa(int w, int nc) {
+#ifdef DCR_X86
+    return w == 2 && nc <= MAXA ? simd_isa() : 0;
+#else
+    (void)w; (void)nc;
+    return 0;
+#endif
+}
+
 static inline __attribute__((always_inline)) void run_count(const uint8_t *p, int64_t n, const int w, int mant,
                                                             int lo, int hi, uint32_t (*cnt)[256]) {
     const uint64_t absmask = (1ULL << (8 * w - 1)) - 1;
@@ -791,10 +803,20 @@ int dcr_cls_run_counts(const void *base, int64_t nbase, int w, int mant, int lo,
         return -7;
     const int nc = hi - lo + 1;
     uint32_t cnt[4][256];  /* four interleaved tables, as rank_scalar: no stall between neighbours of a class */
+    const int isa = run_isa(w, nc);
     for (int64_t r = 0; r < nruns; r++) {
         if (start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX || start[r] > nbase - n[r]) return -7;
-        for (int t = 0; t < 4; t++) memset(cnt[t], 0, (size_t)nc * sizeof(uint32_t));
         const uint8_t *p = (const uint8_t *)base + start[r] * w;
+#ifdef DCR_X86
+        if (isa && n[r] >= 64) {
+            uint32_t *row = counts + r * nc;
+            memset(row, 0, (size_t)nc * sizeof(uint32_t));
+            if (isa == 2) run_count_avx512((const uint16_t *)p, n[r], mant, lo, hi, row);
+            else run_count_avx2((const uint16_t *)p, n[r], mant, lo, hi, row);
+            continue;
+        }
+#endif
+        for (int t = 0; t < 4; t++) memset(cnt[t], 0, (size_t)nc * sizeof(uint32_t));
         if (w == 2) run_count(p, n[r], 2, mant, lo, hi, cnt);
         else if (w == 4) run_count(p, n[r], 4, mant, lo, hi, cnt);
         else run_count(p, n[r], 1, mant, lo, hi, cnt);
@@ -832,6 +854,7 @@ int dcr_cls_run_select(const void *base, int64_t nbase, int w, int mant, int lo,
     const int nc = hi - lo + 1;
     uint32_t cnt[256], want[256];
     int64_t next[256], endc[256];
+    const int isa = run_isa(w, nc);
     for (int64_t j = 0; j < k;) {
         const int64_t r = run[j];
         if (r < 0 || r >= nruns || start[r] < 0 || n[r] < 0 || n[r] > UINT32_MAX || start[r] > nbase - n[r]) return -7;
@@ -848,6 +871,13 @@ int dcr_cls_run_select(const void *base, int64_t nbase, int w, int mant, int lo,
         if (e < k && run[e] < r) return -7;
         const uint8_t *p = (const uint8_t *)base + start[r] * w;
         int64_t left;
+#ifdef DCR_X86
+        if (isa == 2 && n[r] >= 64)
+            left = run_select_avx512((const uint16_t *)p, n[r], mant, lo, hi, cnt, want, next, endc, within, e - j, out);
+        else if (isa == 1 && n[r] >= 64)
+            left = run_select_avx2((const uint16_t *)p, n[r], mant, lo, hi, cnt, want, next, endc, within, e - j, out);
+        else
+#endif
         if (w == 2) left = run_select(p, n[r], 2, mant, lo, hi, cnt, want, next, endc, within, e - j, out);
         else if (w == 4) left = run_select(p, n[r], 4, mant, lo, hi, cnt, want, next, endc, within, e - j, out);
         else left = run_select(p, n[r], 1, mant, lo, hi, cnt, want, next, endc, within, e - j, out);

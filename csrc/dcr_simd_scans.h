@@ -257,6 +257,68 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     return L ? -3 : out;
 }
 
+/* A receiver's runs (dcr_cls_run_counts, dcr_cls_run_select; scalar loops in dcr_classes.c):
+ * a run of n elements at p, anywhere, 64 a block and the rest scalar. Per block, its classes once
+ * (clamped to lo..hi), then one compare and popcount per class (counts) or per class with an
+ * element still asked for (select): ~10x the scalar loops' 1.3-1.9 ns an element, whose
+ * per-element table update was a dependency chain. Both leave the scalar loops' results. */
+
+/* counts[c - lo] += the run's elements of class c, for lo <= c <= hi (hi - lo < MAXA) */
+TGT static void F(run_count)(const uint16_t *p, int64_t n, int mant, int lo, int hi, uint32_t *counts) {
+    const int nc = hi - lo + 1;
+    ACT_T vact[MAXA];
+    uint32_t t[MAXA];
+    for (int c = 0; c < nc; c++) { vact[c] = ACT(lo + c); t[c] = 0; }
+    const CTX_T ctx = CTX(mant, lo, hi);
+    int64_t i = 0;
+    for (; i + 64 <= n; i += 64) {
+        const BLK_T v = CLASSES(&ctx, p + i);
+        for (int c = 0; c < nc; c++) t[c] += (uint32_t)__builtin_popcountll(EQ(v, vact[c]));
+    }
+    for (; i < n; i++) t[class_of(p[i], 0x7FFF, mant, lo, hi) - lo]++;
+    for (int c = 0; c < nc; c++) counts[c] += t[c];
+}
+
+/* run_select's loop (dcr_classes.c): cnt/want/next indexed by class - lo; the classes with an
+ * element still asked for are compared, each block's members of a class found by NTH. Returns
+ * the requests left unserved (0: all found). hi - lo < MAXA. */
+TGT static int64_t F(run_select)(const uint16_t *p, int64_t n, int mant, int lo, int hi, uint32_t *cnt,
+                                 uint32_t *want, int64_t *next, const int64_t *endc, const int64_t *within,
+                                 int64_t left, int64_t *out) {
+    const int nc = hi - lo + 1;
+    ACT_T vact[MAXA];
+    int live[MAXA], L = 0;  /* the classes still asked for */
+    for (int c = 0; c < nc; c++) if (want[c] != UINT32_MAX) { live[L] = c; vact[L++] = ACT(lo + c); }
+    const CTX_T ctx = CTX(mant, lo, hi);
+    int64_t i = 0;
+    for (; i + 64 <= n && left; i += 64) {
+        const BLK_T v = CLASSES(&ctx, p + i);
+        for (int x = 0; x < L; x++) {
+            const int c = live[x];
+            const uint64_t e = EQ(v, vact[x]);
+            const uint32_t pc = (uint32_t)__builtin_popcountll(e);
+            while (want[c] != UINT32_MAX && want[c] - cnt[c] < pc) {  /* (want >= cnt: each below was served) */
+                const int64_t q = next[c]++;
+                out[q] = i + NTH(e, want[c] - cnt[c]);
+                want[c] = next[c] < endc[c] ? (uint32_t)within[next[c]] : UINT32_MAX;
+                left--;
+            }
+            cnt[c] += pc;
+            if (want[c] == UINT32_MAX) { L--; live[x] = live[L]; vact[x] = vact[L]; x--; }
+        }
+    }
+    for (; i < n && left; i++) {  /* the tail, as the scalar loop */
+        const int c = class_of(p[i], 0x7FFF, mant, lo, hi) - lo;
+        if (__builtin_expect(cnt[c]++ == want[c], 0)) {
+            const int64_t q = next[c]++;
+            out[q] = i;
+            want[c] = next[c] < endc[c] ? (uint32_t)within[next[c]] : UINT32_MAX;
+            left--;
+        }
+    }
+    return left;
+}
+
 #undef F
 #undef DCR_GROUP
 #undef DCR_CAT

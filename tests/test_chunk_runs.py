@@ -137,6 +137,41 @@ def test_run_counts_and_select_in_c_equal_the_reference(dtype):
             assert int(np.flatnonzero(ctx[run[j]].numpy() == cls[j])[within[j]]) == got[j]
 
 
+@pytest.mark.parametrize("simd", [0, 1, 2], ids=["scalar", "best", "avx2"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_run_kernels_vector_loops_equal_the_reference(dtype, simd):
+    """2-byte runs of a block (64) or more take the vector loops (AVX-512BW or AVX2, and
+    ``dcr_set_simd`` picks): runs starting anywhere, with tails of every kind, and class ranges of
+    one class, a few (clamped at both ends), MAXA (64) and one more (the scalar loop), each equal
+    to the torch reference, NaN payloads, -0.0 and subnormals among the bits."""
+    base, mant = _base(dtype, n=20000), classes.MANTISSA[dtype]
+    start = np.array([1, 333, 5000, 9001, 12345, 17000, 0, 640], dtype=np.int64)
+    length = np.array([64, 1000, 4097, 127, 63, 2999, 20000, 128], dtype=np.int64)
+    ex = (int_bits(base).to(torch.int64) & 0x7FFF) >> mant
+    mode = int(torch.bincount(ex).argmax())
+    lib().dcr_set_simd(simd)
+    try:
+        every = (1 << (15 - mant)) - 1  # the dtype's last class (float16: 31, so never more than MAXA)
+        for lo, top in ((mode, mode), (mode - 3, mode + 4), (mode - 32, mode + 31), (mode - 32, mode + 32)):
+            lo, top = max(lo, 0), min(top, every)
+            counts = classes.run_counts(base, start, length, lo, top, mant, use_native=True)
+            assert np.array_equal(counts, classes.run_counts(base, start, length, lo, top, mant, use_native=False))
+            assert np.array_equal(counts.sum(1), length)
+            g = np.random.default_rng(lo + top)
+            req = [(r, c, v) for r in range(len(start)) for c in range(top - lo + 1)
+                   for v in (range(int(counts[r, c])) if c == 0 else
+                             g.permutation(int(counts[r, c]))[: max(1, int(counts[r, c]) // 3)])]
+            run, cls, within = (np.array(x, dtype=np.int64) for x in zip(*g.permutation(req)))
+            got = classes.run_select(base, start, length, lo, top, mant, run, cls, within, use_native=True)
+            assert np.array_equal(got, classes.run_select(base, start, length, lo, top, mant, run, cls, within,
+                                                          use_native=False))
+            past = np.array([counts[1, 0]])  # one past the last of a class in a run of many blocks
+            with pytest.raises(classes.RankPastClass):
+                classes.run_select(base, start, length, lo, top, mant, np.array([1]), np.array([0]), past)
+    finally:
+        lib().dcr_set_simd(1)
+
+
 @pytest.mark.parametrize("native", [True, False])
 def test_run_select_refuses_what_the_runs_do_not_hold(native):
     base, mant = _base(torch.bfloat16), classes.MANTISSA[torch.bfloat16]
