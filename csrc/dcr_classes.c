@@ -908,6 +908,50 @@ int dcr_cls_run_counts_many(int64_t calls, const int64_t *base, const int64_t *n
     return 0;
 }
 
+/* A receiver group's chunks' changes placed from the runs' class counts (sync/chunk_gather.py), every
+ * chunk of a version in one call. Call i: runs run_off[i] .. run_off[i + 1] - 1, whose counts are
+ * rows of ncls[i] at counts + cnt_off[i] (ncounts in all), order[run_off[i] + r] the row of its
+ * r-th run in chunk order; its changes chg_off[i] .. chg_off[i + 1] - 1, each a class cls[j] (from
+ * the chunk's lo) and a rank[j] among the chunk's elements of that class, in chunk order. Out:
+ * run_out[j], the run (chunk order) holding change j, and within_out[j], its place among that
+ * run's elements of its class. A class's changes come in rank order (the stream's): one walk over
+ * its runs serves them all (a change out of that order walks again from the first run), where
+ * numpy's cumulative sum and search went over every class count of every chunk. -4 (*failed:
+ * the call): a class out of range or a rank past its class's members (the counts are not of the
+ * base the chunk was coded against); -7: arguments out of range. */
+int dcr_cls_place_many(int64_t calls, const int64_t *run_off, const int64_t *ncls, const int64_t *cnt_off,
+                       const uint32_t *counts, int64_t ncounts, const int64_t *order, const int64_t *chg_off,
+                       const int64_t *cls, const int64_t *rank, int64_t *run_out, int64_t *within_out,
+                       int64_t *failed) {
+    for (int64_t i = 0; i < calls; i++) {
+        const int64_t R = run_off[i + 1] - run_off[i], C = ncls[i];
+        *failed = i;
+        if (run_off[i] < 0 || R < 0 || C < 0 || cnt_off[i] < 0 || (C && R > (ncounts - cnt_off[i]) / C)
+            || chg_off[i] < 0 || chg_off[i + 1] < chg_off[i])
+            return -7;
+        const int64_t *ord = order + run_off[i];
+        for (int64_t r = 0; r < R; r++) if (ord[r] < 0 || ord[r] >= R) return -7;
+        const uint32_t *cnt = counts + cnt_off[i];
+        int64_t cur = -1, prev = -1, r = 0, acc = 0;
+        for (int64_t j = chg_off[i]; j < chg_off[i + 1]; j++) {
+            const int64_t c = cls[j], q = rank[j];
+            if (c < 0 || c >= C || q < 0) return -4;
+            if (c != cur || q < prev) { cur = c; r = 0; acc = 0; }
+            for (; r < R; r++) {
+                const int64_t v = cnt[ord[r] * C + c];
+                if (acc + v > q) break;
+                acc += v;
+            }
+            if (r == R) return -4;
+            run_out[j] = r;
+            within_out[j] = q - acc;
+            prev = q;
+        }
+    }
+    *failed = -1;
+    return 0;
+}
+
 /* ... and the bits there: bits[j] = the base element request j found (zero-extended) */
 int dcr_cls_run_select_many(int64_t calls, const int64_t *base, const int64_t *nbase, const int32_t *w,
                             const int32_t *mant, const int32_t *lo, const int32_t *hi, const int64_t *run_off,

@@ -265,3 +265,67 @@ def test_many_calls_refuse_what_one_call_refuses():
         classes.run_counts_many([classes.RunCall(base, np.array([5990]), np.array([20]), 0, 255, mant)])
     with pytest.raises(DcrError, match="contiguous"):
         classes.run_counts_many([classes.RunCall(base[::2], np.array([0]), np.array([20]), 0, 255, mant)])
+
+
+def _placing(seed: int, calls: int = 6):
+    """Chunks' runs' class counts (some runs and classes empty, every count width) in a random
+    chunk order, and per chunk changes in stream order (class by class, ranks increasing), some
+    classes with none; one chunk with no runs' changes at all."""
+    g = np.random.default_rng(seed)
+    counts, order, changes, cls, rank = [], [], [], [], []
+    for i in range(calls):
+        runs, ncls = int(g.integers(1, 40)), int(g.integers(1, 12))
+        n = g.integers(0, 30, size=(runs, ncls)) * (g.random((runs, ncls)) < 0.7)
+        counts.append(n.astype([np.uint8, np.uint16, np.uint32][i % 3]))
+        order.append(g.permutation(runs).astype(np.int64))
+        k = 0
+        for c in range(ncls):
+            total = int(n[:, c].sum())
+            if i == 2 or not total or g.random() < 0.2:
+                continue
+            r = np.sort(g.choice(total, size=int(g.integers(1, total + 1)), replace=False))
+            cls.append(np.full(r.size, c)), rank.append(r)
+            k += r.size
+        changes.append(k)
+    return counts, order, np.array(changes), np.concatenate(cls), np.concatenate(rank)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_place_many_in_c_equals_numpy_and_the_counts(seed):
+    """Each change goes to the run (chunk order) holding its rank's element of its class, at its
+    place among that run's elements of the class: the C walk equals numpy's cumulative sum and
+    search and the counts themselves; changes out of rank order (a walk from the first run again)
+    too."""
+    counts, order, changes, cls, rank = _placing(seed)
+    run, within = classes.place_many(counts, order, changes, cls, rank, use_native=True)
+    ref = classes.place_many(counts, order, changes, cls, rank, use_native=False)
+    assert np.array_equal(run, ref[0]) and np.array_equal(within, ref[1])
+    share = np.repeat(np.arange(len(counts)), changes)
+    for j in range(cls.size):  # the counts say so: members of the class in the runs before, plus within
+        n = counts[share[j]][order[share[j]]].astype(np.int64)[:, cls[j]]
+        assert within[j] < n[run[j]] and int(n[:run[j]].sum()) + within[j] == rank[j]
+    shuffled = np.concatenate([g[::-1] for g in np.split(np.arange(cls.size), np.cumsum(changes)[:-1])])
+    run2, within2 = classes.place_many(counts, order, changes, cls[shuffled], rank[shuffled], use_native=True)
+    assert np.array_equal(run2, run[shuffled]) and np.array_equal(within2, within[shuffled])
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_place_many_refuses_a_change_its_runs_do_not_hold(native):
+    """A rank past its class's members, a class outside the chunk's, a negative rank: refused as
+    ``RankPastClass`` naming the chunk (its call); arguments that do not fit, before the kernel."""
+    counts, order, changes, cls, rank = _placing(7)
+    last = int(np.flatnonzero(changes)[-1])
+    at = int(changes[:last + 1].sum()) - 1  # the last change of that chunk
+    for bump in (None, 1 << 20, -(1 << 40)):  # a class out of range, then a rank past, a negative rank
+        c, r = cls.copy(), rank.copy()
+        if bump is None:
+            c[at] = counts[last].shape[1]
+        else:
+            r[at] = bump
+        with pytest.raises(classes.RankPastClass) as e:
+            classes.place_many(counts, order, changes, c, r, use_native=native)
+        assert e.value.call == last
+    with pytest.raises(DcrError):
+        classes.place_many(counts, order, changes + 1, cls, rank, use_native=native)
+    with pytest.raises(DcrError):
+        classes.place_many(counts, order[:-1], changes, cls, rank, use_native=native)

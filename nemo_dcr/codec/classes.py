@@ -47,7 +47,12 @@ _ERRORS = {-1: "bad class table", -2: "stream truncated or malformed", -3: "stre
 
 class RankPastClass(DeltaFormatError):
     """Streams that decode, but a rank runs past its class's members in the base they are
-    located against (``locate``): for a checksum-valid chunk, the base held is not its base."""
+    located against (``locate``): for a checksum-valid chunk, the base held is not its base.
+    ``call``: which call of a ``_many`` function it was found in (None: not one)."""
+
+    def __init__(self, message: str, call: int | None = None):
+        super().__init__(message)
+        self.call = call
 
 
 def applicable(dtype: torch.dtype) -> bool:
@@ -417,8 +422,7 @@ def _many(calls: Sequence[RunCall]) -> tuple[np.ndarray, ...]:
     nbase = np.array([c.base.numel() for c in calls], dtype=np.int64)
     if start.size and ((start < 0).any() or (length < 0).any() or (start + length > np.repeat(nbase, nruns)).any()):
         raise DcrError("a run outside its base")
-    off = np.zeros(len(calls) + 1, dtype=np.int64)
-    np.cumsum(nruns, out=off[1:])
+    off = offsets(nruns)
     i32 = np.int32
     return (np.array([_ptr(c.base) for c in calls], dtype=np.int64), nbase,
             np.array([c.base.element_size() for c in calls], dtype=i32), np.array([c.mant for c in calls], dtype=i32),
@@ -446,8 +450,7 @@ def run_counts_many(calls: Sequence[RunCall], use_native: bool | None = None) ->
                for c in calls]
         return np.concatenate(got) if got else np.empty(0, dtype=np.uint32)
     bases, nbase, w, mant, lo, hi, off, start, length, nruns = args = _many(calls)
-    cnt_off = np.zeros(len(calls) + 1, dtype=np.int64)
-    np.cumsum(nruns * (hi - lo + 1), out=cnt_off[1:])
+    cnt_off = offsets(nruns * (hi - lo + 1))
     out = np.empty(int(cnt_off[-1]), dtype=np.uint32)
     failed = np.zeros(1, dtype=np.int64)
     rc = lib.dcr_cls_run_counts_many(len(calls), *(a.ctypes.data for a in args[:-1]), cnt_off.ctypes.data,
@@ -499,8 +502,7 @@ def run_select_many(calls: Sequence[RunCall], requests: np.ndarray, run: np.ndar
     if k and ((run < 0).any() or (run >= nruns[call]).any() or (cls < 0).any() or (cls > (hi - lo)[call]).any()
               or (within < 0).any()):
         raise DcrError("a request outside the runs or their classes")
-    req_off = np.zeros(len(calls) + 1, dtype=np.int64)
-    np.cumsum(requests, out=req_off[1:])
+    req_off = offsets(requests)
     sort = _request_order(call, run, cls, within)
     srun, scls, swithin = run[sort], cls[sort], within[sort]
     got, found = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.uint32)
@@ -509,13 +511,80 @@ def run_select_many(calls: Sequence[RunCall], requests: np.ndarray, run: np.ndar
                                      srun.ctypes.data, scls.ctypes.data, swithin.ctypes.data, got.ctypes.data,
                                      found.ctypes.data, failed.ctypes.data)
     if rc == -4:
-        raise RankPastClass(f"a run holds fewer elements of a class than asked for (call {int(failed[0])})")
+        raise RankPastClass(f"a run holds fewer elements of a class than asked for (call {int(failed[0])})",
+                            int(failed[0]))
     if rc:
         raise DcrError(f"elements of runs by class failed in the C kernel (call {int(failed[0])}): "
                        f"{_ERRORS.get(rc, rc)}")
     out, bits = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.uint32)
     out[sort], bits[sort] = got, found
     return out, bits
+
+
+def place_many(counts: Sequence[np.ndarray], order: Sequence[np.ndarray], changes: np.ndarray, cls: np.ndarray,
+               rank: np.ndarray, use_native: bool | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Chunks' changes to the runs holding them, from the runs' class counts (what a receiver group
+    gathers, ``sync/chunk_gather.py``): call ``i``'s ``counts[i]`` (``[runs, classes]``, unsigned,
+    any width), ``order[i]`` its runs' rows in chunk order, and its ``changes[i]`` changes, the
+    next ones of ``cls`` (from the chunk's lo) and ``rank`` (among the chunk's elements of that
+    class, in chunk order) -> per change, its run (in chunk order) and its place among that run's
+    elements of its class. ``RankPastClass`` (``call``: the chunk) where a class is out of range or
+    a rank past its class's members: the counts are not of the chunk's base. One C call for all
+    of them (a version's chunks, thousands from an FSDP trainer's shards)."""
+    changes = np.asarray(changes, dtype=np.int64)
+    cls, rank = (np.ascontiguousarray(x, dtype=np.int64) for x in (cls, rank))
+    if len(counts) != len(order) or changes.shape != (len(counts),) or (changes < 0).any() \
+            or int(changes.sum()) != cls.size or rank.size != cls.size \
+            or any(n.ndim != 2 or o.shape != (n.shape[0],) for n, o in zip(counts, order)):
+        raise DcrError("placing changes: per call its [runs, classes] counts, its runs' order and how many changes")
+    R = np.array([n.shape[0] for n in counts], dtype=np.int64)
+    C = np.array([n.shape[1] for n in counts], dtype=np.int64)
+    lib = native.lib() if use_native is not False else None
+    if lib is None:
+        if use_native:
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
+        return _place_reference(counts, order, changes, cls, rank, R, C)
+    flat = np.concatenate([n.reshape(-1) for n in counts] or [np.empty(0, np.uint32)], dtype=np.uint32)
+    ords = np.concatenate([np.empty(0, np.int64)] + list(order)).astype(np.int64, copy=False)
+    run_off, cnt_off, chg_off = (offsets(x) for x in (R, R * C, changes))
+    run, within = np.empty(cls.size, dtype=np.int64), np.empty(cls.size, dtype=np.int64)
+    failed = np.zeros(1, dtype=np.int64)
+    rc = lib.dcr_cls_place_many(len(counts), run_off.ctypes.data, C.ctypes.data, cnt_off.ctypes.data, flat.ctypes.data,
+                                flat.size, ords.ctypes.data, chg_off.ctypes.data, cls.ctypes.data, rank.ctypes.data,
+                                run.ctypes.data, within.ctypes.data, failed.ctypes.data)
+    if rc == -4:
+        raise RankPastClass(f"a change past its class's members in its runs (call {int(failed[0])})", int(failed[0]))
+    if rc:
+        raise DcrError(f"placing changes failed in the C kernel (call {int(failed[0])}): {_ERRORS.get(rc, rc)}")
+    return run, within
+
+
+def offsets(sizes: np.ndarray) -> np.ndarray:
+    """Sizes -> where each starts, and the total last (int64)."""
+    out = np.zeros(len(sizes) + 1, dtype=np.int64)
+    np.cumsum(sizes, out=out[1:])
+    return out
+
+
+def _place_reference(counts, order, changes, cls, rank, R, C) -> tuple[np.ndarray, np.ndarray]:
+    """``place_many`` in numpy: each chunk's class counts as columns (one per class, its runs in
+    chunk order) laid end to end, one cumulative sum over all of them (nondecreasing, so one
+    search places every change, offset by what the columns before its own hold)."""
+    share = np.repeat(np.arange(len(counts)), changes)
+    f = np.concatenate([np.empty(0, np.int64)] + [n[o].T.ravel() for n, o in zip(counts, order)]).astype(np.int64)
+    col_at = offsets(np.repeat(R, C))  # where each column starts
+    g = offsets(f)  # g[x]: the members in the columns' runs before run x
+    before = np.append(g[col_at[:-1]], 0)  # (a 0 column for a class out of range)
+    total = np.append(g[col_at[1:]] - g[col_at[:-1]], 0)  # each column's members
+    col = offsets(C)[share] + cls
+    bad = (cls < 0) | (cls >= C[share]) | (rank < 0)
+    col[bad] = col_at.size - 1
+    bad |= rank >= total[col]
+    if bad.any():
+        i = int(share[np.argmax(bad)])
+        raise RankPastClass(f"a change past its class's members in its runs (call {i})", i)
+    at = np.searchsorted(g, before[col] + rank, side="right") - 1  # the last run whose members before are <= it
+    return at - col_at[col], before[col] + rank - g[at]
 
 
 def new_values(uo: torch.Tensor, d: torch.Tensor, w: int) -> torch.Tensor:

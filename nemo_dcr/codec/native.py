@@ -112,6 +112,8 @@ def _declare(lib) -> None:
     lib.dcr_cls_run_counts_many.argtypes = [i64] + [p] * 12
     lib.dcr_cls_run_select_many.restype = ctypes.c_int
     lib.dcr_cls_run_select_many.argtypes = [i64] + [p] * 16
+    lib.dcr_cls_place_many.restype = ctypes.c_int
+    lib.dcr_cls_place_many.argtypes = [i64] + [p] * 4 + [i64] + [p] * 7
     lib.dcr_free.restype = None
     lib.dcr_free.argtypes = [p]
     lib.dcr_set_simd.restype = None

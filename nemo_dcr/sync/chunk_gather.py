@@ -43,6 +43,7 @@ import torch
 
 from nemo_dcr.codec import classes
 from nemo_dcr.codec.chunk import CLASSES, chunk_streams, decode_chunk, locate_chunk
+from nemo_dcr.codec.classes import offsets
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
 from nemo_dcr.codec.ordered import to_bits
@@ -220,13 +221,6 @@ def _call(p: Plan, s: _Share, runs: Runs) -> classes.RunCall:
     return classes.RunCall(base, starts, runs.length, lo, hi, classes.MANTISSA[p.entry.torch_dtype])
 
 
-def _offsets(sizes: np.ndarray) -> np.ndarray:
-    """Sizes -> where each starts, and the total last."""
-    out = np.zeros(len(sizes) + 1, dtype=np.int64)
-    np.cumsum(sizes, out=out[1:])
-    return out
-
-
 @dataclass(frozen=True)
 class _Placed:
     """The changes of the chunks this rank holds part of (``shares``, in order), placed from every
@@ -265,11 +259,11 @@ def _place(plans: Mapping, readers: Sequence[DeltaReader], held: list[_Share], c
     """Every change of the chunks ``held`` to the run holding it, from the runs' class counts
     (``counts[i]``: chunk i's, ``[runs, classes]``, each answering rank's runs in turn, ranks in
     order; every rank holding part of a chunk computes the same). A change past the last of its
-    class: the streams do not fit the group's base. All the chunks in one pass (numpy): the
-    classes' cumulative counts of every chunk laid end to end, one search for every change."""
+    class: the streams do not fit the group's base. All the chunks in one kernel call
+    (``classes.place_many``: per class one walk over its runs, in chunk order)."""
     cache: dict = {}
-    cls_l, rank_l, d_l, nrun, ncls, owner_l, local_l, cols = [], [], [], [], [], [], [], []
-    for s, n in zip(held, counts):
+    cls_l, rank_l, d_l, owner_l, local_l, order_l = [], [], [], [], [], []
+    for s in held:
         p = plans[(s.part, s.name)]
         dtype = p.entry.torch_dtype
         try:
@@ -285,33 +279,19 @@ def _place(plans: Mapping, readers: Sequence[DeltaReader], held: list[_Share], c
         d_l.append(d)
         owner_l.append(owner)
         local_l.append(local)
-        cols.append(n[o].T.ravel())  # class by class, the runs in chunk order
-        nrun.append(len(o))
-        ncls.append(s.classes)
+        order_l.append(o)
     k = np.array([c.size for c in cls_l], dtype=np.int64)
     share = np.repeat(np.arange(len(held)), k)
-    cls, rank = np.concatenate(cls_l), np.concatenate(rank_l)
-    R, C = np.array(nrun, dtype=np.int64), np.array(ncls, dtype=np.int64)
-    f = np.concatenate(cols)
-    col_at = _offsets(np.repeat(R, C))  # where each column starts (one column per class of a chunk)
-    # the counts summed over every column laid end to end: nondecreasing, so a change's run is one
-    # search in it, offset by what the columns before its own hold
-    g = np.cumsum(f, dtype=np.int64)
-    before = np.append(g[col_at[:-1]] - f[col_at[:-1]], 0)  # (a 0 column for a class out of range)
-    total = np.append(g[col_at[1:] - 1], 0) - before  # each column's members
-    col = _offsets(C)[share] + cls
-    bad = (cls < 0) | (cls >= C[share])
-    col[bad] = col_at.size - 1
-    bad |= rank >= total[col]
-    if bad.any():
-        s = held[int(share[np.argmax(bad)])]
+    cls = np.concatenate(cls_l)
+    try:
+        run, within = classes.place_many(counts, order_l, k, cls, np.concatenate(rank_l))
+    except classes.RankPastClass as e:
+        s = held[e.call if e.call is not None else 0]
         raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start} does not match its base (its class "
-                                "counts gathered from the receiver group)")
-    # each change's run: the first whose count of its class, summed, passes its rank
-    at = np.searchsorted(g, before[col] + rank, side="right")
-    where = _offsets(R)[share] + at - col_at[col]  # its run, in chunk order, among every chunk's
-    return _Placed(held, share, cls, np.concatenate(owner_l)[where], np.concatenate(local_l)[where],
-                   rank - (g[at] - f[at] - before[col]), d_l, _offsets(k))
+                                "counts gathered from the receiver group)") from None
+    where = offsets(np.array([len(o) for o in order_l], dtype=np.int64))[share] + run  # among every chunk's runs
+    return _Placed(held, share, cls, np.concatenate(owner_l)[where], np.concatenate(local_l)[where], within, d_l,
+                   offsets(k))
 
 
 def _select(plans: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
@@ -335,7 +315,7 @@ def _select(plans: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
     empty = np.empty(0, np.int64)
     cstart = np.concatenate([r.cstart for r in runs]) if runs else empty
     lstart = np.concatenate([r.lstart for r in runs]) if runs else empty
-    at = _offsets(np.array([len(r) for r in runs], dtype=np.int64))[np.repeat(np.arange(len(answers)), per)] + run
+    at = offsets(np.array([len(r) for r in runs], dtype=np.int64))[np.repeat(np.arange(len(answers)), per)] + run
     local = np.full(pl.owner.size, -1, dtype=np.int64)
     local[mine] = lstart[at] + off
     width = np.repeat(np.array([c.base.element_size() for c in calls], dtype=np.int64), per)
@@ -464,7 +444,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             if len(widths) == 1:  # (the usual case: every chunk's runs alike)
                 sent = n.astype(_UNSIGNED[widths.pop()])
             else:
-                at = _offsets(np.array([len(s.runs[me]) * s.classes for s in answers], dtype=np.int64))
+                at = offsets(np.array([len(s.runs[me]) * s.classes for s in answers], dtype=np.int64))
                 sent = np.concatenate([np.empty(0, np.uint8)] + [n[at[i]:at[i + 1]].astype(_UNSIGNED[s.count_width])
                                                                  .view(np.uint8) for i, s in enumerate(answers)])
             return torch.from_numpy(sent.view(np.uint8))
@@ -475,7 +455,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
 
         def locate():
             nonlocal placed, local
-            at = [_offsets(np.array(b, dtype=np.int64)) for b in bytes_of]  # each chunk's counts in each buffer
+            at = [offsets(np.array(b, dtype=np.int64)) for b in bytes_of]  # each chunk's counts in each buffer
             held, got = [], []
             for i, s in enumerate(shares):
                 if me in s.holders:
