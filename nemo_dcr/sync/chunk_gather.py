@@ -131,15 +131,29 @@ def _shares(readers: Sequence[DeltaReader], layouts: list[dict]) -> list[_Share]
     rank's layout alone). Raises when the group together lacks a position of one."""
     entries = {(i, e.name): e for i, r in enumerate(readers) for e in r.header.tensors}
     out = []
+    # the ranks' shards of a tensor -> (them as specs, whether they overlap, the longest row): the
+    # same for its entry in every part (an FSDP trainer's ranks each send one), and across a
+    # model's tensors of one shape
+    laid: dict = {}
     for key in sorted(set().union(*layouts)):
-        holders = {rank: ShardSpec(*lay[key]) for rank, lay in enumerate(layouts) if key in lay}
+        lays = tuple((rank, lay[key]) for rank, lay in enumerate(layouts) if key in lay)
+        try:
+            got, keep = laid.get(lays), True
+        except TypeError:  # (a layout of lists, not tuples: worked out each time)
+            got, keep = None, False
+        if got is None:
+            holders = {rank: ShardSpec(*lay) for rank, lay in lays}
+            ranks = sorted(holders)
+            disjoint = not any(holders[a].overlaps(holders[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:])
+            row = max(shard_rows(h)[2] for h in holders.values())  # no run is longer than a holder's row
+            got = (holders, ranks, disjoint, row)
+            if keep:
+                laid[lays] = got
+        holders, ranks, disjoint, row = got
         e = entries[key]
         assert e.region is not None  # _has_classes
         if all(s.contains(e.region) for s in holders.values()):
             continue  # every holder has every chunk whole: each decodes its own
-        ranks = sorted(holders)
-        disjoint = not any(holders[a].overlaps(holders[b]) for i, a in enumerate(ranks) for b in ranks[i + 1:])
-        row = max(shard_rows(h)[2] for h in holders.values())  # no run is longer than a holder's row
         for c in e.chunks:
             if c.enc != CLASSES or not c.k:
                 continue
@@ -294,19 +308,20 @@ def _place(plans: Mapping, readers: Sequence[DeltaReader], held: list[_Share], c
                    offsets(k))
 
 
-def _select(plans: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
+def _select(calls: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
     """The changes this rank answers for, found in its bits -> (what it sends: how many of each
     chunk it answers for (int32, in ``pl.shares`` order where it answers for some runs), their
     positions in their chunks (int32: a chunk's positions fit) and base bits by element width
     (``{width: unsigned array}``); per change of ``pl``, its flat index in this rank's tensor where
-    this rank answers for it, else -1). One kernel call for all the chunks."""
+    this rank answers for it, else -1). One kernel call for all the chunks; ``calls``: share key ->
+    this rank's ``RunCall`` of it (as the counts were made from)."""
     answers = [i for i, s in enumerate(pl.shares) if me in s.runs]
     mine = np.flatnonzero(pl.owner == me)
     per = np.bincount(pl.share[mine], minlength=len(pl.shares))[answers]
-    calls = [_call(plans[(s.part, s.name)], s, s.runs[me]) for s in (pl.shares[i] for i in answers)]
+    mine_calls = [calls[pl.shares[i].key] for i in answers]
     run = pl.run[mine]
     try:
-        off, bits = classes.run_select_many(calls, per, run, pl.cls[mine], pl.within[mine])
+        off, bits = classes.run_select_many(mine_calls, per, run, pl.cls[mine], pl.within[mine])
     except classes.RankPastClass:  # (cannot be, from this rank's own counts; said as what it would mean)
         s = pl.shares[answers[0]] if answers else pl.shares[0]
         raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start} does not match its base "
@@ -318,7 +333,7 @@ def _select(plans: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
     at = offsets(np.array([len(r) for r in runs], dtype=np.int64))[np.repeat(np.arange(len(answers)), per)] + run
     local = np.full(pl.owner.size, -1, dtype=np.int64)
     local[mine] = lstart[at] + off
-    width = np.repeat(np.array([c.base.element_size() for c in calls], dtype=np.int64), per)
+    width = np.repeat(np.array([c.base.element_size() for c in mine_calls], dtype=np.int64), per)
     sent = (per.astype(np.int32), (cstart[at] + off).astype(np.int32),
             {int(w): bits[width == w].astype(_UNSIGNED[int(w)]) for w in np.unique(width)})
     return sent, local
@@ -389,23 +404,35 @@ def _together(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, lo
         held = np.flatnonzero(local[m] >= 0)
         by_width[w] = (old, new, held, at_all[m][held], old[held], new[held], local[m][held])
     out = {}
+    # per chunk, as Python ints: where its changes are among all (a chunk to share has some), among
+    # its width's, and among the ones held here (each a numpy call per chunk before)
+    first = pl.first.tolist()
+    begin = slot[pl.first[:-1]]  # (a chunk to share has changes: pl.first[i] is its first)
+    slots, end = begin.tolist(), begin + np.diff(pl.first)
+    h_at: list = [None] * len(pl.shares)
+    for w, (_, _, held, *_) in by_width.items():
+        m = np.flatnonzero(width == w)
+        h_at_w = zip(np.searchsorted(held, begin[m]).tolist(), np.searchsorted(held, end[m]).tolist())
+        for i, h in zip(m.tolist(), h_at_w):
+            h_at[i] = h
+    bad_l = bad.tolist()
     for i, s in enumerate(pl.shares):
         p, c = plans[(s.part, s.name)], s.chunk
-        a, b = int(pl.first[i]), int(pl.first[i + 1])  # (a chunk to share has changes: b > a)
-        j, k = int(slot[a]), b - a
+        j, k = slots[i], first[i + 1] - first[i]
         old, new, held, at_h, old_h, new_h, local_h = by_width[s.width]
         bits = _np_bits(p.entry.torch_dtype)
-        if bad[i] or values_digest(old[j:j + k], c.values_algo) != c.pre:
+        if bad_l[i] or values_digest(old[j:j + k], c.values_algo) != c.pre:
             raise BaseMismatchError(f"{p.name}: chunk at element {c.start} does not match its base (its changes "
                                     f"placed by ranks {sorted(s.runs)} of the receiver group)")
         if values_digest(new[j:j + k], c.values_algo) != c.post:
             raise DeltaFormatError(f"{p.name}: chunk at element {c.start} decodes to values that do not "
                                    "match its post-image digest")
         if s.disjoint:
-            h0, h1 = np.searchsorted(held, (j, j + k))
+            h0, h1 = h_at[i]
             out[s.key] = Decoded(torch.from_numpy(at_h[h0:h1]), torch.from_numpy(old_h[h0:h1].view(bits)),
                                  torch.from_numpy(new_h[h0:h1].view(bits)), torch.from_numpy(local_h[h0:h1]))
         else:
+            a, b = first[i], first[i + 1]
             out[s.key] = Decoded(torch.from_numpy(at_all[a:b]), torch.from_numpy(old[j:j + k].view(bits)),
                                  torch.from_numpy(new[j:j + k].view(bits)))
     return out
@@ -437,9 +464,13 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
         answers = [s for s in shares if me in s.runs]
         bytes_of = [[s.count_bytes(r) for s in shares] for r in range(world)]
 
+        # this rank's bits of each chunk it answers for, as the kernels take them: made once, for
+        # the counts and for the selection (nothing is written between the two)
+        calls: dict = {}
+
         def counts():
-            calls = [_call(plans[(s.part, s.name)], s, s.runs[me]) for s in answers]
-            n = classes.run_counts_many(calls)
+            calls.update((s.key, _call(plans[(s.part, s.name)], s, s.runs[me])) for s in answers)
+            n = classes.run_counts_many(list(calls.values()))
             widths = {s.count_width for s in answers}
             if len(widths) == 1:  # (the usual case: every chunk's runs alike)
                 sent = n.astype(_UNSIGNED[widths.pop()])
@@ -466,7 +497,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
             if not held:
                 return np.empty(0, np.int32), np.empty(0, np.int32), {}
             placed = _place(plans, readers, held, got)
-            sent, local = _select(plans, placed, me)
+            sent, local = _select(calls, placed, me)
             return sent
 
         found = group.run(locate, "place the changes of the classes chunks held in part", gather=True)
