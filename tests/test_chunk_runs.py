@@ -329,3 +329,22 @@ def test_place_many_refuses_a_change_its_runs_do_not_hold(native):
         classes.place_many(counts, order, changes + 1, cls, rank, use_native=native)
     with pytest.raises(DcrError):
         classes.place_many(counts, order[:-1], changes, cls, rank, use_native=native)
+
+
+@pytest.mark.parametrize("w", [1, 2, 4])
+def test_new_bits_on_the_host_equal_new_values(w):
+    """A group's new bits put together in numpy, in the width's own arithmetic, equal the torch
+    form's on every bit pattern of 1 and 2 bytes (4 bytes: NaN payloads, -0.0, subnormals,
+    infinities and random ones), with differences across the whole range, 0, 1 and -1 among them."""
+    g = np.random.default_rng(w)
+    mod = 1 << (8 * w)
+    unsigned = {1: np.uint8, 2: np.uint16, 4: np.uint32}[w]
+    if w < 4:
+        old = np.tile(np.arange(mod, dtype=np.int64), 4)
+    else:
+        old = np.concatenate([np.array(SPECIAL[4], dtype=np.int64), g.integers(0, mod, size=1 << 16)])
+    d = g.integers(0, mod, size=old.size)
+    d[: 3 * (old.size // 4)] = np.repeat([0, 1, mod - 1], old.size // 4)
+    got = classes.new_bits_host(old.astype(unsigned), d)
+    want = classes.new_values(torch.from_numpy(old), torch.from_numpy(d), w).numpy()
+    assert got.dtype == unsigned and np.array_equal(got.astype(np.int64), want)

@@ -593,6 +593,18 @@ def new_values(uo: torch.Tensor, d: torch.Tensor, w: int) -> torch.Tensor:
     return unkey((key(uo, w, True) + d) & ((1 << (8 * w)) - 1), w, True)
 
 
+def new_bits_host(old: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """``new_values`` on the host: ``old`` the changes' bits as the unsigned integers of their
+    width (numpy), ``d`` their decoded differences (int64, mod 2**(8w)) -> the new bits, same
+    dtype. In the width's own arithmetic (the monotone key is ``~u`` for a negative value, the
+    sign bit set for a positive one): a receiver group puts a version's changes together at once,
+    where torch's int64 passes took ~30 ms for 0.67M changes."""
+    sign = old.dtype.type(1 << (8 * old.dtype.itemsize - 1))
+    k = np.where(old & sign, ~old, old | sign)
+    k += d.astype(old.dtype)  # (wraps mod 2**(8w): d is one already)
+    return np.where(k & sign, k ^ sign, ~k)
+
+
 def decode_reference(old: torch.Tensor, rows, pos: bytes, val: bytes, k: int, mant: int):
     """-> (positions in the chunk, increasing; new bits at them)."""
     w = old.element_size()

@@ -46,12 +46,11 @@ from nemo_dcr.codec.chunk import CLASSES, chunk_streams, decode_chunk, locate_ch
 from nemo_dcr.codec.classes import offsets
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
-from nemo_dcr.codec.ordered import to_bits
 from nemo_dcr.delta.apply import Decoded, on_host, undecodable
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError
 from nemo_dcr.state.digest import values_digest
-from nemo_dcr.state.dtypes import int_view
+from nemo_dcr.state.dtypes import INT_VIEW, int_view
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import ShardSpec
 from nemo_dcr.state.runs import Runs, answering, chunk_runs, expand, shard_rows
@@ -221,11 +220,15 @@ def _bits_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def _np_bits(dtype: torch.dtype) -> np.dtype:
     """numpy's dtype of ``dtype``'s integer view (the exchanged base bits)."""
-    return _NP_BITS.setdefault(dtype, torch.empty(0, dtype=_bits_dtype(dtype)).numpy().dtype)
+    got = _NP_BITS.get(dtype)
+    if got is None:  # (once per dtype: making the default each call cost ~8 us a chunk)
+        got = _NP_BITS[dtype] = torch.empty(0, dtype=_bits_dtype(dtype)).numpy().dtype
+    return got
 
 
 _NP_BITS: dict = {}
 _UNSIGNED = {1: np.uint8, 2: np.uint16, 4: np.uint32}
+_VIEW = {w: torch.empty(0, dtype=INT_VIEW[w]).numpy().dtype for w in _UNSIGNED}  # the integer views, numpy's
 
 
 def _call(p: Plan, s: _Share, runs: Runs) -> classes.RunCall:
@@ -322,8 +325,8 @@ def _select(calls: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
     run = pl.run[mine]
     try:
         off, bits = classes.run_select_many(mine_calls, per, run, pl.cls[mine], pl.within[mine])
-    except classes.RankPastClass:  # (cannot be, from this rank's own counts; said as what it would mean)
-        s = pl.shares[answers[0]] if answers else pl.shares[0]
+    except classes.RankPastClass as e:  # (cannot be, from this rank's own counts; said as what it would mean)
+        s = pl.shares[answers[e.call]] if e.call is not None else pl.shares[0]
         raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start} does not match its base "
                                 "(its class counts)") from None
     runs = [pl.shares[i].runs[me] for i in answers]
@@ -391,16 +394,15 @@ def _together(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, lo
     bad = np.zeros(len(pl.shares), dtype=bool)
     bad[share[at_all < 0]] = True
     bad[share[1:][same & (np.diff(at_all) <= 0)]] = True
-    d_all = torch.cat(pl.d)[torch.from_numpy(o)]
+    d_all = np.concatenate([d.numpy() for d in pl.d])[o]
     width = np.array([s.width for s in pl.shares], dtype=np.int64)
     slot = np.zeros(share.size, dtype=np.int64)  # each change's place among the changes of its width
     by_width: dict = {}  # width -> (old bits, new bits, and of the changes held here: which, positions, local)
     for w in np.unique(width).tolist():
         m = np.flatnonzero(width[share] == w)
         slot[m] = np.arange(m.size)
-        u = old_all[m].astype(np.int64)
-        new = to_bits(classes.new_values(torch.from_numpy(u), d_all[torch.from_numpy(m)], w), w).numpy()
-        old = u.astype(_UNSIGNED[w]).view(new.dtype)
+        u = old_all[m].astype(_UNSIGNED[w])
+        new, old = classes.new_bits_host(u, d_all[m]).view(_VIEW[w]), u.view(_VIEW[w])
         held = np.flatnonzero(local[m] >= 0)
         by_width[w] = (old, new, held, at_all[m][held], old[held], new[held], local[m][held])
     out = {}
