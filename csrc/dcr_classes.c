@@ -23,7 +23,7 @@
 #define ESC_BITS 48  /* escaped values are sent in this many bits */
 #define TAB 6        /* table row: class, changes, kp, bigs, kb, ke */
 
-enum { E_TABLE = -1, E_STREAM = -2, E_TRAILING = -3, E_RANK = -4, E_VALUE = -5, E_NOMEM = -6, E_ARGS = -7, E_RANGE = -8 };
+enum { E_TABLE = -1, E_STREAM = -2, E_TRAILING = -3, E_RANK = -4, E_VALUE = -5, E_NOMEM = -6, E_ARGS = -7, E_RANGE = -8, E_CRC = -9 };
 
 /* ------------------------------------------------------------------ bit writer (LSB first) */
 /* The buffer always has 8 bytes of room past len (w_room): a put stores the whole accumulator
@@ -767,6 +767,37 @@ int dcr_cls_decode(const void *oldp, int64_t n, int w, int mant, const int64_t *
                    const uint8_t *pos, int64_t plen, const uint8_t *val, int64_t vlen, int64_t k,
                    int64_t *idx_out, void *new_out) {
     return dcr_cls_decode_old(oldp, n, w, mant, table, ntab, pos, plen, val, vlen, k, idx_out, new_out, NULL, 0);
+}
+
+uint32_t dcr_crc32_any(const void *p, int64_t len, uint32_t value);  /* dcr_crc32.c */
+
+/* dcr_cls_decode_streams of many chunks in one call (a receiver group's chunks of a version,
+ * sync/chunk_gather.py: thousands from an FSDP trainer's shards, where each call's arguments cost
+ * more than its decode). Chunk i: n[i] elements of w[i] bytes, mant[i]; its table rows tab_off[i]
+ * .. tab_off[i + 1] - 1 of table; its payload at the address payload[i], the position stream's
+ * plen[i] bytes then the value stream's vlen[i], checked first against its CRC-32 crc[i]; its
+ * changes k_off[i] .. k_off[i + 1] - 1 of the outputs. Returns 0, or the first failing chunk's
+ * code with *failed its index (E_CRC: the checksum). */
+int dcr_cls_decode_streams_many(int64_t calls, const int64_t *n, const int32_t *w, const int32_t *mant,
+                                const int64_t *tab_off, const int64_t *table, const int64_t *payload,
+                                const int64_t *plen, const int64_t *vlen, const uint32_t *crc,
+                                const int64_t *k_off, int64_t *cls_out, int64_t *rank_out, int64_t *d_out,
+                                int64_t *failed) {
+    for (int64_t i = 0; i < calls; i++) {
+        *failed = i;
+        if (tab_off[i] < 0 || tab_off[i + 1] < tab_off[i] || k_off[i] < 0 || k_off[i + 1] < k_off[i]
+            || plen[i] < 0 || vlen[i] < 0)
+            return E_ARGS;
+        const uint8_t *p = (const uint8_t *)(intptr_t)payload[i];
+        if (dcr_crc32_any(p, plen[i] + vlen[i], 0) != crc[i]) return E_CRC;
+        const int64_t j = k_off[i];
+        int rc = dcr_cls_decode_streams(n[i], w[i], mant[i], table + TAB * tab_off[i], tab_off[i + 1] - tab_off[i], p,
+                                        plen[i], p + plen[i], vlen[i], k_off[i + 1] - j, cls_out + j, rank_out + j,
+                                        d_out + j);
+        if (rc) return rc;
+    }
+    *failed = -1;
+    return 0;
 }
 
 /* ------------------------------------------------------------------ a receiver's runs of a chunk

@@ -96,3 +96,11 @@ int dcr_crc32(const void *p, int64_t len, uint32_t value, uint32_t *out) {
     return -1;
 #endif
 }
+
+/* zlib.crc32(p[0:len], value) of any buffer on any CPU: dcr_crc32 where it runs, else the table
+ * (a kernel that checks many small chunks' payloads in one call: dcr_cls_decode_streams_many) */
+uint32_t dcr_crc32_any(const void *p, int64_t len, uint32_t value) {
+    uint32_t out;
+    if (dcr_crc32(p, len, value, &out) == 0) return out;
+    return ~crc_bytes(~value, (const uint8_t *)p, len);
+}

@@ -348,3 +348,61 @@ def test_new_bits_on_the_host_equal_new_values(w):
     got = classes.new_bits_host(old.astype(unsigned), d)
     want = classes.new_values(torch.from_numpy(old), torch.from_numpy(d), w).numpy()
     assert got.dtype == unsigned and np.array_equal(got.astype(np.int64), want)
+
+
+def _classes_deltas():
+    """Two deltas of every classes dtype's tensors (6000 elements with NaN payloads, -0.0,
+    subnormals and infinities, 3 % of them changed), in chunks of 1000, every chunk ``classes``."""
+    from nemo_dcr import diff
+    from nemo_dcr.codec.format import DeltaReader
+    readers = []
+    for seed in (1, 2):
+        base, target = {}, {}
+        for dtype in DTYPES:
+            b = _base(dtype, seed=seed + 10)
+            t = b.clone()
+            at = torch.randperm(b.numel(), generator=torch.Generator().manual_seed(seed))[:180]
+            t[at] = t[at] ^ 1  # (the lowest mantissa bit: its class stays)
+            base[str(dtype)], target[str(dtype)] = b.view(dtype), t.view(dtype)
+        readers.append(DeltaReader.open(diff(base, target, encoding="classes", chunk_elems=1000)))
+    chunks = [(i, c, e.torch_dtype) for i, r in enumerate(readers) for e in r.header.tensors for c in e.chunks]
+    assert chunks and all(c.enc == "classes" for _, c, _ in chunks)
+    return readers, chunks
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_chunk_streams_many_equal_one_call_each(native):
+    """Every classes dtype's chunks of two deltas in one call: each chunk's classes, ranks and
+    differences are ``chunk_streams``' of it, where the offsets say."""
+    from nemo_dcr.codec.chunk import chunk_streams, chunk_streams_many
+    readers, chunks = _classes_deltas()
+    cls, rank, d, first = chunk_streams_many([r.buf for r in readers], chunks, use_native=native)
+    assert first[-1] == cls.size == rank.size == d.size == sum(c.k for _, c, _ in chunks)
+    for i, (b, c, dtype) in enumerate(chunks):
+        one = chunk_streams(c, readers[b].payload(c), dtype.itemsize, dtype)
+        for got, want in zip((cls, rank, d), one):
+            assert np.array_equal(got[first[i]:first[i + 1]], want.numpy())
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_chunk_streams_many_name_the_chunk_that_fails(native):
+    """A payload byte changed (its checksum) or streams that do not decode are refused as
+    ``StreamsDoNotDecode`` naming that chunk, the first of them."""
+    import dataclasses
+
+    from nemo_dcr.codec.chunk import StreamsDoNotDecode, chunk_streams_many
+    readers, chunks = _classes_deltas()
+    bufs = [bytearray(r.buf) for r in readers]
+    b, c, _ = chunks[5]
+    bufs[b][c.off + c.plen] ^= 0x40  # the value stream's first byte
+    with pytest.raises(StreamsDoNotDecode, match="checksum") as e:
+        chunk_streams_many(bufs, chunks, use_native=native)
+    assert e.value.call == 5
+    bufs[b][c.off + c.plen] ^= 0x40
+    wrong = list(chunks)
+    b, c, dtype = wrong[7]
+    wrong[7] = (b, dataclasses.replace(c, k=c.k - 1, cls=((*c.cls[0][:1], c.cls[0][1] - 1, *c.cls[0][2:]),
+                                                           *c.cls[1:])), dtype)  # a change fewer: trailing bits
+    with pytest.raises(StreamsDoNotDecode) as e:
+        chunk_streams_many(bufs, wrong, use_native=native)
+    assert e.value.call == 7

@@ -19,20 +19,22 @@ A chunk is a contiguous range ``[start, start + n)`` of a region's flat index. E
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 import zstandard
 
-from nemo_dcr.codec import classes, ordered, planes, positions
+from nemo_dcr.codec import classes, native, ordered, planes, positions
 from nemo_dcr.codec.checksum import crc32
 
 # the coding names live in the torch-free names.py (the CLI offers them); re-exported from here
 from nemo_dcr.codec.names import ADD, AUTO, CHOICES, CLASSES, ENCODINGS, OVERWRITE, PORTABLE, XOR  # noqa: F401
 from nemo_dcr.codec.ordered import to_bits, unsigned
 from nemo_dcr.codec.versions import FORMAT_VERSION, VERSIONS
-from nemo_dcr.errors import DeltaFormatError
+from nemo_dcr.errors import DcrError, DeltaFormatError
 from nemo_dcr.state.digest import values_digest
 
 if TYPE_CHECKING:
@@ -286,12 +288,20 @@ def _classes_chunk(prev, newv, start, n, cls_try, sizes, keep_changes, idx, valu
     )
 
 
-def _classes_payload(h: ChunkEntry, payload, w: int, dtype: torch.dtype | None) -> tuple[bytes, bytes, int]:
-    """A ``classes`` chunk's two streams, checked against its entry -> (positions, values, mantissa bits)."""
+def _classes_payload_entry(h: ChunkEntry, w: int, dtype: torch.dtype | None) -> None:
+    """What a ``classes`` chunk's entry must be for its streams to be read."""
     if h.enc != h.pos or h.pz or h.vz or h.cls is None:
         raise DeltaFormatError("malformed classes chunk entry")
     if dtype is None or not classes.applicable(dtype) or w != dtype.itemsize:
         raise DeltaFormatError(f"a classes chunk for dtype {dtype}")
+    if h.plen != h.praw or h.vlen != h.vraw:
+        raise DeltaFormatError("classes chunk stream lengths differ from the header")
+
+
+def _classes_payload(h: ChunkEntry, payload, w: int, dtype: torch.dtype | None) -> tuple[bytes, bytes, int]:
+    """A ``classes`` chunk's two streams, checked against its entry -> (positions, values, mantissa bits)."""
+    _classes_payload_entry(h, w, dtype)
+    assert dtype is not None  # (_classes_payload_entry)
     p = memoryview(payload)
     pos_raw = bytes(p[: h.plen])
     val_raw = bytes(p[h.plen:])
@@ -372,3 +382,63 @@ def chunk_streams(h: ChunkEntry, payload, w: int, dtype: torch.dtype):
         raise DeltaFormatError("chunk checksum mismatch")
     pos_raw, val_raw, mant = _classes_payload(h, payload, w, dtype)
     return classes.decode_streams(h.cls, pos_raw, val_raw, h.k, h.n, w, mant, table_checked=True)
+
+
+class StreamsDoNotDecode(DeltaFormatError):
+    """A chunk of ``chunk_streams_many`` that fails its checksum or does not decode; ``call``: which."""
+
+    def __init__(self, message: str, call: int):
+        super().__init__(message)
+        self.call = call
+
+
+def chunk_streams_many(bufs: Sequence, chunks: Sequence[tuple[int, ChunkEntry, torch.dtype]],
+                       use_native: bool | None = None):
+    """``chunk_streams`` of many ``classes`` chunks in one kernel call: chunk ``i`` is
+    ``chunks[i] = (b, entry, dtype)``, its payload in the object ``bufs[b]`` (a ``DeltaReader``'s
+    buffer: the entry's offsets are in it) -> (class, rank, difference: every chunk's changes one
+    after another, int64 numpy arrays; where each chunk's start, and the total last). A receiver
+    group decodes a version's chunks held in part this way (thousands from an FSDP trainer's
+    shards, where each call cost ~15-30 us of Python around a few of C). ``StreamsDoNotDecode``
+    names the first chunk that fails."""
+    lib = native.lib() if use_native is not False else None
+    if lib is None:
+        if use_native:
+            raise DcrError(f"C kernels unavailable: {native.build_error}")
+        got = []
+        for i, (b, h, dtype) in enumerate(chunks):
+            try:
+                got.append([x.numpy() for x in chunk_streams(h, memoryview(bufs[b])[h.off:h.off + h.payload_len],
+                                                             dtype.itemsize, dtype)])
+            except DeltaFormatError as e:
+                raise StreamsDoNotDecode(str(e), i) from None
+        cat = [np.concatenate([np.empty(0, np.int64)] + [g[j] for g in got]) for j in range(3)]
+        return (*cat, classes.offsets(np.array([g[0].size for g in got], dtype=np.int64)))
+    holders = [native.buffer_address(b) for b in bufs]  # (kept until the call returns)
+    for i, (b, h, dtype) in enumerate(chunks):
+        try:
+            _classes_payload_entry(h, dtype.itemsize, dtype)
+        except DeltaFormatError as e:
+            raise StreamsDoNotDecode(str(e), i) from None
+        if h.off + h.payload_len > holders[b][0].size:
+            raise StreamsDoNotDecode("a chunk's payload past the end of its object", i)
+    n = np.array([h.n for _, h, _ in chunks], dtype=np.int64)
+    w = np.array([d.itemsize for _, _, d in chunks], dtype=np.int32)
+    mant = np.array([classes.MANTISSA[d] for _, _, d in chunks], dtype=np.int32)
+    # (every entry's table is there: _classes_payload_entry)
+    tab_off = classes.offsets(np.array([len(h.cls or ()) for _, h, _ in chunks], dtype=np.int64))
+    table = np.array([v for _, h, _ in chunks for row in h.cls or () for v in row] or [0], dtype=np.int64)
+    payload = np.array([holders[b][1] + h.off for b, h, _ in chunks], dtype=np.int64)
+    plen = np.array([h.plen for _, h, _ in chunks], dtype=np.int64)
+    vlen = np.array([h.vlen for _, h, _ in chunks], dtype=np.int64)
+    crc = np.array([h.crc for _, h, _ in chunks], dtype=np.uint32)
+    k_off = classes.offsets(np.array([h.k for _, h, _ in chunks], dtype=np.int64))
+    out = [np.empty(int(k_off[-1]), dtype=np.int64) for _ in range(3)]
+    failed = np.zeros(1, dtype=np.int64)
+    args: list[np.ndarray] = [n, w, mant, tab_off, table, payload, plen, vlen, crc, k_off, *out, failed]
+    rc = lib.dcr_cls_decode_streams_many(len(chunks), *(a.ctypes.data for a in args))
+    if rc:
+        why = "chunk checksum mismatch" if rc == classes.E_CRC else \
+            f"classes chunk does not decode: {classes.error_name(rc)}"
+        raise StreamsDoNotDecode(why, int(failed[0]))
+    return (*out, k_off)

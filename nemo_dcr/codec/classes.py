@@ -42,7 +42,14 @@ MANTISSA = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23, torch.float
 QMAX, ESC_BITS = 32, 48
 ROW = 6  # class, changes, kp, bigs, kb, ke
 _ERRORS = {-1: "bad class table", -2: "stream truncated or malformed", -3: "stream has trailing bits",
-           -4: "position rank out of range", -5: "value out of range", -6: "out of memory", -7: "bad arguments"}
+           -4: "position rank out of range", -5: "value out of range", -6: "out of memory", -7: "bad arguments",
+           -9: "chunk checksum mismatch"}
+E_CRC = -9  # dcr_cls_decode_streams_many: a chunk fails its CRC-32
+
+
+def error_name(rc: int) -> str:
+    """What a classes kernel's return code says."""
+    return _ERRORS.get(rc, str(rc))
 
 
 class RankPastClass(DeltaFormatError):
@@ -630,7 +637,7 @@ def decode_streams(rows, pos: bytes, val: bytes, k: int, n: int, w: int, mant: i
     table = _table(rows)
     if rows and len(table) != ROW * len(rows):  # (the kernel reads ROW a row: never past the table)
         raise DeltaFormatError("classes table row is not 6 integers")
-    out = [torch.empty(k, dtype=torch.int64) for _ in range(3)]
+    out = [_out(k, torch.int64) for _ in range(3)]  # (numpy's: torch.empty gives the GIL up, _out says)
     rc = lib.dcr_cls_decode_streams(n, w, mant, _addr(table), len(rows), bytes(pos), len(pos), bytes(val), len(val), k,
                                     *(_ptr(t) for t in out))
     if rc:

@@ -103,6 +103,8 @@ def _declare(lib) -> None:
     lib.dcr_cls_decode_into.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p, i64]
     lib.dcr_cls_decode_streams.restype = ctypes.c_int
     lib.dcr_cls_decode_streams.argtypes = [i64, ctypes.c_int, ctypes.c_int, p, i64, p, i64, p, i64, i64, p, p, p]
+    lib.dcr_cls_decode_streams_many.restype = ctypes.c_int
+    lib.dcr_cls_decode_streams_many.argtypes = [i64] + [p] * 14
     lib.dcr_cls_run_counts.restype = ctypes.c_int
     lib.dcr_cls_run_counts.argtypes = [p, i64, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_int, p, p, i64, p]
     lib.dcr_cls_run_select.restype = ctypes.c_int

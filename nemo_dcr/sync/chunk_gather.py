@@ -42,7 +42,7 @@ import numpy as np
 import torch
 
 from nemo_dcr.codec import classes
-from nemo_dcr.codec.chunk import CLASSES, chunk_streams, decode_chunk, locate_chunk
+from nemo_dcr.codec.chunk import CLASSES, StreamsDoNotDecode, chunk_streams_many, decode_chunk, locate_chunk
 from nemo_dcr.codec.classes import offsets
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import ChunkEntry, TensorEntry, TensorKind
@@ -243,8 +243,8 @@ class _Placed:
     """The changes of the chunks this rank holds part of (``shares``, in order), placed from every
     rank's class counts, one after another (int64 arrays; each chunk's in stream order): the chunk
     of each (``share``: its index in ``shares``), its class - lo, the rank answering for its
-    position, that rank's run and the change's place among the run's elements of its class; the
-    value differences per chunk; ``first``: where each chunk's changes start (and the total last)."""
+    position, that rank's run, the change's place among the run's elements of its class and its
+    value difference; ``first``: where each chunk's changes start (and the total last)."""
 
     shares: list
     share: np.ndarray
@@ -252,7 +252,7 @@ class _Placed:
     owner: np.ndarray
     run: np.ndarray
     within: np.ndarray
-    d: list
+    d: np.ndarray
     first: np.ndarray
 
 
@@ -279,36 +279,31 @@ def _place(plans: Mapping, readers: Sequence[DeltaReader], held: list[_Share], c
     class: the streams do not fit the group's base. All the chunks in one kernel call
     (``classes.place_many``: per class one walk over its runs, in chunk order)."""
     cache: dict = {}
-    cls_l, rank_l, d_l, owner_l, local_l, order_l = [], [], [], [], [], []
+    try:
+        cls, rank, d, first = chunk_streams_many([r.buf for r in readers], [
+            (s.part, s.chunk, plans[(s.part, s.name)].entry.torch_dtype) for s in held])
+    except StreamsDoNotDecode as e:
+        s = held[e.call]
+        raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start} does not match its base") from None
+    owner_l, local_l, order_l, lo = [], [], [], []
     for s in held:
-        p = plans[(s.part, s.name)]
-        dtype = p.entry.torch_dtype
-        try:
-            cls_t, rank_t, d = chunk_streams(s.chunk, readers[s.part].payload(s.chunk), dtype.itemsize, dtype)
-        except DeltaFormatError:
-            raise BaseMismatchError(f"{p.name}: chunk at element {s.chunk.start} does not match its base") from None
-        if d.numel() != s.chunk.k:
-            raise DeltaFormatError(f"{p.name}: chunk at element {s.chunk.start} holds {d.numel()} changes, "
-                                   f"its entry {s.chunk.k}")
         owner, local, o = _order(s, cache)
-        cls_l.append(cls_t.numpy() - _range(s)[0])
-        rank_l.append(rank_t.numpy())
-        d_l.append(d)
         owner_l.append(owner)
         local_l.append(local)
         order_l.append(o)
-    k = np.array([c.size for c in cls_l], dtype=np.int64)
+        lo.append(_range(s)[0])
+    k = np.diff(first)
     share = np.repeat(np.arange(len(held)), k)
-    cls = np.concatenate(cls_l)
+    cls -= np.repeat(np.array(lo, dtype=np.int64), k)  # (from each chunk's lo)
     try:
-        run, within = classes.place_many(counts, order_l, k, cls, np.concatenate(rank_l))
+        run, within = classes.place_many(counts, order_l, k, cls, rank)
     except classes.RankPastClass as e:
         s = held[e.call if e.call is not None else 0]
         raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start} does not match its base (its class "
                                 "counts gathered from the receiver group)") from None
     where = offsets(np.array([len(o) for o in order_l], dtype=np.int64))[share] + run  # among every chunk's runs
-    return _Placed(held, share, cls, np.concatenate(owner_l)[where], np.concatenate(local_l)[where], within, d_l,
-                   offsets(k))
+    return _Placed(held, share, cls, np.concatenate(owner_l)[where], np.concatenate(local_l)[where], within, d,
+                   first)
 
 
 def _select(calls: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
@@ -394,7 +389,7 @@ def _together(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, lo
     bad = np.zeros(len(pl.shares), dtype=bool)
     bad[share[at_all < 0]] = True
     bad[share[1:][same & (np.diff(at_all) <= 0)]] = True
-    d_all = np.concatenate([d.numpy() for d in pl.d])[o]
+    d_all = pl.d[o]
     width = np.array([s.width for s in pl.shares], dtype=np.int64)
     slot = np.zeros(share.size, dtype=np.int64)  # each change's place among the changes of its width
     by_width: dict = {}  # width -> (old bits, new bits, and of the changes held here: which, positions, local)
