@@ -276,8 +276,9 @@ def _place(plans: Mapping, readers: Sequence[DeltaReader], held: list[_Share], c
     """Every change of the chunks ``held`` to the run holding it, from the runs' class counts
     (``counts[i]``: chunk i's, ``[runs, classes]``, each answering rank's runs in turn, ranks in
     order; every rank holding part of a chunk computes the same). A change past the last of its
-    class: the streams do not fit the group's base. All the chunks in one kernel call
-    (``classes.place_many``: per class one walk over its runs, in chunk order)."""
+    class: the streams do not fit the group's base. All the chunks' streams in one kernel call
+    (``chunk_streams_many``), and every change placed in one (``classes.place_many``: per class of
+    a chunk one walk over its runs, in chunk order)."""
     cache: dict = {}
     try:
         cls, rank, d, first = chunk_streams_many([r.buf for r in readers], [
