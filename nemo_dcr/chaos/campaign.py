@@ -264,9 +264,20 @@ class _Disk:
         except FileNotFoundError:
             pass
 
-    def readonly(self, ro: bool) -> bool:
-        r = subprocess.run(["mount", "-o", f"remount,{'ro' if ro else 'rw'}", self.path], capture_output=True)
-        return r.returncode == 0
+    def readonly(self, ro: bool, wait_s: float = 5.0) -> bool:
+        """Remount read-only (or back). The kernel refuses ``ro`` while any file on the disk is
+        open for writing (EBUSY): a relay may still be finishing a cache file from the last
+        step. Those writes end on their own, so the remount is retried until ``wait_s``; a disk
+        that stays busy is reported (False) and the caller counts the fault as skipped."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            r = subprocess.run(["mount", "-o", f"remount,{'ro' if ro else 'rw'}", self.path],
+                               capture_output=True, text=True)
+            if r.returncode == 0:
+                return True
+            if not ro or "busy" not in r.stderr.lower() or time.monotonic() > deadline:
+                return False
+            time.sleep(0.02)  # polling the kernel's answer, not waiting for a guessed time
 
     def close(self):
         if self.mounted:
