@@ -1226,16 +1226,41 @@ static int sd_run(const void *x, const void *y, int w, const int64_t *gidx, int6
 /* bits: n elements of w bytes (1, 2, 4, 8), contiguous. Canonical indices: gidx[i] when gidx is
  * not NULL, else start + i. keys: s1, s2, t[4], kpow[4][4] (K_l^j mod P), c[4] (C_l).
  * out[l]: the lane's sum of contributions, in [0, P). Returns 0, or E_ARGS. */
-int dcr_sd_contrib(const void *bits, int w, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
-                   uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
-    uint64_t acc[4][5] = {{0}};
-    int m, rc = sd_run(bits, NULL, w, gidx, start, n, s1, s2, t, acc, NULL, &m);
-    if (rc) return rc;
+static void sd_out(uint64_t acc[4][5], int m, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
     for (int l = 0; l < 4; l++) {
         uint64_t v = sd_mod(sd_mod(c[l]) * acc[l][0]);  /* both < 2^31: product < 2^62 */
         for (int j = 0; j < m; j++) v = sd_mod(v + sd_mod(kpow[4 * l + j]) * acc[l][j + 1]);
         out[l] = v;
     }
+}
+
+int dcr_sd_contrib(const void *bits, int w, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
+                   uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
+    uint64_t acc[4][5] = {{0}};
+    int m, rc = sd_run(bits, NULL, w, gidx, start, n, s1, s2, t, acc, NULL, &m);
+    if (rc) return rc;
+    sd_out(acc, m, kpow, c, out);
+    return 0;
+}
+
+/* dcr_sd_contrib of n_runs runs of len elements each, one after the other in bits (run r at
+ * element r * len), run r at the canonical indices gstart[r], gstart[r] + 1, ...: a shard that
+ * is a run of the canonical tensor per row (a column shard, a tensor-parallel engine's
+ * row-parallel weight) summed by the counting kernel, run by run, where an index per element
+ * (gidx) cost an int64 array made in torch and read back: 10x the time. Returns 0, or E_ARGS
+ * (nothing summed: out untouched). */
+int dcr_sd_contrib_runs(const void *bits, int w, const int64_t *gstart, int64_t n_runs, int64_t len, uint32_t s1,
+                        uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
+    uint64_t acc[4][5] = {{0}};
+    int m = 1;
+    if (n_runs < 0 || len < 0 || (n_runs > 0 && gstart == NULL) || (w != 1 && w != 2 && w != 4 && w != 8))
+        return E_ARGS;
+    for (int64_t r = 0; r < n_runs; r++)
+        if (gstart[r] < 0) return E_ARGS;
+    for (int64_t r = 0; r < n_runs; r++)
+        sd_run((const char *)bits + (size_t)(r * len) * (size_t)w, NULL, w, NULL, gstart[r], len, s1, s2, t, acc,
+               NULL, &m);  /* (cannot fail: every argument it checks is checked above) */
+    sd_out(acc, m, kpow, c, out);
     return 0;
 }
 

@@ -4,6 +4,8 @@ tensor, a run of the canonical tensor, a general shard, explicit indices past 2*
 SIMD and the scalar builds, and the weight clamp's two edge cases constructed on purpose."""
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -322,3 +324,55 @@ def test_a_states_tensors_are_summed_side_by_side(monkeypatch):
     monkeypatch.setattr(sd, "_native_kernel", kernel)
     monkeypatch.setattr(sd, "_NATIVE_RANGE", 1200)  # each tensor a job of its own (smaller ones share one)
     assert state_contrib(state, workers=2) == expected
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
+def test_a_shard_of_runs_sums_run_by_run_as_the_reference(dtype, simd, reference, monkeypatch):
+    """A shard held as one run per row (a column block: a TP engine's row-parallel weight) is
+    summed by ``dcr_sd_contrib_runs``, runs counted from their canonical starts, in ranges of
+    whole runs; the same digest as the torch reference, for runs around ``RUN_MIN`` and the
+    kernel's vector width, ranges cut between runs, and a local tensor that is a view."""
+    called = []
+    real = sd._run_pieces
+    monkeypatch.setattr(sd, "_run_pieces", lambda *a: called.append(a[-1]) or real(*a))
+    monkeypatch.setattr(sd, "_NATIVE_RANGE", 700)  # several ranges of whole runs a shard
+    rows, cols = 61, 90
+    full = special_tensor(dtype, rows * cols, seed=12).reshape(rows, cols)
+    for width in (sd.RUN_MIN - 1, sd.RUN_MIN, 17, 33, 64):
+        spec = ShardSpec.of((rows, cols), (0, 5), (rows, width))
+        shard = cut(full, spec).clone()
+        assert tensor_contrib("w", shard, spec) == reference(tensor_contrib, "w", shard, spec), width
+        # the same shard as a view of the full tensor (not contiguous: read range by range)
+        view = cut(full, spec)
+        assert not view.is_contiguous()
+        assert tensor_contrib("w", view, spec) == tensor_contrib("w", shard, spec)
+    # three sums a width (the shard, its view, the shard again); shorter runs: an index per element
+    assert called == [w for w in (sd.RUN_MIN, 17, 33, 64) for _ in range(3)]
+    # a block of rows and columns: runs that do not start at a row's first element
+    spec = ShardSpec.of((rows, cols), (7, 40), (20, 50))
+    shard = cut(full, spec).clone()
+    assert tensor_contrib("w", shard, spec) == reference(tensor_contrib, "w", shard, spec)
+    # the column blocks of a tensor add up to its whole digest
+    parts = [ShardSpec.of((rows, cols), (0, o), (rows, w)) for o, w in ((0, 30), (30, 41), (71, 19))]
+    assert sum((tensor_contrib("w", cut(full, s).clone(), s) for s in parts), StateDigest.zero()) \
+        == tensor_contrib("w", full)
+
+
+def test_the_runs_kernel_refuses_bad_arguments_before_summing():
+    lib = native.lib()
+    keys = sd._keys("w", "bfloat16", (4, 8))
+    t, kp, c = sd._native_keys(keys)
+    bits = torch.zeros(8, dtype=torch.int16)
+    out = (ctypes.c_uint64 * sd.LANES)(7, 7, 7, 7)
+
+    def call(starts, w=2, n_runs=None, length=4):
+        g = torch.tensor(starts, dtype=torch.int64)
+        return lib.dcr_sd_contrib_runs(bits.data_ptr(), w, g.data_ptr(), len(starts) if n_runs is None else n_runs,
+                                       length, keys.s1, keys.s2, t, kp, c, out)
+
+    assert call([0, -4]) != 0  # a negative canonical start
+    assert call([0, 4], w=3) != 0  # no such width
+    assert call([0, 4], n_runs=-1) != 0
+    assert list(out) == [7, 7, 7, 7]  # refused before anything was written
+    assert call([0, 4]) == 0
+    assert list(out) == list(sd._native_kernel(lib, keys, bits, start=0))  # runs 0..3 and 4..7: one run 0..7

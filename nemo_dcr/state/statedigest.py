@@ -151,6 +151,10 @@ class _Keys:
 
 
 _NATIVE_RANGE = 1 << 23  # elements per native call: the unit spread over the worker threads
+#: elements of a shard's runs (``IndexMap.rows``) from which its ranges are summed run by run: below
+#: it an index per element costs less than the kernel's set-up for each run (docs/results.md,
+#: twenty-eighth turn)
+RUN_MIN = 4
 
 
 def one_range(numel: int) -> bool:
@@ -317,6 +321,10 @@ def _pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None):
         # a shard that is one run of the canonical tensor (or the whole of it) needs no index
         # array: the kernel counts the canonical index itself
         run = 0 if imap.identity else imap.run_offset
+        if run is None:
+            _, gstart, length = imap.rows()
+            if length >= RUN_MIN:
+                return _run_pieces(lib, keys, fa, gstart, length)
 
         def part(s):
             e = min(s + _NATIVE_RANGE, fa.numel)
@@ -334,6 +342,30 @@ def _pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None):
         return _kernel(keys, gidx, fa.read(s, e))
 
     return ref, range(0, fa.numel, CHUNK), False
+
+
+def _run_pieces(lib, keys: _Keys, fa: FlatAccess, gstart: torch.Tensor, length: int):
+    """``_pieces``' answer for a shard held as runs of ``length`` elements, consecutive in its
+    local order, run ``r`` at the canonical indices from ``gstart[r]`` (``IndexMap.rows``: a
+    column shard holds one per row): ranges of whole runs, each summed by one
+    ``dcr_sd_contrib_runs`` call with the counting kernel. An index per element, made with torch
+    and read back by the kernel, took ~10x as long (a TP=2 receiver's full digest of its column
+    shards: docs/results.md, twenty-eighth turn)."""
+    per = max(1, _NATIVE_RANGE // length) * length  # elements of a range: whole runs
+    gstart = gstart.contiguous()
+    t, kp, c = _native_keys(keys)
+
+    def part(s):
+        e = min(s + per, fa.numel)
+        bits = fa.read(s, e).contiguous()
+        out = (ctypes.c_uint64 * LANES)()
+        rc = lib.dcr_sd_contrib_runs(bits.data_ptr(), bits.element_size(), gstart[s // length:].data_ptr(),
+                                     (e - s) // length, length, keys.s1, keys.s2, t, kp, c, out)
+        if rc != 0:
+            raise DcrError(f"state digest kernel failed ({rc})")
+        return list(out)
+
+    return part, range(0, fa.numel, per), True
 
 
 def _sum_pieces(pieces: list, workers: int | None) -> StateDigest:
@@ -358,7 +390,7 @@ def _batches(pieces: list):
         if not threaded:
             continue
         for s in starts:
-            n = min(s + _NATIVE_RANGE, starts.stop) - s
+            n = min(s + starts.step, starts.stop) - s
             if batch and size + n > _NATIVE_RANGE:
                 yield batch
                 batch, size = [], 0
