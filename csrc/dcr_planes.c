@@ -75,3 +75,40 @@ int dcr_planes_split(const void *src, int64_t k, int w, void *dst) { return run(
 
 /* The inverse: src w planes of k bytes, dst k values of w bytes. */
 int dcr_planes_join(const void *src, int64_t k, int w, void *dst) { return run(JOINS, src, k, w, dst); }
+
+/* join of the values at [start, start + m) of the k in planes src (each plane k bytes apart) */
+#define JOIN_RANGE(W) static void join_range_w##W(const uint8_t *restrict s, int64_t k, int64_t start, int64_t m, \
+                                                  uint8_t *restrict d) { \
+    for (int64_t i = 0; i < m; i++) for (int p = 0; p < W; p++) d[i * W + p] = s[p * k + start + i]; }
+JOIN_RANGE(2)
+JOIN_RANGE(4)
+JOIN_RANGE(8)
+typedef void (*join_range_fn)(const uint8_t *restrict, int64_t, int64_t, int64_t, uint8_t *restrict);
+static const join_range_fn JOIN_RANGES[9] = {[2] = join_range_w2, [4] = join_range_w4, [8] = join_range_w8};
+
+/* The join of only some of the k values, each run straight to where a receiver holds it: run i's
+ * values [cstart[i], cstart[i] + length[i]) to dst's elements [lstart[i], + length[i]) (dst:
+ * dst_n values of w bytes). A keyframe chunk into a receiver holding its region in part (a TP
+ * engine's columns of a trainer rank's rows, state/runs.py): one call, where the join of the
+ * whole chunk into a temporary and a copy of the runs out of it took ~3x as long per chunk. Every
+ * run is checked to lie inside both before the first write: -1 (nothing written) for one that
+ * does not, or a width it does not take (the caller runs the reference). */
+int dcr_planes_join_runs(const void *src, int64_t k, int w, void *dst, int64_t dst_n, const int64_t *cstart,
+                         const int64_t *lstart, const int64_t *length, int64_t n_runs) {
+#ifdef DCR_PLANES_LE
+    if (k < 0 || dst_n < 0 || n_runs < 0 || w < 1 || w > 8 || (w > 1 && !JOIN_RANGES[w])) return -1;
+    for (int64_t i = 0; i < n_runs; i++) {
+        int64_t c = cstart[i], l = lstart[i], m = length[i];
+        if (m < 0 || c < 0 || l < 0 || c > k - m || l > dst_n - m) return -1;
+    }
+    for (int64_t i = 0; i < n_runs; i++) {
+        uint8_t *d = (uint8_t *)dst + lstart[i] * w;
+        if (w == 1) memcpy(d, (const uint8_t *)src + cstart[i], (size_t)length[i]);
+        else JOIN_RANGES[w](src, k, cstart[i], length[i], d);
+    }
+    return 0;
+#else
+    (void)src; (void)k; (void)w; (void)dst; (void)dst_n; (void)cstart; (void)lstart; (void)length; (void)n_runs;
+    return -1;
+#endif
+}

@@ -137,6 +137,8 @@ def _declare(lib) -> None:
     for f in (lib.dcr_planes_split, lib.dcr_planes_join):
         f.restype = ctypes.c_int
         f.argtypes = [p, i64, ctypes.c_int, p]
+    lib.dcr_planes_join_runs.restype = ctypes.c_int
+    lib.dcr_planes_join_runs.argtypes = [p, i64, ctypes.c_int, p, i64, p, p, p, i64]
     lib.dcr_crc32.restype = ctypes.c_int
     lib.dcr_crc32.argtypes = [p, i64, ctypes.c_uint32, p]
     lib.dcr_i64_range.restype = ctypes.c_int

@@ -13,6 +13,7 @@ import torch
 from nemo_dcr.codec import native
 from nemo_dcr.errors import DeltaFormatError
 from nemo_dcr.state.dtypes import INT_VIEW
+from nemo_dcr.state.runs import Runs, copy_runs
 
 
 def split(values: torch.Tensor, use_native: bool | None = None):
@@ -61,3 +62,32 @@ def join(raw, k: int, w: int, use_native: bool | None = None, out: torch.Tensor 
     planes = np.frombuffer(raw, dtype=np.uint8).reshape(w, k)
     vals = torch.from_numpy(np.array(planes.T, order="C").reshape(-1)).view(INT_VIEW[w])
     return vals if out is None else out.copy_(vals.view(out.dtype))
+
+
+def join_runs(raw, k: int, w: int, dst: torch.Tensor, runs: Runs, use_native: bool | None = None) -> None:
+    """The values of ``raw`` (``join``'s: w planes of k bytes) that ``runs`` name, each written
+    where its run says: value ``cstart[i] + j`` to ``dst[lstart[i] + j]`` (``dst``: 1-D,
+    contiguous, w-byte elements on the host; ``state/runs.copy_runs``' geometry). One C call
+    (``dcr_planes_join_runs``), no join of the whole stream into a temporary; the reference joins
+    it and copies the runs. A run outside ``raw`` or ``dst``: ``IndexError``, nothing written."""
+    if len(raw) != k * w:
+        raise DeltaFormatError(f"value stream has {len(raw)} bytes, expected {k} x {w}")
+    if dst.element_size() != w or not dst.is_contiguous() or dst.dim() != 1 or not dst.is_cpu:
+        raise ValueError(f"join_runs into a {dst.dim()}-D tensor of {dst.element_size()}-byte elements on "
+                         f"{dst.device} (contiguous: {dst.is_contiguous()}); 1-D, {w} bytes, on the host wanted")
+    if not len(runs):
+        return
+    lib = native.lib() if use_native is not False else None
+    if lib is not None:
+        _, src = native.buffer_address(raw)
+        c, loc, n = runs.addresses
+        if lib.dcr_planes_join_runs(src, k, w, dst.data_ptr(), dst.numel(), c, loc, n, len(runs)) == 0:
+            torch.autograd.graph.increment_version(dst)  # written behind torch's back, as in ``join``
+            return
+    # refused in C (or no C): the same checks, then the reference
+    ends = (runs.cstart + runs.length, runs.lstart + runs.length)
+    if min(runs.cstart.min(), runs.lstart.min(), runs.length.min()) < 0 or ends[0].max() > k \
+            or ends[1].max() > dst.numel():
+        raise IndexError(f"runs outside their tensors ({k} and {dst.numel()} elements)")
+    copy_runs(dst, join(raw, k, w, use_native=use_native).view(dst.dtype), runs)
+

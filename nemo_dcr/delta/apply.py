@@ -37,7 +37,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.runs import chunk_runs, copy_runs
+from nemo_dcr.state.runs import chunk_runs
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -353,8 +353,7 @@ def _apply_runs(reader: DeltaReader, t: _Target, c: ChunkEntry):
     if not len(runs):
         return "applied", 0
     raw = dense_stream(c, reader.payload(c), t.w, checked=reader.payloads_checked)
-    dst = t.fa.read(0, t.fa.numel)
-    copy_runs(dst, planes.join(raw, c.k, t.w).view(dst.dtype), runs)
+    planes.join_runs(raw, c.k, t.w, t.fa.read(0, t.fa.numel), runs)
     return "applied", runs.total
 
 

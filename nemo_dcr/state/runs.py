@@ -39,6 +39,14 @@ class Runs:
     def total(self) -> int:
         return int(self.length.sum())
 
+    @functools.cached_property
+    def addresses(self) -> tuple[int, int, int]:
+        """The three arrays' addresses, for a C call (contiguous int64; they live as long as this
+        object): worked out once, as a kept layout's runs are (``chunk_runs``) asked for per chunk."""
+        arrays = [np.ascontiguousarray(a, dtype=np.int64) for a in (self.cstart, self.lstart, self.length)]
+        object.__setattr__(self, "_kept", arrays)  # (what the addresses point into)
+        return arrays[0].ctypes.data, arrays[1].ctypes.data, arrays[2].ctypes.data
+
 
 NO_RUNS = Runs(*(np.empty(0, dtype=np.int64) for _ in range(3)))
 
