@@ -406,3 +406,16 @@ def test_chunk_streams_many_name_the_chunk_that_fails(native):
     with pytest.raises(StreamsDoNotDecode) as e:
         chunk_streams_many(bufs, wrong, use_native=native)
     assert e.value.call == 7
+
+
+def test_a_spec_of_lists_is_worked_out_each_time_with_the_same_runs():
+    """``chunk_runs`` keeps a layout's runs by its specs; a spec of lists (unhashable) is worked
+    out afresh instead, the same runs, and its total is the positions it holds."""
+    region = ShardSpec((24, 40), (8, 0), (8, 40))
+    kept = R.chunk_runs(region, 5, 200, ShardSpec((24, 40), (0, 20), (24, 20)))
+    listed = R.chunk_runs(ShardSpec([24, 40], [8, 0], [8, 40]), 5, 200, ShardSpec([24, 40], [0, 20], [24, 20]))
+    assert R.chunk_runs(region, 5, 200, ShardSpec((24, 40), (0, 20), (24, 20))) is kept  # a lookup
+    for a, b in zip((kept.cstart, kept.lstart, kept.length), (listed.cstart, listed.lstart, listed.length)):
+        assert np.array_equal(a, b)
+    # the shard holds columns 20-39: 20 of each of the chunk's rows 0-4 (from column 5 of row 0 on)
+    assert kept.total == listed.total == int(listed.length.sum()) == 100

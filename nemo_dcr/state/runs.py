@@ -35,8 +35,10 @@ class Runs:
     def __len__(self) -> int:
         return len(self.cstart)
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
+        """Positions in all (worked out once: a kept layout's runs are asked per chunk, and a
+        numpy sum was ~3 us of a receiver group's ~25 us a chunk in finding what it shares)."""
         return int(self.length.sum())
 
     @functools.cached_property
@@ -55,12 +57,13 @@ Rows = tuple  # (local starts, canonical starts: int64 arrays, length): IndexMap
 
 def _kept_or_worked(kept, work, *key):
     """``kept(*key)`` (an lru_cache of ``work``), or ``work(*key)`` where the key cannot be kept:
-    a spec of lists, not tuples, is unhashable."""
+    a spec of lists, not tuples, is unhashable. (The cache's own hash says so: a ``hash`` first
+    hashed every key twice, ~2 us of a chunk's lookup. A TypeError of ``work`` itself is raised
+    again by the second call.)"""
     try:
-        hash(key)
+        return kept(*key)
     except TypeError:
         return work(*key)
-    return kept(*key)
 
 
 def _rows(spec: ShardSpec) -> Rows:
