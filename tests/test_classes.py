@@ -531,6 +531,53 @@ def test_a_row_shard_is_applied_in_place_where_its_receiver_holds_it_as_one_run(
     assert_bits_equal(held, wrong)
 
 
+@pytest.mark.parametrize("receiver", ["the same columns", "as an index shape", "columns 150-299"])
+def test_a_column_shard_is_applied_in_place_where_its_receiver_holds_exactly_it(receiver, monkeypatch):
+    """A tensor-parallel trainer rank's column shard (columns 100-199 of a (64, 300) tensor: a
+    run per row) into a receiver holding exactly those elements -- the same box, or the same
+    elements as a box of an index shape -- decodes in place as a whole tensor's chunks do (both
+    number the elements in canonical order: ``apply._shift`` is 0), with no per-element index
+    maps; a delta and then a keyframe of it land bit for bit, and a base one bit off is refused
+    with the receiver's bits as they were. A receiver holding only some of the shard's columns
+    ("columns 150-299") is refused with the classes error, as before."""
+    import importlib
+    apply_mod = importlib.import_module("nemo_dcr.delta.apply")
+    base, target = _model(seed=9)
+    b, t = base["t0"], target["t0"]  # (64, 300) BF16
+    region = ShardSpec.of(b.shape, [0, 100], [64, 100])
+    shard_b, shard_t = b[:, 100:200].clone(), t[:, 100:200].clone()
+    blob = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes", chunk_elems=1000)
+    if receiver == "columns 150-299":
+        spec = ShardSpec.of(b.shape, [0, 150], [64, 150])
+        with pytest.raises(DcrError, match="portable"):
+            apply({"t0": b[:, 150:].clone()}, blob, shards={"t0": spec}, verify=False)
+        return
+    spec, mine_b, mine_t = region, shard_b, shard_t
+    if receiver == "as an index shape":  # the held tensor has the box's shape there
+        spec = ShardSpec.of(b.shape, [0, 1, 0], [64, 1, 100], index_shape=(64, 3, 100))
+        mine_b, mine_t = shard_b.view(64, 1, 100), shard_t.view(64, 1, 100)
+    maps = []
+    real = apply_mod.IndexMap.to_local
+    monkeypatch.setattr(apply_mod.IndexMap, "to_local", lambda self, g: maps.append(1) or real(self, g))
+    held = mine_b.clone()
+    apply({"t0": held}, blob, shards={"t0": spec})
+    assert_bits_equal(held, mine_t)
+    key = diff({}, {"t0": shard_t}, shards={"t0": region})  # a keyframe of it: its chunks dense, written as ranges
+    held = torch.zeros_like(mine_b)
+    apply({"t0": held}, key, shards={"t0": spec})
+    assert_bits_equal(held, mine_t)
+    assert not maps  # no chunk mapped its elements one by one
+    one = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes")
+    changed = torch.nonzero(_bits(shard_b) != _bits(shard_t)).squeeze(1)
+    wrong = mine_b.clone()
+    _bits(wrong)[changed[len(changed) // 2]] ^= 1
+    held = wrong.clone()
+    with pytest.raises(PartialApplyError) as e:  # (one chunk: nothing else was written before it)
+        apply({"t0": held}, one, shards={"t0": spec}, verify=False, workers=1)
+    assert isinstance(e.value.__cause__, BaseMismatchError)
+    assert_bits_equal(held, wrong)
+
+
 def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     """Deltas written before the SHA-256 tensor digests carry bare BLAKE2b ones: a reader checks
     each with the algorithm it names, and still refuses a wrong base."""
