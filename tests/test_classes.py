@@ -578,6 +578,47 @@ def test_a_column_shard_is_applied_in_place_where_its_receiver_holds_exactly_it(
     assert_bits_equal(held, wrong)
 
 
+@pytest.mark.parametrize("receiver", ["whole", "rows 8-63"])
+def test_a_column_shard_into_a_receiver_holding_more_is_gathered_by_runs(receiver, monkeypatch):
+    """A tensor-parallel trainer rank's column shard (columns 100-199 of a (64, 300) tensor: a run
+    per row) into a receiver holding the tensor whole: each chunk's base bits gathered run by
+    run (``_held_chunk``), not mapped element by element, and the index maps asked about the
+    changes and the runs' starts alone; the delta lands bit for bit at the shard's columns and
+    nowhere else, and a base one bit off is refused with nothing written. A receiver holding
+    only part of each chunk ("rows 8-63") is refused with the classes error, as before."""
+    import importlib
+    apply_mod = importlib.import_module("nemo_dcr.delta.apply")
+    base, target = _model(seed=10)
+    b, t = base["t0"], target["t0"]  # (64, 300) BF16
+    region = ShardSpec.of(b.shape, [0, 100], [64, 100])
+    shard_b, shard_t = b[:, 100:200].clone(), t[:, 100:200].clone()
+    blob = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes", chunk_elems=1000)
+    if receiver == "rows 8-63":  # holds only some of each chunk's positions
+        with pytest.raises(DcrError, match="portable"):
+            apply({"t0": b[8:].clone()}, blob, shards={"t0": ShardSpec.of(b.shape, [8, 0], [56, 300])}, verify=False)
+        return
+    sizes = []
+    for name in ("to_global", "to_local"):
+        real = getattr(apply_mod.IndexMap, name)
+        monkeypatch.setattr(apply_mod.IndexMap, name, lambda self, g, real=real: sizes.append(g.numel()) or real(self, g))
+    held = b.clone()
+    apply({"t0": held}, blob)
+    want = b.clone()
+    want[:, 100:200] = t[:, 100:200]
+    assert_bits_equal(held, want)
+    changed = torch.nonzero(_bits(shard_b) != _bits(shard_t)).squeeze(1)
+    assert sizes and max(sizes) < 1000  # changes and run starts, never a chunk's 1000 elements
+    one = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes")
+    wrong = b.clone()
+    at = int(changed[len(changed) // 2])
+    wrong.view(torch.int16)[at // 100, 100 + at % 100] ^= 1  # (a changed position of the shard)
+    held = wrong.clone()
+    with pytest.raises(PartialApplyError) as e:  # (one chunk: nothing else was written before it)
+        apply({"t0": held}, one, verify=False, workers=1)
+    assert isinstance(e.value.__cause__, BaseMismatchError)
+    assert_bits_equal(held, wrong)
+
+
 def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     """Deltas written before the SHA-256 tensor digests carry bare BLAKE2b ones: a reader checks
     each with the algorithm it names, and still refuses a wrong base."""
