@@ -6,9 +6,11 @@ multiple of the one-rank time, in one run.
     python bench/ranks.py             # 64M BF16 elements as 512 (256, 512) tensors, 1, 2, 4 and 8 ranks
     python bench/ranks.py --json      # the same as JSON
     python bench/ranks.py --quick     # 8M elements as 64 tensors, 1 and 4 ranks, one repetition
+    python bench/ranks.py --trainer-cut columns   # each trainer rank holds its columns (tensor parallel)
 
-A trainer sharded as FSDP shards (dim 0, one row shard per rank) publishes each tensor as one
-entry per rank; a follower holding the tensors whole (a rollout engine without tensor parallelism)
+A trainer sharded as FSDP shards (dim 0, one row shard per rank; ``--trainer-cut columns``: one
+column block per rank, as a tensor-parallel trainer holds its row-parallel weights) publishes each
+tensor as one entry per rank; a follower holding the tensors whole (a rollout engine without tensor parallelism)
 applies them all. The changes are the same at every rank count; the bytes grow with it
 (``delta bytes``: the second version's parts and manifest in the store), as each shard has its own
 entry in the segment index, ~100 bytes. What a row shard costs beyond its bytes shows as the ratio
@@ -76,23 +78,21 @@ def model(elems: int, tensors: int, rate: float) -> tuple[dict, dict]:
     return cut(flat_base), cut(flat_target)
 
 
-def publish_rank(rank: int, world: int, port: int, store: str, data: str, out: str) -> None:
-    """One rank (``--publish-rank``): its row shards of the first version, then of the second."""
+def publish_rank(rank: int, world: int, port: int, store: str, data: str, out: str, cut: str = "rows") -> None:
+    """One rank (``--publish-rank``): its row (or column) shards of the first version, then of the second."""
     import torch.distributed as dist
 
-    from nemo_dcr import ShardSpec
     from nemo_dcr.stores import LocalStore
     from nemo_dcr.sync.publisher import Publisher
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         d = torch.load(data, weights_only=True)
-        rows = ROWS // world
-        specs = {n: ShardSpec(tuple(t.shape), (rank * rows, 0), (rows, t.shape[1])) for n, t in d["base"].items()}
-        live = {n: t[rank * rows:(rank + 1) * rows].clone() for n, t in d["base"].items()}
+        specs = {n: shard_spec(tuple(t.shape), rank, world, cut) for n, t in d["base"].items()}
+        live = {n: _cut(t, specs[n]) for n, t in d["base"].items()}
         pub = Publisher(LocalStore(store), signer=None, group=dist.group.WORLD)
         pub.publish(live, specs)
         for n, t in live.items():
-            t.copy_(d["target"][n][rank * rows:(rank + 1) * rows])
+            t.copy_(_cut(d["target"][n], specs[n]))
         t0 = time.perf_counter()
         pub.publish(live, specs)
         seconds = time.perf_counter() - t0
@@ -102,14 +102,20 @@ def publish_rank(rank: int, world: int, port: int, store: str, data: str, out: s
         json.dump({"rank": rank, "delta_publish_seconds": seconds}, f)
 
 
-def receiver_spec(shape: tuple, rank: int, world: int, cut: str):
-    """A receiver group rank's shard of a (ROWS, cols) tensor: its columns (a row-parallel layer of
-    a TP engine) or its rows (a column-parallel one)."""
+def shard_spec(shape: tuple, rank: int, world: int, cut: str):
+    """A rank's shard of a (ROWS, cols) tensor: its columns (a receiver group rank's row-parallel
+    layer of a TP engine; a tensor-parallel trainer rank's, ``--trainer-cut columns``: a run per
+    row) or its rows (a column-parallel layer; an FSDP trainer rank's, the default)."""
     from nemo_dcr import ShardSpec
     rows, cols = shape
     if cut == "columns":
         return ShardSpec(tuple(shape), (0, rank * cols // world), (rows, cols // world))
     return ShardSpec(tuple(shape), (rank * rows // world, 0), (rows // world, cols))
+
+
+def _cut(t: torch.Tensor, s) -> torch.Tensor:
+    """The part of a (ROWS, cols) tensor that the shard ``s`` holds, as a tensor of its own."""
+    return t[s.offsets[0]:s.offsets[0] + s.shape[0], s.offsets[1]:s.offsets[1] + s.shape[1]].clone()
 
 
 def follow_rank(rank: int, world: int, port: int, store: str, data: str, out: str, cut: str, reps: int) -> None:
@@ -124,10 +130,8 @@ def follow_rank(rank: int, world: int, port: int, store: str, data: str, out: st
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         d = torch.load(data, weights_only=True)
-        specs = {n: receiver_spec(tuple(t.shape), rank, world, cut) for n, t in d["base"].items()}
-
-        def mine(t, s):
-            return t[s.offsets[0]:s.offsets[0] + s.shape[0], s.offsets[1]:s.offsets[1] + s.shape[1]].clone()
+        specs = {n: shard_spec(tuple(t.shape), rank, world, cut) for n, t in d["base"].items()}
+        mine = _cut
         times: dict = {"delta": [], "keyframe": []}
         for sync in times:
             for _ in range(reps):
@@ -184,9 +188,9 @@ def _ranks(world: int, tmp: str, tag: str, args: list) -> list:
     return out
 
 
-def publish(world: int, store: str, data: str, tmp: str) -> float:
+def publish(world: int, store: str, data: str, tmp: str, cut: str = "rows") -> float:
     """``world`` rank processes publish both versions -> the slowest rank's delta publish, s."""
-    got = _ranks(world, tmp, f"rank-{world}", ["--store", store, "--data", data, "--publish-rank"])
+    got = _ranks(world, tmp, f"rank-{world}", ["--store", store, "--data", data, "--cut", cut, "--publish-rank"])
     return max(g["delta_publish_seconds"] for g in got)
 
 
@@ -229,11 +233,12 @@ def follow(store: str, base: dict, target: dict, reps: int, keyframe: bool = Fal
     return statistics.median(times)
 
 
-def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: bool = False) -> dict:
+def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: bool = False,
+        trainer: str = "rows") -> dict:
     t0 = time.perf_counter()
     k = _kernels()
     out = {"config": {"elements": elems, "bytes": 2 * elems, "tensors": tensors, "ranks": counts, "dtype": "bfloat16",
-                      "change": rate, "reps": reps, "quick": quick},
+                      "change": rate, "reps": reps, "quick": quick, "trainer_cut": trainer},
            "machine": {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
                        "torch": torch.__version__, "load_before": k._load()}, "rows": []}
     base, target = model(elems, tensors, rate)
@@ -244,7 +249,7 @@ def run(elems: int, tensors: int, counts: list, rate: float, reps: int, quick: b
         torch.save({"base": base, "target": target}, data)
         for world in counts:
             store = os.path.join(tmp, f"store-{world}")
-            cells[world] = {"delta publish": publish(world, store, data, tmp),
+            cells[world] = {"delta publish": publish(world, store, data, tmp, trainer),
                             "delta sync": follow(store, base, target, reps),
                             "keyframe sync": follow(store, base, target, reps, keyframe=True),
                             **{k: v for cut in CUTS for k, v in follow_group(store, data, tmp, cut, reps).items()}}
@@ -261,7 +266,9 @@ def format_table(r: dict) -> str:
     counts = c["ranks"]
     by_n = {row["ranks"]: row["delta_bytes"] for row in r["rows"]}
     lines = [f"model: {c['elements'] / 1e6:.0f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB) as {c['tensors']} tensors, "
-             f"{100 * c['change']:g} % changed, published as 1 row shard per rank of each; local store; follower "
+             f"{100 * c['change']:g} % changed, published as 1 {c.get('trainer_cut', 'rows')[:-1]} shard per rank "
+             f"of each; "
+             f"local store; follower "
              f"holds the tensors whole; medians of {c['reps']}; load {r['machine']['load_before']} -> "
              f"{r['machine']['load_after']}",
              "delta bytes: " + ", ".join(f"{n} rank{'s' if n > 1 else ''} {by_n[n] / 1e3:.0f} KB" for n in counts), ""]
@@ -278,6 +285,9 @@ def main(argv=None) -> int:
     ap.add_argument("--change", type=float, default=0.01)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--quick", action="store_true", help="8M elements as 64 tensors, 1 and 4 ranks, 1 repetition")
+    ap.add_argument("--trainer-cut", choices=CUTS, default="rows",
+                    help="how each trainer rank holds every tensor: its rows (FSDP, the default) or its columns "
+                         "(a tensor-parallel trainer's row-parallel weights)")
     ap.add_argument("--json", action="store_true")
     for hidden in ("--publish-rank", "--follow-rank", "--world", "--port"):
         ap.add_argument(hidden, type=int, help=argparse.SUPPRESS)
@@ -285,15 +295,17 @@ def main(argv=None) -> int:
         ap.add_argument(hidden, help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.publish_rank is not None:
-        publish_rank(a.publish_rank, a.world, a.port, a.store, a.data, a.out)
+        publish_rank(a.publish_rank, a.world, a.port, a.store, a.data, a.out, a.cut or "rows")
         return 0
     if a.follow_rank is not None:
         follow_rank(a.follow_rank, a.world, a.port, a.store, a.data, a.out, a.cut, a.reps)
         return 0
     elems, tensors, counts, reps = (8 << 20, 64, [1, 4], 1) if a.quick else (a.elems, a.tensors, a.ranks, a.reps)
-    if elems % (tensors * ROWS) or any(ROWS % n for n in counts):
-        ap.error(f"--elems {elems} must cut into {tensors} tensors of {ROWS} rows, and each rank count divide {ROWS}")
-    r = run(elems, tensors, counts, a.change, reps, a.quick)
+    cols = elems // (tensors * ROWS)
+    if elems % (tensors * ROWS) or any(ROWS % n or cols % n for n in counts):
+        ap.error(f"--elems {elems} must cut into {tensors} tensors of {ROWS} rows, and each rank count divide {ROWS} "
+                 f"and the {cols} columns")
+    r = run(elems, tensors, counts, a.change, reps, a.quick, a.trainer_cut)
     print(json.dumps(r, indent=1) if a.json else format_table(r))
     return 0
 

@@ -370,17 +370,20 @@ def test_files_bench_quick_json():
     assert "| apply |" in files.format_table(r)
 
 
-def test_ranks_bench_quick_json():
-    """bench/ranks.py --quick --json: real rank processes (gloo) publish their row shards, and a
-    follower holding the tensors whole syncs them, its bits checked against the target inside
-    the run (it raises otherwise); each ratio is to the one-rank cell of its path."""
+@pytest.mark.parametrize("trainer", ["rows", "columns"])
+def test_ranks_bench_quick_json(trainer):
+    """bench/ranks.py --quick --json: real rank processes (gloo) publish their row shards (or,
+    as a tensor-parallel trainer, their column blocks), and a follower holding the tensors whole
+    and two TP=2 groups sync them, their bits checked against the target inside the run (it
+    raises otherwise); each ratio is to the one-rank cell of its path."""
     ranks = bench.load("ranks")
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        rc = ranks.main(["--quick", "--json"])
+        rc = ranks.main(["--quick", "--json", "--trainer-cut", trainer])
     assert rc == 0, err.getvalue()
     r = json.loads(out.getvalue())
     assert r["config"]["quick"] and r["config"]["ranks"] == [1, 4] and r["config"]["tensors"] == 64
+    assert r["config"]["trainer_cut"] == trainer
     rows = {(row["ranks"], row["path"]): row for row in r["rows"]}
     assert set(rows) == {(n, p) for n in (1, 4) for p in ranks.PATHS}
     for (n, p), row in rows.items():

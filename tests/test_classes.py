@@ -600,7 +600,8 @@ def test_a_column_shard_into_a_receiver_holding_more_is_gathered_by_runs(receive
     sizes = []
     for name in ("to_global", "to_local"):
         real = getattr(apply_mod.IndexMap, name)
-        monkeypatch.setattr(apply_mod.IndexMap, name, lambda self, g, real=real: sizes.append(g.numel()) or real(self, g))
+        monkeypatch.setattr(apply_mod.IndexMap, name,
+                            lambda self, g, real=real: sizes.append(g.numel()) or real(self, g))
     held = b.clone()
     apply({"t0": held}, blob)
     want = b.clone()

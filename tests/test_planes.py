@@ -91,7 +91,8 @@ def test_join_of_runs_writes_each_run_where_it_is_held(use, w):
     v = _values(w, k, seed=w)
     raw = planes.split(v, use_native=False)
     alike = [(7 + 40 * i, 3 + 33 * i, 17) for i in range(12)]  # one length, one step each way
-    for runs in (_runs(*alike), _runs((0, 0, 1), (1, 500, 16), (300, 100, 217), (516, 1, 1)), _runs(), _runs((5, 9, 0))):
+    odd = _runs((0, 0, 1), (1, 500, 16), (300, 100, 217), (516, 1, 1))
+    for runs in (_runs(*alike), odd, _runs(), _runs((5, 9, 0))):
         held = torch.zeros(520, dtype=INT_VIEW[w])
         before = held._version
         planes.join_runs(raw, k, w, held, runs, use_native=use)
