@@ -531,6 +531,19 @@ def test_a_row_shard_is_applied_in_place_where_its_receiver_holds_it_as_one_run(
     assert_bits_equal(held, wrong)
 
 
+def _column_shard(seed: int):
+    """A tensor-parallel trainer rank's column shard, columns 100-199 of a (64, 300) BF16 tensor,
+    and its delta in chunks of 1000 -> (the apply module, the tensor's base and target, the
+    shard's spec, its base and target, the delta)."""
+    import importlib
+    base, target = _model(seed=seed)
+    b, t = base["t0"], target["t0"]
+    region = ShardSpec.of(b.shape, [0, 100], [64, 100])
+    shard_b, shard_t = b[:, 100:200].clone(), t[:, 100:200].clone()
+    blob = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes", chunk_elems=1000)
+    return importlib.import_module("nemo_dcr.delta.apply"), b, t, region, shard_b, shard_t, blob
+
+
 @pytest.mark.parametrize("receiver", ["the same columns", "as an index shape", "columns 150-299"])
 def test_a_column_shard_is_applied_in_place_where_its_receiver_holds_exactly_it(receiver, monkeypatch):
     """A tensor-parallel trainer rank's column shard (columns 100-199 of a (64, 300) tensor: a
@@ -540,13 +553,7 @@ def test_a_column_shard_is_applied_in_place_where_its_receiver_holds_exactly_it(
     maps; a delta and then a keyframe of it land bit for bit, and a base one bit off is refused
     with the receiver's bits as they were. A receiver holding only some of the shard's columns
     ("columns 150-299") is refused with the classes error, as before."""
-    import importlib
-    apply_mod = importlib.import_module("nemo_dcr.delta.apply")
-    base, target = _model(seed=9)
-    b, t = base["t0"], target["t0"]  # (64, 300) BF16
-    region = ShardSpec.of(b.shape, [0, 100], [64, 100])
-    shard_b, shard_t = b[:, 100:200].clone(), t[:, 100:200].clone()
-    blob = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes", chunk_elems=1000)
+    apply_mod, b, t, region, shard_b, shard_t, blob = _column_shard(seed=9)
     if receiver == "columns 150-299":
         spec = ShardSpec.of(b.shape, [0, 150], [64, 150])
         with pytest.raises(DcrError, match="portable"):
@@ -586,13 +593,7 @@ def test_a_column_shard_into_a_receiver_holding_more_is_gathered_by_runs(receive
     changes and the runs' starts alone; the delta lands bit for bit at the shard's columns and
     nowhere else, and a base one bit off is refused with nothing written. A receiver holding
     only part of each chunk ("rows 8-63") is refused with the classes error, as before."""
-    import importlib
-    apply_mod = importlib.import_module("nemo_dcr.delta.apply")
-    base, target = _model(seed=10)
-    b, t = base["t0"], target["t0"]  # (64, 300) BF16
-    region = ShardSpec.of(b.shape, [0, 100], [64, 100])
-    shard_b, shard_t = b[:, 100:200].clone(), t[:, 100:200].clone()
-    blob = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes", chunk_elems=1000)
+    apply_mod, b, t, region, shard_b, shard_t, blob = _column_shard(seed=10)
     if receiver == "rows 8-63":  # holds only some of each chunk's positions
         with pytest.raises(DcrError, match="portable"):
             apply({"t0": b[8:].clone()}, blob, shards={"t0": ShardSpec.of(b.shape, [8, 0], [56, 300])}, verify=False)
