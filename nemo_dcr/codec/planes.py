@@ -90,4 +90,3 @@ def join_runs(raw, k: int, w: int, dst: torch.Tensor, runs: Runs, use_native: bo
             or ends[1].max() > dst.numel():
         raise IndexError(f"runs outside their tensors ({k} and {dst.numel()} elements)")
     copy_runs(dst, join(raw, k, w, use_native=use_native).view(dst.dtype), runs)
-
