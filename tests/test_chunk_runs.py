@@ -419,3 +419,42 @@ def test_a_spec_of_lists_is_worked_out_each_time_with_the_same_runs():
         assert np.array_equal(a, b)
     # the shard holds columns 20-39: 20 of each of the chunk's rows 0-4 (from column 5 of row 0 on)
     assert kept.total == listed.total == int(listed.length.sum()) == 100
+
+
+def _r(*rows) -> R.Runs:
+    """Runs from (chunk start, local start, length) triples."""
+    return R.Runs(*(np.array([r[i] for r in rows], dtype=np.int64) for i in range(3)))
+
+
+@pytest.mark.parametrize("w", [1, 2, 4, 8])
+def test_copy_and_gather_of_runs_in_c_equal_numpy(w, monkeypatch):
+    """``copy_runs`` (a chunk's runs written where a receiver holds them) and ``gather_runs`` (a
+    chunk's bits gathered from a receiver holding all of it) in one C call (``dcr_copy_runs``)
+    equal the numpy copies, every width, runs alike (one strided copy there) and not; both bump
+    the version counter; runs outside either tensor are refused with nothing copied."""
+    from nemo_dcr.codec import native
+    g = torch.Generator().manual_seed(w)
+    view = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[w]
+    src = torch.randint(-100, 100, (700,), generator=g).to(view)
+    alike = _r(*[(7 + 40 * i, 3 + 33 * i, 17) for i in range(12)])
+    odd = _r((0, 600, 5), (5, 0, 1), (6, 300, 90), (96, 10, 4))
+    for runs in (alike, odd):
+        outs = []
+        for loaded in (native.lib, lambda: None):
+            monkeypatch.setattr(native, "lib", loaded)
+            dst = torch.zeros(700, dtype=view)
+            before = dst._version
+            R.copy_runs(dst, src, runs)
+            assert dst._version > before
+            outs.append((dst, R.gather_runs(dst, R.Runs(np.concatenate(([0], np.cumsum(runs.length)[:-1])),
+                                                        runs.lstart, runs.length))))
+        monkeypatch.undo()
+        (c_dst, c_got), (np_dst, np_got) = outs
+        assert torch.equal(c_dst, np_dst) and torch.equal(c_got, np_got)
+        want = torch.cat([src[c:c + n] for c, n in zip(runs.cstart.tolist(), runs.length.tolist())])
+        assert torch.equal(c_got, want)  # gathered back in run order: the source's runs
+    dst = torch.zeros(700, dtype=view)
+    for bad in (_r((0, 0, 8), (695, 8, 6)), _r((0, 0, 8), (8, 696, 8)), _r((0, 0, 8), (8, -1, 2))):
+        with pytest.raises(IndexError, match="runs outside their tensors"):
+            R.copy_runs(dst, src, bad)
+        assert not dst.any()  # the good first run was not copied either

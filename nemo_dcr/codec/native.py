@@ -138,6 +138,8 @@ def _declare(lib) -> None:
         f.restype = ctypes.c_int
         f.argtypes = [p, i64, ctypes.c_int, p]
     lib.dcr_planes_join_runs.restype = ctypes.c_int
+    lib.dcr_copy_runs.restype = ctypes.c_int
+    lib.dcr_copy_runs.argtypes = [p, i64, p, i64, ctypes.c_int, p, p, p, i64]
     lib.dcr_planes_join_runs.argtypes = [p, i64, ctypes.c_int, p, i64, p, p, p, i64]
     lib.dcr_crc32.restype = ctypes.c_int
     lib.dcr_crc32.argtypes = [p, i64, ctypes.c_uint32, p]

@@ -37,7 +37,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.runs import Runs, chunk_runs, copy_runs
+from nemo_dcr.state.runs import chunk_runs, gather_runs
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -198,9 +198,7 @@ def _held_chunk(t: _Target, c: ChunkEntry) -> torch.Tensor:
     if t.fa.contiguous and t.tensor.is_cpu:
         runs = chunk_runs(t.region_map.spec, c.start, c.n, t.recv_map.spec)
         if runs.total == c.n:  # (what a chunk whose pre-images are checked is: held whole)
-            out = torch.empty(c.n, dtype=t.fa.bits.dtype)
-            copy_runs(out, t.fa.read(0, t.fa.numel), Runs(runs.lstart, runs.cstart, runs.length))  # (a gather)
-            return out
+            return gather_runs(t.fa.read(0, t.fa.numel), runs)
     local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end, device=t.tensor.device)))
     return t.fa.gather(local)
 

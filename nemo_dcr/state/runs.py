@@ -16,10 +16,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from nemo_dcr.codec import native
 from nemo_dcr.state.dtypes import INT_VIEW
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 
-__all__ = ["NO_RUNS", "Runs", "answering", "chunk_runs", "copy_runs", "expand", "held_runs", "shard_rows"]
+__all__ = ["NO_RUNS", "Runs", "answering", "chunk_runs", "copy_runs", "expand", "gather_runs", "held_runs",
+           "shard_rows"]
 
 
 @dataclass(frozen=True)
@@ -162,16 +164,45 @@ def answering(held: dict[int, Runs], n: int, disjoint: bool) -> dict[int, Runs]:
     return out
 
 
+def gather_runs(src: torch.Tensor, runs: Runs) -> torch.Tensor:
+    """The inverse of ``copy_runs``: a new 1-D tensor of ``runs.total`` elements whose positions
+    ``cstart[i] : + length[i]`` hold ``src[lstart[i] : + length[i]]`` (a chunk's bits gathered
+    from a receiver's memory that holds all of it: the positions cover ``[0, total)``)."""
+    out = torch.empty(runs.total, dtype=src.dtype, device=src.device)
+    if not _c_copy(out, src, runs, gather=True):
+        copy_runs(out, src, Runs(runs.lstart, runs.cstart, runs.length))
+    return out
+
+
+def _c_copy(dst: torch.Tensor, src: torch.Tensor, runs: Runs, gather: bool = False) -> bool:
+    """``copy_runs`` (or its inverse) in one C call (``dcr_copy_runs``) for host tensors; False
+    where the library is not there (or the tensors are not on the host): the caller copies.
+    ``IndexError`` for runs outside either tensor, nothing copied."""
+    lib = native.lib()
+    if lib is None or not (dst.is_cpu and src.is_cpu) or dst.element_size() != src.element_size():
+        return False
+    c, loc, n = runs.addresses
+    to, frm = (c, loc) if gather else (loc, c)
+    if lib.dcr_copy_runs(dst.data_ptr(), dst.numel(), src.data_ptr(), src.numel(), dst.element_size(), to, frm, n,
+                         len(runs)):
+        raise IndexError(f"runs outside their tensors ({dst.numel()} and {src.numel()} elements)")
+    torch.autograd.graph.increment_version(dst)  # (written behind torch's back: see copy_runs)
+    return True
+
+
 def copy_runs(dst: torch.Tensor, src: torch.Tensor, runs: Runs) -> None:
     """``dst[lstart[i] : + length[i]] = src[cstart[i] : + length[i]]`` for every run (``dst``,
-    ``src``: 1-D contiguous, one element size): the runs between the first and the last, where
-    they are alike (one length, one step in each order: a box's full rows), as one strided copy;
-    others one by one. On the host through numpy: a chunk's copy is ~100 KB on an apply worker,
-    where torch's copy split it over its own threads as well, and with a TP engine's workers on
-    the same cores a copy waited ~1 ms for a descheduled helper (docs/results.md, twenty-sixth
-    turn)."""
+    ``src``: 1-D contiguous, one element size). On the host one C call (``dcr_copy_runs``: a
+    chunk's 256 runs cost ~50 us of numpy calls); without the library, through numpy: the runs
+    between the first and the last, where they are alike (one length, one step in each order: a
+    box's full rows), as one strided copy, others one by one (a chunk's copy is ~100 KB on an
+    apply worker, where torch's copy split it over its own threads as well, and with a TP
+    engine's workers on the same cores a copy waited ~1 ms for a descheduled helper:
+    docs/results.md, twenty-sixth turn)."""
     n = len(runs)
     if n == 0:
+        return
+    if _c_copy(dst, src, runs):
         return
     c, loc, ln = runs.cstart, runs.lstart, runs.length
     mid = slice(1, n - 1)
