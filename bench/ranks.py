@@ -131,11 +131,10 @@ def follow_rank(rank: int, world: int, port: int, store: str, data: str, out: st
     try:
         d = torch.load(data, weights_only=True)
         specs = {n: shard_spec(tuple(t.shape), rank, world, cut) for n, t in d["base"].items()}
-        mine = _cut
         times: dict = {"delta": [], "keyframe": []}
         for sync in times:
             for _ in range(reps):
-                held = {n: mine(t, specs[n]) for n, t in d["base"].items()}
+                held = {n: _cut(t, specs[n]) for n, t in d["base"].items()}
                 if sync == "keyframe":
                     held = {n: torch.zeros_like(t) for n, t in held.items()}
                     f = Follower(LocalStore(store), held, specs, group=dist.group.WORLD)
@@ -146,7 +145,7 @@ def follow_rank(rank: int, world: int, port: int, store: str, data: str, out: st
                 t0 = time.perf_counter()
                 r = f.sync()
                 times[sync].append(time.perf_counter() - t0)
-                if r.version != 1 or not all(torch.equal(held[n].view(torch.int16), mine(d["target"][n], specs[n])
+                if r.version != 1 or not all(torch.equal(held[n].view(torch.int16), _cut(d["target"][n], specs[n])
                                                           .view(torch.int16)) for n in held):
                     raise AssertionError(f"a receiver rank's {sync} sync did not end at the target's bits")
     finally:
@@ -267,8 +266,7 @@ def format_table(r: dict) -> str:
     by_n = {row["ranks"]: row["delta_bytes"] for row in r["rows"]}
     lines = [f"model: {c['elements'] / 1e6:.0f}M BF16 elements ({c['bytes'] / 1e6:.0f} MB) as {c['tensors']} tensors, "
              f"{100 * c['change']:g} % changed, published as 1 {c.get('trainer_cut', 'rows')[:-1]} shard per rank "
-             f"of each; "
-             f"local store; follower "
+             f"of each; local store; follower "
              f"holds the tensors whole; medians of {c['reps']}; load {r['machine']['load_before']} -> "
              f"{r['machine']['load_after']}",
              "delta bytes: " + ", ".join(f"{n} rank{'s' if n > 1 else ''} {by_n[n] / 1e3:.0f} KB" for n in counts), ""]
