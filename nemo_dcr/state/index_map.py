@@ -249,6 +249,7 @@ class IndexMap:
             derived = _derived.__wrapped__(spec)
         (self.numel, self._g, self._o, self._s, self.identity, self.run_offset, self._gstrides,
          self._lstrides) = derived
+        self._glob_base = sum(o * gs for o, gs in zip(self._o, self._gstrides))  # (the offsets' canonical index)
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         local = local.to(torch.int64)
@@ -258,16 +259,19 @@ class IndexMap:
             return local + self.run_offset
         return _small(self._global_of, local)
 
-    def _global_of(self, rem):
-        """The general map, in operators numpy arrays and torch tensors share (``_small``)."""
-        out = None
-        for d, (ls, gs, off) in enumerate(zip(self._lstrides, self._gstrides, self._o)):
-            if d == len(self._s) - 1:
-                q = rem
-            else:
-                q = rem // ls
-                rem = rem - q * ls
-            out = (q + off) * gs if out is None else out + (q + off) * gs
+    def _global_of(self, p):
+        """The general map, in operators numpy arrays and torch tensors share (``_small``). As
+        the sum over dimensions of (q_d + o_d) * G_d, written as p + sum of q_d * (G_d - L_d) + a
+        constant (the last dimension's term is 0): a column shard's map is four operators, where
+        the sum term by term was eight (a chunk's 160 changes: ~10 us of a small chunk's apply)."""
+        out = p + self._glob_base
+        last = len(self._s) - 1
+        for d in range(last):
+            q = p // self._lstrides[d]
+            if d:
+                q %= self._s[d]
+            q *= self._gstrides[d] - self._lstrides[d]
+            out += q
         return out
 
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
