@@ -585,15 +585,26 @@ def test_a_column_shard_is_applied_in_place_where_its_receiver_holds_exactly_it(
     assert_bits_equal(held, wrong)
 
 
-@pytest.mark.parametrize("receiver", ["whole", "rows 8-63"])
+@pytest.mark.parametrize("receiver", ["whole", "whole, staged", "rows 8-63"])
 def test_a_column_shard_into_a_receiver_holding_more_is_gathered_by_runs(receiver, monkeypatch):
     """A tensor-parallel trainer rank's column shard (columns 100-199 of a (64, 300) tensor: a run
     per row) into a receiver holding the tensor whole: each chunk's base bits gathered run by
     run (``_held_chunk``), not mapped element by element, and the index maps asked about the
     changes and the runs' starts alone; the delta lands bit for bit at the shard's columns and
-    nowhere else, and a base one bit off is refused with nothing written. A receiver holding
-    only part of each chunk ("rows 8-63") is refused with the classes error, as before."""
+    nowhere else, and a base one bit off is refused with nothing written. "staged": chunks this
+    small are decoded into their gathered copy and written back run by run (``_apply_staged``),
+    no change scattered; "whole": the threshold at 0, so each change is mapped and scattered. A
+    receiver holding only part of each chunk ("rows 8-63") is refused with the classes error,
+    as before."""
     apply_mod, b, t, region, shard_b, shard_t, blob = _column_shard(seed=10)
+    staged = receiver == "whole, staged"
+    if not staged:
+        monkeypatch.setattr(apply_mod, "STAGE_ELEMS", 0)
+        monkeypatch.setattr(apply_mod, "STAGE_PER_CHANGE", 0)
+    scatters = []
+    real_scatter = apply_mod.FlatAccess.scatter
+    monkeypatch.setattr(apply_mod.FlatAccess, "scatter",
+                        lambda self, i, v: scatters.append(i.numel()) or real_scatter(self, i, v))
     if receiver == "rows 8-63":  # holds only some of each chunk's positions
         with pytest.raises(DcrError, match="portable"):
             apply({"t0": b[8:].clone()}, blob, shards={"t0": ShardSpec.of(b.shape, [8, 0], [56, 300])}, verify=False)
@@ -609,7 +620,17 @@ def test_a_column_shard_into_a_receiver_holding_more_is_gathered_by_runs(receive
     want[:, 100:200] = t[:, 100:200]
     assert_bits_equal(held, want)
     changed = torch.nonzero(_bits(shard_b) != _bits(shard_t)).squeeze(1)
-    assert sizes and max(sizes) < 1000  # changes and run starts, never a chunk's 1000 elements
+    assert max(sizes, default=0) < 1000  # changes and run starts, never a chunk's 1000 elements
+    assert (not scatters) if staged else (sizes and sum(scatters) == changed.numel())
+    told = []  # those told of the changes (a follower's state digest) get canonical indices, old and new bits
+    held = b.clone()
+    apply({"t0": held}, blob, on_change=lambda name, dtype, shape, glob, old, new: told.append((glob, old, new)))
+    assert_bits_equal(held, want)
+    glob, old, new = (torch.cat([x[i] for x in told]) for i in range(3))
+    order = torch.argsort(glob)  # (chunks run on the workers in any order)
+    glob, old, new = glob[order], old[order], new[order]
+    assert torch.equal(glob, (changed // 100) * 300 + 100 + changed % 100)
+    assert torch.equal(old, _bits(b).view(-1)[glob]) and torch.equal(new, _bits(t).view(-1)[glob])
     one = diff({"t0": shard_b}, {"t0": shard_t}, shards={"t0": region}, encoding="classes")
     wrong = b.clone()
     at = int(changed[len(changed) // 2])
