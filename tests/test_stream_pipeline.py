@@ -459,6 +459,48 @@ def test_split_versions_apply_bit_exactly_part_by_part(tmp_path, stream):
         assert_bits_equal(fresh[k], v)
 
 
+@pytest.mark.parametrize("fails", [False, True])
+def test_each_header_is_parsed_once_on_its_download_thread(tmp_path, monkeypatch, fails):
+    """A step that opens its objects whole (``stream=False``) parses each header on the thread
+    that downloaded it, as the object checks out (a ``parse`` span each), and the step takes
+    that reader instead of parsing the object again after all downloads. "fails": a parse off
+    the calling thread that raises is not the end of it: the step parses the object itself, as
+    before (its error, had it one, raised there, in order), and the sync ends bit for bit."""
+    import importlib
+    fmod = importlib.import_module("nemo_dcr.sync.follower")
+    store = LocalStore(tmp_path / "s")
+    seq = states(3)
+    res = publish_all(store, seq, part_bytes=4096, delta_part_bytes=4096, keyframe_every=100)
+    parts = [p.key for x in res[1:] for p in x.manifest.parts]
+    assert len(parts) == 6  # two deltas of three parts each
+    main = threading.get_ident()
+    opened = []  # (on the calling thread, object size)
+    real_open = fmod.DeltaReader.open
+
+    def open_(src):
+        if isinstance(src, fmod.DeltaReader):  # (apply's own call on the reader it is given)
+            return src
+        here = threading.get_ident() == main
+        opened.append((here, len(src)))
+        if fails and not here:
+            raise fmod.DeltaFormatError("injected: a parse off the calling thread")
+        return real_open(src)
+    monkeypatch.setattr(fmod.DeltaReader, "open", staticmethod(open_))
+    held = {k: v.clone() for k, v in seq[0].items()}
+    r = Follower(store, held, version=0, prefetch=4).sync()
+    assert r.version == 2
+    for k, v in seq[2].items():
+        assert_bits_equal(held[k], v)
+    off = [x for x in opened if not x[0]]
+    assert len(off) == len(parts)  # every object parsed on a download thread
+    if fails:
+        assert [s.what for s in r.spans if s.stage == "parse"] == []
+        assert sum(1 for x in opened if x[0]) == len(parts)  # ... and again by the step, each
+    else:
+        assert sorted(s.what for s in r.spans if s.stage == "parse") == sorted(parts)
+        assert not any(x[0] for x in opened)  # the step parsed none itself
+
+
 def test_a_delta_is_split_by_its_own_part_size(tmp_path):
     """A delta covers DELTA_PART_SCALE times the dense bytes of a keyframe's object (a delta is
     a small share of the bytes it covers; each object costs every receiver a request): here the
