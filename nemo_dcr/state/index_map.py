@@ -263,7 +263,7 @@ class IndexMap:
         """The general map, in operators numpy arrays and torch tensors share (``_small``). As
         the sum over dimensions of (q_d + o_d) * G_d, written as p + sum of q_d * (G_d - L_d) + a
         constant (the last dimension's term is 0): a column shard's map is four operators, where
-        the sum term by term was eight (a chunk's 160 changes: ~10 us of a small chunk's apply)."""
+        the sum term by term was eight (``to_global`` of a chunk's 164 changes: 8.5 -> 6.0 us)."""
         out = p + self._glob_base
         last = len(self._s) - 1
         for d in range(last):
