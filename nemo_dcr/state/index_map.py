@@ -248,8 +248,7 @@ class IndexMap:
         except TypeError:  # a spec of lists, not tuples (unhashable): worked out, not kept
             derived = _derived.__wrapped__(spec)
         (self.numel, self._g, self._o, self._s, self.identity, self.run_offset, self._gstrides,
-         self._lstrides) = derived
-        self._glob_base = sum(o * gs for o, gs in zip(self._o, self._gstrides))  # (the offsets' canonical index)
+         self._lstrides, self._glob_base) = derived
 
     def to_global(self, local: torch.Tensor) -> torch.Tensor:
         local = local.to(torch.int64)
@@ -351,7 +350,9 @@ def _derived(spec: ShardSpec) -> tuple:
     identity = spec.is_full or (len(s) <= 1 and (not o or o[0] == 0) and s == g)
     # A shard whose collapsed form is 1-D is a single contiguous run of the canonical tensor.
     run_offset = o[0] if len(s) == 1 else None
-    return spec.numel, g, o, s, identity, run_offset, _strides(g), _strides(s)
+    gstrides = _strides(g)
+    glob_base = sum(off * gs for off, gs in zip(o, gstrides))  # the shard's first element's canonical index
+    return spec.numel, g, o, s, identity, run_offset, gstrides, _strides(s), glob_base
 
 
 def _strides(shape):
