@@ -358,7 +358,7 @@ STAGE_PER_CHANGE = 64
 def _apply_staged(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: bool, on_change: OnChange | None):
     """A ``classes`` chunk of a region the receiver holds whole but not as one run of its memory
     (a tensor-parallel trainer's column shard into a receiver holding the tensor whole), small
-    or dense enough (``STAGE_ELEMS``): its base gathered run by run (``_held_chunk``), decoded
+    or dense enough (``STAGE_ELEMS``): its base gathered run by run (as ``_held_chunk`` does), decoded
     into that copy, checked, and the copy written back run by run. Nothing reaches the tensor
     before the pre-image check passes, and no change goes through the index maps unless someone
     is told of it (``on_change``: canonical indices). None where it does not apply (the caller
