@@ -37,7 +37,7 @@ from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.runs import chunk_runs, copy_runs, gather_runs
+from nemo_dcr.state.runs import Runs, chunk_runs, copy_runs, gather_runs
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -195,12 +195,20 @@ def _held_chunk(t: _Target, c: ChunkEntry) -> torch.Tensor:
     run by run (``state/runs.py``) from memory that is contiguous on the host, where mapping each
     of the chunk's elements through the index maps took ~0.9 ms a 64K-element chunk; elsewhere
     (a device, strided memory) mapped element by element."""
-    if t.fa.contiguous and t.tensor.is_cpu:
-        runs = chunk_runs(t.region_map.spec, c.start, c.n, t.recv_map.spec)
-        if runs.total == c.n:  # (what a chunk whose pre-images are checked is: held whole)
-            return gather_runs(t.fa.read(0, t.fa.numel), runs)
+    runs = _held_runs(t, c)
+    if runs is not None:
+        return gather_runs(t.fa.read(0, t.fa.numel), runs)
     local, _ = t.recv_map.to_local(t.region_map.to_global(torch.arange(c.start, c.end, device=t.tensor.device)))
     return t.fa.gather(local)
+
+
+def _held_runs(t: _Target, c: ChunkEntry) -> Runs | None:
+    """The runs of chunk ``c`` in the receiver's memory, where that memory is contiguous on the
+    host and holds all of the chunk (what a chunk whose pre-images are checked is); else None."""
+    if not (t.fa.contiguous and t.tensor.is_cpu):
+        return None
+    runs = chunk_runs(t.region_map.spec, c.start, c.n, t.recv_map.spec)
+    return runs if runs.total == c.n else None
 
 
 def undecodable(name: str, c: ChunkEntry) -> DcrError:
@@ -358,15 +366,13 @@ STAGE_PER_CHANGE = 64
 def _apply_staged(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: bool, on_change: OnChange | None):
     """A ``classes`` chunk of a region the receiver holds whole but not as one run of its memory
     (a tensor-parallel trainer's column shard into a receiver holding the tensor whole), small
-    or dense enough (``STAGE_ELEMS``): its base gathered run by run (as ``_held_chunk`` does), decoded
+    or dense enough (``STAGE_ELEMS``): its base gathered run by run (``_held_runs``), decoded
     into that copy, checked, and the copy written back run by run. Nothing reaches the tensor
     before the pre-image check passes, and no change goes through the index maps unless someone
     is told of it (``on_change``: canonical indices). None where it does not apply (the caller
     takes the general path)."""
-    if not (c.n <= STAGE_ELEMS + STAGE_PER_CHANGE * c.k and t.fa.contiguous and t.tensor.is_cpu):
-        return None
-    runs = chunk_runs(t.region_map.spec, c.start, c.n, t.recv_map.spec)
-    if runs.total != c.n:
+    runs = _held_runs(t, c) if c.n <= STAGE_ELEMS + STAGE_PER_CHANGE * c.k else None
+    if runs is None:
         return None  # (held in part: the general path refuses it, or takes the group's decode)
     flat = t.fa.read(0, t.fa.numel)
     buf = gather_runs(flat, runs)
