@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
 import json
 import os
 import re
@@ -361,6 +362,8 @@ def run_target(args, target: str, inputs: int) -> dict:
                os.path.join(args.corpus, target)) else 0,
            "peak_rss_mb": stats.get("peak_rss_mb"), "seconds": round(time.time() - t0, 1),
            "exit": p.returncode, "findings": findings[:5]}
+    if p.returncode != 0 and not findings:  # a run that failed before fuzzing: say why, not only "exit 1"
+        res["error"] = next((line for line in reversed(out.splitlines()) if line.strip()), "no output")[-300:]
     with open(os.path.join(args.artifacts, f"{target}-{backend}.log"), "w") as f:
         f.write(out[-200000:])
     return res
@@ -390,6 +393,9 @@ def main(argv=None):
         args.target = args.target[0]
         child(args)
         return 0
+    if importlib.util.find_spec("atheris") is None:  # every run would fail at its first line, one by one
+        print('bench/fuzz.py needs atheris: pip install "nemo-dcr[fuzz]" (or pip install atheris)', file=sys.stderr)
+        return 2
     runs = []
     for t in args.target or TARGETS:
         for b in (["reference", "native"] if args.backend == "both" else [args.backend]) if t in DELTA else ["-"]:

@@ -409,3 +409,16 @@ def test_tensors_bench_quick_json():
     for (_n, p), row in rows.items():
         assert row["seconds"] > 0 and math.isclose(row["x_one"], row["seconds"] / rows[1, p]["seconds"])
     assert "| delta sync |" in tensors.format_table(r)
+
+
+def test_fuzz_bench_without_atheris_says_so_and_runs_nothing(monkeypatch, tmp_path, capsys):
+    """Without atheris every target's process failed at its first line, each reported only as
+    ``exit 1``: the driver now says what is missing before starting any."""
+    fuzz = bench.load("fuzz")
+    real = fuzz.importlib.util.find_spec
+    monkeypatch.setattr(fuzz.importlib.util, "find_spec", lambda name, *a: None if name == "atheris" else real(name, *a))
+    ran = []
+    monkeypatch.setattr(fuzz, "run_target", lambda *a: ran.append(a))
+    rc = fuzz.main(["--inputs", "10", "--artifacts", str(tmp_path / "a"), "--corpus", str(tmp_path / "c")])
+    assert rc == 2 and ran == []
+    assert "needs atheris" in capsys.readouterr().err
