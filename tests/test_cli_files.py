@@ -106,7 +106,7 @@ def test_diff_picks_classes_by_default_on_small_updates(tmp_path, cli):
     s = json.loads(cli("inspect", str(tmp_path / "auto.dcr"), "--json").stdout)
     assert set(s["bytes_by_encoding"]) == {"classes"}
     # (0.91x here: portable's zstd streams gained 1-3 % from the large-stream parameters of
-    # codec/chunk._large_params; classes streams are not zstd-compressed)
+    # codec/chunk._fast_params; classes streams are not zstd-compressed)
     assert sizes["auto"] < 0.95 * sizes["portable"]
     r = cli("apply", str(tmp_path / "a.safetensors"), str(tmp_path / "auto.dcr"), "-o", str(tmp_path / "o.safetensors"))
     assert r.returncode == 0, r.stderr
