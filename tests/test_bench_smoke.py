@@ -416,7 +416,8 @@ def test_fuzz_bench_without_atheris_says_so_and_runs_nothing(monkeypatch, tmp_pa
     ``exit 1``: the driver now says what is missing before starting any."""
     fuzz = bench.load("fuzz")
     real = fuzz.importlib.util.find_spec
-    monkeypatch.setattr(fuzz.importlib.util, "find_spec", lambda name, *a: None if name == "atheris" else real(name, *a))
+    monkeypatch.setattr(fuzz.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "atheris" else real(name, *a))
     ran = []
     monkeypatch.setattr(fuzz, "run_target", lambda *a: ran.append(a))
     rc = fuzz.main(["--inputs", "10", "--artifacts", str(tmp_path / "a"), "--corpus", str(tmp_path / "c")])
