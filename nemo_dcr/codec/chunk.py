@@ -114,10 +114,13 @@ def pack(raw: bytes, level: int, parts: int = 1):
         return b"", False
     fast = len(raw) >= FAST_STREAM
     c = _compressor(level, fast)
-    # (zstd cuts a frame into blocks of ZSTD_BLOCK: planes of a multiple of that, a large
-    # tensor's chunks, are apart in its blocks already, and one call, which reads the input where
-    # it is, made them 15 % faster than the streaming calls _in_blocks needs)
-    split = fast and parts > 1 and (len(raw) // parts) % ZSTD_BLOCK != 0
+    # zstd cuts a frame into blocks of ZSTD_BLOCK: planes of a multiple of that (a large tensor's
+    # chunks) are apart in its blocks already, and from 8 blocks a plane on at most one block in
+    # eight holds two planes' bytes. There one call, which reads its input where it is, made the
+    # frame 12-23 % faster than the streaming calls of _in_blocks, for frames under 1 % larger
+    # (docs/results.md, thirtieth turn)
+    plane = len(raw) // parts
+    split = fast and parts > 1 and plane < 8 * ZSTD_BLOCK and plane % ZSTD_BLOCK != 0
     z = _in_blocks(c, raw, parts) if split else c.compress(raw)
     return (z, True) if len(z) < len(raw) else (raw, False)
 
@@ -128,10 +131,10 @@ def _in_blocks(c: zstandard.ZstdCompressor, raw, parts: int) -> bytes:
     bytes differ in statistics, and in one block zstd codes them with one literal table. Block by
     block the mantissa planes get a literal table of their own and the exponent plane its own:
     BF16 and FP32 planes of 512 bytes to 128 KiB 13-19 % smaller than one level-1 block, decoded
-    1.8-4.5x faster, made about as fast or faster; longer planes whose length is not a multiple of
-    ``ZSTD_BLOCK`` (one of zstd's blocks then holds the end of one plane and the start of the
-    next) 0.6-4 % smaller, decoded 1.06-1.5x faster, made up to 12 % slower (docs/results.md,
-    thirtieth turn). The planes of an
+    1.8-4.5x faster, made about as fast or faster; planes of 128 KiB to 1 MiB whose length is not
+    a multiple of ``ZSTD_BLOCK`` (one of zstd's blocks then holds the end of one plane and the
+    start of the next) 0.7-4 % smaller, decoded 1.07-1.5x faster, made up to 12 % slower
+    (docs/results.md, thirtieth turn). The planes of an
     xor or add of the changes are small numbers in every byte; there a block each measured no
     smaller and a little slower to make, so those are not split."""
     m = memoryview(raw).cast("B")
