@@ -105,7 +105,7 @@ def test_diff_picks_classes_by_default_on_small_updates(tmp_path, cli):
         sizes[enc] = os.path.getsize(out)
     s = json.loads(cli("inspect", str(tmp_path / "auto.dcr"), "--json").stdout)
     assert set(s["bytes_by_encoding"]) == {"classes"}
-    # (0.91x here: portable's zstd streams gained 1-3 % from the large-stream parameters of
+    # (0.91x here: portable's zstd streams gained 1-3 % from the fast parameters of
     # codec/chunk._fast_params; classes streams are not zstd-compressed)
     assert sizes["auto"] < 0.95 * sizes["portable"]
     r = cli("apply", str(tmp_path / "a.safetensors"), str(tmp_path / "auto.dcr"), "-o", str(tmp_path / "o.safetensors"))

@@ -134,9 +134,9 @@ def _in_blocks(c: zstandard.ZstdCompressor, raw, parts: int) -> bytes:
     1.8-4.5x faster, made about as fast or faster; planes of 128 KiB to 1 MiB whose length is not
     a multiple of ``ZSTD_BLOCK`` (one of zstd's blocks then holds the end of one plane and the
     start of the next) 0.7-4 % smaller, decoded 1.07-1.5x faster, made up to 12 % slower
-    (docs/results.md, thirtieth turn). The planes of an
-    xor or add of the changes are small numbers in every byte; there a block each measured no
-    smaller and a little slower to make, so those are not split."""
+    (docs/results.md, thirtieth turn). The planes of an xor or add of the changes are small
+    numbers in every byte; there a block each measured no smaller and a little slower to make, so
+    those are not split."""
     m = memoryview(raw).cast("B")
     k = len(m) // parts
     o = c.compressobj(size=len(m))
