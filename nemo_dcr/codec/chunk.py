@@ -110,7 +110,8 @@ def _decompressor() -> zstandard.ZstdDecompressor:
 def pack(raw: bytes, level: int, parts: int = 1):
     """(stored bytes, zstd?) -- zstd only when it is smaller. ``parts``: ``raw`` is that many byte
     planes of equal length (``planes.split``), each then compressed in blocks of its own (one
-    frame, flushed at each plane's end) from ``FAST_STREAM`` bytes on."""
+    frame, flushed at each plane's end: ``_in_blocks``) from ``FAST_STREAM`` bytes on, where
+    zstd's own blocks would hold two planes' bytes (see below)."""
     if not raw:
         return b"", False
     fast = len(raw) >= FAST_STREAM
