@@ -39,8 +39,9 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   * ``unverified`` -- ``apply(verify=False)``: the chunks alone;
 * ``reference`` and ``fast`` write and read format version 2 (BLAKE3 tensor digests); ``fast-v1``
   rows (encode and apply): the same fast paths in format version 1 (SHA-256 tensor digests,
-  BLAKE2b-64 chunk digests); ``fast-v3`` and ``fast-scatter``: version 3 (the default: segments,
-  tensor digests summed from the changes);
+  BLAKE2b-64 chunk digests); ``fast-v3``: version 3 (segments, tensor digests summed from the
+  changes); ``fast-v4`` and ``fast-scatter``: version 4 (the default: version 3 with the tensor
+  digests the state digest's terms, so the publisher sums no state digest of its own);
 * tensor digest of the shard per algorithm: SHA-256, BLAKE3 on 1 and 2 threads; chunk values
   digests (pre/post images) over the whole shard in chunks, as a keyframe's make them, on
   ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
@@ -48,8 +49,8 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   C kernel on ``--workers`` threads;
 * keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``), with the state
   digest in C and in torch, and in format version 1, against writing (and fsyncing) the raw bytes
-  of the shard there; ``fast-v3`` with its parts' checksums BLAKE3 (manifest format 4, the
-  default) and ``fast-v3-sha256`` with SHA-256 (format 3);
+  of the shard there; ``fast-v3`` and ``fast-v4`` (delta format 3 and 4) with their parts'
+  checksums BLAKE3 (manifest format 4, the default) and ``fast-v3-sha256`` with SHA-256 (format 3);
 * keyframe sync: a follower's first sync of that keyframe from the local directory into fresh
   tensors, its parts checked with BLAKE3 (``v3``) and SHA-256 (``v3-sha256``).
 
@@ -197,14 +198,16 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     n = base.numel()
     ob, nb = base.view(torch.int16), target.view(torch.int16)
     b, t = {"shard": base}, {"shard": target}
-    # "reference" and "fast": format version 2 (BLAKE3 tensor digests); "fast-v3" and
-    # "fast-scatter" (the publisher now): version 3, the default
+    # "reference" and "fast": format version 2 (BLAKE3 tensor digests); "fast-v3": version 3;
+    # "fast-v4" and "fast-scatter" (the publisher now): version 4, the default
     first = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=2)  # what published ``base``
     known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
     first1 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=1)
     known1 = {e.name: e.target_digest for e in DeltaReader.open(first1).header.tensors}
     first3 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=3)
     known3 = {e.name: e.target_digest for e in DeltaReader.open(first3).header.tensors}
+    first4 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=4)
+    known4 = {e.name: e.target_digest for e in DeltaReader.open(first4).header.tensors}
     snap = torch.empty_like(target)
 
     # both as the publisher calls diff: the state digest's change summed from the changed elements
@@ -227,6 +230,10 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
         return diff(b, {"shard": snap}, workers=workers, base_digests=known3, on_change=ChangeDigest(),
                     format_version=3)
 
+    def enc_fast_v4():  # format version 4: tensor digests the state digest's terms, no sum of its own
+        snap.copy_(target)
+        return diff(b, {"shard": snap}, workers=workers, base_digests=known4, format_version=4)
+
     ranges = [(s, min(s + DEFAULT_CHUNK, n)) for s in range(0, n, DEFAULT_CHUNK)]
 
     def enc_codec():
@@ -241,14 +248,15 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
 
     def enc_scatter(_):
         keep = _Changes({"shard": held}, {}, early=True)
-        out = diff({"shard": held}, t, workers=workers, base_digests=known3, on_change=keep.also(ChangeDigest()))
+        out = diff({"shard": held}, t, workers=workers, base_digests=known4, on_change=keep.also(None))
         keep.commit(t)
         return out
 
     blob1 = enc_fast_v1()
     blob3 = enc_fast_v3()
+    blob4 = enc_fast_v4()
     held.copy_(base)
-    if _entries(enc_scatter(None)) != _entries(blob3) \
+    if _entries(enc_scatter(None)) != _entries(blob4) \
             or not torch.equal(held.view(torch.int16), nb):
         raise AssertionError("the in-place encode differs, or its snapshot is not the target")
     # the same publisher's path with the shard cut into tensors of half a chunk each (views: the
@@ -257,12 +265,12 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     many = lambda x: {f"t{i:05d}": x[s:e] for i, (s, e) in enumerate(cut)}  # noqa: E731
     t_many = many(target)
     known_many = {e.name: e.target_digest for e in DeltaReader.open(
-        diff({}, many(base), encoding="overwrite", level=1, workers=workers, format_version=3)).header.tensors}
+        diff({}, many(base), encoding="overwrite", level=1, workers=workers, format_version=4)).header.tensors}
 
     def enc_scatter_many(_):
         mine = many(held)
         keep = _Changes(mine, {}, early=True)
-        out = diff(mine, t_many, workers=workers, base_digests=known_many, on_change=keep.also(ChangeDigest()))
+        out = diff(mine, t_many, workers=workers, base_digests=known_many, on_change=keep.also(None))
         keep.commit(t_many)
         return out
 
@@ -274,6 +282,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
             _row("encode", "fast", _median(enc_fast, reps), memcpy),
             _row("encode", "fast-v1", _median(enc_fast_v1, reps), memcpy),
             _row("encode", "fast-v3", _median(enc_fast_v3, reps), memcpy),
+            _row("encode", "fast-v4", _median(enc_fast_v4, reps), memcpy),
             _row("encode", "fast-scatter", _median(enc_scatter, reps, setup=lambda: held.copy_(base)), memcpy),
             _row("encode", "fast-scatter-many", _median(enc_scatter_many, reps, setup=lambda: held.copy_(base)),
                  memcpy),
@@ -294,6 +303,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
              "fast": lambda _: apply(recv, blob, workers=workers),
              "fast-v1": lambda _: apply(recv, blob1, workers=workers),
              "fast-v3": lambda _: apply(recv, blob3, workers=workers),
+             "fast-v4": lambda _: apply(recv, blob4, workers=workers),
              "follower": follower,
              "unverified": lambda _: apply(recv, blob, workers=workers, verify=False)}
     for name, fn in paths.items():
@@ -380,6 +390,7 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     rows.append(_row("keyframe", "fast", _median(lambda _: publish(), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v1", _median(lambda _: publish(1), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v3", _median(lambda _: publish(3), reps, clear), memcpy))
+    rows.append(_row("keyframe", "fast-v4", _median(lambda _: publish(4), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v3-sha256", _median(lambda _: publish(3, "sha256"), reps, clear), memcpy))
     for checksum in ("blake3", "sha256"):
         rows.append(_row("keyframe_sync", "v3" if checksum == "blake3" else "v3-sha256",

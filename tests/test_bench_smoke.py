@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from dcr_testing import bench
+from nemo_dcr.codec.versions import FORMAT_VERSION
 
 ENCODINGS = ("overwrite", "xor", "add", "classes", "auto")
 ENTROPY = ("positions", "positions_given_exponent", "positions_given_exponent_prev", "values", "values_add",
@@ -219,7 +220,7 @@ def test_reload_bench_quick_over_the_rate_limiter():
 def test_fanout_bench_quick_crosses_the_slow_link_once_through_a_tree():
     pytest.importorskip("moto.moto_server.werkzeug_app")
     res = _run_json(bench.load("fanout"), ["--quick", "--json", "--elements", "300000", "--shaping", "proxy"])
-    assert res["config"]["format_version"] == 3
+    assert res["config"]["format_version"] == FORMAT_VERSION
     runs = {(r["receivers"], r["how"]): r for r in res["runs"]}
     assert set(runs) == {(1, "store"), (2, "store"), (1, "tree k=2"), (2, "tree k=2")}
     d = res["delta_bytes"]
@@ -259,10 +260,11 @@ def test_kernels_bench_quick_json():
     for ch in (0.01, 0.05):
         for side, path in (("encode", "reference"), ("encode", "fast"), ("encode", "codec"), ("apply", "reference"),
                            ("apply", "fast"), ("apply", "follower"), ("apply", "unverified"), ("encode", "fast-v1"),
-                           ("encode", "fast-scatter"), ("encode", "fast-scatter-many"), ("apply", "fast-v1")):
+                           ("encode", "fast-scatter"), ("encode", "fast-scatter-many"), ("apply", "fast-v1"),
+                           ("encode", "fast-v3"), ("encode", "fast-v4"), ("apply", "fast-v3"), ("apply", "fast-v4")):
             assert (ch, side, path) in rows
     for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
-                       ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"),
+                       ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"), ("keyframe", "fast-v4"),
                        ("keyframe", "fast-v3-sha256"), ("keyframe_sync", "v3"), ("keyframe_sync", "v3-sha256"),
                        ("tensor_digest", "sha256"),
                        ("tensor_digest", "blake3-1t"), ("tensor_digest", "blake3-2t"), ("values_digest", "blake2b"),

@@ -130,15 +130,15 @@ def test_each_version_writes_its_digests(fv, tensor_prefix, values_algo):
     assert_state(recv, target)
 
 
-def test_the_default_format_version_is_3():
+def test_the_default_format_version_is_4():
     base, target = _states()
-    assert FORMAT_VERSION == 3 and DeltaReader.open(diff(base, target)).version == 3
+    assert FORMAT_VERSION == 4 and DeltaReader.open(diff(base, target)).version == 4
 
 
 def test_a_format_version_is_checked():
     base, target = _states()
-    with pytest.raises(DcrError, match="format version 4"):
-        diff(base, target, format_version=4)
+    with pytest.raises(DcrError, match="format version 5"):
+        diff(base, target, format_version=5)
 
 
 def test_known_base_digests_of_another_algorithm_are_hashed():
@@ -256,6 +256,6 @@ def test_the_lightning_callback_takes_a_format_version(tmp_path):
     pytest.importorskip("lightning")
     from nemo_dcr.integrations import DeltaPublishCallback
     assert DeltaPublishCallback(str(tmp_path), format_version=1).format_version == 1
-    assert DeltaPublishCallback(str(tmp_path)).format_version == FORMAT_VERSION == 3
+    assert DeltaPublishCallback(str(tmp_path)).format_version == FORMAT_VERSION == 4
     with pytest.raises(DcrError, match="format version 7"):
         DeltaPublishCallback(str(tmp_path), format_version=7)

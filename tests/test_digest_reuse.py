@@ -109,10 +109,12 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     assert len(hashed) == len(third)
 
 
-def test_publisher_of_format_3_hashes_no_tensor_whole(tmp_path, monkeypatch):
-    """Format version 3 (the default): the tensor digests are sums, the keyframe's summed from
-    its chunks and each delta's from the base's and the changes: no tensor is hashed whole by a
-    publish, and a follower checking every digest agrees."""
+@pytest.mark.parametrize("fv", [3, 4])
+def test_publisher_of_formats_3_and_4_hashes_no_tensor_whole(tmp_path, monkeypatch, fv):
+    """Format versions 3 and 4 (the default): the tensor digests are sums, the keyframe's summed
+    from its chunks and each delta's from the base's and the changes: no tensor is hashed whole by
+    a publish, and a follower checking every digest agrees. In version 4 the tensor digests are
+    the state digest's terms, so the first version's state digest is no pass of its own either."""
     import sys
 
     from nemo_dcr.state import digest, statedigest
@@ -124,12 +126,11 @@ def test_publisher_of_format_3_hashes_no_tensor_whole(tmp_path, monkeypatch):
         monkeypatch.setattr(mod, fn, lambda *a, _real=real, **k: hashed.append(a[0]) or _real(*a, **k))
     base, target = _states()
     store = LocalStore(tmp_path / "store")
-    pub = Publisher(store, chunk_elems=4096)
-    assert pub.format_version == 3
+    pub = Publisher(store, chunk_elems=4096, format_version=fv)
     third = {k: v.clone() for k, v in target.items()}
     next(iter(third.values())).view(-1)[0] += 1
-    pub.publish(base)  # the keyframe: its tensor digests summed from its chunks; only the
-    assert hashed == list(base)  # first state digest (keyed by name) is a pass of its own
+    pub.publish(base)  # the keyframe: its tensor digests summed from its chunks; in version 3 the
+    assert hashed == (list(base) if fv == 3 else [])  # first state digest (keyed by name) is a pass of its own
     hashed.clear()
     for s in (target, third):
         pub.publish(s)
@@ -138,10 +139,12 @@ def test_publisher_of_format_3_hashes_no_tensor_whole(tmp_path, monkeypatch):
     recv = zeros_like(base)
     fol = Follower(store, recv)
     fol.sync(0)
+    algo = {3: "sd", 4: "sdn"}[fv]
     for v, s in ((1, target), (2, third)):
         fol.sync(v)
         assert_state(recv, s)
         assert fol.manifest is not None and fol.manifest.parts
+        assert fol.manifest.target_digest == statedigest.state_contrib(s).hex()
         for p in fol.manifest.parts:
             for e in DeltaReader.open(store.get(p.key)).header.tensors:
-                assert e.target_digest == digest.tensor_digest(s[e.name], "sd"), e.name
+                assert e.target_digest == digest.tensor_digest(s[e.name], algo, place=digest.Place(e.name)), e.name

@@ -1,5 +1,5 @@
 """Golden files: deltas written by an earlier build (tests/data/golden/ for format version 1,
-tests/data/golden_v2/ for version 2, tests/data/golden_v3/ for version 3, made by
+tests/data/golden_v2/ for version 2, tests/data/golden_v3/ and golden_v4/ for versions 3 and 4, made by
 tests/data/make_golden.py from the same inputs) must
 still apply bit-exactly, and encoding the same inputs again in the same version must give the
 same bytes, so the format cannot change by accident."""
@@ -56,7 +56,8 @@ def test_golden_versions_differ_only_in_their_digests():
     from the format number and the digests (tensor digests, chunk pre/post, the state digests
     over them), and every digest of each is the algorithm its version names. Version 3 is version
     2 in segments with summed tensor digests: the same chunks, payloads and chunk digests (its
-    offsets differ: each segment's index sits before its payloads)."""
+    offsets differ: each segment's index sits before its payloads). Version 4 is version 3 with
+    the tensor digests keyed by name (``sdn:``): the same segments but for the digests."""
     def no_digests(blob, chunk_digests=True):
         h = json.loads(json.dumps(DeltaReader.open(blob).raw_header))
         for k in ("format", "tool", "base_digest", "target_digest"):
@@ -69,11 +70,11 @@ def test_golden_versions_differ_only_in_their_digests():
                     c.pop("pre"), c.pop("post")
         return h
     for name in DELTAS:
-        v1, v2, v3 = golden(name, 1), golden(name, 2), golden(name, 3)
-        assert _split(v1)[0][16:] == _split(v2)[0][16:] == _split(v3)[0][16:], name  # the payloads
+        v1, v2, v3, v4 = golden(name, 1), golden(name, 2), golden(name, 3), golden(name, 4)
+        assert _split(v1)[0][16:] == _split(v2)[0][16:] == _split(v3)[0][16:] == _split(v4)[0][16:], name
         assert no_digests(v1) == no_digests(v2), name
-        assert no_digests(v2, False) == no_digests(v3, False), name
-        for blob, prefix in ((v1, "sha256:"), (v2, "blake3:"), (v3, "sd:")):
+        assert no_digests(v2, False) == no_digests(v3, False) == no_digests(v4, False), name
+        for blob, prefix in ((v1, "sha256:"), (v2, "blake3:"), (v3, "sd:"), (v4, "sdn:")):
             for t in DeltaReader.open(blob).header.tensors:
                 assert all(d.startswith(prefix) for d in (t.base_digest, t.target_digest) if d), (name, t.name)
 

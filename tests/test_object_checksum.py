@@ -201,8 +201,8 @@ def test_the_cli_publishes_the_format_and_checksum_it_is_asked_for(tmp_path, cap
     assert not root.exists()  # nothing written
     store = LocalStore(root)
     for k, args, fmt, algo, version in [(0, ["--format-version", 2], 2, "sha256", 2),
-                                        (1, ["--object-checksum", "sha256"], 3, "sha256", 3),
-                                        (2, [], 4, "blake3", 3)]:
+                                        (1, ["--object-checksum", "sha256"], 3, "sha256", 4),
+                                        (2, [], 4, "blake3", 4)]:
         r = run_cli(capsys, "publish", "--store", root, tmp_path / f"m{k}.safetensors", *args)
         assert r.returncode == 0, r.stderr
         m = read_manifest(store, read_head(store)[0].manifest)

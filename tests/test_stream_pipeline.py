@@ -277,7 +277,7 @@ def test_a_part_damaged_on_the_way_is_downloaded_again_while_streaming(tmp_path,
     monkeypatch.setattr(Follower, "_apply_arriving", arriving)
     seq = states(2)
     res = publish_all(store, seq)
-    assert DeltaReader.open(store.get(res[1].manifest.parts[0].key)).version == 3
+    assert DeltaReader.open(store.get(res[1].manifest.parts[0].key)).version >= 3  # segmented
     held = {k: v.clone() for k, v in seq[0].items()}
     f = Follower(store, held, version=0, stream=True, retries=1, backoff=0.0)
     r = f.sync()

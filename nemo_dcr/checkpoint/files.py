@@ -29,7 +29,7 @@ from nemo_dcr.codec.header import TensorKind
 from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, Action, ApplyReport, diff, plan_entry, run_plan
 from nemo_dcr.errors import BaseMismatchError, DcrError
-from nemo_dcr.state.digest import tensor_digest_like
+from nemo_dcr.state.digest import Place, tensor_digest_like
 from nemo_dcr.util.atomic import output_file
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_ahead
@@ -98,7 +98,7 @@ def at_target(ckpt: Checkpoint, entries: dict, layout: dict) -> bool:
     for n in names:
         e, t = entries[n], ckpt[n]
         if t.dtype != e.torch_dtype or tuple(t.shape) != tuple(e.shape) \
-                or tensor_digest_like(t, e.target_digest) != e.target_digest:
+                or tensor_digest_like(t, e.target_digest, Place(n)) != e.target_digest:
             return False
     return has_layout(ckpt, layout)
 
@@ -138,7 +138,8 @@ def _apply_files(reader, entries, layout, ckpt, delta, out, in_place, workers, p
         return tensor
 
     for name, e in entries.items():  # removed tensors: the base must still be the right one
-        if e.removed and e.base_digest and tensor_digest_like(ckpt[name], e.base_digest) != e.base_digest:
+        if e.removed and e.base_digest and tensor_digest_like(ckpt[name], e.base_digest, Place(name)) \
+                != e.base_digest:
             raise BaseMismatchError(f"{name}: base tensor is not the one this delta was built from")
     # each tensor is prepared on a thread of its own while the ones before it are written, a few
     # at once: one at a time, a checkpoint of one-chunk tensors kept one worker busy

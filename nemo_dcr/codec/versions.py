@@ -9,12 +9,16 @@ and chunk codings are the same:
 * version 3: the same header and chunk codings in a container of segments, each chunk's index
   before the chunk (codec/format.py), and tensor digests ``"sd:"``, sums over elements
   (state/digest.py) that the writer updates from the changed elements alone; chunk
-  ``pre``/``post`` as in version 2.
+  ``pre``/``post`` as in version 2;
+* version 4: version 3 with tensor digests ``"sdn:"``, each tensor's (or region's) share of the
+  state digest: keyed by its name and global shape, so a state's tensor digests add up to its
+  state digest and a writer sums every element once, not once for each.
 
 Tensor digests name their algorithm, so a reader checks any it knows in any version. The
 chunk digests carry no name (16 hex digits each, one pair per chunk), so the version says which
 they are; a reader of version 1 refuses a version 2 delta as a version it does not know, rather
-than report every chunk as a wrong base (and a reader of 1 and 2 refuses version 3 the same way).
+than report every chunk as a wrong base (and a reader of 1 and 2 refuses version 3 the same way,
+a reader of 1 to 3 version 4: its tensor digests it could not check).
 ``diff(..., format_version=1)`` still writes version 1, for receivers older than version 2.
 """
 from __future__ import annotations
@@ -31,8 +35,9 @@ class Version:
     values_digest: str  # the algorithm of every chunk's pre/post image digest
 
 
-VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3")}
-FORMAT_VERSION = 3  # what a writer writes unless asked for another
+VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3"),
+            4: Version(4, "sdn", "blake3")}
+FORMAT_VERSION = 4  # what a writer writes unless asked for another
 
 
 def version(number: int) -> Version:

@@ -33,7 +33,15 @@ from nemo_dcr.delta.changes import OnChange, report_gone
 from nemo_dcr.delta.overlap import Claims
 from nemo_dcr.delta.plan import Action, Plan, plan_entry
 from nemo_dcr.errors import BaseMismatchError, DcrError, DeltaFormatError, PartialApplyError, TargetMismatchError
-from nemo_dcr.state.digest import MovedSumDigest, RunningDigest, algo_of, tensor_digest_like, values_digest
+from nemo_dcr.state.digest import (
+    SUMMED,
+    MovedSumDigest,
+    Place,
+    RunningDigest,
+    algo_of,
+    tensor_digest_like,
+    values_digest,
+)
 from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
@@ -348,7 +356,7 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
         journal.add(key)
     if t.moved is not None:
         assert cur is not None  # an APPLY plan's chunks are checked against what is held: gathered
-        t.moved.change(pos, cur, new)
+        t.moved.change(pos, cur, new, glob)
     if on_change is not None:
         on_change(t.plan.name, t.dtype, t.region_map.spec.global_shape, glob, cur, new)
     return "applied", int(local.numel())
@@ -479,17 +487,17 @@ def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: 
     verifies = verify and _verifies(plan)
     base = plan.entry.base_digest
     moved = None
-    if verifies and plan.action == Action.APPLY and base is not None and algo_of(plan.target) == "sd" \
-            and algo_of(base) == "sd":
+    if verifies and plan.action == Action.APPLY and base is not None and algo_of(plan.target) in SUMMED \
+            and algo_of(base) == algo_of(plan.target):
         # the base's sum was checked (plan_entry), and a sum moves with the changes: the
         # target is checked in O(changes), not by reading the tensor again
-        moved = MovedSumDigest(base, plan.entry.torch_dtype, plan.sent.shape)
+        moved = MovedSumDigest(base, plan.entry.torch_dtype, plan.sent.shape, _place(plan))
     t = _target_of(plan, moved)
     if plan.replaces:
         report_gone(plan.name, plan.held, plan.recv, on_change)
     running: RunningDigest | MovedSumDigest | None = moved
     if verifies and moved is None:
-        running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target))
+        running = RunningDigest(_verified_view(plan, t.tensor), algo_of(plan.target), place=_place(plan))
     return _Run(plan, t, t.tensor, running, len(plan.entry.chunks))
 
 
@@ -575,7 +583,8 @@ def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, 
             if status != "applied" and isinstance(r.running, MovedSumDigest):
                 # a chunk found applied already moved nothing here: the sum no longer follows,
                 # and the target is hashed whole after all
-                r.running = RunningDigest(_verified_view(r.plan, r.t.tensor), algo_of(r.plan.target))
+                r.running = RunningDigest(_verified_view(r.plan, r.t.tensor), algo_of(r.plan.target),
+                                          place=_place(r.plan))
             if r.running is not None:  # every chunk up to c is written, and later ones write past its end
                 r.running.advance(c.start + c.n)
             if status == "applied":
@@ -610,11 +619,16 @@ def _verified_view(plan: Plan, tensor: torch.Tensor) -> torch.Tensor:
     return plan.recv.view_of(tensor, plan.sent)
 
 
+def _place(plan: Plan) -> Place:
+    """Where the entry's region sits in the state: what its (``"sdn"``) digests are keyed by."""
+    return Place(plan.name, plan.sent)
+
+
 def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> None:
     """Check the entry's target digest on ``tensor`` (``digest``: already computed on it)."""
     if not _verifies(plan):
         return
-    d = digest or tensor_digest_like(_verified_view(plan, tensor), plan.target)
+    d = digest or tensor_digest_like(_verified_view(plan, tensor), plan.target, _place(plan))
     if d != plan.target:
         raise TargetMismatchError(f"{plan.name}: result does not match the target digest "
                                   f"(got {d}, expected {plan.entry.target_digest})")

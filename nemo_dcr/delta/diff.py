@@ -26,11 +26,11 @@ from nemo_dcr.codec.names import DEFAULT_CHUNK, DEFAULT_LEVEL  # re-exported by 
 from nemo_dcr.codec.versions import Version, version
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
-from nemo_dcr.state.digest import SUM_NAME, algo_of, state_digest, sum_digest_range, sum_digest_text, tensor_digest
+from nemo_dcr.state.digest import SUMMED, Place, SumKey, algo_of, state_digest, tensor_digest
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.statedigest import RunningSum, StateDigest, one_range
+from nemo_dcr.state.statedigest import RunningSum, one_range
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import background, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -57,7 +57,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     new_bits)`` sees every changed element, from worker threads (it must be thread-safe):
     ``old_bits`` None for a tensor sent whole, ``new_bits`` None for the elements of a tensor
     that is removed or replaced by one of another dtype or shape (``delta/changes.py``). In
-    format 3 (segmented) a chunk's base elements are read only before its changes are reported,
+    formats 3 and 4 (segmented) a chunk's base elements are read only before its changes are reported,
     so ``on_change`` may write them into ``base`` (the publisher's snapshot does); versions 1 and
     2 may still be hashing the base beside the chunks.
     ``base_digests``: name -> the tensor digest of ``base[name]`` as a previous ``diff`` wrote it
@@ -67,8 +67,9 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     tensor in delta (same dtype and shape) found elsewhere, the same ``EncodedChunk``s the
     reference would make (the device path, ``nemo_dcr/device/trainer.py``), or None to let the
     reference encode that tensor.
-    ``format_version``: the delta's format version (``codec/versions.py``): 3 (default) in
-    segments, its tensor digests summed from the changes; 2 digests with BLAKE3; 1 with SHA-256
+    ``format_version``: the delta's format version (``codec/versions.py``): 4 (default) in
+    segments, its tensor digests summed from the changes, each the tensor's share of the state
+    digest; 3 the same with digests keyed apart from it; 2 digests with BLAKE3; 1 with SHA-256
     and BLAKE2b-64, for receivers older than version 2. A known base digest of another algorithm
     than the version's is not reused (the base is hashed).
     ``target_digests``: name -> the tensor digest of ``target[name]``, computed elsewhere (the
@@ -209,7 +210,8 @@ class _Tensor:
             old = base[name]
             report_gone(name, old, base_spec, on_change)
             self.gone = {"name": name, "kind": "removed",
-                         "base_digest": known_base or tensor_digest(old, fv.tensor_digest)}
+                         "base_digest": known_base or tensor_digest(old, fv.tensor_digest,
+                                                                    place=Place(name, spec_of(old, base_spec)))}
             return
         new = target[name]
         dtype_name(new.dtype)
@@ -230,31 +232,35 @@ class _Tensor:
         self.of = FlatAccess(old) if old is not None else None
         n = self.nf.numel
         ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
-        # format 3's tensor digests are sums over elements ("sd", state/digest.py): the target's is
-        # the base's plus the chunks' changes, O(changes); a tensor sent whole sums its chunks
-        self.summed = summed = fv.tensor_digest == "sd"
+        # format 3's and 4's tensor digests are sums over elements ("sd", "sdn": state/digest.py):
+        # the target's is the base's plus the chunks' changes, O(changes); a tensor sent whole sums
+        # its chunks. Both of a tensor's digests are of its region in the target (where the
+        # receiver checks them), the base's too
+        self.place = Place(name, spec)
+        self.summed = summed = fv.tensor_digest in SUMMED
+        self.sum_key = SumKey(fv.tensor_digest, new.dtype, new.shape, self.place) if summed else None
         self.keep = keep = on_change is not None or (summed and old is not None)
         found = None if chunker is None or old is None else chunker(name, old, new, chunk_elems, encoding, level,
                                                                      keep)
         self.region_map = IndexMap(spec) if on_change is not None else None
         self.digests = digests = {"base": known_base} if old is not None and known_base else {}
         # a target digest known already: the device capture's (its chunks found there too), or, for
-        # a tensor sent whole in format 3, the sum a delta of the same version reached from the
+        # a tensor sent whole in format 3 or 4, the sum a delta of the same version reached from the
         # changes (a keyframe published beside a delta: its chunks are not summed a second time)
         self.reuse = reuse = known_target is not None and (found is not None or (summed and old is None))
         if known_target is not None and reuse:
             digests["target"] = known_target
         early = None
         if old is not None and "base" not in digests and segmented:
-            # a segmented delta (version 3) names the base digest in the tensor's first piece, which
+            # a segmented delta (version 3, 4) names the base digest in the tensor's first piece, which
             # may be written before its last chunk is encoded: it is there by ``begin``. A tensor
             # summed in one range is so on one thread anyway: beside the chunks of the tensors
             # before it (the calling thread waited for each, one tensor after another: a
             # checkpoint's diff spent a third of its time so); a longer one on all the workers now
-            if fv.tensor_digest == "sd" and one_range(old.numel()):
+            if summed and one_range(old.numel()):
                 early = background(lambda: self._digest("base"), workers)
             else:
-                digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers)
+                digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers, place=self.place)
         self.items = ranges if found is None else found
         self.chunks: list = []
         self.target_sum = RunningSum()  # a summed target digest's parts: the chunks' changes, or dense ranges
@@ -269,7 +275,7 @@ class _Tensor:
 
     def _digest(self, which: str) -> None:
         self.digests[which] = tensor_digest(self.new if which == "target" else self.old, self.fv.tensor_digest,
-                                            threads=1)
+                                            threads=1, place=self.place)
 
     def job(self, r):
         """One chunk, on a worker: (the encoded chunk or None, its dense bytes, its share of a summed
@@ -288,17 +294,21 @@ class _Tensor:
                              self.level, keep_changes=keep, is_float=new.dtype.is_floating_point,
                              dtype=new.dtype, values_algo=fv.values_digest)
             if self.summed and self.old is None and not self.reuse:
-                part = sum_digest_range(new.dtype, new.shape, nb, s)
+                assert self.sum_key is not None  # made with summed
+                part = self.sum_key.range(nb, s)
         if c is not None and keep:
             # keep_changes=True (and the chunker is told the same): every chunk carries its changes
             assert c.changes is not None
             idx, oldv, newv = c.changes
+            gidx = None
             if self.on_change is not None:
                 assert self.region_map is not None
-                self.on_change(self.name, new.dtype, self.spec.global_shape, self.region_map.to_global(idx + s),
-                               oldv, newv)
+                gidx = self.region_map.to_global(idx + s)
+                self.on_change(self.name, new.dtype, self.spec.global_shape, gidx, oldv, newv)
             if self.summed and self.old is not None and not self.reuse:
-                self.target_sum.add_change(SUM_NAME, new.dtype, new.shape, (idx + s).cpu(), oldv.cpu(), newv.cpu())
+                assert self.sum_key is not None  # made with summed
+                self.target_sum.add_change(*self.sum_key.at((idx + s).cpu(), None if gidx is None else gidx.cpu()),
+                                           oldv.cpu(), newv.cpu())
             c.changes = None
         return c, (e - s) * new.element_size(), part
 
@@ -329,8 +339,9 @@ class _Tensor:
             f.result()
         d = self.digests
         if self.summed and not self.reuse:
-            start = StateDigest.from_hex(d["base"][len("sd:"):]) if self.old is not None else StateDigest.zero()
-            d["target"] = sum_digest_text(start + self.target_sum.total)
+            assert self.sum_key is not None  # made with summed
+            total = self.target_sum.total
+            d["target"] = self.sum_key.text(self.sum_key.parse(d["base"]) + total if self.old is not None else total)
         entry = {
             "name": self.name, "kind": self.kind, "dtype": dtype_name(self.new.dtype),
             "shape": list(self.spec.global_shape), "region": self.spec.to_json(), "target_digest": d["target"],

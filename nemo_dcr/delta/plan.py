@@ -12,7 +12,7 @@ import torch
 
 from nemo_dcr.codec.header import TensorEntry, TensorKind
 from nemo_dcr.errors import BaseMismatchError, DcrError
-from nemo_dcr.state.digest import tensor_digest_like
+from nemo_dcr.state.digest import Place, tensor_digest_like
 from nemo_dcr.state.index_map import ShardSpec
 
 
@@ -81,7 +81,7 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
     name = entry.name
     if entry.kind == TensorKind.REMOVED:
         if tensor is not None and verify and entry.base_digest and (recv is None or recv.is_full) \
-                and tensor_digest_like(tensor, entry.base_digest) != entry.base_digest:
+                and tensor_digest_like(tensor, entry.base_digest, Place(name, recv)) != entry.base_digest:
             raise BaseMismatchError(f"{name}: the delta removes this tensor, but the receiver's is not the base's")
         return Plan(entry, tensor, recv, None, False, Action.REMOVE if tensor is not None else Action.IGNORE)
     dtype, region, target = entry.torch_dtype, entry.region, entry.target_digest
@@ -108,7 +108,8 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
     if not covered and not recv.overlaps(region):
         return Plan(entry, tensor, recv, region, False, Action.IGNORE)
     if entry.kind == TensorKind.FULL:  # the region's whole content, written over whatever is there
-        if covered and verify and tensor_digest_like(recv.view_of(tensor, region), target) == target:
+        if covered and verify \
+                and tensor_digest_like(recv.view_of(tensor, region), target, Place(name, region)) == target:
             return Plan(entry, tensor, recv, region, True, Action.SKIP)
         return Plan(entry, tensor, recv, region, covered, Action.OVERWRITE)
     if not covered:
@@ -116,7 +117,7 @@ def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec 
     if not verify:
         return Plan(entry, tensor, recv, region, True, Action.RESUME)
     assert entry.base_digest is not None  # TensorEntry.parse: a delta entry has one (full ones returned above)
-    d = tensor_digest_like(recv.view_of(tensor, region), entry.base_digest)
+    d = tensor_digest_like(recv.view_of(tensor, region), entry.base_digest, Place(name, region))
     if d == entry.base_digest:
         action = Action.APPLY if entry.chunks else Action.SKIP
     elif d == entry.target_digest:

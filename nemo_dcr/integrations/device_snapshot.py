@@ -87,10 +87,10 @@ class CallbackDevice:
     def wants(self, module, snapshot_fn=None, format_version: int = FORMAT_VERSION) -> bool:
         """Whether this publish takes the device path (decided once, at the first publish, and
         logged): ``device`` is not "off", no ``snapshot_fn``, a format version whose chunk digests
-        are BLAKE3's (2 and 3: the device coder makes those), triton installed, and the weights on
+        are BLAKE3's (2 to 4: the device coder makes those), triton installed, and the weights on
         a CUDA device (or, with "on" under TRITON_INTERPRET=1, on the CPU: how the tests run it).
         The capture hashes each tensor on the device only for a version whose tensor digests are
-        BLAKE3 (2); version 3's are summed from the changes by the publisher's diff."""
+        BLAKE3 (2); version 3's and 4's are summed from the changes by the publisher's diff."""
         if self.active is None:
             why = None
             if self.device == "off":

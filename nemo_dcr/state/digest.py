@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import blake3
@@ -26,15 +27,20 @@ import torch
 
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
+from nemo_dcr.state.index_map import IndexMap, ShardSpec
 
 HASH_RANGE = 1 << 22  # elements hashed per update
-TENSOR_ALGOS = ("blake3", "sha256", "blake2b", "sd")  # what a tensor digest may be made with
+TENSOR_ALGOS = ("blake3", "sha256", "blake2b", "sd", "sdn")  # what a tensor digest may be made with
 VALUES_ALGOS = ("blake3", "blake2b")  # what a chunk's pre/post image digest may be made with
-_PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": "", "sd": "sd:"}
+_PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": "", "sd": "sd:", "sdn": "sdn:"}
 #: ``"sd"`` (format version 3): the state digest (state/statedigest.py) of the tensor alone, as
 #: a whole tensor named ``""`` -- keyed by its dtype and shape, its elements at their flat indices.
-#: A plain sum over elements, so ``diff`` updates it from the changed elements alone
-#: (``sum_digest_change``); a checksum, not a cryptographic hash (docs/format.md, "Digests").
+#: ``"sdn"`` (format version 4): the tensor's (or region's) share of the state digest itself --
+#: keyed by its name, dtype and global shape, its elements at their canonical indices -- so the
+#: tensor digests of a state add up to its state digest and a writer sums each element once.
+#: Both are plain sums over elements, so ``diff`` updates them from the changed elements alone
+#: (``SumKey``); checksums, not cryptographic hashes (docs/format.md, "Digests").
+SUMMED = ("sd", "sdn")
 SUM_NAME = ""
 #: BLAKE3 threads (``max_threads``) for a tensor digest that is a pass of its own (``tensor_digest``:
 #: a receiver's base check before the first write, a verification): 2 threads hash a large range
@@ -68,23 +74,91 @@ class _Hasher(Protocol):
     def hexdigest(self) -> str: ...
 
 
+@dataclass(frozen=True)
+class Place:
+    """Where a tensor's elements sit in the state: the tensor's ``name`` and ``spec``, the region
+    of the global tensor they are (None: the whole tensor). An ``"sdn"`` digest is keyed by it;
+    the other algorithms hash the bits alone and ignore it."""
+
+    name: str
+    spec: ShardSpec | None = None
+
+
+class SumKey:
+    """What a summed tensor digest (``SUMMED``) of a tensor is keyed by and where its elements
+    count: ``"sd"``, the name ``""``, the tensor's own dtype and shape, its flat indices;
+    ``"sdn"``, ``place``'s name and global shape, the canonical indices of its region. One
+    implementation of the sums every writer and reader of them makes."""
+
+    def __init__(self, algo: str, dtype: torch.dtype, shape, place: Place | None = None):
+        if algo not in SUMMED:
+            raise ValueError(f"{algo!r} is not a summed tensor digest (those are {', '.join(SUMMED)})")
+        self.algo, self.dtype, self.prefix = algo, dtype, _PREFIX[algo]
+        self.imap: IndexMap | None = None
+        if algo == "sdn":
+            if place is None:
+                raise ValueError("an \"sdn\" tensor digest is keyed by the tensor's name and place: none given")
+            spec = place.spec if place.spec is not None else ShardSpec.full(tuple(shape))
+            if tuple(spec.shape) != tuple(shape):
+                raise ValueError(f"{place.name}: tensor shape {tuple(shape)} != its region's {tuple(spec.shape)}")
+            self.imap = IndexMap(spec)
+            self.name, self.shape = place.name, tuple(spec.global_shape)
+        else:
+            self.name, self.shape = SUM_NAME, tuple(shape)
+
+    def range(self, bits: torch.Tensor, start: int):
+        """The share (a StateDigest) of the flat elements ``start``, ... holding ``bits``."""
+        from nemo_dcr.state.statedigest import range_contrib, region_contrib
+        if self.imap is None:
+            return range_contrib(self.name, self.dtype, self.shape, bits, start)
+        return region_contrib(self.name, self.dtype, self.imap, bits, start)
+
+    def at(self, idx: torch.Tensor, gidx: torch.Tensor | None = None) -> tuple[str, torch.dtype, tuple, torch.Tensor]:
+        """``(name, dtype, shape, indices)``: the first arguments of the state digest's change
+        functions (``statedigest.change_contrib``, ``RunningSum.add_change``) for the elements at
+        flat ``idx`` (``gidx``: their canonical indices, where the caller has them already)."""
+        if self.imap is not None:
+            idx = gidx if gidx is not None else self.imap.to_global(idx)
+        return self.name, self.dtype, self.shape, idx
+
+    def parse(self, digest: str):
+        """The StateDigest a digest of this algorithm holds."""
+        if algo_of(digest) != self.algo:
+            raise ValueError(f"{digest!r} is not an {self.algo!r} tensor digest")
+        return sum_of(digest)
+
+    def text(self, total) -> str:
+        """The digest of a StateDigest ``total``, as written."""
+        return self.prefix + total.hex()
+
+
+def sum_of(digest: str):
+    """The StateDigest a summed tensor digest (``SUMMED``) holds."""
+    from nemo_dcr.state.statedigest import StateDigest
+    algo = algo_of(digest)
+    if algo not in SUMMED:
+        raise ValueError(f"{digest!r} is not a summed tensor digest")
+    return StateDigest.from_hex(digest[len(_PREFIX[algo]):])
+
+
 class RunningDigest:
     """``tensor_digest`` of ``t`` fed front to back: ``advance(end)`` hashes the flat elements up
     to ``end`` (those must be final by then), ``hexdigest()`` the rest and returns the digest.
     ``apply`` hashes each range as soon as the chunks before it are written, on the calling
     thread while the workers apply the next chunks: the target check then overlaps the writes
     instead of being a second pass after them (same bytes hashed, same digest). ``threads``:
-    BLAKE3's, for a large tensor (one by default: the workers keep the cores busy)."""
+    BLAKE3's, for a large tensor (one by default: the workers keep the cores busy). ``place``:
+    where ``t`` sits (``Place``), for an ``"sdn"`` digest."""
 
-    def __init__(self, t: torch.Tensor, algo: str = "blake3", threads: int = 1):
+    def __init__(self, t: torch.Tensor, algo: str = "blake3", threads: int = 1, place: Place | None = None):
         self._h: _Hasher | None = None  # the hashers share no base class, only these two methods
-        self._sum = None  # the "sd" digest's running sum (StateDigest)
+        self._sum = None  # a summed digest's running sum (StateDigest)
         self._fa = FlatAccess(t)
         self._done = 0
         self._prefix = _PREFIX.get(algo, "")
-        self._dtype, self._shape = t.dtype, tuple(t.shape)
-        if algo == "sd":
+        if algo in SUMMED:
             from nemo_dcr.state.statedigest import StateDigest
+            self._key = SumKey(algo, t.dtype, t.shape, place)
             self._sum = StateDigest.zero()
             return
         if algo == "blake3":
@@ -103,8 +177,7 @@ class RunningDigest:
         for s in range(self._done, end, HASH_RANGE):
             bits = self._fa.read(s, min(s + HASH_RANGE, end))
             if self._sum is not None:
-                from nemo_dcr.state.statedigest import range_contrib
-                self._sum = self._sum + range_contrib(SUM_NAME, self._dtype, self._shape, bits, s)
+                self._sum = self._sum + self._key.range(bits, s)
             else:
                 assert self._h is not None
                 self._h.update(_bytes(bits))
@@ -113,88 +186,79 @@ class RunningDigest:
     def hexdigest(self) -> str:
         self.advance(self._fa.numel)
         if self._sum is not None:
-            return self._prefix + self._sum.hex()
+            return self._key.text(self._sum)
         assert self._h is not None
         return self._prefix + self._h.hexdigest()[:32]
 
 
 def sum_digest_change(digest: str, dtype: torch.dtype, shape, idx: torch.Tensor, old: torch.Tensor | None,
-                      new: torch.Tensor | None) -> str:
-    """The ``"sd"`` digest of a tensor (dtype, shape) after the elements at flat ``idx`` went from
-    ``old`` to ``new`` bits (None: the elements were not there / are no longer): O(changes)."""
-    from nemo_dcr.state.statedigest import StateDigest, change_contrib, changes_contrib
-    d = StateDigest.from_hex(digest[len(_PREFIX["sd"]):])
+                      new: torch.Tensor | None, place: Place | None = None) -> str:
+    """The summed digest (``"sd"`` or ``"sdn"``, as ``digest`` names) of a tensor (dtype, shape;
+    ``place`` for ``"sdn"``) after the elements at flat ``idx`` went from ``old`` to ``new``
+    bits (None: the elements were not there / are no longer): O(changes)."""
+    from nemo_dcr.state.statedigest import change_contrib, changes_contrib
+    key = SumKey(algo_of(digest), dtype, shape, place)
+    d = key.parse(digest)
+    at = key.at(idx)
     if old is not None and new is not None:
-        d = d + change_contrib(SUM_NAME, dtype, shape, idx, old, new)
+        d = d + change_contrib(*at, old, new)
     elif new is not None:
-        d = d + changes_contrib(SUM_NAME, dtype, shape, idx, new)
+        d = d + changes_contrib(*at, new)
     elif old is not None:
-        d = d - changes_contrib(SUM_NAME, dtype, shape, idx, old)
-    return _PREFIX["sd"] + d.hex()
+        d = d - changes_contrib(*at, old)
+    return key.text(d)
 
 
 class MovedSumDigest:
-    """A tensor's ``"sd"`` digest moved from a known one (``start``: the digest of the bits it
+    """A tensor's summed digest moved from a known one (``start``: the digest of the bits it
     held before, checked) by the changes written since, reported from any thread: O(changes)
     where ``RunningDigest`` hashes every element again. ``advance`` and ``hexdigest`` as
     ``RunningDigest``'s, so ``apply`` checks a target either way."""
 
-    def __init__(self, start: str, dtype: torch.dtype, shape):
-        from nemo_dcr.state.statedigest import RunningSum, StateDigest
-        self._sum = RunningSum(StateDigest.from_hex(start[len(_PREFIX["sd"]):]))
-        self._dtype, self._shape = dtype, tuple(shape)
+    def __init__(self, start: str, dtype: torch.dtype, shape, place: Place | None = None):
+        from nemo_dcr.state.statedigest import RunningSum
+        self._key = SumKey(algo_of(start), dtype, shape, place)
+        self._sum = RunningSum(self._key.parse(start))
 
     def advance(self, end: int) -> None:
         pass  # nothing to hash: the changes came with ``change``
 
-    def change(self, idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor) -> None:
-        """The elements at flat ``idx`` went from ``old`` to ``new`` bits."""
-        self._sum.add_change(SUM_NAME, self._dtype, self._shape, idx.cpu(), old.cpu(), new.cpu())
+    def change(self, idx: torch.Tensor, old: torch.Tensor, new: torch.Tensor, gidx: torch.Tensor | None = None) -> None:
+        """The elements at flat ``idx`` (canonical ``gidx``, where known) went from ``old`` to ``new`` bits."""
+        self._sum.add_change(*self._key.at(idx.cpu(), None if gidx is None else gidx.cpu()), old.cpu(), new.cpu())
 
     def replace(self, start: int, old: torch.Tensor, new: torch.Tensor) -> None:
         """The flat elements from ``start`` went from ``old`` to ``new`` bits (a dense range)."""
-        self._sum.add(sum_digest_range(self._dtype, self._shape, new, start)
-                      - sum_digest_range(self._dtype, self._shape, old, start))
+        self._sum.add(self._key.range(new, start) - self._key.range(old, start))
 
     def hexdigest(self) -> str:
-        return sum_digest_text(self._sum.total)
-
-
-def sum_digest_range(dtype: torch.dtype, shape, bits: torch.Tensor, start: int):
-    """The part of a tensor's ``"sd"`` digest from its flat elements ``start``, ... holding
-    ``bits`` (a StateDigest: the parts of a tensor's ranges add up; ``sum_digest_text`` of the total)."""
-    from nemo_dcr.state.statedigest import range_contrib
-    return range_contrib(SUM_NAME, dtype, shape, bits, start)
-
-
-def sum_digest_text(total) -> str:
-    """``"sd:"`` + the hex of a StateDigest (``sum_digest_range``'s parts, added)."""
-    return _PREFIX["sd"] + total.hex()
+        return self._key.text(self._sum.total)
 
 
 def algo_of(ref: str) -> str:
     """The algorithm a stored tensor digest was made with (no prefix: the earlier BLAKE2b).
     ``ValueError`` for a prefix this build does not know: such a digest cannot be checked, and
     guessing would report a wrong base where the delta is only newer than the reader."""
-    if ref.startswith("blake3:"):
-        return "blake3"
-    if ref.startswith("sha256:"):
-        return "sha256"
-    if ref.startswith("sd:"):
-        return "sd"
+    for algo, prefix in _PREFIX.items():
+        if prefix and ref.startswith(prefix):
+            return algo
     if ":" not in ref:
         return "blake2b"
     raise ValueError(f"unknown tensor digest algorithm {ref.split(':', 1)[0]!r} in {ref!r} "
                      f"(this build checks {', '.join(TENSOR_ALGOS)})")
 
 
-def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = None) -> str:
-    """The digest of ``t`` in one pass; ``threads``: BLAKE3's (default ``THREADS``). A CUDA
+def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = None,
+                  place: Place | None = None) -> str:
+    """The digest of ``t`` in one pass; ``threads``: BLAKE3's (default ``THREADS``); ``place``:
+    where ``t`` sits, for an ``"sdn"`` digest (``Place``). A CUDA
     tensor's BLAKE3 digest is computed on its device where triton is installed
     (``device/blake3.py``: 16 bytes cross, not the tensor)."""
-    if algo == "sd":  # the state digest kernel, its ranges over the worker threads
+    if algo in SUMMED:  # the state digest kernel, its ranges over the worker threads
         from nemo_dcr.state.statedigest import tensor_contrib
-        return _PREFIX["sd"] + tensor_contrib(SUM_NAME, t, workers=threads).hex()
+        key = SumKey(algo, t.dtype, t.shape, place)
+        spec = None if key.imap is None else key.imap.spec
+        return key.text(tensor_contrib(key.name, t, spec, workers=threads))
     if algo == "blake3" and t.is_cuda:
         from nemo_dcr.device import kernels  # the optional device layer, above this one: only when asked
         if kernels.available():
@@ -203,9 +267,9 @@ def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = N
     return RunningDigest(t, algo, THREADS if threads is None else threads).hexdigest()
 
 
-def tensor_digest_like(t: torch.Tensor, ref: str) -> str:
-    """``tensor_digest`` of ``t`` in the algorithm ``ref`` was made with (to compare with it)."""
-    return tensor_digest(t, algo_of(ref))
+def tensor_digest_like(t: torch.Tensor, ref: str, place: Place | None = None) -> str:
+    """``tensor_digest`` of ``t`` (at ``place``) in the algorithm ``ref`` was made with (to compare with it)."""
+    return tensor_digest(t, algo_of(ref), place=place)
 
 
 def values_digest(bits: torch.Tensor | np.ndarray, algo: str = "blake3") -> str:

@@ -273,12 +273,17 @@ class IndexMap:
             out += q
         return out
 
+    @property
+    def run_length(self) -> int:
+        """The length of the runs ``rows`` cuts the shard into (its collapsed last dimension)."""
+        return self._s[-1] if self._s else 1
+
     def rows(self) -> tuple[torch.Tensor, torch.Tensor, int]:
         """The shard as runs consecutive in both its local and the canonical flat order: its
         collapsed rows (a whole tensor or a row shard is one run, a column shard one per row) ->
         (each run's local start, its canonical start, the runs' length), increasing. What chunks
         are mapped to shards with, per run rather than per element (``state/runs.py``)."""
-        length = self._s[-1] if self._s else 1
+        length = self.run_length
         if self.numel == 0:
             empty = torch.empty(0, dtype=torch.int64)
             return empty, empty, 1

@@ -428,6 +428,52 @@ def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[in
     return StateDigest(tuple(acc))
 
 
+def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: torch.Tensor,
+                   start: int = 0) -> StateDigest:
+    """Contribution of the elements ``start``, ``start + 1``, ... in the own flat order of a
+    region of tensor ``name`` placed by ``imap`` (a shard's map), holding ``bits``: one call of
+    ``range_contrib`` where the region is one run of the canonical tensor (the whole tensor, a
+    row shard); else run by run (a column shard: a run a row), the whole runs in one
+    ``dcr_sd_contrib_runs`` call and a run cut by ``start`` or the end alone; an index per
+    element only without the C kernel or where runs are shorter than ``RUN_MIN``. What a
+    writer sums a chunk of a region with, where its elements sit in the state."""
+    gshape = tuple(imap.spec.global_shape)
+    if imap.identity or imap.run_offset is not None:
+        return range_contrib(name, dtype, gshape, bits, start + (imap.run_offset or 0))
+    dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+    b = _as_bits(bits.reshape(-1), itemsize(dt))
+    end = start + b.numel()
+    if start < 0 or end > imap.numel:
+        raise DcrError(f"{name}: elements {start}..{end} out of range for its region of {imap.numel}")
+    if end == start:
+        return StateDigest.zero()
+    length = imap.run_length
+    lib = native.lib() if b.device.type == "cpu" else None
+    if lib is None or length < RUN_MIN:
+        gidx = imap.to_global(torch.arange(start, end, dtype=torch.int64, device=b.device))
+        return changes_contrib(name, dt, gshape, gidx, b)
+    r0, r1 = start // length, -(-end // length)  # the runs the elements touch
+    gst = imap.to_global(torch.arange(r0, r1, dtype=torch.int64) * length).contiguous()
+    acc = StateDigest.zero()
+    lo = min(end, (r0 + 1) * length) if start % length else start  # the first whole run's start
+    if lo > start:
+        acc = acc + range_contrib(name, dt, gshape, b[:lo - start], int(gst[0]) + start % length)
+    hi = max(lo, end - end % length)  # the whole runs' end
+    if hi > lo:
+        keys = _keys(name, dtype_name(dt), gshape)
+        t, kp, c = _native_keys(keys)
+        runs = b[lo - start:hi - start].contiguous()
+        out = (ctypes.c_uint64 * LANES)()
+        rc = lib.dcr_sd_contrib_runs(runs.data_ptr(), runs.element_size(), gst[lo // length - r0:].data_ptr(),
+                                     (hi - lo) // length, length, keys.s1, keys.s2, t, kp, c, out)
+        if rc != 0:
+            raise DcrError(f"state digest kernel failed ({rc})")
+        acc = acc + StateDigest._of(tuple(out))
+    if end > hi:
+        acc = acc + range_contrib(name, dt, gshape, b[hi - start:], int(gst[hi // length - r0]))
+    return acc
+
+
 def _out_of_range(idx: torch.Tensor, numel: int) -> bool:
     """Whether an index of ``idx`` (int64, 1-D, not empty) is outside [0, numel)."""
     h = native.held() if idx.device.type == "cpu" and idx.is_contiguous() else None

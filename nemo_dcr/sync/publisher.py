@@ -36,6 +36,7 @@ from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.changes import OnChange
 from nemo_dcr.delta.stats import totals
 from nemo_dcr.errors import CommitConflict, DcrError, ManifestError, PublishError, SignatureError, VersionNotFound
+from nemo_dcr.state.digest import sum_of
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
@@ -163,13 +164,13 @@ class Publisher:
         default: a delta's bytes are a small share of the dense bytes it covers, and each object
         costs every receiver a request).
         ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
-        ``format_version``: of every delta and keyframe part (``codec/versions.py``; 2 or 1
-        while receivers older than format version 3 or 2 still follow the store), and of the
-        manifests and HEAD (format 3: HEAD carries the newest manifest).
+        ``format_version``: of every delta and keyframe part (``codec/versions.py``; 3, 2 or 1
+        while receivers older than format version 4, 3 or 2 still follow the store), and of the
+        manifests and HEAD (format 3 from delta version 3: HEAD carries the newest manifest).
         ``object_checksum``: the hash each part's receipt names, ``"blake3"`` (manifest format 4,
         ~2.5x faster for the publisher, relays and followers alike) or ``"sha256"`` (format 3;
         while receivers of an earlier release still follow the store: they refuse format 4 by
-        its number). None: ``"blake3"`` with ``format_version`` 3, ``"sha256"`` below it.
+        its number). None: ``"blake3"`` from ``format_version`` 3, ``"sha256"`` below it.
 
         Signed chains: a store whose versions are signed takes only versions signed by a key
         that verifies its chain. Before anything is written, HEAD (and, on a restore, every
@@ -464,9 +465,13 @@ class Publisher:
         dense = sum(t.numel() * t.element_size() for t in snap.values())
         bar = Progress(dense * ((head is not None and self._base is not None) + kf), f"publish v{version}",
                        enabled=self.progress) if self.progress is not False else NullProgress(0, "")
+        # format 4: the tensor digests the parts' headers name are this rank's terms of the state
+        # digest (``"sdn"``), so it is their sum: O(tensors), with no sum of its own over the
+        # changes (a delta) or over the model (the first version)
+        summed = format_versions.version(self.format_version).tensor_digest == "sdn"
         try:
             if head is not None and self._base is not None:
-                change = ChangeDigest()  # added, removed, reshaped and re-typed tensors included
+                change = None if summed else ChangeDigest()  # added, removed, reshaped and re-typed tensors included
                 on_change = change if keep is None else keep.also(change)
                 base, target = dev.views(snap) if dev else (self._base, snap)
                 for j, names in enumerate(groups):
@@ -479,11 +484,11 @@ class Publisher:
                                        chunker=dev.chunker if dev else None, format_version=self.format_version,
                                        target_digests=dev.target_digests(snap) if dev else None, out=w), digests)
                 assert self._digest is not None  # set together with _base
-                new_digest = self._digest + change.total
+                new_digest = None if change is None else self._digest + change.total
             else:
                 new_digest = None  # the first version's O(model) digest: after the encode, beside its uploads
             if kf:
-                # beside a delta, the tensors' (format 3) digests are known from it: the delta
+                # beside a delta, the tensors' (format 3, 4) digests are known from it: the delta
                 # summed them from the changes, and the keyframe's chunks are not summed again
                 known = dict(digests) if head is not None and self._base is not None else None
                 for j, names in enumerate(split_parts({}, snap, self.part_bytes)):
@@ -494,6 +499,8 @@ class Publisher:
                                        meta={**meta, "part": j},
                                        progress=bar, format_version=self.format_version, out=w,
                                        target_digests=known), digests)
+            if new_digest is None and summed:
+                new_digest = _summed_state(snap, digests)
             if new_digest is None:
                 # the last objects are still being made durable (fsync, CompleteMultipartUpload)
                 # on their threads: this pass over the model runs meanwhile
@@ -647,9 +654,11 @@ class _Changes:
         self.early = early
         self._lock = threading.Lock()
 
-    def also(self, then: OnChange) -> OnChange:
+    def also(self, then: OnChange | None) -> OnChange:
+        """An ``on_change`` that keeps the changes and tells ``then`` of them (if not None)."""
         def both(name, dtype, global_shape, global_idx, old, new):
-            then(name, dtype, global_shape, global_idx, old, new)
+            if then is not None:
+                then(name, dtype, global_shape, global_idx, old, new)
             self(name, global_idx, old, new)
         return both
 
@@ -698,6 +707,16 @@ class _Changes:
                 for name, local, new in self.kept:
                     FlatAccess(self._base[name]).scatter(local.long(), new)
             self.kept = []
+
+
+def _summed_state(snap: Mapping[str, torch.Tensor], digests: Mapping[str, str]) -> StateDigest:
+    """This rank's part of the state digest of ``snap`` from its tensors' ``"sdn"`` digests (the
+    parts' headers name one for every tensor the rank publishes): their sum, by the digest's
+    definition (docs/format.md, "Digests")."""
+    total = StateDigest.zero()
+    for name in snap:
+        total = total + sum_of(digests[name])
+    return total
 
 
 def target_digests(header: dict) -> dict:
