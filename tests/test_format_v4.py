@@ -188,3 +188,39 @@ def test_a_reader_of_versions_1_to_3_refuses_version_4_clearly():
         with pytest.raises(DeltaFormatError, match="unknown tensor digest algorithm 'sdn'"):
             DeltaReader.open(blob)
 
+
+@pytest.mark.parametrize("fv", [3, 4])
+def test_a_base_digest_summed_beside_the_chunks_is_of_the_base_before_any_change_is_written(monkeypatch, fv):
+    """A base digest not known before (a publisher's first delta after it rebuilt its base from
+    the store) is summed beside the tensor's chunks, while ``on_change`` may write each chunk's
+    changes into that base (the publisher's snapshot does). No change is reported before the
+    sum is done: here the sum waits for a change to be written (or half a second), and the
+    digests are still those of the intact base. Before, they were of a base half-way to the
+    target, and in version 4 the state digest with them."""
+    import sys
+    import threading
+
+    from nemo_dcr.state.flat import FlatAccess
+    diff_mod = sys.modules["nemo_dcr.delta.diff"]  # (the package's ``diff`` is the function)
+    g = torch.Generator().manual_seed(6)
+    base = {"w": torch.randn(300_000, generator=g).bfloat16()}  # one range: summed beside the chunks
+    target = {"w": base["w"].clone()}
+    target["w"][::50] += 1
+    want = DeltaReader.open(diff(base, target, format_version=fv, chunk_elems=1 << 14)).header
+    held = {"w": base["w"].clone()}
+    reported = threading.Event()
+    real = diff_mod.tensor_digest
+
+    def late(t, *a, **kw):  # the base's sum starts once a change is written (or after 0.5 s)
+        reported.wait(0.5)
+        return real(t, *a, **kw)
+
+    def write(name, dtype, global_shape, global_idx, old, new):  # as the publisher's snapshot takes them
+        FlatAccess(held[name]).scatter(global_idx, new)
+        reported.set()
+    monkeypatch.setattr(diff_mod, "tensor_digest", late)
+    got = DeltaReader.open(diff(held, target, format_version=fv, chunk_elems=1 << 14, workers=2,
+                                on_change=write)).header
+    assert [(e.base_digest, e.target_digest) for e in got.tensors] == \
+        [(e.base_digest, e.target_digest) for e in want.tensors]
+    assert_state(held, target)

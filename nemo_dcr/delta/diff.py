@@ -301,6 +301,14 @@ class _Tensor:
             assert c.changes is not None
             idx, oldv, newv = c.changes
             gidx = None
+            if self.early is not None and self.on_change is not None:
+                # the base's digest, summed beside the chunks, reads every base element, and
+                # ``on_change`` may write the changes into the base (the publisher's snapshot:
+                # ``sync/publisher._Changes``): none is reported before that sum is done. (It was
+                # queued on the pool before this tensor's chunks, so it runs or has run.) Without
+                # the wait a publisher's first delta after a restore could name a base digest of
+                # a base half-way to the target
+                self.early.result()
             if self.on_change is not None:
                 assert self.region_map is not None
                 gidx = self.region_map.to_global(idx + s)
