@@ -52,7 +52,8 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   of the shard there; ``fast-v3`` and ``fast-v4`` (delta format 3 and 4) with their parts'
   checksums BLAKE3 (manifest format 4, the default) and ``fast-v3-sha256`` with SHA-256 (format 3);
 * keyframe sync: a follower's first sync of that keyframe from the local directory into fresh
-  tensors, its parts checked with BLAKE3 (``v3``) and SHA-256 (``v3-sha256``).
+  tensors (delta format 4, the default), its parts checked with BLAKE3 (``v4``) and SHA-256
+  (``v4-sha256``; the rows were ``v3`` and ``v3-sha256`` while version 3 was the default).
 
 GPU figures: ``DEVICE_PATHS`` is the hook. Each entry is ``fn(base, target, rate, workers, reps)
 -> list of rows`` (the row fields of ``_row``: side, path, seconds, plus h2d/d2h bytes), run
@@ -393,7 +394,7 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     rows.append(_row("keyframe", "fast-v4", _median(lambda _: publish(4), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v3-sha256", _median(lambda _: publish(3, "sha256"), reps, clear), memcpy))
     for checksum in ("blake3", "sha256"):
-        rows.append(_row("keyframe_sync", "v3" if checksum == "blake3" else "v3-sha256",
+        rows.append(_row("keyframe_sync", "v4" if checksum == "blake3" else "v4-sha256",
                          keyframe_sync(state, checksum, workers, reps, os.path.join(tmp, f"sync-{checksum}")), memcpy))
     for r in rows:
         r["x_raw_write"] = r["seconds"] / t_raw

@@ -265,7 +265,7 @@ def test_kernels_bench_quick_json():
             assert (ch, side, path) in rows
     for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
                        ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"), ("keyframe", "fast-v4"),
-                       ("keyframe", "fast-v3-sha256"), ("keyframe_sync", "v3"), ("keyframe_sync", "v3-sha256"),
+                       ("keyframe", "fast-v3-sha256"), ("keyframe_sync", "v4"), ("keyframe_sync", "v4-sha256"),
                        ("tensor_digest", "sha256"),
                        ("tensor_digest", "blake3-1t"), ("tensor_digest", "blake3-2t"), ("values_digest", "blake2b"),
                        ("values_digest", "blake3")):
