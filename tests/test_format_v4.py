@@ -135,6 +135,9 @@ def test_an_sdn_digest_is_keyed_by_name_and_place():
     top = ShardSpec.of((6, 4), (0, 0), (3, 4))
     low = ShardSpec.of((6, 4), (3, 0), (3, 4))
     assert tensor_digest(t, "sdn", place=Place("a", top)) != tensor_digest(t, "sdn", place=Place("a", low))
+    # a whole region in another index shape (same flat order): keyed by the global shape
+    flat = ShardSpec.of((12,), (0, 0), (3, 4), index_shape=(3, 4))
+    assert tensor_digest(t, "sdn", place=Place("a", flat)) == "sdn:" + state_contrib({"a": t.reshape(12)}).hex()
     with pytest.raises(ValueError, match="name and place"):
         tensor_digest(t, "sdn")
     with pytest.raises(ValueError, match="not an 'sdn' tensor digest"):
@@ -224,3 +227,24 @@ def test_a_base_digest_summed_beside_the_chunks_is_of_the_base_before_any_change
     assert [(e.base_digest, e.target_digest) for e in got.tensors] == \
         [(e.base_digest, e.target_digest) for e in want.tensors]
     assert_state(held, target)
+
+
+def test_digests_summed_in_their_text_form_are_their_sum():
+    """``StateDigest.sum_hex`` (a version-4 publisher's state digest from thousands of tensor
+    digests in one pass) is ``from_hex`` and ``+`` of each, lanes at P - 1 included, and refuses
+    what ``from_hex`` refuses."""
+    import random
+
+    from nemo_dcr.errors import DcrError
+    from nemo_dcr.state.statedigest import P
+    rng = random.Random(8)
+    ds = [StateDigest((P - 1,) * 4), StateDigest.zero()] + \
+        [StateDigest(tuple(rng.randrange(P) for _ in range(4))) for _ in range(5000)]
+    want = StateDigest.zero()
+    for d in ds:
+        want = want + d
+    assert StateDigest.sum_hex(d.hex() for d in ds) == want
+    assert StateDigest.sum_hex([]) == StateDigest.zero()
+    for bad in ("f" * 32, "z" * 32, "0" * 31, 5):
+        with pytest.raises(DcrError):
+            StateDigest.sum_hex([ds[2].hex(), bad])

@@ -17,7 +17,7 @@
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -94,17 +94,23 @@ class SumKey:
         if algo not in SUMMED:
             raise ValueError(f"{algo!r} is not a summed tensor digest (those are {', '.join(SUMMED)})")
         self.algo, self.dtype, self.prefix = algo, dtype, _PREFIX[algo]
+        #: the region's map where its flat indices are not its canonical ones (None: they are; a
+        #: whole tensor's map is not made: a diff makes a key for each of thousands of tensors)
         self.imap: IndexMap | None = None
+        self.spec: ShardSpec | None = None  # where the region sits ("sdn"; None: the whole tensor)
+        self.name, self.shape = SUM_NAME, tuple(shape)
         if algo == "sdn":
             if place is None:
                 raise ValueError("an \"sdn\" tensor digest is keyed by the tensor's name and place: none given")
-            spec = place.spec if place.spec is not None else ShardSpec.full(tuple(shape))
-            if tuple(spec.shape) != tuple(shape):
-                raise ValueError(f"{place.name}: tensor shape {tuple(shape)} != its region's {tuple(spec.shape)}")
-            self.imap = IndexMap(spec)
-            self.name, self.shape = place.name, tuple(spec.global_shape)
-        else:
-            self.name, self.shape = SUM_NAME, tuple(shape)
+            spec = place.spec
+            if spec is not None and tuple(spec.shape) != self.shape:
+                raise ValueError(f"{place.name}: tensor shape {self.shape} != its region's {tuple(spec.shape)}")
+            if spec is not None:
+                # (keyed by the global shape even where a whole region is another index shape)
+                self.spec, self.shape = spec, tuple(spec.global_shape)
+                if not spec.is_full:
+                    self.imap = IndexMap(spec)
+            self.name = place.name
 
     def range(self, bits: torch.Tensor, start: int):
         """The share (a StateDigest) of the flat elements ``start``, ... holding ``bits``."""
@@ -139,6 +145,18 @@ def sum_of(digest: str):
     if algo not in SUMMED:
         raise ValueError(f"{digest!r} is not a summed tensor digest")
     return StateDigest.from_hex(digest[len(_PREFIX[algo]):])
+
+
+def sum_of_all(digests: Iterable[str]):
+    """The sum (a StateDigest) of summed tensor digests of one algorithm, in one pass."""
+    from nemo_dcr.state.statedigest import StateDigest
+    texts = []
+    for d in digests:
+        algo = algo_of(d)
+        if algo not in SUMMED:
+            raise ValueError(f"{d!r} is not a summed tensor digest")
+        texts.append(d[len(_PREFIX[algo]):])
+    return StateDigest.sum_hex(texts)
 
 
 class RunningDigest:
@@ -257,8 +275,7 @@ def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = N
     if algo in SUMMED:  # the state digest kernel, its ranges over the worker threads
         from nemo_dcr.state.statedigest import tensor_contrib
         key = SumKey(algo, t.dtype, t.shape, place)
-        spec = None if key.imap is None else key.imap.spec
-        return key.text(tensor_contrib(key.name, t, spec, workers=threads))
+        return key.text(tensor_contrib(key.name, t, key.spec, workers=threads))
     if algo == "blake3" and t.is_cuda:
         from nemo_dcr.device import kernels  # the optional device layer, above this one: only when asked
         if kernels.available():

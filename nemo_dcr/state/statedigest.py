@@ -41,10 +41,11 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from nemo_dcr.codec import native
@@ -130,6 +131,26 @@ class StateDigest:
         except ValueError:
             raise DcrError(f"state digest is not hex: {s!r}") from None
         return cls(lanes)
+
+    @classmethod
+    def sum_hex(cls, texts: Iterable[str]) -> StateDigest:
+        """The sum of digests in their text form (``from_hex`` of each, added) in one numpy pass:
+        a version-4 publisher's state digest is the sum of its tensors' digests, thousands of
+        them, and one ``from_hex`` and ``+`` each took ~5 us (20 ms for 4096 tensors)."""
+        texts = list(texts)
+        width = _HEX_WIDTH * LANES
+        bad = next((s for s in texts if not isinstance(s, str) or len(s) != width), None)
+        if bad is not None:
+            raise DcrError(f"state digest must be {width} hex digits, got {bad!r}")
+        try:
+            raw = bytes.fromhex("".join(texts))
+        except ValueError:
+            raise DcrError("state digest is not hex") from None
+        lanes = np.frombuffer(raw, dtype=">u4").reshape(-1, LANES)  # 8 hex digits a lane, lane 0 first
+        if bool((lanes >= P).any()):
+            raise DcrError("invalid state digest lanes (not below P)")
+        total = lanes.astype(np.uint64).sum(axis=0)  # < 2**31 * 2**32 terms: no overflow
+        return cls(tuple(int(v) % P for v in total))
 
     def __str__(self) -> str:
         return self.hex()

@@ -36,7 +36,7 @@ from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.changes import OnChange
 from nemo_dcr.delta.stats import totals
 from nemo_dcr.errors import CommitConflict, DcrError, ManifestError, PublishError, SignatureError, VersionNotFound
-from nemo_dcr.state.digest import sum_of
+from nemo_dcr.state.digest import sum_of_all
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
@@ -713,10 +713,7 @@ def _summed_state(snap: Mapping[str, torch.Tensor], digests: Mapping[str, str]) 
     """This rank's part of the state digest of ``snap`` from its tensors' ``"sdn"`` digests (the
     parts' headers name one for every tensor the rank publishes): their sum, by the digest's
     definition (docs/format.md, "Digests")."""
-    total = StateDigest.zero()
-    for name in snap:
-        total = total + sum_of(digests[name])
-    return total
+    return sum_of_all(digests[name] for name in snap)
 
 
 def target_digests(header: dict) -> dict:
