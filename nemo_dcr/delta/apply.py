@@ -46,6 +46,7 @@ from nemo_dcr.state.dtypes import itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.runs import Runs, chunk_runs, copy_runs, gather_runs
+from nemo_dcr.state.statedigest import WrittenDigest
 from nemo_dcr.util.gc_pause import pausing
 from nemo_dcr.util.parallel import default_workers, ordered_map, stream_workers
 from nemo_dcr.util.progress import NullProgress, Progress
@@ -107,13 +108,14 @@ class _Target:
     w: int
     moved: MovedSumDigest | None = None  # the target digest, moved by each chunk's changes
     shift: int | None = None  # region-local + shift == local, where the region is one run held whole (_shift)
+    written: WrittenDigest | None = None  # the state digest of what is written, summed as it is (a keyframe's)
 
     @property
     def xor_ok(self) -> bool:  # chunks coded against the base (xor, add) need a base
         return self.plan.action in (Action.APPLY, Action.RESUME, Action.UNVERIFIED)
 
 
-def _target_of(plan: Plan, moved: MovedSumDigest | None = None) -> _Target:
+def _target_of(plan: Plan, moved: MovedSumDigest | None = None, written: WrittenDigest | None = None) -> _Target:
     dtype = plan.entry.torch_dtype
     region = plan.sent
     if plan.action == Action.CREATE:
@@ -127,7 +129,7 @@ def _target_of(plan: Plan, moved: MovedSumDigest | None = None) -> _Target:
         tensor, recv = plan.held, plan.recv
     region_map, recv_map = IndexMap(region), IndexMap(recv)
     return _Target(plan, tensor, FlatAccess(tensor), region_map, recv_map, dtype, itemsize(dtype), moved,
-                   _shift(region_map, recv_map))
+                   _shift(region_map, recv_map), written)
 
 
 def _shift(region_map: IndexMap, recv_map: IndexMap) -> int | None:
@@ -302,6 +304,9 @@ def _apply_chunk(reader: DeltaReader, t: _Target, c: ChunkEntry, journal: set | 
     key = (t.plan.name, c.start)
     in_journal = journal is not None and key in journal
     check = t.plan.checks_chunks
+    if t.written is not None and not (c.pos == DENSE and on_change is None and t.fa.contiguous
+                                      and t.shift is not None and not in_journal):
+        t.written.give_up()  # summed as written only where a dense chunk is written into its range
     if in_journal and not check:  # pre-images, where checkable, are stronger
         return "already", 0
     d = decoded.get(key) if decoded is not None and not check else None
@@ -410,16 +415,20 @@ def _apply_range(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: boo
     raw = dense_stream(c, reader.payload(c), t.w, checked=reader.payloads_checked)  # decompressed: nothing below fails
     need_cur = t.xor_ok and t.plan.action != Action.CREATE
     if t.plan.checks_chunks and _check(t, c, view, in_journal):
+        if t.written is not None:
+            t.written.give_up()
         return "already", 0
     if c.enc == OVERWRITE and t.moved is None and view.device.type == "cpu":
         # the new bits are the values: joined straight into the range, no chunk-sized buffer
         planes.join(raw, c.k, t.w, out=view)
-        return "applied", c.n
-    vals = planes.join(raw, c.k, t.w).to(view.device)
-    new = new_bits(t.plan.name, c, t.dtype, view if need_cur else None, vals, t.xor_ok)
-    if t.moved is not None:
-        t.moved.replace(c.start, view, new)
-    view.copy_(new)
+    else:
+        vals = planes.join(raw, c.k, t.w).to(view.device)
+        new = new_bits(t.plan.name, c, t.dtype, view if need_cur else None, vals, t.xor_ok)
+        if t.moved is not None:
+            t.moved.replace(c.start, view, new)
+        view.copy_(new)
+    if t.written is not None:  # what the range holds now, read while it is in this core's caches
+        t.written.add(t.plan.name, t.dtype, t.region_map, view, c.start)
     return "applied", c.n
 
 
@@ -470,7 +479,8 @@ class _Run:
     left: int = 0
 
 
-def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: bool) -> _Run:
+def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: bool,
+           written: WrittenDigest | None = None) -> _Run:
     """What ``run_plan`` does for an entry before its chunks (all of it, for one without any)."""
     if plan.action == Action.IGNORE:
         return _Run(plan, None, plan.tensor)
@@ -492,7 +502,7 @@ def _start(plan: Plan, report: ApplyReport, on_change: OnChange | None, verify: 
         # the base's sum was checked (plan_entry), and a sum moves with the changes: the
         # target is checked in O(changes), not by reading the tensor again
         moved = MovedSumDigest(base, plan.entry.torch_dtype, plan.sent.shape, _place(plan))
-    t = _target_of(plan, moved)
+    t = _target_of(plan, moved, written)
     if plan.replaces:
         report_gone(plan.name, plan.held, plan.recv, on_change)
     running: RunningDigest | MovedSumDigest | None = moved
@@ -520,14 +530,17 @@ def _finish(r: _Run, report: ApplyReport, bar) -> None:
 
 def run_plans(reader: DeltaReader, plans: Sequence[Plan], report: ApplyReport, workers: int | None = None,
               bar=None, journal: set | None = None, on_change: OnChange | None = None, verify: bool = False,
-              decoded: DecodedChunks | None = None, done=None, reached: list | None = None) -> None:
+              decoded: DecodedChunks | None = None, done=None, reached: list | None = None,
+              written: WrittenDigest | None = None) -> None:
     """``run_plan`` for each of ``plans``, their chunks in one stream over the workers: the
     workers go on to the next entry's chunks while the last ones of an entry are written (an
     entry of a chunk or three kept one of two workers idle half the time, when each entry was a
     map of its own). Entries start and finish in order: ``done(plan, tensor)`` is called for
     each as it finishes, after its target digest checked out; ``reached`` gets each plan as it
-    starts (a plan that writes, reached: the receiver may have changed)."""
-    _run_segments([(reader, plans)], report, workers, bar, journal, on_change, verify, decoded, done, reached)
+    starts (a plan that writes, reached: the receiver may have changed). ``written``: summed
+    what each chunk writes, where it can be (``statedigest.WrittenDigest``)."""
+    _run_segments([(reader, plans)], report, workers, bar, journal, on_change, verify, decoded, done, reached,
+                  written)
 
 
 class _Failed:
@@ -540,7 +553,7 @@ class _Failed:
 
 def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, bar, journal: set | None,
                   on_change: OnChange | None, verify: bool, decoded: DecodedChunks | None, done,
-                  reached: list | None) -> None:
+                  reached: list | None, written: WrittenDigest | None = None) -> None:
     """``run_plans`` over ``(reader, plans)`` pairs, all their chunks in one stream over the
     workers. ``segments`` may block for the next pair (a delta still arriving): the workers
     write the chunks handed out already meanwhile, and no pair waits for the one before it to
@@ -554,7 +567,7 @@ def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, 
                 for p in plans:
                     if reached is not None:
                         reached.append(p)
-                    r = _start(p, report, on_change, verify)
+                    r = _start(p, report, on_change, verify, written)
                     if r.t is None or not p.entry.chunks:
                         yield reader, r, None
                     else:
@@ -638,7 +651,8 @@ def verify_plan(plan: Plan, tensor: torch.Tensor, digest: str | None = None) -> 
 def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[str, ShardSpec] | None = None,
           verify: bool = True, resume: bool = False, workers: int | None = None,
           progress: bool | None = None, journal: set | None = None, on_change: OnChange | None = None,
-          held_only: bool = False, decoded: DecodedChunks | None = None, claims: Claims | None = None) -> ApplyReport:
+          held_only: bool = False, decoded: DecodedChunks | None = None, claims: Claims | None = None,
+          written: WrittenDigest | None = None) -> ApplyReport:
     """Apply ``delta`` (bytes, a path, or a DeltaReader) to ``tensors`` in place.
 
     Before anything is changed: the container and every chunk checksum are checked, every
@@ -652,6 +666,8 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     already (``nemo_dcr.sync.chunk_gather``); any other such chunk is refused before the first write.
     ``claims``: the memory written in place (``delta/overlap.py``), shared where the objects of
     one version are applied one after another (default: this call's own).
+    ``written``: the state digest of what the chunks write, summed as each is written
+    (``statedigest.WrittenDigest``: a keyframe's, so that no pass over the model follows it).
     """
     t0 = time.perf_counter()
     reader = DeltaReader.open(delta)
@@ -664,7 +680,7 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
     try:
         with (Progress(len(plans), "apply", unit="tensor") if progress else NullProgress(0, "")) as bar:
             run_plans(reader, plans, report, workers, bar, journal, on_change, verify, decoded,
-                      done=_hand_over(tensors, report, changed), reached=reached)
+                      done=_hand_over(tensors, report, changed), reached=reached, written=written)
     except DcrError as e:
         _raise_partial(e, changed, reached)
     report.seconds = time.perf_counter() - t0
@@ -674,7 +690,8 @@ def apply(tensors: MutableMapping[str, torch.Tensor], delta, *, shards: Mapping[
 def apply_stream(tensors: MutableMapping[str, torch.Tensor], segments: Iterable[DeltaReader], *,
                  shards: Mapping[str, ShardSpec] | None = None, workers: int | None = None,
                  journal: set | None = None, on_change: OnChange | None = None,
-                 report: ApplyReport | None = None, claims: Claims | None = None) -> ApplyReport:
+                 report: ApplyReport | None = None, claims: Claims | None = None,
+                 written: WrittenDigest | None = None) -> ApplyReport:
     """Apply the segments of a version-3 object while it arrives (the readers
     ``codec.format.SegmentStream`` makes; ``segments`` may block for the next one): for each,
     what ``apply(segment, verify=False, resume=True)`` does, with the chunks of all of them in one
@@ -686,7 +703,8 @@ def apply_stream(tensors: MutableMapping[str, torch.Tensor], segments: Iterable[
     ``apply`` does. ``journal``: the chunks written, as ``apply`` keeps it (what a retry of the
     whole object skips). ``report``: filled in place (what was written, also when it raises).
     ``claims``: the memory the segments write in place (``delta/overlap.py``), shared where
-    several objects of one version are applied at once (default: this call's own)."""
+    several objects of one version are applied at once (default: this call's own). ``written``:
+    as ``apply``'s."""
     t0 = time.perf_counter()
     shards = shards or {}
     claims = claims if claims is not None else Claims()
@@ -708,7 +726,7 @@ def apply_stream(tensors: MutableMapping[str, torch.Tensor], segments: Iterable[
 
     try:
         _run_segments(planned(), report, workers, None, journal, on_change, False, None,
-                      _hand_over(tensors, report, changed), reached)
+                      _hand_over(tensors, report, changed), reached, written)
     except _Refused as r:
         raise r.error from None
     except DcrError as e:

@@ -68,7 +68,7 @@ from nemo_dcr.errors import (
     VersionNotFound,
 )
 from nemo_dcr.state.index_map import ShardSpec
-from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, allreduce_digest, state_contrib
+from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, WrittenDigest, allreduce_digest, state_contrib
 from nemo_dcr.stores import checksums
 from nemo_dcr.stores.http import read_head_since, wait_head
 from nemo_dcr.sync.chunk_gather import decode_partial
@@ -505,8 +505,10 @@ class Follower:
             # region), and every rank's part of a sharded tensor has a chunk starting at 0
             # ``claims``: the memory its parts write in place, shared by all of them (two names
             # over one memory, both written, are refused: ``delta/overlap.py``)
+            # ``written``: a keyframe's state digest, summed as its chunks are written (_verify)
             self._pending = {"version": m.version, "kind": kind, "manifest": m, "journal": {},
-                             "change": ChangeDigest(), "claims": Claims()}
+                             "change": ChangeDigest(), "claims": Claims(),
+                             "written": WrittenDigest() if kind == "keyframe" else None}
         pend = self._pending
         on_change = self._on_change(pend["change"] if kind == "delta" else None)  # a keyframe's digest: whole
         decoded = pend.setdefault("decoded", {})  # part key -> classes chunks decoded over the group
@@ -541,7 +543,7 @@ class Follower:
             r = apply(self.tensors, reader(blob), shards=self.shards, verify=False, resume=True,
                       workers=self.workers, journal=pend["journal"].setdefault(p.key, set()),
                       on_change=on_change, progress=False, held_only=g.active, decoded=decoded.get(p.key),
-                      claims=pend["claims"])
+                      claims=pend["claims"], written=pend["written"])
             res.spans.add("apply", p.key, t)
             res.changed += r.elements_changed
 
@@ -649,7 +651,7 @@ class Follower:
         rep = ApplyReport()
         try:
             apply_stream(self.tensors, segments(), shards=self.shards, workers=self.workers, journal=journal,
-                         on_change=on_change, report=rep, claims=pend["claims"])
+                         on_change=on_change, report=rep, claims=pend["claims"], written=pend["written"])
         except DeltaFormatError as e:
             # bytes damaged on the way (a segment's index or a chunk fails its checksum,
             # found before that segment wrote anything) are the download's to retry or
@@ -681,6 +683,10 @@ class Follower:
             if self.group.active:
                 change = allreduce_digest(change, self.group.group)
             d = StateDigest.from_hex(m.base_digest) + change
+        elif kind == "keyframe" and not full:
+            d = self._written_digest(pend["written"] if pend is not None else None)
+            if d.hex() != m.target_digest:
+                d = self._full_digest()  # (what was written is not all the receiver holds, or not the target)
         else:
             d = self._full_digest()
         if d.hex() != m.target_digest and kind == "delta":
@@ -757,6 +763,18 @@ class Follower:
 
     def _full_digest(self) -> StateDigest:
         d = state_contrib(self.tensors, self.shards)
+        return allreduce_digest(d, self.group.group) if self.group.active else d
+
+    def _written_digest(self, written: WrittenDigest | None) -> StateDigest:
+        """A keyframe's state digest from what its chunks wrote, summed as they were written, where
+        that was every element this receiver holds (each rank of a group decides alone, and every
+        rank makes the one all-reduce): no pass over the model after the last chunk. Else summed
+        whole."""
+        held = sum(t.numel() for t in self.tensors.values())
+        if written is not None and written.complete and written.elements == held:
+            d = written.total
+        else:
+            d = state_contrib(self.tensors, self.shards)
         return allreduce_digest(d, self.group.group) if self.group.active else d
 
 
