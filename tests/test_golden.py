@@ -79,12 +79,13 @@ def test_golden_versions_differ_only_in_their_digests():
                 assert all(d.startswith(prefix) for d in (t.base_digest, t.target_digest) if d), (name, t.name)
 
 
-def test_golden_v3_indexes_come_before_their_chunks():
-    """In version 3 every chunk's payload lies after the index that lists it: a reader that has
-    the object's first N bytes knows every chunk that ends within them."""
+@pytest.mark.parametrize("version", [v for v in VERSIONS if v >= 3])
+def test_golden_v3_indexes_come_before_their_chunks(version):
+    """In versions 3 and 4 every chunk's payload lies after the index that lists it: a reader that
+    has the object's first N bytes knows every chunk that ends within them."""
     from nemo_dcr.codec.format import PREAMBLE, read_segment
     for name in DELTAS:
-        blob = golden(name, 3)
+        blob = golden(name, version)
         pos, spans = PREAMBLE.size, []
         while pos < len(blob) - 16:
             index, start, pos = read_segment(blob, pos, len(blob) - 16, AssertionError)
