@@ -248,3 +248,31 @@ def test_digests_summed_in_their_text_form_are_their_sum():
     for bad in ("f" * 32, "z" * 32, "0" * 31, 5):
         with pytest.raises(DcrError):
             StateDigest.sum_hex([ds[2].hex(), bad])
+
+
+def test_a_sharded_senders_removal_is_checked_on_its_part():
+    """A sender holding part of a tensor that leaves the state (a trainer rank's row block)
+    names that part in its ``removed`` entry (version 4): a receiver holding the tensor whole
+    checks the base digest on that part and drops the tensor, and still refuses a wrong base
+    there. Version 3's entry named no part: the part's digest was compared with the whole
+    tensor's, and a good base was refused."""
+    g = torch.Generator().manual_seed(9)
+    full = {"a": torch.randn(8, 4, generator=g), "gone": torch.randn(8, 4, generator=g)}
+    specs = [{k: ShardSpec.of((8, 4), (r * 4, 0), (4, 4)) for k in full} for r in range(2)]
+    ranks = [{k: v[r * 4:(r + 1) * 4].clone() for k, v in full.items()} for r in range(2)]
+    blobs = {fv: [diff(ranks[r], {"a": ranks[r]["a"] + 1}, shards={"a": specs[r]["a"]}, base_shards=specs[r],
+                       format_version=fv) for r in range(2)] for fv in (3, 4)}
+    gone = [e for e in DeltaReader.open(blobs[4][1]).header.tensors if e.removed]
+    assert [(e.name, e.base_region) for e in gone] == [("gone", specs[1]["gone"])]
+    recv = {k: v.clone() for k, v in full.items()}
+    for blob in blobs[4]:
+        apply(recv, blob)
+    assert sorted(recv) == ["a"] and torch.equal(recv["a"], full["a"] + 1)
+    wrong = {k: v.clone() for k, v in full.items()}
+    wrong["gone"][5, 2] += 1  # in rank 1's rows
+    with pytest.raises(BaseMismatchError):
+        apply(wrong, blobs[4][1])
+    assert sorted(wrong) == ["a", "gone"] and torch.equal(wrong["a"], full["a"])  # refused before a write
+    good = {k: v.clone() for k, v in full.items()}
+    with pytest.raises(BaseMismatchError):  # version 3: the part's digest against the whole tensor's
+        apply(good, blobs[3][0])

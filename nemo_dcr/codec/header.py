@@ -170,6 +170,26 @@ def _check_algo(digest, where: str) -> None:
             _need(False, f"{where}: {e}")
 
 
+def _region(t: dict, name: str) -> tuple[list, ShardSpec]:
+    """An entry's global ``shape`` and its ``region`` in it, checked."""
+    shape = t.get("shape")
+    if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and _ints(shape, MAX_ELEMENTS)):
+        _fail(f"{name}: shape")
+    r = t.get("region")
+    if not isinstance(r, dict):
+        _fail(f"{name}: region")
+    for key in ("offsets", "shape"):
+        v = r.get(key)
+        if not (isinstance(v, list) and len(v) == len(shape) and _ints(v, MAX_ELEMENTS)):
+            _fail(f"{name}: region {key}")
+    for o, n, g in zip(r["offsets"], r["shape"], shape):
+        if o + n > g:
+            _fail(f"{name}: region outside tensor")
+    if math.prod(shape) > MAX_ELEMENTS:
+        _fail(f"{name}: more than {MAX_ELEMENTS} elements")
+    return shape, ShardSpec(tuple(shape), tuple(r["offsets"]), tuple(r["shape"]))
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     """One tensor of the delta: its canonical name, dtype, global shape and the region sent."""
@@ -182,6 +202,9 @@ class TensorEntry:
     base_digest: str | None = None
     target_digest: str | None = None
     chunks: tuple = ()
+    #: a removed tensor's region its base digest is of, where the sender held part of it (version
+    #: 4; None: the whole tensor). Apart from ``region``, which a removed entry never has
+    base_region: ShardSpec | None = None
 
     @property
     def removed(self) -> bool:
@@ -213,7 +236,8 @@ class TensorEntry:
             _fail(f"{name}: base_digest")
         _check_algo(bd, f"{name}: base_digest")
         if kind == TensorKind.REMOVED:
-            return cls(name=name, kind=kind, base_digest=bd or None)
+            return cls(name=name, kind=kind, base_digest=bd or None,
+                       base_region=_region(t, name)[1] if "region" in t else None)
         if not (isinstance(t.get("dtype"), str) and t["dtype"] in DTYPES):
             _fail(f"{name}: dtype")
         if not isinstance(t.get("target_digest"), str):
@@ -221,22 +245,7 @@ class TensorEntry:
         _check_algo(t["target_digest"], f"{name}: target_digest")
         if kind == TensorKind.DELTA and not isinstance(bd, str):
             _fail(f"{name}: base_digest")
-        shape = t.get("shape")
-        if not (isinstance(shape, list) and len(shape) <= MAX_DIMS and _ints(shape, MAX_ELEMENTS)):
-            _fail(f"{name}: shape")
-        r = t.get("region")
-        if not isinstance(r, dict):
-            _fail(f"{name}: region")
-        for key in ("offsets", "shape"):
-            v = r.get(key)
-            if not (isinstance(v, list) and len(v) == len(shape) and _ints(v, MAX_ELEMENTS)):
-                _fail(f"{name}: region {key}")
-        for o, n, g in zip(r["offsets"], r["shape"], shape):
-            if o + n > g:
-                _fail(f"{name}: region outside tensor")
-        if math.prod(shape) > MAX_ELEMENTS:
-            _fail(f"{name}: more than {MAX_ELEMENTS} elements")
-        region = ShardSpec(tuple(shape), tuple(r["offsets"]), tuple(r["shape"]))
+        shape, region = _region(t, name)
         dtype = DTYPES[t["dtype"]]
         w = dtype.itemsize
         _need(isinstance(t.get("chunks"), list), f"{name}: chunks")

@@ -12,7 +12,8 @@ and chunk codings are the same:
   ``pre``/``post`` as in version 2;
 * version 4: version 3 with tensor digests ``"sdn:"``, each tensor's (or region's) share of the
   state digest: keyed by its name and global shape, so a state's tensor digests add up to its
-  state digest and a writer sums every element once, not once for each.
+  state digest and a writer sums every element once, not once for each; and a ``removed`` entry
+  of a sender that held part of the tensor names that part.
 
 Tensor digests name their algorithm, so a reader checks any it knows in any version. The
 chunk digests carry no name (16 hex digits each, one pair per chunk), so the version says which
@@ -38,6 +39,9 @@ class Version:
 VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3"),
             4: Version(4, "sdn", "blake3")}
 FORMAT_VERSION = 4  # what a writer writes unless asked for another
+#: the first version whose ``removed`` entries name the part of the tensor (``shape``, ``region``)
+#: their base digest is of, where the sender held a part (docs/format.md, "Tensor entry")
+REGION_OF_REMOVED = 4
 
 
 def version(number: int) -> Version:

@@ -23,7 +23,7 @@ from nemo_dcr.codec.chunk import AUTO, CHOICES, EncodedChunk, encode_chunk, ligh
 from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
 from nemo_dcr.codec.names import DEFAULT_CHUNK, DEFAULT_LEVEL  # re-exported by nemo_dcr.delta
-from nemo_dcr.codec.versions import Version, version
+from nemo_dcr.codec.versions import REGION_OF_REMOVED, Version, version
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state.digest import SUMMED, Place, SumKey, algo_of, state_digest, tensor_digest
@@ -209,9 +209,13 @@ class _Tensor:
         if name not in target:
             old = base[name]
             report_gone(name, old, base_spec, on_change)
+            held = spec_of(old, base_spec)
             self.gone = {"name": name, "kind": "removed",
-                         "base_digest": known_base or tensor_digest(old, fv.tensor_digest,
-                                                                    place=Place(name, spec_of(old, base_spec)))}
+                         "base_digest": known_base or tensor_digest(old, fv.tensor_digest, place=Place(name, held))}
+            if not held.is_full and fv.number >= REGION_OF_REMOVED:
+                # the part of it this sender held: a receiver holding more checks that part (a
+                # base digest of a part compared with the whole tensor's refused a good base)
+                self.gone.update(shape=list(held.global_shape), region=held.to_json())
             return
         new = target[name]
         dtype_name(new.dtype)

@@ -75,13 +75,28 @@ class Plan:
         return self.action == Action.CREATE and self.tensor is not None
 
 
+def _removed_base(entry: TensorEntry, tensor: torch.Tensor, recv: ShardSpec | None) -> bool:
+    """Whether the tensor a removed entry names holds the base its digest is of, where the
+    receiver can tell: the whole tensor's, or the sender's part of it (``base_region``) where
+    the receiver holds that part; True where it cannot (it holds another part)."""
+    assert entry.base_digest is not None  # (the caller's condition)
+    held = recv if recv is not None else ShardSpec.full(tensor.shape)
+    where = entry.base_region
+    if where is None:
+        return not held.is_full or tensor_digest_like(tensor, entry.base_digest, Place(entry.name, recv)) \
+            == entry.base_digest
+    if tuple(held.global_shape) != tuple(where.global_shape) or not held.contains(where):
+        return True
+    return tensor_digest_like(held.view_of(tensor, where), entry.base_digest, Place(entry.name, where)) \
+        == entry.base_digest
+
+
 def plan_entry(entry: TensorEntry, tensor: torch.Tensor | None, recv: ShardSpec | None, *, verify: bool = True,
                resume: bool = False) -> Plan:
     """Decide what to do with one delta entry, checking the base. Mutates nothing."""
     name = entry.name
     if entry.kind == TensorKind.REMOVED:
-        if tensor is not None and verify and entry.base_digest and (recv is None or recv.is_full) \
-                and tensor_digest_like(tensor, entry.base_digest, Place(name, recv)) != entry.base_digest:
+        if tensor is not None and verify and entry.base_digest and not _removed_base(entry, tensor, recv):
             raise BaseMismatchError(f"{name}: the delta removes this tensor, but the receiver's is not the base's")
         return Plan(entry, tensor, recv, None, False, Action.REMOVE if tensor is not None else Action.IGNORE)
     dtype, region, target = entry.torch_dtype, entry.region, entry.target_digest
