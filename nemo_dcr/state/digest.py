@@ -138,25 +138,24 @@ class SumKey:
         return self.prefix + total.hex()
 
 
-def sum_of(digest: str):
-    """The StateDigest a summed tensor digest (``SUMMED``) holds."""
-    from nemo_dcr.state.statedigest import StateDigest
+def _sum_text(digest: str) -> str:
+    """The state digest's text a summed tensor digest (``SUMMED``) holds, its prefix off."""
     algo = algo_of(digest)
     if algo not in SUMMED:
         raise ValueError(f"{digest!r} is not a summed tensor digest")
-    return StateDigest.from_hex(digest[len(_PREFIX[algo]):])
+    return digest[len(_PREFIX[algo]):]
+
+
+def sum_of(digest: str):
+    """The StateDigest a summed tensor digest holds."""
+    from nemo_dcr.state.statedigest import StateDigest
+    return StateDigest.from_hex(_sum_text(digest))
 
 
 def sum_of_all(digests: Iterable[str]):
-    """The sum (a StateDigest) of summed tensor digests of one algorithm, in one pass."""
+    """The sum (a StateDigest) of summed tensor digests, in one pass (``StateDigest.sum_hex``)."""
     from nemo_dcr.state.statedigest import StateDigest
-    texts = []
-    for d in digests:
-        algo = algo_of(d)
-        if algo not in SUMMED:
-            raise ValueError(f"{d!r} is not a summed tensor digest")
-        texts.append(d[len(_PREFIX[algo]):])
-    return StateDigest.sum_hex(texts)
+    return StateDigest.sum_hex([_sum_text(d) for d in digests])
 
 
 class RunningDigest:
@@ -207,24 +206,6 @@ class RunningDigest:
             return self._key.text(self._sum)
         assert self._h is not None
         return self._prefix + self._h.hexdigest()[:32]
-
-
-def sum_digest_change(digest: str, dtype: torch.dtype, shape, idx: torch.Tensor, old: torch.Tensor | None,
-                      new: torch.Tensor | None, place: Place | None = None) -> str:
-    """The summed digest (``"sd"`` or ``"sdn"``, as ``digest`` names) of a tensor (dtype, shape;
-    ``place`` for ``"sdn"``) after the elements at flat ``idx`` went from ``old`` to ``new``
-    bits (None: the elements were not there / are no longer): O(changes)."""
-    from nemo_dcr.state.statedigest import change_contrib, changes_contrib
-    key = SumKey(algo_of(digest), dtype, shape, place)
-    d = key.parse(digest)
-    at = key.at(idx)
-    if old is not None and new is not None:
-        d = d + change_contrib(*at, old, new)
-    elif new is not None:
-        d = d + changes_contrib(*at, new)
-    elif old is not None:
-        d = d - changes_contrib(*at, old)
-    return key.text(d)
 
 
 class MovedSumDigest:
