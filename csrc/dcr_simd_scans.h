@@ -177,16 +177,26 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     while (i + 64 <= n && L) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
-        for (int b = 0; b < nb; b++) STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
+        /* the segment's classes, and the next segment's base bits asked for meanwhile (two cache
+         * lines a block), so that they arrive while this one is counted: the scan is otherwise
+         * a burst of DRAM reads, then L1-only work with no read in flight. Into every cache
+         * level: non-temporal prefetches (into L1 alone, then nowhere) were evicted by the
+         * segment's own work and read from DRAM twice; a delta sync spent 38-39 ms of CPU with
+         * them against 30-31 (45M BF16 at 1 %, Intel Xeon; docs/results.md, format 4, second turn) */
+        const char *nxt = (const char *)(os + DSEG);
+        const int64_t ahead = (n - i - DSEG) * 2;  /* the bytes after this segment */
+        const int pf = ahead > 0 ? (int)(ahead < DSEG * 2 ? ahead : DSEG * 2) : 0;
+        for (int b = 0; b < nb; b++) {
+            if (128 * b < pf) {
+                __builtin_prefetch(nxt + 128 * b, 0, 3);
+                __builtin_prefetch(nxt + 128 * b + 64, 0, 3);
+            }
+            STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
+        }
         memset(marks, 0, (size_t)nb * 8);
         for (int h = 0; h < 4; h++)
             for (int b = nb + 1; b <= DSEG / 64; b++) cum[h][b] = 0x7FFF;  /* past the segment: never <= a rank */
         int ns = 0;
-        /* the next segment's base bits are fetched while this one is counted: the scan is
-         * otherwise a burst of DRAM reads, then L1-only work with no read in flight */
-        const char *nxt = (const char *)(os + DSEG);
-        const int pf = (n - i - DSEG) * 2 > 0 ? (int)((n - i - DSEG) * 2 < DSEG * 2 ? (n - i - DSEG) * 2 : DSEG * 2) : 0;
-        for (int q = 0; q < pf; q += 64) __builtin_prefetch(nxt + q, 0, 0);
         for (int x0 = 0; x0 < L; ) {  /* the live classes up to four at a time */
             const int g = DCR_GROUP(L - x0);
             uint32_t tt[4];
