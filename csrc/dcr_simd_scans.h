@@ -78,6 +78,26 @@ TGT static inline __attribute__((always_inline)) void F(count_classes)(const uin
 /* how many of the `left` classes still to count go in one pass */
 #define DCR_GROUP(left) ((left) >= 4 ? 4 : (left) >= 2 ? 2 : 1)
 
+/* A segment's classes (nb blocks from os) into cb, and meanwhile the base bits after it (`ahead`
+ * bytes of them, at most a segment's) asked for, two cache lines a block, so that they arrive
+ * while this segment is counted: a scan is otherwise a burst of DRAM reads, then L1-only work
+ * with no read in flight. Into every cache level: the decoder's non-temporal prefetches (into L1
+ * alone, then nowhere) were evicted by the segment's own work and read from DRAM again: a delta
+ * sync spent 39-40 ms of CPU with them against 31-32, and the encoder's rank pass ~5 % more
+ * without these (45M BF16 at 1 %, Intel Xeon; docs/results.md, format 4, second turn). */
+TGT static inline __attribute__((always_inline)) void F(segment_classes)(const uint16_t *os, int nb, int64_t ahead,
+                                                                          const CTX_T *ctx, uint8_t *cb) {
+    const char *nxt = (const char *)(os + DSEG);
+    const int pf = ahead > 0 ? (int)(ahead < DSEG * 2 ? ahead : DSEG * 2) : 0;
+    for (int b = 0; b < nb; b++) {
+        if (128 * b < pf) {
+            __builtin_prefetch(nxt + 128 * b, 0, 3);
+            __builtin_prefetch(nxt + 128 * b + 64, 0, 3);
+        }
+        STB(cb + 64 * b, CLASSES(ctx, os + 64 * b));
+    }
+}
+
 /* pass B of the encoder (cls: each change's class). Returns 0, or -2 when more than MAXA
  * classes have changes (use the scalar pass).
  *
@@ -107,7 +127,7 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
     while (i + 64 <= n && j < k) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
-        for (int b = 0; b < nb; b++) STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
+        F(segment_classes)(os, nb, (n - i - DSEG) * 2, &ctx, cb);
         for (int a0 = 0; a0 < A; ) {
             const int g = DCR_GROUP(A - a0);
             F(count_classes)(cb, nb, vact + a0, g, cum + a0, tot + a0);
@@ -177,22 +197,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     while (i + 64 <= n && L) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
-        /* the segment's classes, and the next segment's base bits asked for meanwhile (two cache
-         * lines a block), so that they arrive while this one is counted: the scan is otherwise
-         * a burst of DRAM reads, then L1-only work with no read in flight. Into every cache
-         * level: non-temporal prefetches (into L1 alone, then nowhere) were evicted by the
-         * segment's own work and read from DRAM twice; a delta sync spent 38-39 ms of CPU with
-         * them against 30-31 (45M BF16 at 1 %, Intel Xeon; docs/results.md, format 4, second turn) */
-        const char *nxt = (const char *)(os + DSEG);
-        const int64_t ahead = (n - i - DSEG) * 2;  /* the bytes after this segment */
-        const int pf = ahead > 0 ? (int)(ahead < DSEG * 2 ? ahead : DSEG * 2) : 0;
-        for (int b = 0; b < nb; b++) {
-            if (128 * b < pf) {
-                __builtin_prefetch(nxt + 128 * b, 0, 3);
-                __builtin_prefetch(nxt + 128 * b + 64, 0, 3);
-            }
-            STB(cb + 64 * b, CLASSES(&ctx, os + 64 * b));
-        }
+        F(segment_classes)(os, nb, (n - i - DSEG) * 2, &ctx, cb);
         memset(marks, 0, (size_t)nb * 8);
         for (int h = 0; h < 4; h++)
             for (int b = nb + 1; b <= DSEG / 64; b++) cum[h][b] = 0x7FFF;  /* past the segment: never <= a rank */
