@@ -83,8 +83,8 @@ TGT static inline __attribute__((always_inline)) void F(count_classes)(const uin
  * while this segment is counted: a scan is otherwise a burst of DRAM reads, then L1-only work
  * with no read in flight. Into every cache level: the decoder's non-temporal prefetches (into L1
  * alone, then nowhere) were evicted by the segment's own work and read from DRAM again: a delta
- * sync spent 39-40 ms of CPU with them against 31-32, and the encoder's rank pass ~5 % more
- * without these (45M BF16 at 1 %, Intel Xeon; docs/results.md, format 4, second turn). */
+ * sync spent 39-40 ms of CPU with them against 31-32, and a publisher's diff, whose rank pass
+ * had none, ~5 % more (45M BF16 at 1 %, Intel Xeon; docs/results.md, format 4, second turn). */
 TGT static inline __attribute__((always_inline)) void F(segment_classes)(const uint16_t *os, int nb, int64_t ahead,
                                                                           const CTX_T *ctx, uint8_t *cb) {
     const char *nxt = (const char *)(os + DSEG);
