@@ -78,21 +78,28 @@ def test_group_sharded_differently_decodes_classes_chunks_bit_exactly(published,
         assert all(res[r]["located"]["locate"] >= res[r]["located"]["group_locate"] for r in range(G.WORLD))
 
 
-def test_group_holding_overlapping_columns_decodes_bit_exactly(published, tmp_path):
-    """Columns held by two or three ranks at once (not a replica): the lowest rank answers for a
-    position, and every rank holding it writes it, found through the index maps (``Decoded`` without
-    ``local``); each rank's columns end at the target's bits."""
+@pytest.mark.parametrize("route", ["gather-overlapping", "gather-one-width"])
+def test_group_holding_columns_of_one_tensor_decodes_bit_exactly(published, tmp_path, route):
+    """``gather-overlapping``: columns held by two or three ranks at once (not a replica): the
+    lowest rank answers for a position, and every rank holding it writes it, found through the
+    index maps (``Decoded`` without ``local``). ``gather-one-width``: disjoint columns, each rank
+    answering for what it holds (``Decoded`` with ``local``). One tensor, so every chunk the group
+    decodes is of one element width (the paths without a mask per width). Each rank's columns
+    end at the target's bits."""
     out = tmp_path / "out"
     out.mkdir()
     spec = {"kind": "local", "root": published}
-    res, codes, hung = launch(W.main, G.WORLD, lambda r, port: (r, G.WORLD, port, spec, "gather-overlapping",
-                                                                 str(out)), out, DEADLINE)
+    res, codes, hung = launch(W.main, G.WORLD, lambda r, port: (r, G.WORLD, port, spec, route, str(out)), out,
+                              DEADLINE)
     assert not hung, f"ranks {hung} still running after {DEADLINE}s; results so far: {res}"
     failed = [r for r in range(G.WORLD) if not res.get(r, {}).get("ok")]
     assert not failed, "\n".join(f"rank {r}:\n{res.get(r, {}).get('traceback')}" for r in failed)
     for r in range(G.WORLD):
         assert res[r]["versions"] == [1, 2] and all(n > 0 for n in res[r]["gathered"]), res[r]
-        assert res[r]["local"] == [0, 0]  # (overlapping shards: the index maps say what a rank holds)
+        if route == "gather-overlapping":
+            assert res[r]["local"] == [0, 0]  # (overlapping shards: the index maps say what a rank holds)
+        else:
+            assert all(n > 0 for n in res[r]["local"]), res[r]  # (disjoint: each decoded chunk says what is held)
 
 
 def test_alone_a_receiver_holding_every_tensor_whole_gathers_nothing(published, monkeypatch):

@@ -332,9 +332,13 @@ def _select(calls: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
     at = offsets(np.array([len(r) for r in runs], dtype=np.int64))[np.repeat(np.arange(len(answers)), per)] + run
     local = np.full(pl.owner.size, -1, dtype=np.int64)
     local[mine] = lstart[at] + off
-    width = np.repeat(np.array([c.base.element_size() for c in mine_calls], dtype=np.int64), per)
-    sent = (per.astype(np.int32), (cstart[at] + off).astype(np.int32),
-            {int(w): bits[width == w].astype(_UNSIGNED[int(w)]) for w in np.unique(width)})
+    widths = sorted({c.base.element_size() for c in mine_calls})
+    if len(widths) == 1:  # (one dtype's width, the usual case: no mask per width)
+        by_width = {widths[0]: bits.astype(_UNSIGNED[widths[0]])}
+    else:
+        width = np.repeat(np.array([c.base.element_size() for c in mine_calls], dtype=np.int64), per)
+        by_width = {w: bits[width == w].astype(_UNSIGNED[w]) for w in widths}
+    sent = (per.astype(np.int32), (cstart[at] + off).astype(np.int32), by_width)
     return sent, local
 
 
@@ -351,16 +355,26 @@ def _received(pl: _Placed, shares: list[_Share], found: list) -> tuple[np.ndarra
             raise BaseMismatchError(f"rank {r} of the receiver group answered for {len(per)} chunks, not "
                                     f"{len(answered)}")
         mine = np.array([index.get(s.key, -1) for s in answered], dtype=np.int64)
-        widths = np.repeat(np.array([s.width for s in answered], dtype=np.int64), per)
-        if pos.size != widths.size:
-            raise BaseMismatchError(f"rank {r} of the receiver group sent {pos.size} positions, not {widths.size}")
-        full = np.zeros(widths.size, dtype=np.uint32)
-        for w, b in bits.items():
-            m = widths == w
-            if int(m.sum()) != b.size:
+        n_r = int(per.sum())
+        if pos.size != n_r:
+            raise BaseMismatchError(f"rank {r} of the receiver group sent {pos.size} positions, not {n_r}")
+        one = {s.width for s in answered}
+        if len(one) == 1 and set(bits) <= one:  # (one width, the usual case: the bits as they came)
+            w = one.pop()
+            b = bits.get(w, np.empty(0, _UNSIGNED[w]))
+            if b.size != n_r:
                 raise BaseMismatchError(f"rank {r} of the receiver group sent {b.size} base bits of width {w}, "
-                                        f"not {int(m.sum())}")
-            full[m] = b
+                                        f"not {n_r}")
+            full = b.astype(np.uint32)
+        else:
+            widths = np.repeat(np.array([s.width for s in answered], dtype=np.int64), per)
+            full = np.zeros(widths.size, dtype=np.uint32)
+            for w, b in bits.items():
+                m = widths == w
+                if int(m.sum()) != b.size:
+                    raise BaseMismatchError(f"rank {r} of the receiver group sent {b.size} base bits of width {w}, "
+                                            f"not {int(m.sum())}")
+                full[m] = b
         idx = np.flatnonzero(pl.owner == r)
         expect = np.bincount(pl.share[idx], minlength=len(pl.shares))
         got = np.zeros(len(pl.shares), dtype=np.int64)
@@ -370,8 +384,11 @@ def _received(pl: _Placed, shares: list[_Share], found: list) -> tuple[np.ndarra
             s = pl.shares[i]
             raise BaseMismatchError(f"{s.name}: chunk at element {s.chunk.start}: rank {r} placed {got[i]} of "
                                     f"its {expect[i]} changes")
-        keep = np.repeat(mine >= 0, per)
-        at_all[idx], old_all[idx] = pos[keep], full[keep]
+        if (mine >= 0).all():  # (every chunk it answered for is one of these: no mask)
+            at_all[idx], old_all[idx] = pos, full
+        else:
+            keep = np.repeat(mine >= 0, per)
+            at_all[idx], old_all[idx] = pos[keep], full[keep]
     return at_all, old_all
 
 
@@ -394,9 +411,13 @@ def _together(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, lo
     width = np.array([s.width for s in pl.shares], dtype=np.int64)
     slot = np.zeros(share.size, dtype=np.int64)  # each change's place among the changes of its width
     by_width: dict = {}  # width -> (old bits, new bits, and of the changes held here: which, positions, local)
-    for w in np.unique(width).tolist():
-        m = np.flatnonzero(width[share] == w)
-        slot[m] = np.arange(m.size)
+    widths = np.unique(width).tolist()
+    for w in widths:
+        # one width (the usual case): every change is of it, and slices stand for the gathers
+        m: slice | np.ndarray = slice(None)
+        if len(widths) > 1:
+            m = np.flatnonzero(width[share] == w)
+        slot[m] = np.arange(share.size if isinstance(m, slice) else m.size)
         u = old_all[m].astype(_UNSIGNED[w])
         new, old = classes.new_bits_host(u, d_all[m]).view(_VIEW[w]), u.view(_VIEW[w])
         held = np.flatnonzero(local[m] >= 0)

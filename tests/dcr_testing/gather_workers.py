@@ -199,6 +199,20 @@ def follow_overlapping(rank, world, spec, res):
     columns of ``cols_bf16``, which overlap the others': no rank's bits may differ from the target
     (the follower's state digest, summed over the ranks, counts such positions twice; the rollout
     loader hides only exact replicas from it, so this runs the decode and apply themselves)."""
+    _follow_columns(rank, world, spec, res, OVERLAP)
+
+
+# cols_bf16's columns split between the ranks (disjoint), alone: every chunk the group decodes is
+# of one element width, as in a model of one dtype (chunk_gather's single-width paths)
+DISJOINT = {0: (0, 13), 1: (13, 14), 2: (27, 13)}
+
+
+def follow_one_width(rank, world, spec, res):
+    """``follow_overlapping``'s decode and apply, on disjoint columns of ``cols_bf16`` alone."""
+    _follow_columns(rank, world, spec, res, DISJOINT)
+
+
+def _follow_columns(rank, world, spec, res, columns):
     import torch.distributed as dist
 
     from dcr_testing.mp_workers import open_spec
@@ -209,7 +223,7 @@ def follow_overlapping(rank, world, spec, res):
     from nemo_dcr.sync.versions import manifest_at
 
     group = Group(dist.new_group(list(range(world))))
-    lo, n = OVERLAP[rank]
+    lo, n = columns[rank]
     shards = {"cols_bf16": ShardSpec.of((24, 40), (0, lo), (24, n))}
     tensors = {"cols_bf16": global_state(0)["cols_bf16"][:, lo:lo + n].clone()}
     store = open_spec(spec)
@@ -221,7 +235,7 @@ def follow_overlapping(rank, world, spec, res):
         for blob, dec in zip(blobs, got.decoded):
             apply(tensors, blob, shards=shards, verify=False, resume=True, held_only=True, decoded=dec)
         if not torch.equal(int_bits(tensors["cols_bf16"]), int_bits(global_state(v)["cols_bf16"][:, lo:lo + n])):
-            raise AssertionError(f"version {v}: rank {rank}'s overlapping columns differ from the target")
+            raise AssertionError(f"version {v}: rank {rank}'s columns differ from the target")
         res["versions"].append(v)
         res["gathered"].append(got.received)
 

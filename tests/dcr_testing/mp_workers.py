@@ -263,6 +263,11 @@ def _gather_follow_overlapping(rank, world, spec, res):
     follow_overlapping(rank, world, spec, res)
 
 
+def _gather_follow_one_width(rank, world, spec, res):
+    from dcr_testing.gather_workers import follow_one_width
+    follow_one_width(rank, world, spec, res)
+
+
 def _gather_follow_device(rank, world, spec, res):
     from dcr_testing.gather_workers import follow_device
     follow_device(rank, world, spec, res)
@@ -273,6 +278,7 @@ SCENARIOS = {
     "gather-located": _gather_follow_located,
     "gather-device": _gather_follow_device,
     "gather-overlapping": _gather_follow_overlapping,
+    "gather-one-width": _gather_follow_one_width,
     "gather-widths": _gather_follow_widths,
     "restore": _restore_download_fails,
     "joint": _joint_publish_and_follow,
