@@ -17,9 +17,11 @@ of its group together hold every position:
 3. one exchange carries, per run, how many of its base elements fall in each class: from those
    counts every rank finds, for each change, the run and so the rank holding it, and that rank
    where in the run it is;
-4. a second exchange carries, per change, its position and the base bits there (O(changes)); each
-   rank then decodes the values and checks the chunk's pre- and post-image digests as a
-   whole-chunk holder does, and ``apply`` writes only the positions it holds
+4. a second exchange carries, per change, its position and the base bits there (O(changes)); one
+   rank per chunk (``_checker``: its answering ranks in turn) then puts the chunk's changes
+   together and checks its pre- and post-image digests as a whole-chunk holder does, the others
+   decode only the changes they answered for (where shards overlap, every holder puts it
+   together), and ``apply`` writes only the positions each holds
    (``nemo_dcr.delta.apply.Decoded``).
 
 What crosses between ranks, and to the host from a device, is the class counts (a few bytes per
@@ -342,6 +344,30 @@ def _select(calls: Mapping, pl: _Placed, me: int) -> tuple[tuple, np.ndarray]:
     return sent, local
 
 
+def _answer_bits(r: int, answered: list[_Share], per: np.ndarray, pos: np.ndarray, bits: dict) -> np.ndarray:
+    """Rank ``r``'s answers' base bits (uint32), in its answers' order, checked against how many
+    it answered for (``per``: of each chunk of ``answered``) and the positions it sent."""
+    n_r = int(per.sum())
+    if pos.size != n_r:
+        raise BaseMismatchError(f"rank {r} of the receiver group sent {pos.size} positions, not {n_r}")
+    one = {s.width for s in answered}
+    if len(one) == 1 and set(bits) <= one:  # (one width, the usual case: the bits as they came)
+        w = one.pop()
+        b = bits.get(w, np.empty(0, _UNSIGNED[w]))
+        if b.size != n_r:
+            raise BaseMismatchError(f"rank {r} of the receiver group sent {b.size} base bits of width {w}, not {n_r}")
+        return b.astype(np.uint32)
+    widths = np.repeat(np.array([s.width for s in answered], dtype=np.int64), per)
+    full = np.zeros(widths.size, dtype=np.uint32)
+    for w, b in bits.items():
+        m = widths == w
+        if int(m.sum()) != b.size:
+            raise BaseMismatchError(f"rank {r} of the receiver group sent {b.size} base bits of width {w}, "
+                                    f"not {int(m.sum())}")
+        full[m] = b
+    return full
+
+
 def _received(pl: _Placed, shares: list[_Share], found: list) -> tuple[np.ndarray, np.ndarray]:
     """Every rank's answers put together for the chunks of ``pl`` -> per change of ``pl`` (stream
     order), its position in its chunk (-1 where no rank answered) and its base bits (uint32)."""
@@ -355,26 +381,7 @@ def _received(pl: _Placed, shares: list[_Share], found: list) -> tuple[np.ndarra
             raise BaseMismatchError(f"rank {r} of the receiver group answered for {len(per)} chunks, not "
                                     f"{len(answered)}")
         mine = np.array([index.get(s.key, -1) for s in answered], dtype=np.int64)
-        n_r = int(per.sum())
-        if pos.size != n_r:
-            raise BaseMismatchError(f"rank {r} of the receiver group sent {pos.size} positions, not {n_r}")
-        one = {s.width for s in answered}
-        if len(one) == 1 and set(bits) <= one:  # (one width, the usual case: the bits as they came)
-            w = one.pop()
-            b = bits.get(w, np.empty(0, _UNSIGNED[w]))
-            if b.size != n_r:
-                raise BaseMismatchError(f"rank {r} of the receiver group sent {b.size} base bits of width {w}, "
-                                        f"not {n_r}")
-            full = b.astype(np.uint32)
-        else:
-            widths = np.repeat(np.array([s.width for s in answered], dtype=np.int64), per)
-            full = np.zeros(widths.size, dtype=np.uint32)
-            for w, b in bits.items():
-                m = widths == w
-                if int(m.sum()) != b.size:
-                    raise BaseMismatchError(f"rank {r} of the receiver group sent {b.size} base bits of width {w}, "
-                                            f"not {int(m.sum())}")
-                full[m] = b
+        full = _answer_bits(r, answered, per, pos, bits)
         idx = np.flatnonzero(pl.owner == r)
         expect = np.bincount(pl.share[idx], minlength=len(pl.shares))
         got = np.zeros(len(pl.shares), dtype=np.int64)
@@ -390,6 +397,89 @@ def _received(pl: _Placed, shares: list[_Share], found: list) -> tuple[np.ndarra
             keep = np.repeat(mine >= 0, per)
             at_all[idx], old_all[idx] = pos[keep], full[keep]
     return at_all, old_all
+
+
+def _checker(shares: list[_Share]) -> dict:
+    """share key -> the rank that puts the chunk together and checks its pre- and post-image: its
+    answering ranks in turn, chunk by chunk (the same on every rank), so that a group of n ranks
+    checks each chunk once, each rank about 1/n of them, not every rank every chunk."""
+    out = {}
+    for j, s in enumerate(shares):
+        ranks = sorted(s.runs)
+        out[s.key] = ranks[j % len(ranks)]
+    return out
+
+
+def _decoded(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, local: np.ndarray, me: int) -> dict:
+    """Every chunk of ``pl`` -> its ``Decoded`` for this rank: ``_together`` for the chunks this
+    rank checks (``_checker``) and those whose shards overlap (a rank may hold positions another
+    answered for), ``_own`` for the rest: the changes this rank answered for alone, which their
+    checker (under the same ``Group.run``, before anything is written) checks with the others'."""
+    checker = _checker(shares)
+    whole = np.array([not s.disjoint or checker[s.key] == me for s in pl.shares], dtype=bool)
+    if whole.all():
+        return _together(plans, pl, shares, found, local)
+    out = _own(plans, pl, [s for s in shares if me in s.runs], found[me], local, me, ~whole)
+    if whole.any():
+        out.update(_together(plans, _subset(pl, whole), shares, found, local[whole[pl.share]]))
+    return out
+
+
+def _subset(pl: _Placed, keep: np.ndarray) -> _Placed:
+    """``pl`` with only the chunks ``keep`` (a mask over ``pl.shares``) and their changes, as
+    ``_together`` reads it: each change's chunk, answering rank and difference (the placing
+    itself, ``cls``, ``run`` and ``within``, left empty: done with)."""
+    sel = keep[pl.share]
+    renum = np.cumsum(keep) - 1
+    counts = np.diff(pl.first)[keep]
+    done = np.empty(0, np.int64)
+    return _Placed([s for s, k in zip(pl.shares, keep.tolist()) if k], renum[pl.share[sel]], done, pl.owner[sel],
+                   done, done, pl.d[sel], offsets(counts))
+
+
+def _own(plans: Mapping, pl: _Placed, answered: list[_Share], mine: tuple, local: np.ndarray, me: int,
+         only: np.ndarray) -> dict:
+    """The chunks ``only`` (a mask over ``pl.shares``: disjoint shards, checked by another rank) ->
+    ``Decoded`` of the changes this rank answered for (``mine``: what it sent; ``local``: where
+    each is in its tensor), their new bits from its own base bits; in the order they were
+    placed (``apply`` writes them by ``local``: no order needed)."""
+    per, pos, bits = mine
+    idx = np.flatnonzero(pl.owner == me)  # (the order this rank's answers were made in)
+    full = _answer_bits(me, answered, per, pos, bits)
+    k = only[pl.share[idx]]
+    j = idx[k]
+    share, at, old32, d, loc = pl.share[j], pos[k].astype(np.int64), full[k], pl.d[j], local[j]
+    width = np.array([s.width for s in pl.shares], dtype=np.int64)
+    # each chunk's changes: pl.share is nondecreasing, so they are consecutive here, and so among
+    # the changes of its width
+    bounds = np.searchsorted(share, np.arange(len(pl.shares) + 1))
+    widths = np.unique(width[share]).tolist()
+    by_width: dict = {}  # width -> (where each chunk's changes start among its changes, old bits, new bits)
+    for w in widths:
+        if len(widths) == 1:  # (one width, the usual case: no gather)
+            m, u = bounds, old32.astype(_UNSIGNED[w])
+            dw = d
+        else:
+            sel = np.flatnonzero(width[share] == w)
+            m, u, dw = np.searchsorted(sel, bounds), old32[sel].astype(_UNSIGNED[w]), d[sel]
+        by_width[w] = (m.tolist(), u.view(_VIEW[w]), classes.new_bits_host(u, dw).view(_VIEW[w]))
+    out = {}
+    starts = bounds.tolist()
+    for i, s in enumerate(pl.shares):
+        if not only[i]:
+            continue
+        bits_dt = _np_bits(plans[(s.part, s.name)].entry.torch_dtype)
+        a, b = starts[i], starts[i + 1]
+        if a == b:
+            empty = np.empty(0, bits_dt)
+            out[s.key] = Decoded(torch.empty(0, dtype=torch.int64), torch.from_numpy(empty),
+                                 torch.from_numpy(empty), torch.empty(0, dtype=torch.int64))
+            continue
+        at_w, ow, nw = by_width[s.width]
+        lo, hi = at_w[i], at_w[i + 1]
+        out[s.key] = Decoded(torch.from_numpy(at[a:b]), torch.from_numpy(ow[lo:hi].view(bits_dt)),
+                             torch.from_numpy(nw[lo:hi].view(bits_dt)), torch.from_numpy(loc[a:b]))
+    return out
 
 
 def _together(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, local: np.ndarray) -> dict:
@@ -524,7 +614,7 @@ def decode_partial(blobs: Sequence[bytes | DeltaReader], tensors: Mapping, shard
 
     def decode_mine():
         out: list[dict] = [{} for _ in readers]
-        together = _together(plans, placed, shares, found, local) if placed is not None else {}
+        together = _decoded(plans, placed, shares, found, local, me) if placed is not None else {}
         for (i, name), p in sorted(plans.items()):
             if p.action != Action.UNVERIFIED:
                 continue  # holds the entry's whole region: apply decodes and checks it
