@@ -207,12 +207,13 @@ def test_the_kernels_alone_refuse_runs_past_their_base():
                                     counts.ctypes.data) == 0 and int(counts.sum()) == 10
 
 
-@pytest.mark.parametrize("stream_order", [True, False], ids=["stream-order", "any-order"])
-def test_many_calls_at_once_equal_one_call_each(stream_order):
+@pytest.mark.parametrize("order", ["stream", "kernel", "any"])
+def test_many_calls_at_once_equal_one_call_each(order):
     """``run_counts_many`` / ``run_select_many`` (a version's chunks in one C call): each call's
     counts, offsets and base bits as ``run_counts`` / ``run_select`` give them alone, over calls of
     every dtype and class range, an empty call among them; requests in a chunk's stream order
-    (the one-sort path) and in any order (the fallback); and the torch reference the same."""
+    (the one-sort path), in the kernel's order already (by run, class and place: no sort, as a row
+    shard's requests come) and in any order (the fallback); and the torch reference the same."""
     g = np.random.default_rng(11)
     calls, reqs = [], []
     for i, dtype in enumerate([*DTYPES, torch.bfloat16]):
@@ -225,7 +226,9 @@ def test_many_calls_at_once_equal_one_call_each(stream_order):
         counts = classes.run_counts(base, start, length, lo, top, mant)
         req = [(c, r, v) for c in range(top - lo + 1) for r in range(len(start))
                for v in sorted(g.permutation(int(counts[r, c]))[: int(counts[r, c]) // 4])]
-        if not stream_order:
+        if order == "kernel":
+            req.sort(key=lambda x: (x[1], x[0], x[2]))
+        elif order == "any":
             req = [req[j] for j in g.permutation(len(req))]
         reqs.append(tuple(np.array(x, dtype=np.int64).reshape(-1) for x in (zip(*req) if req else ([], [], []))))
     per = np.array([r[0].size for r in reqs])

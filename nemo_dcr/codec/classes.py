@@ -467,13 +467,16 @@ def run_counts_many(calls: Sequence[RunCall], use_native: bool | None = None) ->
     return out
 
 
-def _request_order(call: np.ndarray, run: np.ndarray, cls: np.ndarray, within: np.ndarray) -> np.ndarray:
-    """The requests in the kernel's order: by call, run, class and place. A chunk's requests come
-    in stream order (by class, places increasing): one stable sort by (call, run, class) then
-    leaves each group's places in order (several times faster than ``lexsort``, which sorts
-    any order and is the fallback)."""
+def _request_order(call: np.ndarray, run: np.ndarray, cls: np.ndarray, within: np.ndarray) -> np.ndarray | None:
+    """The requests in the kernel's order: by call, run, class and place; None where they are in
+    it already (a chunk each rank holds one run of, as a row shard: its requests come in stream
+    order, by class, places increasing). Else one stable sort by (call, run, class) leaves each
+    group's places in order (several times faster than ``lexsort``, which sorts any order and is
+    the fallback)."""
     if call.size and int(call[-1]) < 1 << 22 and int(run.max()) < 1 << 33:  # (cls < 256: checked)
         key = (call << 41) | (run << 8) | cls
+        if not (key[1:] < key[:-1]).any() and not ((key[1:] == key[:-1]) & (within[1:] <= within[:-1])).any():
+            return None
         o = np.argsort(key, kind="stable")
         key, w = key[o], within[o]
         if not ((key[1:] == key[:-1]) & (w[1:] <= w[:-1])).any():
@@ -511,7 +514,7 @@ def run_select_many(calls: Sequence[RunCall], requests: np.ndarray, run: np.ndar
         raise DcrError("a request outside the runs or their classes")
     req_off = offsets(requests)
     sort = _request_order(call, run, cls, within)
-    srun, scls, swithin = run[sort], cls[sort], within[sort]
+    srun, scls, swithin = (run, cls, within) if sort is None else (run[sort], cls[sort], within[sort])
     got, found = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.uint32)
     failed = np.zeros(1, dtype=np.int64)
     rc = lib.dcr_cls_run_select_many(len(calls), *(a.ctypes.data for a in args[:-1]), req_off.ctypes.data,
@@ -523,6 +526,8 @@ def run_select_many(calls: Sequence[RunCall], requests: np.ndarray, run: np.ndar
     if rc:
         raise DcrError(f"elements of runs by class failed in the C kernel (call {int(failed[0])}): "
                        f"{_ERRORS.get(rc, rc)}")
+    if sort is None:
+        return got, found
     out, bits = np.empty(k, dtype=np.int64), np.empty(k, dtype=np.uint32)
     out[sort], bits[sort] = got, found
     return out, bits
