@@ -278,6 +278,17 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
  * element still asked for (select): ~10x the scalar loops' 1.3-1.9 ns an element, whose
  * per-element table update was a dependency chain. Both leave the scalar loops' results. */
 
+/* Both ask for the run's bits a segment (DSEG elements) ahead of the block they read, two cache
+ * lines a block into every level, as the scans do (segment_classes): the count pass of a TP=2
+ * group's rows (bench/ranks.py's model) 13.3-14.5 -> 11.2-11.9 ms a version, by
+ * -DDCR_NO_RUN_PREFETCH builds alternated (docs/results.md, format 4, third turn). */
+#ifndef DCR_NO_RUN_PREFETCH
+#define DCR_RUN_AHEAD(p, i, n) do { if ((i) + DSEG + 64 <= (n)) { __builtin_prefetch((p) + (i) + DSEG, 0, 3); \
+                                    __builtin_prefetch((p) + (i) + DSEG + 32, 0, 3); } } while (0)
+#else
+#define DCR_RUN_AHEAD(p, i, n) do { } while (0)
+#endif
+
 /* counts[c - lo] += the run's elements of class c, for lo <= c <= hi (hi - lo < MAXA) */
 TGT static void F(run_count)(const uint16_t *p, int64_t n, int mant, int lo, int hi, uint32_t *counts) {
     const int nc = hi - lo + 1;
@@ -287,6 +298,7 @@ TGT static void F(run_count)(const uint16_t *p, int64_t n, int mant, int lo, int
     const CTX_T ctx = CTX(mant, lo, hi);
     int64_t i = 0;
     for (; i + 64 <= n; i += 64) {
+        DCR_RUN_AHEAD(p, i, n);
         const BLK_T v = CLASSES(&ctx, p + i);
         for (int c = 0; c < nc; c++) t[c] += (uint32_t)__builtin_popcountll(EQ(v, vact[c]));
     }
@@ -307,6 +319,7 @@ TGT static int64_t F(run_select)(const uint16_t *p, int64_t n, int mant, int lo,
     const CTX_T ctx = CTX(mant, lo, hi);
     int64_t i = 0;
     for (; i + 64 <= n && left; i += 64) {
+        DCR_RUN_AHEAD(p, i, n);
         const BLK_T v = CLASSES(&ctx, p + i);
         for (int x = 0; x < L; x++) {
             const int c = live[x];
@@ -335,6 +348,7 @@ TGT static int64_t F(run_select)(const uint16_t *p, int64_t n, int mant, int lo,
 }
 
 #undef F
+#undef DCR_RUN_AHEAD
 #undef DCR_GROUP
 #undef DCR_CAT
 #undef DCR_CAT2
