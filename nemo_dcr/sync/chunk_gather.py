@@ -399,6 +399,16 @@ def _received(pl: _Placed, shares: list[_Share], found: list) -> tuple[np.ndarra
     return at_all, old_all
 
 
+def _width_groups(width: np.ndarray, share: np.ndarray) -> list[tuple[int, slice | np.ndarray]]:
+    """The changes (``share``: each one's chunk; ``width``: each chunk's element width) by width
+    -> (width, which changes): a slice of all of them where there is one width (a model of one
+    dtype, the usual case: no mask, and views not gathers), else their indices."""
+    widths = np.unique(width[share]).tolist()
+    if len(widths) == 1:
+        return [(widths[0], slice(None))]
+    return [(w, np.flatnonzero(width[share] == w)) for w in widths]
+
+
 def _checker(shares: list[_Share]) -> dict:
     """share key -> the rank that puts the chunk together and checks its pre- and post-image: its
     answering ranks in turn, chunk by chunk (the same on every rank), so that a group of n ranks
@@ -453,16 +463,11 @@ def _own(plans: Mapping, pl: _Placed, answered: list[_Share], mine: tuple, local
     # each chunk's changes: pl.share is nondecreasing, so they are consecutive here, and so among
     # the changes of its width
     bounds = np.searchsorted(share, np.arange(len(pl.shares) + 1))
-    widths = np.unique(width[share]).tolist()
     by_width: dict = {}  # width -> (where each chunk's changes start among its changes, old bits, new bits)
-    for w in widths:
-        if len(widths) == 1:  # (one width, the usual case: no gather)
-            m, u = bounds, old32.astype(_UNSIGNED[w])
-            dw = d
-        else:
-            sel = np.flatnonzero(width[share] == w)
-            m, u, dw = np.searchsorted(sel, bounds), old32[sel].astype(_UNSIGNED[w]), d[sel]
-        by_width[w] = (m.tolist(), u.view(_VIEW[w]), classes.new_bits_host(u, dw).view(_VIEW[w]))
+    for w, sel in _width_groups(width, share):
+        m = bounds if isinstance(sel, slice) else np.searchsorted(sel, bounds)
+        u = old32[sel].astype(_UNSIGNED[w])
+        by_width[w] = (m.tolist(), u.view(_VIEW[w]), classes.new_bits_host(u, d[sel]).view(_VIEW[w]))
     out = {}
     starts = bounds.tolist()
     for i, s in enumerate(pl.shares):
@@ -501,12 +506,7 @@ def _together(plans: Mapping, pl: _Placed, shares: list[_Share], found: list, lo
     width = np.array([s.width for s in pl.shares], dtype=np.int64)
     slot = np.zeros(share.size, dtype=np.int64)  # each change's place among the changes of its width
     by_width: dict = {}  # width -> (old bits, new bits, and of the changes held here: which, positions, local)
-    widths = np.unique(width).tolist()
-    for w in widths:
-        # one width (the usual case): every change is of it, and slices stand for the gathers
-        m: slice | np.ndarray = slice(None)
-        if len(widths) > 1:
-            m = np.flatnonzero(width[share] == w)
+    for w, m in _width_groups(width, share):  # (every chunk here has changes: each width is one's)
         slot[m] = np.arange(share.size if isinstance(m, slice) else m.size)
         u = old_all[m].astype(_UNSIGNED[w])
         new, old = classes.new_bits_host(u, d_all[m]).view(_VIEW[w]), u.view(_VIEW[w])
