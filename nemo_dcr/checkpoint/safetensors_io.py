@@ -20,6 +20,7 @@ import torch
 
 from nemo_dcr.errors import CheckpointError, DcrError  # CheckpointError re-exported: defined with every other error
 from nemo_dcr.util.atomic import FileSet, output_file, recover
+from nemo_dcr.util.writeback import Writeback
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -287,6 +288,8 @@ def write_file(path: str, header_text: str, produce, parsed: dict | None = None)
         f.write(struct.pack("<Q", len(raw)))
         f.write(raw)
         pos = 0
+        wb = Writeback(f.fileno())  # the disk writes each tensor while the next is made
+        wb.wrote(8 + len(raw))
         for name in tensors_in_order(parsed):
             info = parsed[name]
             t = produce(name)
@@ -297,6 +300,7 @@ def write_file(path: str, header_text: str, produce, parsed: dict | None = None)
             f.write(b"\0" * (b - pos))  # parse_header refused overlaps: b >= pos
             data = t.contiguous().reshape(-1).view(torch.uint8).numpy().data if t.numel() else b""
             f.write(data)
+            wb.wrote(e - pos)  # the padding and the tensor
             pos = e
         f.flush()
         os.fsync(f.fileno())

@@ -37,6 +37,8 @@ from collections.abc import Iterator
 from typing import NoReturn
 from urllib.parse import quote, urlencode, urlsplit
 
+from nemo_dcr.util.writeback import Writeback
+
 from .base import NotFound, Store, StoreError, check_key, check_prefix
 
 __all__ = ["HttpStore", "ReadOnlyStore", "StoreUnavailable", "wait_head", "write_stream_to_file",
@@ -97,9 +99,11 @@ def write_stream_to_file(size: int, chunks: Iterator[bytes], path: str | os.Path
         os.makedirs(d, exist_ok=True)
         n = 0
         with open(tmp, "xb") as f:
+            wb = Writeback(f.fileno())  # the disk writes as the bytes come: fsync waits for the last few MB
             for b in chunks:
                 f.write(b)
                 n += len(b)
+                wb.wrote(len(b))
             if n != size:
                 raise StoreError(f"get_to_file -> {dest}: got {n} of {size} bytes")
             f.flush()

@@ -33,6 +33,7 @@ import stat
 from collections.abc import Callable, Iterator
 
 from nemo_dcr.util.atomic import TEMP_RE, fsync_dir, install, open_temp, remove_quiet, write_temp
+from nemo_dcr.util.writeback import Writeback
 
 from .base import NotFound, PreconditionFailed, Store, StoreError, check_key, check_prefix
 from .writer import ObjectWriter
@@ -344,11 +345,15 @@ class _LocalWriter(ObjectWriter):
         except OSError as e:
             raise store._io_error("open_writer", key, e) from e
         self.f = os.fdopen(fd, "wb", buffering=0)  # payloads come in large pieces: no second copy
+        # the disk writes each few MB while the next are encoded: commit's fsync waits for the last
+        self.writeback = Writeback(fd)
 
     def _write(self, mv: memoryview) -> None:
         try:
             while mv:
-                mv = mv[self.f.write(mv):]
+                n = self.f.write(mv)
+                self.writeback.wrote(n)
+                mv = mv[n:]
         except OSError as e:
             raise self.store._io_error("write", self.key, e) from e
 
