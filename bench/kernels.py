@@ -47,10 +47,14 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
 * state digest of the shard: the torch reference (timed on at most 8M elements, scaled) and the
   C kernel on ``--workers`` threads;
-* keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``), with the state
-  digest in C and in torch, and in format version 1, against writing (and fsyncing) the raw bytes
-  of the shard there; ``fast-v3`` and ``fast-v4`` (delta format 3 and 4) with their parts'
-  checksums BLAKE3 (manifest format 4, the default) and ``fast-v3-sha256`` with SHA-256 (format 3);
+* keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``): a fresh
+  publisher's first version with the state digest in C and in torch, and in format version 1,
+  against writing (and fsyncing) the raw bytes of the shard there (``raw_write``;
+  ``raw_write_writeback``: the same bytes written 8 MB at a time with each piece's writeback asked
+  for, as the store's writer does); ``fast-v3`` and ``fast-v4`` (delta format 3 and 4) with their
+  parts' checksums BLAKE3 (manifest format 4, the default) and ``fast-v3-sha256`` with SHA-256
+  (format 3); ``fast-v4-next``: a publisher's next version (1 % changed) as a keyframe, its delta
+  part beside it, as ``keyframe_every`` makes them;
 * keyframe sync: a follower's first sync of that keyframe from the local directory into fresh
   tensors (delta format 4, the default), its parts checked with BLAKE3 (``v4``) and SHA-256
   (``v4-sha256``; the rows were ``v3`` and ``v3-sha256`` while version 3 was the default).
@@ -88,6 +92,7 @@ from nemo_dcr.stores.local import LocalStore
 from nemo_dcr.sync.follower import Follower
 from nemo_dcr.sync.publisher import Publisher, _Changes
 from nemo_dcr.util.parallel import ordered_map
+from nemo_dcr.util.writeback import KICK_EVERY, Writeback
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 if HERE not in sys.path:
@@ -355,10 +360,18 @@ def digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | fl
     return rows
 
 
-def _raw_write(path: str, data) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
+def _raw_write(path: str, data, writeback: bool = False) -> None:
+    """Write the raw bytes and fsync them: the baseline a keyframe publish is held to. With
+    ``writeback``, written in pieces with the writeback of each asked for as the store's writer
+    does (util/writeback.py): what the same technique gives a raw write, shown beside it."""
+    mv = memoryview(data).cast("B")
+    with open(path, "wb", buffering=0) as f:
+        if writeback:
+            wb = Writeback(f.fileno())
+            for i in range(0, mv.nbytes, KICK_EVERY):
+                wb.wrote(f.write(mv[i:i + KICK_EVERY]))
+        else:
+            f.write(mv)
         os.fsync(f.fileno())
     os.unlink(path)
 
@@ -381,7 +394,9 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
                 shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
 
     t_raw = _median(lambda: _raw_write(os.path.join(tmp, "raw.bin"), raw), reps)
-    rows = [_row("keyframe", "raw_write", t_raw, memcpy)]
+    rows = [_row("keyframe", "raw_write", t_raw, memcpy),
+            _row("keyframe", "raw_write_writeback", _median(
+                lambda: _raw_write(os.path.join(tmp, "raw.bin"), raw, writeback=True), reps), memcpy)]
     lib = native.lib
     try:
         native.lib = lambda: None
@@ -393,6 +408,19 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     rows.append(_row("keyframe", "fast-v3", _median(lambda _: publish(3), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v4", _median(lambda _: publish(4), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v3-sha256", _median(lambda _: publish(3, "sha256"), reps, clear), memcpy))
+    target = {"shard": make_target(base, 0.01)}
+
+    def published():  # untimed: a publisher with its first version out, the next one's step taken
+        clear()
+        k[0] += 1
+        p = Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers)
+        p.publish(state)
+        return p
+
+    # a keyframe every few versions (``keyframe_every``): the publisher's next version, its delta
+    # part and its keyframe part, the tensor digests known from the delta
+    rows.append(_row("keyframe", "fast-v4-next", _median(
+        lambda p: p.publish(target, keyframe=True), reps, published), memcpy))
     for checksum in ("blake3", "sha256"):
         rows.append(_row("keyframe_sync", "v4" if checksum == "blake3" else "v4-sha256",
                          keyframe_sync(state, checksum, workers, reps, os.path.join(tmp, f"sync-{checksum}")), memcpy))

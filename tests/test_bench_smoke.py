@@ -263,9 +263,11 @@ def test_kernels_bench_quick_json():
                            ("encode", "fast-scatter"), ("encode", "fast-scatter-many"), ("apply", "fast-v1"),
                            ("encode", "fast-v3"), ("encode", "fast-v4"), ("apply", "fast-v3"), ("apply", "fast-v4")):
             assert (ch, side, path) in rows
-    for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "reference"),
+    for side, path in (("state_digest", "reference"), ("keyframe", "raw_write"), ("keyframe", "raw_write_writeback"),
+                       ("keyframe", "reference"),
                        ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"), ("keyframe", "fast-v4"),
-                       ("keyframe", "fast-v3-sha256"), ("keyframe_sync", "v4"), ("keyframe_sync", "v4-sha256"),
+                       ("keyframe", "fast-v3-sha256"), ("keyframe", "fast-v4-next"), ("keyframe_sync", "v4"),
+                       ("keyframe_sync", "v4-sha256"),
                        ("tensor_digest", "sha256"),
                        ("tensor_digest", "blake3-1t"), ("tensor_digest", "blake3-2t"), ("values_digest", "blake2b"),
                        ("values_digest", "blake3")):
