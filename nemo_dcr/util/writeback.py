@@ -24,7 +24,7 @@ def _sync_file_range():
     """glibc's ``sync_file_range``, looked up once, or None (another C library or system)."""
     try:
         fn = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):  # (TypeError: a system where CDLL(None) is no library)
         return None
     fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     fn.restype = ctypes.c_int
