@@ -475,13 +475,17 @@ def _request_order(call: np.ndarray, run: np.ndarray, cls: np.ndarray, within: n
     the fallback)."""
     if call.size and int(call[-1]) < 1 << 22 and int(run.max()) < 1 << 33:  # (cls < 256: checked)
         key = (call << 41) | (run << 8) | cls
-        if not (key[1:] < key[:-1]).any() and not ((key[1:] == key[:-1]) & (within[1:] <= within[:-1])).any():
+        if not (key[1:] < key[:-1]).any() and _places_increase(key, within):
             return None
         o = np.argsort(key, kind="stable")
-        key, w = key[o], within[o]
-        if not ((key[1:] == key[:-1]) & (w[1:] <= w[:-1])).any():
+        if _places_increase(key[o], within[o]):
             return o
     return np.lexsort((within, cls, run, call))
+
+
+def _places_increase(key: np.ndarray, within: np.ndarray) -> bool:
+    """Whether, among requests of equal ``key`` next to each other, the places increase."""
+    return not ((key[1:] == key[:-1]) & (within[1:] <= within[:-1])).any()
 
 
 def run_select_many(calls: Sequence[RunCall], requests: np.ndarray, run: np.ndarray, cls: np.ndarray,
