@@ -53,9 +53,13 @@ _tls = threading.local()
 
 #: chunks up to these many elements are ``light``: a delta's chunk (its positions coded, its
 #: elements mostly unchanged) and a dense one (every element sent: a keyframe's, a tensor sent
-#: whole), whose C work per element is several times a delta's
+#: whole), whose C work per element is several times a delta's. Dense: 64K. At 16K a keyframe
+#: of 4096 tensors of 32K BF16 took 1.88-2.17 s to publish on two workers against 1.33 s with
+#: its chunks on the calling thread, and synced in 1.88 s against 1.42; at 64K elements publish
+#: 0.95-1.07 s against 1.20-1.22, sync the same; from 128K on two workers tie or win
+#: (``bench/tensors.py``; docs/results.md, "Format version 4, fifth turn")
 LIGHT_DELTA = 1 << 18
-LIGHT_DENSE = 1 << 14
+LIGHT_DENSE = 1 << 16
 
 
 def light(n: int, dense: bool) -> bool:
