@@ -699,17 +699,34 @@ class WrittenDigest:
     holds. Only a state that holds the target's bits can match its digest, so a match is the
     check a whole pass makes (docs/format.md, "State digest")."""
 
+    #: chunks of up to this many elements are summed at the end instead (``total``), all in
+    #: jobs of up to ``_NATIVE_RANGE`` elements over the workers. A keyframe of small tensors
+    #: writes their chunks on the calling thread (``codec.chunk.light``: a worker's hand-off
+    #: costs more), and summing each there too kept the other core idle: a keyframe sync of
+    #: 4096 tensors of 32K BF16 spent ~220 of ~900 ms so (docs/results.md, "Format version 4,
+    #: fifth turn"). Larger chunks are summed as they are written, on the worker that wrote them.
+    DEFER_MAX = 1 << 16
+
     def __init__(self):
         self._sum = RunningSum()
         self._lock = threading.Lock()
         self.elements = 0
         self.complete = True
+        self._later: list = []  # small chunks to sum at the end: (name, dtype, region_map, bits, start)
 
     def add(self, name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int) -> None:
-        """The elements ``start``, ... of a region of tensor ``name`` (placed by ``region_map``) now hold ``bits``."""
+        """The elements ``start``, ... of a region of tensor ``name`` (placed by ``region_map``)
+        now hold ``bits`` (a view of the receiver's tensor: a small chunk's is read at the end,
+        when ``total`` is asked for, and so must still be the receiver's memory then)."""
+        n = bits.numel()
+        if n <= self.DEFER_MAX:
+            with self._lock:
+                self.elements += n
+                self._later.append((name, dtype, region_map, bits, start))
+            return
         part = region_contrib(name, dtype, region_map, bits, start)
         with self._lock:
-            self.elements += bits.numel()
+            self.elements += n
         self._sum.add(part)
 
     def give_up(self) -> None:
@@ -717,7 +734,17 @@ class WrittenDigest:
 
     @property
     def total(self) -> StateDigest:
+        with self._lock:
+            later, self._later = self._later, []
+        if later:
+            self._sum.add(_sum_pieces([_later_piece(*c) for c in later if c[3].numel()], None))
         return self._sum.total
+
+
+def _later_piece(name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int):
+    """A deferred chunk of ``WrittenDigest`` as one of ``_pieces``' answers: one range, threaded."""
+    n = bits.numel()
+    return (lambda _s: region_contrib(name, dtype, region_map, bits, start).lanes), range(0, n, n), True
 
 
 def allreduce_digest(d: StateDigest, group: ProcessGroup | None = None) -> StateDigest:
