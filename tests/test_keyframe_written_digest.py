@@ -68,14 +68,14 @@ def test_what_was_summed_not_matching_is_summed_again_whole(tmp_path, whole_pass
     for wrong in ("dropped", "other bits"):
         seen: list = []
 
-        def add(self, name, dtype, region_map, bits, start, wrong=wrong, seen=seen):
+        def add(self, name, dtype, region_map, bits, start, later=False, wrong=wrong, seen=seen):
             seen.append(name)
             if len(seen) == 2:
                 if wrong == "dropped":
                     return
                 bits = bits.clone()
                 bits.view(-1)[0] = ~bits.view(-1)[0] if not bits.dtype.is_floating_point else bits.view(-1)[0] + 1
-            real_add(self, name, dtype, region_map, bits, start)
+            real_add(self, name, dtype, region_map, bits, start, later)
         monkeypatch.setattr(WrittenDigest, "add", add)
         whole_passes.clear()
         recv = {k: torch.zeros_like(v) for k, v in state.items()}
@@ -98,34 +98,34 @@ def test_the_written_sum_is_the_state_digest_of_a_keyframe_applied():
     assert w.total == state_contrib(state) == statedigest.state_contrib(state)
 
 
-def test_small_chunks_are_summed_at_the_end_and_large_ones_as_written(monkeypatch):
-    """A chunk of up to ``DEFER_MAX`` elements is summed when ``total`` is asked for (on the
-    workers, with the others), a larger one as it is added; either way the total is the state
-    digest, and a small chunk's share is of the bits its view holds at the end."""
+def test_chunks_added_for_later_are_summed_at_the_end_and_others_as_added(monkeypatch):
+    """A chunk added with ``later`` is summed when ``total`` is asked for (on the workers, with
+    the others), one without as it is added; either way the total is the state digest, and a
+    later chunk's share is of the bits its view holds at the end."""
     from nemo_dcr.state.index_map import IndexMap
-    monkeypatch.setattr(WrittenDigest, "DEFER_MAX", 5000)
     summed: list = []
     real = statedigest.region_contrib
-    monkeypatch.setattr(statedigest, "region_contrib", lambda name, *a, **kw: summed.append(name) or real(name, *a, **kw))
+    monkeypatch.setattr(statedigest, "region_contrib",
+                        lambda name, *a, **kw: summed.append(name) or real(name, *a, **kw))
     state = _state(4)
     w = WrittenDigest()
-    added: list = []  # (name, elements) in the order added
+    added: list = []  # (name, elements, later) in the order added
     for name, t in state.items():
         flat, imap, s = t.reshape(-1), IndexMap(ShardSpec.full(t.shape)), 0
         for size in (7000, 3000) * (flat.numel() // 10000 + 1):
             if s >= flat.numel():
                 break
-            w.add(name, t.dtype, imap, flat[s:s + size], s)
-            added.append((name, min(size, flat.numel() - s)))
+            w.add(name, t.dtype, imap, flat[s:s + size], s, later=size < 5000)
+            added.append((name, min(size, flat.numel() - s), size < 5000))
             s += size
-    large = [n for n, k in added if k > 5000]
-    assert summed == large and len(large) < len(added)  # nothing small summed yet
+    now = [n for n, _, later in added if not later]
+    assert summed == now and len(now) < len(added)  # nothing added for later summed yet
     assert w.total == state_contrib(state)
-    assert len(summed) == len([n for n, k in added if k])  # every non-empty chunk once
+    assert sorted(summed) == sorted(n for n, k, _ in added if k)  # every non-empty chunk once
     # a small chunk's view is read at the end: the state changed after ``add`` is what counts
     w2 = WrittenDigest()
-    t = state["m"][:40].clone()  # (40 x 80: under DEFER_MAX)
+    t = state["m"].clone()
     before = state_contrib({"m": t})
-    w2.add("m", t.dtype, IndexMap(ShardSpec.full(t.shape)), t.reshape(-1), 0)
+    w2.add("m", t.dtype, IndexMap(ShardSpec.full(t.shape)), t.reshape(-1), 0, later=True)
     t.view(torch.int16).view(-1)[0] ^= 1
     assert w2.total == state_contrib({"m": t}) != before

@@ -427,8 +427,8 @@ def _apply_range(reader: DeltaReader, t: _Target, c: ChunkEntry, in_journal: boo
         if t.moved is not None:
             t.moved.replace(c.start, view, new)
         view.copy_(new)
-    if t.written is not None:  # what the range holds now, read while it is in this core's caches
-        t.written.add(t.plan.name, t.dtype, t.region_map, view, c.start)
+    if t.written is not None:  # what the range holds now (a light chunk's at the end: WrittenDigest.add)
+        t.written.add(t.plan.name, t.dtype, t.region_map, view, c.start, later=light(c.n, True))
     return "applied", c.n
 
 

@@ -699,14 +699,6 @@ class WrittenDigest:
     holds. Only a state that holds the target's bits can match its digest, so a match is the
     check a whole pass makes (docs/format.md, "State digest")."""
 
-    #: chunks of up to this many elements are summed at the end instead (``total``), all in
-    #: jobs of up to ``_NATIVE_RANGE`` elements over the workers. A keyframe of small tensors
-    #: writes their chunks on the calling thread (``codec.chunk.light``: a worker's hand-off
-    #: costs more), and summing each there too kept the other core idle: a keyframe sync of
-    #: 4096 tensors of 32K BF16 spent ~220 of ~900 ms so (docs/results.md, "Format version 4,
-    #: fifth turn"). Larger chunks are summed as they are written, on the worker that wrote them.
-    DEFER_MAX = 1 << 16
-
     def __init__(self):
         self._sum = RunningSum()
         self._lock = threading.Lock()
@@ -714,12 +706,18 @@ class WrittenDigest:
         self.complete = True
         self._later: list = []  # small chunks to sum at the end: (name, dtype, region_map, bits, start)
 
-    def add(self, name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int) -> None:
+    def add(self, name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int,
+            later: bool = False) -> None:
         """The elements ``start``, ... of a region of tensor ``name`` (placed by ``region_map``)
-        now hold ``bits`` (a view of the receiver's tensor: a small chunk's is read at the end,
-        when ``total`` is asked for, and so must still be the receiver's memory then)."""
+        now hold ``bits``. ``later``: summed when ``total`` is asked for, with the others added
+        so, in jobs of up to ``_NATIVE_RANGE`` elements over the workers (``bits``, a view of
+        the receiver's tensor, must still be its memory then). For the chunks an apply writes on
+        the calling thread (``codec.chunk.light``, a keyframe's of small tensors): summed there
+        one by one, they kept the other core idle (a keyframe sync of 4096 tensors of 32K BF16
+        spent ~220 of ~900 ms so; docs/results.md, "Format version 4, fifth turn"). Else summed
+        now, on the thread that wrote the chunk, while it is in that core's caches."""
         n = bits.numel()
-        if n <= self.DEFER_MAX:
+        if later:
             with self._lock:
                 self.elements += n
                 self._later.append((name, dtype, region_map, bits, start))
