@@ -72,7 +72,8 @@ def plot_fanout(res: dict, out: str, plt) -> str:
         ax.plot([r["receivers"] for r in rs], [r["to_last"] for r in rs], marker="o", label=f"from {how}")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("receivers")
-    ax.set_ylabel("time to the last receiver (s)")
+    reps = res.get("config", {}).get("reps", 1)  # (a JSON from before --reps: one run a row)
+    ax.set_ylabel("time to the last receiver (s)" + (f", best of {reps}" if reps > 1 else ""))
     ax.set_title(f"{res['elements'] / 1e6:.0f}M elements, {res['change']:.0%}, {res['link_mbit']:g} Mbit/s (measured)",
                  fontsize=9)
     ax.legend(fontsize=8)
