@@ -519,6 +519,10 @@ def summarize(pairs) -> dict:
 # ----------------------------------------------------------------------------- output
 
 def _table(header, rows) -> str:
+    # a "|" inside a cell ("pos|exp") escaped: else Markdown splits the cell there, and a header of
+    # more cells than its separator row is no table at all (tests/test_docs_agree.py)
+    header = [str(x).replace("|", "\\|") for x in header]
+    rows = [[str(x).replace("|", "\\|") for x in r] for r in rows]
     w = [max(len(str(x)) for x in col) for col in zip(header, *rows)]
     line = lambda r: "| " + " | ".join(str(x).rjust(n) for x, n in zip(r, w)) + " |"  # noqa: E731
     return "\n".join([line(header), "|" + "|".join("-" * (n + 1) + ":" for n in w) + "|"] + [line(r) for r in rows])

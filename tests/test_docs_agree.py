@@ -1,5 +1,5 @@
 """The documentation says what the code does (issue 22): the callback's defaults in the user
-guide's table, the command line's help."""
+guide's table, the command line's help; and its tables render as tables."""
 import inspect
 import os
 import re
@@ -64,3 +64,36 @@ def test_the_relay_commands_help_states_the_relays_own_defaults():
         assert actions[dest].default is None and text in actions[dest].help, (dest, actions[dest].help)
     args = p.parse_args(["relay", "--listen", "127.0.0.1:0", "--upstream", "/tmp/x", "--prune-delay", "0.2"])
     assert (args.prune_delay, args.poll_interval, args.cache_max_bytes) == (0.2, None, None)
+
+
+def _markdown_files():
+    """README.md, csrc/README.md and docs/*.md."""
+    docs = os.path.join(ROOT, "docs")
+    return [os.path.join(ROOT, "README.md"), os.path.join(ROOT, "csrc", "README.md")] + sorted(
+        os.path.join(docs, f) for f in os.listdir(docs) if f.endswith(".md"))
+
+
+def _cells(row: str) -> int:
+    return row.strip().strip("|").replace("\\|", "").count("|") + 1  # ``\|``: a pipe inside a cell
+
+
+def test_every_table_in_the_docs_has_a_header_row():
+    """A table's separator row (``|---|...``) follows its header row, with as many cells: one
+    pasted from a benchmark's output without its header renders as a run of text (the reload
+    table of docs/results.md did, from 2026-12-06 19:14 to the next turn), and so does one whose
+    header has more cells than its separator (two entropy tables whose column names held an
+    unescaped ``|``)."""
+    sep = re.compile(r"^\|(\s*:?-{3,}:?\s*\|)+\s*$")
+    bad = []
+    for path in _markdown_files():
+        lines = open(path).read().splitlines()
+        fence = False
+        for i, line in enumerate(lines):
+            if line.startswith("```"):
+                fence = not fence
+            if fence or not sep.match(line):
+                continue
+            head = lines[i - 1] if i else ""
+            if not head.startswith("|") or sep.match(head) or _cells(head) != _cells(line):
+                bad.append(f"{os.path.relpath(path, ROOT)}:{i + 1}")
+    assert not bad, f"tables without a header row of as many cells: {', '.join(bad)}"
