@@ -12,13 +12,20 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def script(name: str):
-    """bench/<name>.py, loaded once."""
+    """bench/<name>.py, loaded once. ``sys.path`` is as it was afterwards: a script puts bench/
+    there as it loads (bench/kernels.py does), and left there, bench/kernels.py was found as the
+    Hugging Face ``kernels`` package by a later ``transformers`` import in the same process (a
+    test run of ``tests/test_bench_smoke.py`` before ``tests/test_callback_hf.py`` failed so)."""
     mod_name = f"nemo_dcr_bench_{name}"
     if mod_name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(mod_name, os.path.join(HERE, f"{name}.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[mod_name] = mod
-        spec.loader.exec_module(mod)
+        path = list(sys.path)
+        try:
+            spec = importlib.util.spec_from_file_location(mod_name, os.path.join(HERE, f"{name}.py"))
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[mod_name] = mod
+            spec.loader.exec_module(mod)
+        finally:
+            sys.path[:] = path
     return sys.modules[mod_name]
 
 
