@@ -3,6 +3,7 @@ of the state digest, keyed by its name and global shape, so that a state's tenso
 to its state digest and a writer sums each element once (docs/format.md, "Digests")."""
 from __future__ import annotations
 
+import importlib
 from unittest import mock
 
 import pytest
@@ -17,6 +18,8 @@ from nemo_dcr.state import statedigest
 from nemo_dcr.state.digest import Place, SumKey, sum_of, tensor_digest
 from nemo_dcr.state.index_map import IndexMap
 from nemo_dcr.state.statedigest import StateDigest, region_contrib, state_contrib, tensor_contrib
+
+diff_module = importlib.import_module("nemo_dcr.delta.diff")  # the module (nemo_dcr.delta.diff is the function)
 
 GLOBAL = (37, 50)
 SPECS = [ShardSpec.full(GLOBAL), ShardSpec.of(GLOBAL, (0, 10), (37, 20)), ShardSpec.of(GLOBAL, (5, 0), (10, 50)),
@@ -165,8 +168,13 @@ def test_a_version_4_publisher_sums_each_element_once(tmp_path, monkeypatch):
         def counting_pieces(name, tensor, spec, n=n, real=real_pieces):
             n[0] += tensor.numel()
             return real(name, tensor, spec)
+
+        def counting_ahead(ranges, n=n, real=diff_module.many_contrib):  # small tensors, summed ahead
+            n[0] += sum(r[3].numel() for r in ranges)
+            return real(ranges)
         monkeypatch.setattr(SumKey, "range", counting_range)
         monkeypatch.setattr(statedigest, "_pieces", counting_pieces)
+        monkeypatch.setattr(diff_module, "many_contrib", counting_ahead)
         m = Publisher(LocalStore(tmp_path / f"v{fv}"), chunk_elems=1 << 14, format_version=fv).publish(state).manifest
         monkeypatch.undo()
         assert m.target_digest == state_contrib(state).hex()
@@ -276,3 +284,50 @@ def test_a_sharded_senders_removal_is_checked_on_its_part():
     good = {k: v.clone() for k, v in full.items()}
     with pytest.raises(BaseMismatchError):  # version 3: the part's digest against the whole tensor's
         apply(good, blobs[3][0])
+
+
+@pytest.mark.parametrize("fv", [3, 4])
+@pytest.mark.parametrize("workers", [1, 2])
+def test_a_keyframes_small_tensors_are_summed_ahead_on_the_workers(monkeypatch, fv, workers):
+    """A tensor sent whole in one light chunk (a keyframe's small tensors) has its summed
+    target digest made ahead of the stream, several tensors a job (``diff._digests_ahead``), on a
+    worker where there are two: each digest is its tensor's, whatever job and place in it it had;
+    a larger tensor, a region of another index shape and an empty tensor are summed as before."""
+    import io
+    import threading
+
+    from nemo_dcr.codec.chunk import LIGHT_DENSE
+    g = torch.Generator().manual_seed(11)
+    dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.float64]
+    state = {f"s{i:02d}": torch.randn(30 + 97 * i, generator=g).to(dtypes[i % len(dtypes)]) for i in range(40)}
+    state["s_2d_t"] = torch.randn(40, 30, generator=g).bfloat16().t()  # not contiguous
+    state["special"] = torch.tensor([float("nan"), -0.0, 1e-40, float("inf"), -float("inf")])
+    state["large"] = torch.randn(LIGHT_DENSE + 1, generator=g).bfloat16()
+    state["empty"] = torch.zeros(0, 4)
+    region = ShardSpec.of(GLOBAL, (3, 1), (20, 2))
+    state["region"] = torch.randn(20, 2, generator=g)
+    shards = {"region": region}
+    monkeypatch.setattr(diff_module, "AHEAD_JOB", 5000)  # several jobs
+    jobs, threads = [], []
+    real = diff_module.many_contrib
+
+    def spy(ranges):
+        jobs.append([r[0] for r in ranges])
+        run = real(ranges)
+        return lambda: threads.append(threading.current_thread()) or run()
+    monkeypatch.setattr(diff_module, "many_contrib", spy)
+    header = diff({}, state, shards=shards, workers=workers, format_version=fv, out=io.BytesIO())
+    algo = {3: "sd", 4: "sdn"}[fv]
+    for e in header["tensors"]:
+        assert e["target_digest"] == tensor_digest(state[e["name"]], algo,
+                                                   place=Place(e["name"], shards.get(e["name"]))), e["name"]
+    small = {k for k in state if k.startswith("s")}
+    summed = sorted(n for job in jobs for n in job)
+    if fv == 4:
+        assert summed == sorted(small)
+    else:  # "sd": keyed by no name (""), and by a region's own shape, so the region is summed ahead too
+        assert len(summed) == len(small) + 1
+    assert len(jobs) > 2
+    assert threads and all((t is threading.main_thread()) == (workers == 1) for t in threads)
+    assert statedigest.StateDigest.sum_hex([e["target_digest"].split(":")[1] for e in header["tensors"]]) \
+        == state_contrib(state, shards) or fv == 3

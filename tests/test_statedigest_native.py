@@ -376,3 +376,53 @@ def test_the_runs_kernel_refuses_bad_arguments_before_summing():
     assert list(out) == [7, 7, 7, 7]  # refused before anything was written
     assert call([0, 4]) == 0
     assert list(out) == list(sd._native_kernel(lib, keys, bits, start=0))  # runs 0..3 and 4..7: one run 0..7
+
+
+def test_many_ranges_in_one_call_sum_as_one_call_each(simd, reference):
+    """``many_contrib``: each range's contribution, in one ``dcr_sd_contrib_many`` call, equal to
+    ``range_contrib`` of it (C and torch reference) on every dtype, special values included, and
+    ranges of a tensor's leading elements only (a region of a larger global shape)."""
+    ranges = []
+    for k, dtype in enumerate(DTYPES.values()):
+        t = special_tensor(dtype, 50 + 37 * k, seed=70 + k)
+        ranges.append((f"t{k}", dtype, (t.numel() + 3 * k,), int_view(t)))
+    got = sd.many_contrib(ranges)()
+    assert got == [sd.range_contrib(*r) for r in ranges]
+    assert got == reference(lambda: sd.many_contrib(ranges)())
+    assert len(set(got)) == len(got)  # each range its own sums (no range's keys or bits reused)
+    assert sd.many_contrib([])() == []
+
+
+def test_many_ranges_are_checked_before_the_call():
+    with pytest.raises(DcrError, match="out of range"):
+        sd.many_contrib([("w", torch.int16, (3,), torch.zeros(4, dtype=torch.int16))])
+    with pytest.raises(DcrError, match="2-byte elements, dtype needs 4"):  # bits of another width
+        sd.many_contrib([("w", torch.float32, (4,), torch.zeros(4, dtype=torch.int16))])
+
+
+def test_the_many_ranges_kernel_refuses_bad_arguments_before_summing():
+    lib = native.lib()
+    bits = torch.zeros(8, dtype=torch.int16)
+    keys = sd._keys("w", "bfloat16", (8,))
+    t, kp, c = sd._native_keys(keys)
+    out = (ctypes.c_uint64 * (2 * sd.LANES))(*([7] * 2 * sd.LANES))
+
+    def call(w=2, count=8, ptr=None, n=2):
+        ptrs = (ctypes.c_uint64 * 2)(bits.data_ptr(), bits.data_ptr() if ptr is None else ptr)
+        widths = (ctypes.c_int32 * 2)(2, w)
+        counts = (ctypes.c_int64 * 2)(8, count)
+        s1 = (ctypes.c_uint32 * 2)(keys.s1, keys.s1)
+        s2 = (ctypes.c_uint32 * 2)(keys.s2, keys.s2)
+        tt = (ctypes.c_uint32 * 8)(*t, *t)
+        kpp = (ctypes.c_uint64 * 32)(*kp, *kp)
+        cc = (ctypes.c_uint64 * 8)(*c, *c)
+        return lib.dcr_sd_contrib_many(n, ptrs, widths, counts, s1, s2, tt, kpp, cc, out)
+
+    assert call(w=3) != 0  # no such width
+    assert call(count=-1) != 0
+    assert call(ptr=0) != 0  # elements at no address
+    assert call(n=-1) != 0
+    assert list(out) == [7] * 2 * sd.LANES  # refused before anything was written
+    assert call() == 0
+    one = list(sd._native_kernel(lib, keys, bits, start=0))
+    assert list(out) == one + one

@@ -41,7 +41,7 @@ import hashlib
 import json
 import math
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -447,6 +447,46 @@ def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[in
         acc = _add(acc, _kernel(keys, torch.arange(start + s, start + e, dtype=torch.int64, device=b.device),
                                 b[s:e]))
     return StateDigest(tuple(acc))
+
+
+def many_contrib(ranges: Sequence[tuple[str, torch.dtype, Sequence[int], torch.Tensor]]
+                 ) -> Callable[[], list[StateDigest]]:
+    """``range_contrib`` of each ``(name, dtype, global_shape, bits)`` (bits: its elements 0, 1,
+    ...), prepared now and summed when the returned function is called: with the C kernel in
+    one call for them all, so that a worker summing the digests of many small tensors gives the
+    GIL up once, not once per tensor to a thread that is encoding them (``delta/diff.py``,
+    ``_digests_ahead``). The keys and the checks are made here, on the caller's thread."""
+    lib = native.lib()
+    prepared = []
+    for name, dtype, global_shape, bits in ranges:
+        dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+        shape = tuple(int(x) for x in global_shape)
+        b = _as_bits(bits.reshape(-1), itemsize(dt))
+        if b.numel() > math.prod(shape):
+            raise DcrError(f"{name}: elements 0..{b.numel()} out of range for shape {list(shape)}")
+        prepared.append((name, dt, shape, b if lib is None or b.device.type != "cpu" else b.contiguous()))
+    if lib is None or any(b.device.type != "cpu" for *_, b in prepared):
+        return lambda: [range_contrib(name, dt, shape, b) for name, dt, shape, b in prepared]
+    n = len(prepared)
+    keys = [_keys(name, dtype_name(dt), shape) for name, dt, shape, _ in prepared]
+    ptrs = np.array([b.data_ptr() for *_, b in prepared], dtype=np.uint64)
+    widths = np.array([b.element_size() for *_, b in prepared], dtype=np.int32)
+    counts = np.array([b.numel() for *_, b in prepared], dtype=np.int64)
+    s1 = np.array([k.s1 for k in keys], dtype=np.uint32)
+    s2 = np.array([k.s2 for k in keys], dtype=np.uint32)
+    t = np.array([k.t for k in keys], dtype=np.uint32).reshape(-1)
+    kp = np.array([v for k in keys for lane in k.kpow for v in lane], dtype=np.uint64)
+    c = np.array([k.c for k in keys], dtype=np.uint64).reshape(-1)
+
+    def run() -> list[StateDigest]:
+        out = np.zeros(LANES * n, dtype=np.uint64)
+        rc = lib.dcr_sd_contrib_many(n, *(a.ctypes.data for a in (ptrs, widths, counts, s1, s2, t, kp, c, out)))
+        if rc != 0:
+            raise DcrError(f"state digest kernel failed ({rc})")
+        _ = prepared  # the tensors stay alive until the kernel has read them
+        return [StateDigest(tuple(int(v) for v in out[LANES * i:LANES * (i + 1)])) for i in range(n)]
+
+    return run
 
 
 def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: torch.Tensor,
