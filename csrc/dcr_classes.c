@@ -1264,26 +1264,28 @@ int dcr_sd_contrib_runs(const void *bits, int w, const int64_t *gstart, int64_t 
     return 0;
 }
 
-/* dcr_sd_contrib of n whole ranges in one call, each with keys of its own: range i is counts[i]
- * contiguous elements of widths[i] bytes at address ptrs[i], at the canonical indices 0, 1, ...;
- * its keys s1[i], s2[i], t[4 i..], kpow[16 i..], c[4 i..]; its sums out[4 i..]. The digests of a
- * keyframe's small tensors, summed on a worker with one call per job (statedigest.many_contrib):
- * a call per tensor took the GIL back for each, from the thread encoding the tensors. Returns 0,
- * or E_ARGS (nothing summed: out untouched). */
+/* dcr_sd_contrib of n ranges in one call, each with keys of its own: range i is counts[i]
+ * contiguous elements of widths[i] bytes at address ptrs[i], at the canonical indices starts[i],
+ * starts[i] + 1, ...; its keys s1[i], s2[i], t[4 i..], kpow[16 i..], c[4 i..]; its sums
+ * out[4 i..]. Many small tensors' digests summed on a worker with one call a job
+ * (statedigest.many_contrib: a keyframe's, as it is encoded and as a follower writes it): a call
+ * per tensor took the GIL back for each, from the thread encoding or from the other worker.
+ * Returns 0, or E_ARGS (nothing summed: out untouched). */
 int dcr_sd_contrib_many(int64_t n, const uint64_t *ptrs, const int32_t *widths, const int64_t *counts,
-                        const uint32_t *s1, const uint32_t *s2, const uint32_t *t, const uint64_t *kpow,
-                        const uint64_t *c, uint64_t *out) {
-    if (n < 0 || (n > 0 && (ptrs == NULL || widths == NULL || counts == NULL))) return E_ARGS;
+                        const int64_t *starts, const uint32_t *s1, const uint32_t *s2, const uint32_t *t,
+                        const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
+    if (n < 0 || (n > 0 && (ptrs == NULL || widths == NULL || counts == NULL || starts == NULL))) return E_ARGS;
     for (int64_t i = 0; i < n; i++) {
         int w = widths[i];
-        if (counts[i] < 0 || (w != 1 && w != 2 && w != 4 && w != 8) || (counts[i] > 0 && ptrs[i] == 0))
+        if (counts[i] < 0 || starts[i] < 0 || (w != 1 && w != 2 && w != 4 && w != 8)
+            || (counts[i] > 0 && ptrs[i] == 0))
             return E_ARGS;
     }
     for (int64_t i = 0; i < n; i++) {
         uint64_t acc[4][5] = {{0}};
         int m;
-        sd_run((const void *)(uintptr_t)ptrs[i], NULL, widths[i], NULL, 0, counts[i], s1[i], s2[i], t + 4 * i, acc,
-               NULL, &m);  /* (cannot fail: every argument it checks is checked above) */
+        sd_run((const void *)(uintptr_t)ptrs[i], NULL, widths[i], NULL, starts[i], counts[i], s1[i], s2[i],
+               t + 4 * i, acc, NULL, &m);  /* (cannot fail: every argument it checks is checked above) */
         sd_out(acc, m, kpow + 16 * i, c + 4 * i, out + 4 * i);
     }
     return 0;

@@ -307,7 +307,7 @@ def test_a_keyframes_small_tensors_are_summed_ahead_on_the_workers(monkeypatch, 
     region = ShardSpec.of(GLOBAL, (3, 1), (20, 2))
     state["region"] = torch.randn(20, 2, generator=g)
     shards = {"region": region}
-    monkeypatch.setattr(diff_module, "AHEAD_JOB", 5000)  # several jobs
+    monkeypatch.setattr(diff_module, "MANY_JOB", 5000)  # several jobs
     jobs, threads = [], []
     real = diff_module.many_contrib
 

@@ -12,7 +12,15 @@ import pytest
 import torch
 
 from nemo_dcr import DcrError, diff
-from nemo_dcr.util.parallel import background, default_workers, ordered_ahead, ordered_map, standing, stream_workers
+from nemo_dcr.util.parallel import (
+    background,
+    default_workers,
+    in_jobs,
+    ordered_ahead,
+    ordered_map,
+    standing,
+    stream_workers,
+)
 
 
 def test_ordered_map_keeps_order_and_bounds_the_window():
@@ -293,3 +301,11 @@ def test_stream_workers_add_one_where_the_pools_take_every_core(monkeypatch, cor
     where that is every core, and the same past 8 cores, where cores are left free already."""
     monkeypatch.setattr("os.cpu_count", lambda: cores)
     assert default_workers() == workers and stream_workers() == stream
+
+
+def test_in_jobs_groups_consecutive_items_up_to_a_size():
+    sizes = [3, 4, 2, 9, 1, 1, 12, 5]
+    jobs = list(in_jobs(sizes, lambda n: n, 8))
+    assert jobs == [[3, 4], [2], [9], [1, 1], [12], [5]]  # in order; a larger item a job of its own
+    assert [x for j in jobs for x in j] == sizes
+    assert list(in_jobs([], lambda n: n, 8)) == []

@@ -380,12 +380,12 @@ def test_the_runs_kernel_refuses_bad_arguments_before_summing():
 
 def test_many_ranges_in_one_call_sum_as_one_call_each(simd, reference):
     """``many_contrib``: each range's contribution, in one ``dcr_sd_contrib_many`` call, equal to
-    ``range_contrib`` of it (C and torch reference) on every dtype, special values included, and
-    ranges of a tensor's leading elements only (a region of a larger global shape)."""
+    ``range_contrib`` of it (C and torch reference) on every dtype, special values included, at
+    any canonical start (a tensor's leading elements, a run inside it, its last elements)."""
     ranges = []
     for k, dtype in enumerate(DTYPES.values()):
         t = special_tensor(dtype, 50 + 37 * k, seed=70 + k)
-        ranges.append((f"t{k}", dtype, (t.numel() + 3 * k,), int_view(t)))
+        ranges.append((f"t{k}", dtype, (t.numel() + 3 * k,), int_view(t), (0, k, 3 * k)[k % 3]))
     got = sd.many_contrib(ranges)()
     assert got == [sd.range_contrib(*r) for r in ranges]
     assert got == reference(lambda: sd.many_contrib(ranges)())
@@ -395,9 +395,13 @@ def test_many_ranges_in_one_call_sum_as_one_call_each(simd, reference):
 
 def test_many_ranges_are_checked_before_the_call():
     with pytest.raises(DcrError, match="out of range"):
-        sd.many_contrib([("w", torch.int16, (3,), torch.zeros(4, dtype=torch.int16))])
+        sd.many_contrib([("w", torch.int16, (3,), torch.zeros(4, dtype=torch.int16), 0)])
+    with pytest.raises(DcrError, match="out of range"):
+        sd.many_contrib([("w", torch.int16, (6,), torch.zeros(4, dtype=torch.int16), 3)])
+    with pytest.raises(DcrError, match="out of range"):
+        sd.many_contrib([("w", torch.int16, (6,), torch.zeros(4, dtype=torch.int16), -1)])
     with pytest.raises(DcrError, match="2-byte elements, dtype needs 4"):  # bits of another width
-        sd.many_contrib([("w", torch.float32, (4,), torch.zeros(4, dtype=torch.int16))])
+        sd.many_contrib([("w", torch.float32, (4,), torch.zeros(4, dtype=torch.int16), 0)])
 
 
 def test_the_many_ranges_kernel_refuses_bad_arguments_before_summing():
@@ -407,21 +411,23 @@ def test_the_many_ranges_kernel_refuses_bad_arguments_before_summing():
     t, kp, c = sd._native_keys(keys)
     out = (ctypes.c_uint64 * (2 * sd.LANES))(*([7] * 2 * sd.LANES))
 
-    def call(w=2, count=8, ptr=None, n=2):
+    def call(w=2, count=8, ptr=None, n=2, start=0):
         ptrs = (ctypes.c_uint64 * 2)(bits.data_ptr(), bits.data_ptr() if ptr is None else ptr)
         widths = (ctypes.c_int32 * 2)(2, w)
         counts = (ctypes.c_int64 * 2)(8, count)
+        starts = (ctypes.c_int64 * 2)(0, start)
         s1 = (ctypes.c_uint32 * 2)(keys.s1, keys.s1)
         s2 = (ctypes.c_uint32 * 2)(keys.s2, keys.s2)
         tt = (ctypes.c_uint32 * 8)(*t, *t)
         kpp = (ctypes.c_uint64 * 32)(*kp, *kp)
         cc = (ctypes.c_uint64 * 8)(*c, *c)
-        return lib.dcr_sd_contrib_many(n, ptrs, widths, counts, s1, s2, tt, kpp, cc, out)
+        return lib.dcr_sd_contrib_many(n, ptrs, widths, counts, starts, s1, s2, tt, kpp, cc, out)
 
     assert call(w=3) != 0  # no such width
     assert call(count=-1) != 0
     assert call(ptr=0) != 0  # elements at no address
     assert call(n=-1) != 0
+    assert call(start=-1) != 0
     assert list(out) == [7] * 2 * sd.LANES  # refused before anything was written
     assert call() == 0
     one = list(sd._native_kernel(lib, keys, bits, start=0))

@@ -127,7 +127,7 @@ def _declare(lib) -> None:
     lib.dcr_sd_contrib.restype = ctypes.c_int
     lib.dcr_sd_contrib.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p, p]
     lib.dcr_sd_contrib_many.restype = ctypes.c_int
-    lib.dcr_sd_contrib_many.argtypes = [i64, p, p, p, p, p, p, p, p, p]
+    lib.dcr_sd_contrib_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p]
     lib.dcr_sd_contrib_runs.restype = ctypes.c_int
     lib.dcr_sd_contrib_runs.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p, p]
     lib.dcr_sd_change.restype = ctypes.c_int

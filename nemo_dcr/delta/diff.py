@@ -30,9 +30,9 @@ from nemo_dcr.state.digest import SUMMED, Place, SumKey, algo_of, state_digest, 
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.state.statedigest import RunningSum, many_contrib, one_range
+from nemo_dcr.state.statedigest import MANY_JOB, RunningSum, many_contrib, one_range
 from nemo_dcr.util.gc_pause import pausing
-from nemo_dcr.util.parallel import background, ordered_map
+from nemo_dcr.util.parallel import background, in_jobs, ordered_map
 from nemo_dcr.util.progress import NullProgress, Progress
 
 #: ``chunker(name, old, new, chunk_elems, encoding, level, keep_changes)``: a tensor's chunks
@@ -182,23 +182,19 @@ def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_
             f.exception()
 
 
-#: elements of small tensors whose digests one job sums ahead (``_digests_ahead``)
-AHEAD_JOB = 1 << 20
-
-
 def _digests_ahead(names, base, target, shards, chunk_elems, workers, fv: Version, known_targets) -> dict:
     """name -> (future, i): the summed target digest (format 3, 4) of each small tensor sent
-    whole, item ``i`` of the future's list, summed on the workers in jobs of ``AHEAD_JOB``
-    elements, all queued now. Such a tensor is one light chunk (``codec.chunk.light``), encoded
-    on the calling thread, and its digest was summed there after it, one tensor at a time, while
-    the other core idled (a keyframe of 4096 tensors of 32K BF16: ~60 us of ~300 a tensor). The
-    jobs run far ahead of the stream, which takes a digest when its tensor ends. Only for a
-    plain dict of host tensors: a lazy mapping's tensors would be loaded ahead of their turn."""
+    whole, item ``i`` of the future's list, summed on the workers in jobs of up to
+    ``statedigest.MANY_JOB`` elements, all queued now. Such a tensor is one light chunk
+    (``codec.chunk.light``), encoded on the calling thread, and its digest was summed there after
+    it, one tensor at a time, while the other core idled (a keyframe of 4096 tensors of 32K BF16:
+    ~90 us a tensor). The jobs run far ahead of the stream, which takes a digest when its tensor
+    ends. Only for a plain dict of host tensors: a lazy mapping's tensors would be loaded ahead of
+    their turn."""
     if fv.tensor_digest not in SUMMED or type(target) is not dict:
         return {}
     most = min(chunk_elems, LIGHT_DENSE)
-    jobs: list = []
-    size = 0
+    ranges = []
     for name in names:
         t = target.get(name)
         if t is None or name in base or name in known_targets or t.device.type != "cpu" \
@@ -208,13 +204,10 @@ def _digests_ahead(names, base, target, shards, chunk_elems, workers, fv: Versio
         key = SumKey(fv.tensor_digest, t.dtype, t.shape, Place(name, spec)) if tuple(t.shape) == spec.shape else None
         if key is None or key.imap is not None:
             continue  # refused when its turn comes (_Tensor), or a region of another index shape
-        if not jobs or size + t.numel() > AHEAD_JOB:
-            jobs.append([])
-            size = 0
-        jobs[-1].append((name, (key.name, t.dtype, key.shape, FlatAccess(t).read(0, t.numel()))))
-        size += t.numel()
+        ranges.append((name, (key.name, t.dtype, key.shape, FlatAccess(t).read(0, t.numel()), 0)))
     out = {}
-    for job in jobs:  # each job's keys and checks made here, its sums in one C call on a worker
+    for job in in_jobs(ranges, lambda r: r[1][3].numel(), MANY_JOB):
+        # each job's keys and checks made here, its sums in one C call on a worker
         f = background(many_contrib([r for _, r in job]), workers)
         for i, (name, _) in enumerate(job):
             out[name] = (f, i)

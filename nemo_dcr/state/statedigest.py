@@ -53,7 +53,7 @@ from nemo_dcr.errors import DcrError
 from nemo_dcr.state.dtypes import INT_VIEW, dtype_from_name, dtype_name, itemsize
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
-from nemo_dcr.util.parallel import ordered_map
+from nemo_dcr.util.parallel import in_jobs, ordered_map
 
 if TYPE_CHECKING:
     from torch.distributed import ProcessGroup
@@ -172,6 +172,9 @@ class _Keys:
 
 
 _NATIVE_RANGE = 1 << 23  # elements per native call: the unit spread over the worker threads
+#: elements per job of many small ranges summed in one call (``many_contrib``): 1M, so that two
+#: workers share a keyframe of small tensors' sums evenly, each job ~2 ms of C
+MANY_JOB = 1 << 20
 #: elements of a shard's runs (``IndexMap.rows``) from which its ranges are summed run by run: below
 #: it an index per element costs less than the kernel's set-up for each run (docs/results.md,
 #: twenty-eighth turn)
@@ -405,20 +408,10 @@ def _batches(pieces: list):
     """The threaded ranges of ``pieces`` in jobs of up to ``_NATIVE_RANGE`` elements: a small
     tensor's range joins its neighbours'. One job per range made a model of 4096 tensors of 32K
     elements 4096 jobs of ~50 us each, and the pool's hand-offs cost more than that."""
-    batch: list = []
-    size = 0
-    for fn, starts, threaded in pieces:
-        if not threaded:
-            continue
-        for s in starts:
-            n = min(s + starts.step, starts.stop) - s
-            if batch and size + n > _NATIVE_RANGE:
-                yield batch
-                batch, size = [], 0
-            batch.append((fn, s))
-            size += n
-    if batch:
-        yield batch
+    ranges = ((fn, s, min(s + starts.step, starts.stop) - s) for fn, starts, threaded in pieces if threaded
+              for s in starts)
+    for job in in_jobs(ranges, lambda r: r[2], _NATIVE_RANGE):
+        yield [(fn, s) for fn, s, _ in job]
 
 
 def _sum_batch(batch: list) -> list:
@@ -449,38 +442,40 @@ def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[in
     return StateDigest(tuple(acc))
 
 
-def many_contrib(ranges: Sequence[tuple[str, torch.dtype, Sequence[int], torch.Tensor]]
+def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], torch.Tensor, int]]
                  ) -> Callable[[], list[StateDigest]]:
-    """``range_contrib`` of each ``(name, dtype, global_shape, bits)`` (bits: its elements 0, 1,
-    ...), prepared now and summed when the returned function is called: with the C kernel in
-    one call for them all, so that a worker summing the digests of many small tensors gives the
-    GIL up once, not once per tensor to a thread that is encoding them (``delta/diff.py``,
-    ``_digests_ahead``). The keys and the checks are made here, on the caller's thread."""
+    """``range_contrib(name, dtype, global_shape, bits, start)`` of each range, prepared now
+    (keys, checks, pointers) and summed when the returned function is called: with the C kernel
+    in one call for them all (``dcr_sd_contrib_many``), so that a worker summing many small
+    tensors gives the GIL up once, not once a tensor to a thread encoding or writing them
+    (``delta/diff.py``'s ``_digests_ahead``, ``WrittenDigest.total``)."""
     lib = native.lib()
     prepared = []
-    for name, dtype, global_shape, bits in ranges:
+    for name, dtype, global_shape, bits, start in ranges:
         dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
         shape = tuple(int(x) for x in global_shape)
         b = _as_bits(bits.reshape(-1), itemsize(dt))
-        if b.numel() > math.prod(shape):
-            raise DcrError(f"{name}: elements 0..{b.numel()} out of range for shape {list(shape)}")
-        prepared.append((name, dt, shape, b if lib is None or b.device.type != "cpu" else b.contiguous()))
-    if lib is None or any(b.device.type != "cpu" for *_, b in prepared):
-        return lambda: [range_contrib(name, dt, shape, b) for name, dt, shape, b in prepared]
+        if start < 0 or start + b.numel() > math.prod(shape):
+            raise DcrError(f"{name}: elements {start}..{start + b.numel()} out of range for shape {list(shape)}")
+        prepared.append((name, dt, shape, b, start))
+    if lib is None or any(p[3].device.type != "cpu" for p in prepared):
+        return lambda: [range_contrib(*p) for p in prepared]
+    prepared = [(name, dt, shape, b.contiguous(), start) for name, dt, shape, b, start in prepared]
     n = len(prepared)
-    keys = [_keys(name, dtype_name(dt), shape) for name, dt, shape, _ in prepared]
-    ptrs = np.array([b.data_ptr() for *_, b in prepared], dtype=np.uint64)
-    widths = np.array([b.element_size() for *_, b in prepared], dtype=np.int32)
-    counts = np.array([b.numel() for *_, b in prepared], dtype=np.int64)
-    s1 = np.array([k.s1 for k in keys], dtype=np.uint32)
-    s2 = np.array([k.s2 for k in keys], dtype=np.uint32)
-    t = np.array([k.t for k in keys], dtype=np.uint32).reshape(-1)
-    kp = np.array([v for k in keys for lane in k.kpow for v in lane], dtype=np.uint64)
-    c = np.array([k.c for k in keys], dtype=np.uint64).reshape(-1)
+    keys = [_keys(name, dtype_name(dt), shape) for name, dt, shape, _, _ in prepared]
+    args: list[np.ndarray] = [np.array([p[3].data_ptr() for p in prepared], dtype=np.uint64),
+            np.array([p[3].element_size() for p in prepared], dtype=np.int32),
+            np.array([p[3].numel() for p in prepared], dtype=np.int64),
+            np.array([p[4] for p in prepared], dtype=np.int64),
+            np.array([k.s1 for k in keys], dtype=np.uint32),
+            np.array([k.s2 for k in keys], dtype=np.uint32),
+            np.array([k.t for k in keys], dtype=np.uint32).reshape(-1),
+            np.array([v for k in keys for lane in k.kpow for v in lane], dtype=np.uint64),
+            np.array([k.c for k in keys], dtype=np.uint64).reshape(-1)]
 
     def run() -> list[StateDigest]:
         out = np.zeros(LANES * n, dtype=np.uint64)
-        rc = lib.dcr_sd_contrib_many(n, *(a.ctypes.data for a in (ptrs, widths, counts, s1, s2, t, kp, c, out)))
+        rc = lib.dcr_sd_contrib_many(n, *(a.ctypes.data for a in args), out.ctypes.data)
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
         _ = prepared  # the tensors stay alive until the kernel has read them
@@ -775,8 +770,31 @@ class WrittenDigest:
         with self._lock:
             later, self._later = self._later, []
         if later:
-            self._sum.add(_sum_pieces([_later_piece(*c) for c in later if c[3].numel()], None))
+            self._sum.add(_sum_later(later))
         return self._sum.total
+
+
+def _sum_later(later: list) -> StateDigest:
+    """``WrittenDigest``'s deferred chunks, summed over the workers: a chunk of a region that is one
+    run of the canonical tensor (a whole tensor, a row shard) in jobs of up to ``MANY_JOB``
+    elements, each prepared on the calling thread and summed in one C call (``many_contrib``);
+    summed a chunk at a time, the two workers took the GIL from each other at every chunk, and a
+    keyframe sync of 4096 tensors of 32K BF16 spent ~310 of its ~1000 ms there. The others (a
+    column shard's chunks) as ``_pieces`` are."""
+    runs, other = [], []
+    for name, dtype, imap, bits, start in later:
+        if not bits.numel():
+            continue
+        if imap.identity or imap.run_offset is not None:
+            runs.append((name, dtype, tuple(imap.spec.global_shape), bits, start + (imap.run_offset or 0)))
+        else:
+            other.append(_later_piece(name, dtype, imap, bits, start))
+    lanes = list(_sum_pieces(other, None).lanes) if other else [0] * LANES
+    jobs = (many_contrib(job) for job in in_jobs(runs, lambda r: r[3].numel(), MANY_JOB))
+    for digests in ordered_map(lambda run: run(), jobs, None):
+        for d in digests:
+            lanes = [a + b for a, b in zip(lanes, d.lanes)]
+    return StateDigest(tuple(v % P for v in lanes))
 
 
 def _later_piece(name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int):

@@ -68,6 +68,23 @@ def _inline(workers: int) -> bool:
     return workers <= 1 or threading.current_thread().name.startswith(_PREFIX)
 
 
+def in_jobs(items: Iterable, size: Callable[[Any], int], most: int) -> Iterator[list]:
+    """Consecutive ``items`` in lists whose ``size`` adds up to at most ``most`` (an item larger
+    than that a list of its own): jobs of many small items, where a job per item cost the pool's
+    hand-off (and a GIL hand-off) per item."""
+    job: list = []
+    total = 0
+    for it in items:
+        n = size(it)
+        if job and total + n > most:
+            yield job
+            job, total = [], 0
+        job.append(it)
+        total += n
+    if job:
+        yield job
+
+
 def ordered_map(fn: Callable, items: Iterable, workers: int | None = None, window: int | None = None,
                 light: Callable[[Any], bool] | None = None) -> Iterator:
     """``fn(item)`` for each of ``items``, results in order, on ``workers`` threads with at most
