@@ -120,10 +120,14 @@ def test_publisher_of_formats_3_and_4_hashes_no_tensor_whole(tmp_path, monkeypat
     from nemo_dcr.state import digest, statedigest
     diff_mod = sys.modules["nemo_dcr.delta.diff"]
     hashed = []
-    # (statedigest._pieces: each tensor a state digest reads, tensor_contrib's and state_contrib's)
+    # (statedigest._pieces: each tensor a state digest reads, tensor_contrib's and state_contrib's;
+    # _one_run: each one state_contrib sums in one call with others)
     for mod, fn in ((diff_mod, "tensor_digest"), (statedigest, "_pieces"), (digest, "RunningDigest")):
         real = getattr(mod, fn)
         monkeypatch.setattr(mod, fn, lambda *a, _real=real, **k: hashed.append(a[0]) or _real(*a, **k))
+    real_run = statedigest._one_run
+    monkeypatch.setattr(statedigest, "_one_run",
+                        lambda name, *a: (lambda r: r is not None and hashed.append(name) or r)(real_run(name, *a)))
     base, target = _states()
     store = LocalStore(tmp_path / "store")
     pub = Publisher(store, chunk_elems=4096, format_version=fv)

@@ -169,12 +169,13 @@ def test_a_version_4_publisher_sums_each_element_once(tmp_path, monkeypatch):
             n[0] += tensor.numel()
             return real(name, tensor, spec)
 
-        def counting_ahead(ranges, n=n, real=diff_module.many_contrib):  # small tensors, summed ahead
+        def counting_many(ranges, n=n, real=statedigest.many_contrib):  # small tensors, one call a job
             n[0] += sum(r[3].numel() for r in ranges)
             return real(ranges)
         monkeypatch.setattr(SumKey, "range", counting_range)
         monkeypatch.setattr(statedigest, "_pieces", counting_pieces)
-        monkeypatch.setattr(diff_module, "many_contrib", counting_ahead)
+        monkeypatch.setattr(statedigest, "many_contrib", counting_many)  # state_contrib's
+        monkeypatch.setattr(diff_module, "many_contrib", counting_many)  # a keyframe's, summed ahead
         m = Publisher(LocalStore(tmp_path / f"v{fv}"), chunk_elems=1 << 14, format_version=fv).publish(state).manifest
         monkeypatch.undo()
         assert m.target_digest == state_contrib(state).hex()

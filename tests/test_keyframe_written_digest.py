@@ -103,18 +103,19 @@ def test_chunks_added_for_later_are_summed_at_the_end_and_others_as_added(monkey
     the others), one without as it is added; either way the total is the state digest, and a
     later chunk's share is of the bits its view holds at the end."""
     from nemo_dcr.state.index_map import IndexMap
-    summed: list = []
-    real, real_many = statedigest.region_contrib, statedigest.many_contrib
-    monkeypatch.setattr(statedigest, "region_contrib",
-                        lambda name, *a, **kw: summed.append(name) or real(name, *a, **kw))
-    monkeypatch.setattr(statedigest, "many_contrib",  # the later chunks of one run of the canonical tensor
-                        lambda ranges: summed.extend(r[0] for r in ranges) or real_many(ranges))
     state = _state(4)
     g = torch.Generator().manual_seed(9)
     # a row block (one run of its tensor, from an offset) and a column block (a run a row)
     state["rows"], state["cols"] = torch.randn(40, 300, generator=g), torch.randn(100, 120, generator=g).half()
     shards = {"rows": ShardSpec.of((60, 300), (12, 0), (40, 300)),
               "cols": ShardSpec.of((100, 500), (0, 80), (100, 120))}
+    want = state_contrib(state, shards)
+    summed: list = []
+    real, real_many = statedigest.region_contrib, statedigest.many_contrib
+    monkeypatch.setattr(statedigest, "region_contrib",
+                        lambda name, *a, **kw: summed.append(name) or real(name, *a, **kw))
+    monkeypatch.setattr(statedigest, "many_contrib",  # the later chunks of one run of the canonical tensor
+                        lambda ranges: summed.extend(r[0] for r in ranges) or real_many(ranges))
     w = WrittenDigest()
     added: list = []  # (name, elements, later) in the order added
     for name, t in state.items():
@@ -127,7 +128,7 @@ def test_chunks_added_for_later_are_summed_at_the_end_and_others_as_added(monkey
             s += size
     now = [n for n, _, later in added if not later]
     assert summed == now and len(now) < len(added)  # nothing added for later summed yet
-    assert w.total == state_contrib(state, shards)
+    assert w.total == want
     assert sorted(summed) == sorted(n for n, k, _ in added if k)  # every non-empty chunk once
     # a small chunk's view is read at the end: the state changed after ``add`` is what counts
     w2 = WrittenDigest()

@@ -304,26 +304,44 @@ def test_pinned_digests_reference_and_native(simd, reference):
     assert got == PINNED_HEX
 
 
-def test_a_states_tensors_are_summed_side_by_side(monkeypatch):
-    """``state_contrib`` spreads the ranges of all its tensors over the workers: two tensors of
-    one range each are summed at once (the kernel's calls wait for each other at a barrier, which
-    a tensor-after-tensor sum never reaches), and the total is the sum of the tensors' own."""
+@pytest.mark.parametrize("strided", [False, True], ids=["one-call-jobs", "ranges"])
+def test_a_states_tensors_are_summed_side_by_side(monkeypatch, strided):
+    """``state_contrib`` spreads the ranges of all its tensors over the workers: two tensors are
+    summed at once (the kernel's calls wait for each other at a barrier, which a tensor-after-tensor
+    sum never reaches), and the total is the sum of the tensors' own. Contiguous tensors of one
+    range go in jobs of one C call each (``many_contrib``), others range by range (``_pieces``)."""
     import threading
     g = torch.Generator().manual_seed(11)
-    state = {n: torch.randn(1000 + 37 * k, generator=g).to(torch.bfloat16) for k, n in enumerate("abcd")}
+    state = {n: torch.randn(2 * (1000 + 37 * k), generator=g).to(torch.bfloat16) for k, n in enumerate("abcd")}
+    if strided:
+        state = {n: t[::2] for n, t in state.items()}
     expected = StateDigest.zero()
     for n, t in state.items():
         expected = expected + tensor_contrib(n, t)
     met = threading.Barrier(2, timeout=30)
-    real = sd._native_kernel
+    calls = []
+    real, real_many = sd._native_kernel, sd.many_contrib
 
     def kernel(*a, **k):
+        calls.append("range")
         met.wait()  # BrokenBarrierError after 30 s if the other tensor's range never runs meanwhile
         return real(*a, **k)
 
+    def many(ranges):
+        run = real_many(ranges)
+
+        def waiting():
+            calls.append("job")
+            met.wait()
+            return run()
+        return waiting
+
     monkeypatch.setattr(sd, "_native_kernel", kernel)
-    monkeypatch.setattr(sd, "_NATIVE_RANGE", 1200)  # each tensor a job of its own (smaller ones share one)
+    monkeypatch.setattr(sd, "many_contrib", many)
+    monkeypatch.setattr(sd, "_NATIVE_RANGE", 2400)  # each tensor a job of its own (smaller ones share one)
+    monkeypatch.setattr(sd, "MANY_JOB", 2400)
     assert state_contrib(state, workers=2) == expected
+    assert calls == ["range" if strided else "job"] * 4
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
