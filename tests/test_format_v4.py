@@ -293,7 +293,8 @@ def test_a_keyframes_small_tensors_are_summed_ahead_on_the_workers(monkeypatch, 
     """A tensor sent whole in one light chunk (a keyframe's small tensors) has its summed
     target digest made ahead of the stream, several tensors a job (``diff._digests_ahead``), on a
     worker where there are two: each digest is its tensor's, whatever job and place in it it had;
-    a larger tensor, a region of another index shape and an empty tensor are summed as before."""
+    a larger tensor, a strided one, a region of another index shape and an empty tensor are
+    summed as before."""
     import io
     import threading
 
@@ -301,7 +302,7 @@ def test_a_keyframes_small_tensors_are_summed_ahead_on_the_workers(monkeypatch, 
     g = torch.Generator().manual_seed(11)
     dtypes = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.uint8, torch.float64]
     state = {f"s{i:02d}": torch.randn(30 + 97 * i, generator=g).to(dtypes[i % len(dtypes)]) for i in range(40)}
-    state["s_2d_t"] = torch.randn(40, 30, generator=g).bfloat16().t()  # not contiguous
+    state["transposed"] = torch.randn(40, 30, generator=g).bfloat16().t()  # not contiguous: as before
     state["special"] = torch.tensor([float("nan"), -0.0, 1e-40, float("inf"), -float("inf")])
     state["large"] = torch.randn(LIGHT_DENSE + 1, generator=g).bfloat16()
     state["empty"] = torch.zeros(0, 4)

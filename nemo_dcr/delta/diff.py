@@ -189,8 +189,8 @@ def _digests_ahead(names, base, target, shards, chunk_elems, workers, fv: Versio
     (``codec.chunk.light``), encoded on the calling thread, and its digest was summed there after
     it, one tensor at a time, while the other core idled (a keyframe of 4096 tensors of 32K BF16:
     ~90 us a tensor). The jobs run far ahead of the stream, which takes a digest when its tensor
-    ends. Only for a plain dict of host tensors: a lazy mapping's tensors would be loaded ahead of
-    their turn."""
+    ends. Only for a plain dict of contiguous host tensors: a lazy mapping's tensors would be loaded
+    ahead of their turn."""
     if fv.tensor_digest not in SUMMED or type(target) is not dict:
         return {}
     most = min(chunk_elems, LIGHT_DENSE)
@@ -198,8 +198,8 @@ def _digests_ahead(names, base, target, shards, chunk_elems, workers, fv: Versio
     for name in names:
         t = target.get(name)
         if t is None or name in base or name in known_targets or t.device.type != "cpu" \
-                or not 0 < t.numel() <= most:
-            continue
+                or not t.is_contiguous() or not 0 < t.numel() <= most:
+            continue  # (a strided tensor's bits would be gathered into a copy now, all of them at once)
         spec = shards.get(name) or ShardSpec.full(t.shape)
         key = SumKey(fv.tensor_digest, t.dtype, t.shape, Place(name, spec)) if tuple(t.shape) == spec.shape else None
         if key is None or key.imap is not None:

@@ -341,6 +341,7 @@ def _one_run(name: str, tensor: torch.Tensor, spec: ShardSpec | None) -> tuple |
     if tensor.device.type != "cpu" or not tensor.is_contiguous() or tensor.numel() > _NATIVE_RANGE \
             or native.lib() is None:
         return None
+    dtype_name(tensor.dtype)  # (a dtype the digest does not know: refused now, as _pieces does)
     spec = ShardSpec.full(tensor.shape) if spec is None else spec
     spec.validate()
     if tuple(spec.shape) != tuple(tensor.shape):
@@ -500,15 +501,16 @@ def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], t
     prepared = [(name, dt, shape, b.contiguous(), start) for name, dt, shape, b, start in prepared]
     n = len(prepared)
     keys = [_keys(name, dtype_name(dt), shape) for name, dt, shape, _, _ in prepared]
-    args: list[np.ndarray] = [np.array([p[3].data_ptr() for p in prepared], dtype=np.uint64),
-            np.array([p[3].element_size() for p in prepared], dtype=np.int32),
-            np.array([p[3].numel() for p in prepared], dtype=np.int64),
-            np.array([p[4] for p in prepared], dtype=np.int64),
-            np.array([k.s1 for k in keys], dtype=np.uint32),
-            np.array([k.s2 for k in keys], dtype=np.uint32),
-            np.array([k.t for k in keys], dtype=np.uint32).reshape(-1),
-            np.array([v for k in keys for lane in k.kpow for v in lane], dtype=np.uint64),
-            np.array([k.c for k in keys], dtype=np.uint64).reshape(-1)]
+    args: list[np.ndarray] = [
+        np.array([p[3].data_ptr() for p in prepared], dtype=np.uint64),
+        np.array([p[3].element_size() for p in prepared], dtype=np.int32),
+        np.array([p[3].numel() for p in prepared], dtype=np.int64),
+        np.array([p[4] for p in prepared], dtype=np.int64),
+        np.array([k.s1 for k in keys], dtype=np.uint32),
+        np.array([k.s2 for k in keys], dtype=np.uint32),
+        np.array([k.t for k in keys], dtype=np.uint32).reshape(-1),
+        np.array([v for k in keys for lane in k.kpow for v in lane], dtype=np.uint64),
+        np.array([k.c for k in keys], dtype=np.uint64).reshape(-1)]
 
     def run() -> list[StateDigest]:
         out = np.zeros(LANES * n, dtype=np.uint64)
