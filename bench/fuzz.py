@@ -230,15 +230,17 @@ class VersionFixtures:
         self.verifier = Verifier([key.public_key()], namespace="fuzz")
         self.manifests, self.heads = [], []
         for signer in (None, Signer(key, "fuzz")):
-            d = tempfile.mkdtemp(prefix="nemo-dcr-fuzz-")
-            store = LocalStore(d)
-            pub = Publisher(store, keyframe_every=2, signer=signer)
-            st = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(8, dtype=torch.bfloat16)}
-            for i in range(3):
-                st["w"][i] += 1
-                pub.publish(st)
-                self.heads.append(store.get(HEAD_KEY))
-            self.manifests += [(k, store.get(k)) for k in store.list("versions/") if k.endswith("manifest.json")]
+            # only the bytes are kept: the store goes (a directory per fixture was left in /tmp
+            # by every run of the version targets)
+            with tempfile.TemporaryDirectory(prefix="nemo-dcr-fuzz-") as d:
+                store = LocalStore(d)
+                pub = Publisher(store, keyframe_every=2, signer=signer)
+                st = {"w": torch.arange(64, dtype=torch.float32), "b": torch.ones(8, dtype=torch.bfloat16)}
+                for i in range(3):
+                    st["w"][i] += 1
+                    pub.publish(st)
+                    self.heads.append(store.get(HEAD_KEY))
+                self.manifests += [(k, store.get(k)) for k in store.list("versions/") if k.endswith("manifest.json")]
 
 
 def make_version_target(kind: str):

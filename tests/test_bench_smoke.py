@@ -431,3 +431,16 @@ def test_fuzz_bench_without_atheris_says_so_and_runs_nothing(monkeypatch, tmp_pa
     rc = fuzz.main(["--inputs", "10", "--artifacts", str(tmp_path / "a"), "--corpus", str(tmp_path / "c")])
     assert rc == 2 and ran == []
     assert "needs atheris" in capsys.readouterr().err
+
+
+def test_fuzz_version_fixtures_keep_bytes_and_leave_no_directory(monkeypatch, tmp_path):
+    """The manifest and HEAD targets' fixtures (a small published store, unsigned and signed) keep
+    the bytes they read and remove the store: a directory per fixture was left in /tmp by every
+    run of those targets."""
+    import tempfile
+    fuzz = bench.load("fuzz")
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    fx = fuzz.VersionFixtures()
+    assert len(fx.heads) == 6 and len(fx.manifests) == 6
+    assert all(b.startswith(b"{") for b in fx.heads) and all(b.startswith(b"{") for _, b in fx.manifests)
+    assert list(tmp_path.iterdir()) == []
