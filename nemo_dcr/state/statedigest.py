@@ -334,6 +334,12 @@ def state_contrib(tensors: Mapping[str, torch.Tensor],
     return _sum_pieces(pieces, workers) + _sum_runs(runs, workers)
 
 
+def _run_start(imap: IndexMap) -> int | None:
+    """The canonical index of a region's first element where the region is one run of its
+    tensor (the whole tensor: 0; a row shard: its offset), else None (a run a row, or less)."""
+    return 0 if imap.identity else imap.run_offset
+
+
 def _checked_shard(name: str, tensor: torch.Tensor, spec: ShardSpec | None) -> ShardSpec:
     """``tensor``'s shard (None: the whole tensor), checked with its dtype before any is read."""
     dtype_name(tensor.dtype)  # a dtype the digest does not know: refused here
@@ -353,9 +359,10 @@ def _one_run(name: str, tensor: torch.Tensor, spec: ShardSpec | None) -> tuple |
         return None
     spec = _checked_shard(name, tensor, spec)
     imap = IndexMap(spec)
-    if not (imap.identity or imap.run_offset is not None):
+    offset = _run_start(imap)
+    if offset is None:
         return None
-    return name, tensor.dtype, tuple(spec.global_shape), int_view(tensor).reshape(-1), imap.run_offset or 0
+    return name, tensor.dtype, tuple(spec.global_shape), int_view(tensor).reshape(-1), offset
 
 
 def _sum_runs(runs: list, workers: int | None) -> StateDigest:
@@ -384,7 +391,7 @@ def _pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None):
     if lib is not None:
         # a shard that is one run of the canonical tensor (or the whole of it) needs no index
         # array: the kernel counts the canonical index itself
-        run = 0 if imap.identity else imap.run_offset
+        run = _run_start(imap)
         if run is None:
             _, gstart, length = imap.rows()
             if length >= RUN_MIN:
@@ -535,8 +542,9 @@ def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: to
     element only without the C kernel or where runs are shorter than ``RUN_MIN``. What a
     writer sums a chunk of a region with, where its elements sit in the state."""
     gshape = tuple(imap.spec.global_shape)
-    if imap.identity or imap.run_offset is not None:
-        return range_contrib(name, dtype, gshape, bits, start + (imap.run_offset or 0))
+    offset = _run_start(imap)
+    if offset is not None:
+        return range_contrib(name, dtype, gshape, bits, start + offset)
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     b = _as_bits(bits.reshape(-1), itemsize(dt))
     end = start + b.numel()
@@ -826,8 +834,9 @@ def _sum_later(later: list) -> StateDigest:
     for name, dtype, imap, bits, start in later:
         if not bits.numel():
             continue
-        if imap.identity or imap.run_offset is not None:
-            runs.append((name, dtype, tuple(imap.spec.global_shape), bits, start + (imap.run_offset or 0)))
+        offset = _run_start(imap)
+        if offset is not None:
+            runs.append((name, dtype, tuple(imap.spec.global_shape), bits, start + offset))
         else:
             other.append(_later_piece(name, dtype, imap, bits, start))
     return (_sum_pieces(other, None) if other else StateDigest.zero()) + _sum_runs(runs, None)
