@@ -1093,17 +1093,18 @@ SD_ALL(_plain, )
 #ifdef DCR_X86
 SD_ALL(_avx2, __attribute__((target("avx2"))))
 SD_ALL(_avx512, __attribute__((target("avx512f,avx512bw,prefer-vector-width=512"))))
-/* 2-byte elements (BF16, FP16: most of a model), AVX-512, written out: what the compiler made of
- * SD_LOOP for this width spent most of its instructions moving 32-bit values in and out of
- * 64-bit lanes. Here 16 elements per step in 32-bit lanes: the index mixing and each lane's
- * weight r as 32-bit vectors, and the sums in 64-bit lanes, the even elements' r * x by one
- * vpmuludq (which reads the low half of each 64-bit lane) and the odd ones' after a 32-bit
- * shift. Two rewrites that change no result save 10 of the ~105 instructions per step: a lane's
- * mix opens with h ^= h >> 16 on h = u ^ t, which is (u ^ u >> 16) ^ (t ^ t >> 16), so the u half
- * is done once for the four lanes and the t half is a constant; and the sum of r adds each
- * 64-bit lane whole (r_even + 2^32 r_odd) beside the odd halves it needs anyway for the
- * products, the even ones recovered at the block's end. Same sums as SD_LOOP, element for
- * element; the tail (n % 16) goes to the plain loop. */
+/* 1-, 2- and 4-byte elements (FP8 and bytes; BF16 and FP16, most of a model; FP32), AVX-512,
+ * written out: what the compiler made of SD_LOOP spent most of its instructions moving 32-bit
+ * values in and out of 64-bit lanes. Here 16 elements per group in 32-bit lanes: the index
+ * mixing and each lane's weight r as 32-bit vectors, and the sums in 64-bit lanes, the even
+ * elements' r * limb by one vpmuludq (which reads the low half of each 64-bit lane) and the odd
+ * ones' after a 32-bit shift; a 4-byte element is two 16-bit limbs, as L_W4 cuts it. Two
+ * rewrites that change no result save 10 of the ~105 instructions per group: a lane's mix opens
+ * with h ^= h >> 16 on h = u ^ t, which is (u ^ u >> 16) ^ (t ^ t >> 16), so the u half is done
+ * once for the four lanes and the t half is a constant; and the sum of r adds each 64-bit lane
+ * whole (r_even + 2^32 r_odd) beside the odd halves it needs anyway for the products, the even
+ * ones recovered at the block's end. Same sums as SD_LOOP, element for element; the tail
+ * (n % 16) goes to the plain loop. */
 __attribute__((target("avx512f,avx512bw")))
 static inline __m512i sd_mix16(__m512i h, __m512i m1, __m512i m2) {
     h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
@@ -1112,88 +1113,137 @@ static inline __m512i sd_mix16(__m512i h, __m512i m1, __m512i m2) {
     h = _mm512_mullo_epi32(h, m2);
     return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
 }
-__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) void sd2_avx512_run(
-        const uint16_t *x, const uint16_t *y, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
-        uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5], const int OLD) {
-    const int64_t n16 = n & ~(int64_t)15;
-    const __m512i m1 = _mm512_set1_epi32((int)0x7FEB352Du), m2 = _mm512_set1_epi32((int)0x31848BABu);
-    const __m512i vs1 = _mm512_set1_epi32((int)s1), vs2 = _mm512_set1_epi32((int)s2);
-    const __m512i one = _mm512_set1_epi32(1), pm1 = _mm512_set1_epi32((int)(SD_P - 1));
-    const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    /* each lane's key with its mix's first step applied: t ^ t >> 16 (see above) */
-    const __m512i vt[4] = {_mm512_set1_epi32((int)(t[0] ^ t[0] >> 16)), _mm512_set1_epi32((int)(t[1] ^ t[1] >> 16)),
-                           _mm512_set1_epi32((int)(t[2] ^ t[2] >> 16)), _mm512_set1_epi32((int)(t[3] ^ t[3] >> 16))};
-    for (int64_t b0 = 0; b0 < n16; b0 += SD_BLOCK) {
-        const int64_t b1 = b0 + SD_BLOCK < n16 ? b0 + SD_BLOCK : n16;
-        __m512i sw[4], so[4], sx[4], sy[4];  /* sw: r's 64-bit lanes whole, so: their odd halves */
-        for (int l = 0; l < 4; l++) sw[l] = so[l] = sx[l] = sy[l] = _mm512_setzero_si512();
-        for (int64_t i = b0; i < b1; i += 16) {
-            __m512i lo, hi;
-            if (gidx) {
-                const __m512i g0 = _mm512_loadu_si512((const void *)(gidx + i));
-                const __m512i g1 = _mm512_loadu_si512((const void *)(gidx + i + 8));
-                lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(g0)), _mm512_cvtepi64_epi32(g1), 1);
-                hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_srli_epi64(g0, 32))),
-                                        _mm512_cvtepi64_epi32(_mm512_srli_epi64(g1, 32)), 1);
-            } else {  /* start + i + k: the low halves count up, a carry past 2^32 goes to the high */
-                const uint64_t g = (uint64_t)(start + i);
-                const __m512i base = _mm512_set1_epi32((int)(uint32_t)g);
-                lo = _mm512_add_epi32(base, iota);
-                const __mmask16 carry = _mm512_cmplt_epu32_mask(lo, base);
-                hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(g >> 32)), carry,
-                                           _mm512_set1_epi32((int)(uint32_t)(g >> 32)), one);
-            }
-            __m512i u = sd_mix16(_mm512_xor_si512(lo, vs1), m1, m2);
-            u = sd_mix16(_mm512_xor_si512(_mm512_xor_si512(u, vs2), hi), m1, m2);
-            const __m512i v = _mm512_xor_si512(u, _mm512_srli_epi32(u, 16));  /* every lane's first mix step */
-            const __m512i xv = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(x + i)));
-            const __m512i xo = _mm512_srli_epi64(xv, 32);
-            __m512i yv = xv, yo = xo;
-            if (OLD) {
-                yv = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(y + i)));
-                yo = _mm512_srli_epi64(yv, 32);
-            }
-            for (int l = 0; l < 4; l++) {
-                __m512i h = _mm512_mullo_epi32(_mm512_xor_si512(v, vt[l]), m1);  /* sd_mix16 after its first step */
-                h = _mm512_mullo_epi32(_mm512_xor_si512(h, _mm512_srli_epi32(h, 15)), m2);
-                h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-                __m512i r = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(h, 1), one), pm1);
-                const __m512i ro = _mm512_srli_epi64(r, 32);
-                sw[l] = _mm512_add_epi64(sw[l], r);
-                so[l] = _mm512_add_epi64(so[l], ro);
-                sx[l] = _mm512_add_epi64(sx[l], _mm512_add_epi64(_mm512_mul_epu32(r, xv), _mm512_mul_epu32(ro, xo)));
-                if (OLD)
-                    sy[l] = _mm512_add_epi64(sy[l], _mm512_add_epi64(_mm512_mul_epu32(r, yv), _mm512_mul_epu32(ro, yo)));
-            }
+/* one call's keys as vectors, and one block's sums (sw: r's 64-bit lanes whole, so: their odd
+ * halves; sx, sy: r * limb j of the new and of the old bits) */
+typedef struct {
+    __m512i m1, m2, vs1, vs2, one, pm1, iota, low16, vt[4];
+} sdv_keys;
+typedef struct {
+    __m512i sw[4], so[4], sx[4][2], sy[4][2];
+} sdv_sums;
+/* limb j of 16 elements of W bytes at p, one per 32-bit lane */
+__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) __m512i sdv_limb(
+        const int W, const void *p, int j, const sdv_keys *k) {
+    if (W == 1) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    if (W == 2) return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
+    const __m512i v = _mm512_loadu_si512(p);
+    return j ? _mm512_srli_epi32(v, 16) : _mm512_and_si512(v, k->low16);
+}
+/* G groups of 16 elements from i on (G, W and OLD constants: the loops unroll). Each group's
+ * index mix and lane mixes are a chain of ~10 dependent multiplies, ~90 cycles; one group at a
+ * time left the out-of-order window short of independent work, and the kernel ran at about
+ * twice its instruction count's time. Four chains side by side: 1.6x faster on BF16 (one
+ * thread; docs/results.md, "Format version 4, seventh turn"); eight spill registers and are
+ * slower. The sums are the same adds in another order. */
+#define SDV_GROUPS 4
+__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) void sdv_groups(
+        const int G, const int W, const char *x, const char *y, const int64_t *gidx, int64_t start, int64_t i,
+        const sdv_keys *k, sdv_sums *s, const int OLD) {
+    const int NL = W == 4 ? 2 : 1;
+    __m512i v[SDV_GROUPS], xl[SDV_GROUPS][2], yl[SDV_GROUPS][2];
+    for (int q = 0; q < G; q++) {
+        const int64_t j = i + 16 * q;
+        __m512i lo, hi;
+        if (gidx) {
+            const __m512i g0 = _mm512_loadu_si512((const void *)(gidx + j));
+            const __m512i g1 = _mm512_loadu_si512((const void *)(gidx + j + 8));
+            lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(g0)), _mm512_cvtepi64_epi32(g1), 1);
+            hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_srli_epi64(g0, 32))),
+                                    _mm512_cvtepi64_epi32(_mm512_srli_epi64(g1, 32)), 1);
+        } else {  /* start + j + k: the low halves count up, a carry past 2^32 goes to the high */
+            const uint64_t g = (uint64_t)(start + j);
+            const __m512i base = _mm512_set1_epi32((int)(uint32_t)g);
+            lo = _mm512_add_epi32(base, k->iota);
+            const __mmask16 carry = _mm512_cmplt_epu32_mask(lo, base);
+            hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(g >> 32)), carry,
+                                       _mm512_set1_epi32((int)(uint32_t)(g >> 32)), k->one);
         }
-        /* a block's sums: r < 2^31 over 256 elements per 64-bit lane half (< 2^39; sw wraps mod 2^64,
-         * and sw - 2^32 so is the even halves' sum exactly), r * x < 2^47 over 2 * 256 (< 2^57) */
-        for (int l = 0; l < 4; l++) {
-            const uint64_t odd = (uint64_t)_mm512_reduce_add_epi64(so[l]);
-            const uint64_t even = (uint64_t)_mm512_reduce_add_epi64(sw[l]) - (odd << 32);
-            acc[l][0] = sd_mod(acc[l][0] + sd_mod(even + odd));
-            acc[l][1] = sd_mod(acc[l][1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(sx[l])));
-            if (OLD) old[l][1] = sd_mod(old[l][1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(sy[l])));
+        __m512i u = sd_mix16(_mm512_xor_si512(lo, k->vs1), k->m1, k->m2);
+        u = sd_mix16(_mm512_xor_si512(_mm512_xor_si512(u, k->vs2), hi), k->m1, k->m2);
+        v[q] = _mm512_xor_si512(u, _mm512_srli_epi32(u, 16));  /* every lane's first mix step */
+        for (int m = 0; m < NL; m++) {
+            xl[q][m] = sdv_limb(W, x + j * W, m, k);
+            if (OLD) yl[q][m] = sdv_limb(W, y + j * W, m, k);
         }
     }
-    if (n > n16)
-        (OLD ? (sd_fn)sdc_w2_plain : (sd_fn)sd_w2_plain)(x + n16, OLD ? y + n16 : NULL, gidx ? gidx + n16 : NULL,
-                                                         start + n16, n - n16, s1, s2, t, acc, old);
+    for (int q = 0; q < G; q++)
+        for (int l = 0; l < 4; l++) {
+            __m512i h = _mm512_mullo_epi32(_mm512_xor_si512(v[q], k->vt[l]), k->m1);  /* sd_mix16 after its first step */
+            h = _mm512_mullo_epi32(_mm512_xor_si512(h, _mm512_srli_epi32(h, 15)), k->m2);
+            h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
+            __m512i r = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(h, 1), k->one), k->pm1);
+            const __m512i ro = _mm512_srli_epi64(r, 32);
+            s->sw[l] = _mm512_add_epi64(s->sw[l], r);
+            s->so[l] = _mm512_add_epi64(s->so[l], ro);
+            for (int m = 0; m < NL; m++) {
+                const __m512i xo = _mm512_srli_epi64(xl[q][m], 32);
+                s->sx[l][m] = _mm512_add_epi64(s->sx[l][m],
+                                               _mm512_add_epi64(_mm512_mul_epu32(r, xl[q][m]), _mm512_mul_epu32(ro, xo)));
+                if (OLD) {
+                    const __m512i yo = _mm512_srli_epi64(yl[q][m], 32);
+                    s->sy[l][m] = _mm512_add_epi64(s->sy[l][m],
+                                                   _mm512_add_epi64(_mm512_mul_epu32(r, yl[q][m]), _mm512_mul_epu32(ro, yo)));
+                }
+            }
+        }
 }
-__attribute__((target("avx512f,avx512bw")))
-static void sd2_avx512(const void *x, const void *y, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
-                       uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5]) {
-    (void)y;
-    sd2_avx512_run((const uint16_t *)x, NULL, gidx, start, n, s1, s2, t, acc, old, 0);
+__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) void sdv_run(
+        const int W, const void *xp, const void *yp, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
+        uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5], const int OLD) {
+    const int NL = W == 4 ? 2 : 1;
+    const char *x = (const char *)xp, *y = (const char *)yp;
+    const int64_t n16 = n & ~(int64_t)15;
+    sdv_keys k;
+    k.m1 = _mm512_set1_epi32((int)0x7FEB352Du);
+    k.m2 = _mm512_set1_epi32((int)0x31848BABu);
+    k.vs1 = _mm512_set1_epi32((int)s1);
+    k.vs2 = _mm512_set1_epi32((int)s2);
+    k.one = _mm512_set1_epi32(1);
+    k.pm1 = _mm512_set1_epi32((int)(SD_P - 1));
+    k.low16 = _mm512_set1_epi32(0xFFFF);
+    k.iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int l = 0; l < 4; l++)  /* each lane's key with its mix's first step applied: t ^ t >> 16 (see above) */
+        k.vt[l] = _mm512_set1_epi32((int)(t[l] ^ t[l] >> 16));
+    for (int64_t b0 = 0; b0 < n16; b0 += SD_BLOCK) {
+        const int64_t b1 = b0 + SD_BLOCK < n16 ? b0 + SD_BLOCK : n16;
+        sdv_sums s;
+        for (int l = 0; l < 4; l++)
+            s.sw[l] = s.so[l] = s.sx[l][0] = s.sx[l][1] = s.sy[l][0] = s.sy[l][1] = _mm512_setzero_si512();
+        int64_t i = b0;
+        for (; i + 16 * SDV_GROUPS <= b1; i += 16 * SDV_GROUPS) sdv_groups(SDV_GROUPS, W, x, y, gidx, start, i, &k, &s, OLD);
+        for (; i < b1; i += 16) sdv_groups(1, W, x, y, gidx, start, i, &k, &s, OLD);
+        /* a block's sums: r < 2^31 over 256 elements per 64-bit lane half (< 2^39; sw wraps mod 2^64,
+         * and sw - 2^32 so is the even halves' sum exactly), r * limb < 2^47 over 2 * 256 (< 2^57) */
+        for (int l = 0; l < 4; l++) {
+            const uint64_t odd = (uint64_t)_mm512_reduce_add_epi64(s.so[l]);
+            const uint64_t even = (uint64_t)_mm512_reduce_add_epi64(s.sw[l]) - (odd << 32);
+            acc[l][0] = sd_mod(acc[l][0] + sd_mod(even + odd));
+            for (int m = 0; m < NL; m++) {
+                acc[l][m + 1] = sd_mod(acc[l][m + 1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(s.sx[l][m])));
+                if (OLD) old[l][m + 1] = sd_mod(old[l][m + 1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(s.sy[l][m])));
+            }
+        }
+    }
+    if (n > n16) {
+        const int w = W == 1 ? 0 : W == 2 ? 1 : 2;
+        (OLD ? sdc_table_plain : sd_table_plain)[w](x + n16 * W, OLD ? y + n16 * W : NULL, gidx ? gidx + n16 : NULL,
+                                                    start + n16, n - n16, s1, s2, t, acc, old);
+    }
 }
-__attribute__((target("avx512f,avx512bw")))
-static void sdc2_avx512(const void *x, const void *y, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
-                        uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5]) {
-    sd2_avx512_run((const uint16_t *)x, (const uint16_t *)y, gidx, start, n, s1, s2, t, acc, old, 1);
-}
-static const sd_fn sd_table_avx512w2[4] = {(sd_fn)sd_w1_avx512, sd2_avx512, (sd_fn)sd_w4_avx512, (sd_fn)sd_w8_avx512};
-static const sd_fn sdc_table_avx512w2[4] = {(sd_fn)sdc_w1_avx512, sdc2_avx512, (sd_fn)sdc_w4_avx512,
-                                            (sd_fn)sdc_w8_avx512};
+#define SDV_FN(NAME, W, OLD)                                                                          \
+    __attribute__((target("avx512f,avx512bw"))) static void NAME(                                     \
+            const void *x, const void *y, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1, \
+            uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5]) {                 \
+        sdv_run(W, x, OLD ? y : NULL, gidx, start, n, s1, s2, t, acc, old, OLD);                      \
+    }
+SDV_FN(sdv1, 1, 0)
+SDV_FN(sdv2, 2, 0)
+SDV_FN(sdv4, 4, 0)
+SDV_FN(sdcv1, 1, 1)
+SDV_FN(sdcv2, 2, 1)
+SDV_FN(sdcv4, 4, 1)
+static const sd_fn sd_table_avx512v[4] = {sdv1, sdv2, sdv4, (sd_fn)sd_w8_avx512};
+static const sd_fn sdc_table_avx512v[4] = {sdcv1, sdcv2, sdcv4, (sd_fn)sdc_w8_avx512};
 static int sd_isa(void) {  /* 2: AVX-512, 1: AVX2, 0: plain */
     static int isa = -1;
     if (isa < 0) {
@@ -1205,7 +1255,7 @@ static int sd_isa(void) {  /* 2: AVX-512, 1: AVX2, 0: plain */
 }
 static const sd_fn *sd_table(int change) {
     int isa = simd_enabled ? sd_isa() : 0;  /* dcr_set_simd(0): the plain build (the tests check both) */
-    if (isa == 2) return change ? sdc_table_avx512w2 : sd_table_avx512w2;
+    if (isa == 2) return change ? sdc_table_avx512v : sd_table_avx512v;
     if (isa == 1) return change ? sdc_table_avx2 : sd_table_avx2;
     return change ? sdc_table_plain : sd_table_plain;
 }

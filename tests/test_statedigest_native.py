@@ -83,6 +83,27 @@ def test_whole_tensor_equals_reference_every_dtype(dtype, simd, reference):
         assert tensor_contrib("w", v) == reference(tensor_contrib, "w", v), (dtype, v.shape)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.int32,
+                                   torch.uint8, torch.bool, torch.float8_e4m3fn], ids=str)
+def test_lengths_around_the_kernels_step_equal_reference(dtype, simd, reference):
+    """The AVX-512 kernels of 1-, 2- and 4-byte elements sum four groups of 16 elements a step,
+    then single groups to their block's end (4096), then a scalar tail: lengths that end in each
+    of those, at canonical starts that are not a multiple of 16, for the one-side and the change
+    kernels."""
+    lengths = [16 * k + r for k in range(10) for r in (0, 5)] + [4096 + 16 * g + 3 for g in (1, 2, 3)] \
+        + [2 * 4096 + 48, 3 * 4096 + 64 + 16 + 1]
+    for n in lengths:
+        t = special_tensor(dtype, n + 41, seed=n)
+        spec = ShardSpec.of((n + 41,), (41,), (n,))  # a run starting at canonical index 41
+        part = t[41:].clone()
+        assert tensor_contrib("w", part, spec) == reference(tensor_contrib, "w", part, spec), n
+        g = torch.Generator().manual_seed(n)
+        idx = torch.randperm(3 * n + 7, generator=g)[:n]
+        old, new = special_tensor(dtype, n, seed=n + 1), special_tensor(dtype, n, seed=n + 2)
+        assert change_contrib("w", dtype, (3 * n + 7,), idx, old, new) \
+            == reference(change_contrib, "w", dtype, (3 * n + 7,), idx, old, new), n
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.bool], ids=str)
 def test_shards_and_strides_equal_reference(dtype, simd, reference):
     full = special_tensor(dtype, 48 * 40, seed=5).reshape(48, 40)
