@@ -32,11 +32,23 @@ pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {na
 M32 = 0xFFFFFFFF
 
 
-@pytest.fixture(params=[1, 0], ids=["simd", "scalar"])
+@pytest.fixture(params=[1, 2, 0], ids=["simd", "avx2", "scalar"])
 def simd(request):
     native.lib().dcr_set_simd(request.param)
     yield request.param
     native.lib().dcr_set_simd(1)
+
+
+def test_each_setting_reaches_its_build(simd):
+    """``dcr_set_simd`` picks the state digest's build: the best the CPU has, AVX2 at most (so
+    an AVX-512 machine tests the AVX2 build too: it took the AVX-512 one before), or the plain
+    one. (The build is read before the fixture's setting is changed back.)"""
+    lib = native.lib()
+    build = lib.dcr_sd_build()
+    lib.dcr_set_simd(1)
+    best = lib.dcr_sd_build()
+    assert best in (0, 1, 2)
+    assert build == {1: best, 2: min(best, 1), 0: 0}[simd]
 
 
 @pytest.fixture
@@ -140,16 +152,9 @@ def test_changes_past_2_pow_32_equal_reference(dtype, simd, reference):
     assert tensor_contrib("big", t, spec) == reference(tensor_contrib, "big", t, spec)
 
 
-@pytest.fixture(params=[1, 2, 0], ids=["simd", "avx2", "scalar"])
-def any_simd(request):
-    native.lib().dcr_set_simd(request.param)
-    yield request.param
-    native.lib().dcr_set_simd(1)
-
-
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 9000])  # around the kernel's reduction block
-def test_change_in_one_pass_equals_the_two_sides(dtype, n, any_simd, reference):
+def test_change_in_one_pass_equals_the_two_sides(dtype, n, simd, reference):
     """``change_contrib`` (``dcr_sd_change``: each index weighed once for old and new) is exactly
     ``contrib(new) - contrib(old)``, in C and in the torch reference, special values included."""
     shape = (n + 17, 3)
@@ -217,7 +222,7 @@ def test_a_running_sum_adds_chunks_in_c_from_several_threads(dtype, monkeypatch)
     assert s.total == want + part
 
 
-def test_change_digest_moves_a_state_digest_to_the_new_state(any_simd):
+def test_change_digest_moves_a_state_digest_to_the_new_state(simd):
     """A ChangeDigest fed changes (old and new bits), arrivals (old None) and departures (new
     None) takes the whole digest of the old state to that of the new one."""
     g = torch.Generator().manual_seed(5)

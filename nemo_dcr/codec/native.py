@@ -120,6 +120,8 @@ def _declare(lib) -> None:
     lib.dcr_free.argtypes = [p]
     lib.dcr_set_simd.restype = None
     lib.dcr_set_simd.argtypes = [ctypes.c_int]
+    lib.dcr_sd_build.restype = ctypes.c_int
+    lib.dcr_sd_build.argtypes = []
     lib.dcr_simd_level.restype = ctypes.c_int
     lib.dcr_simd_level.argtypes = []
     lib.dcr_source_hash.restype = ctypes.c_char_p
