@@ -1094,157 +1094,104 @@ SD_ALL(_plain, )
 #ifdef DCR_X86
 SD_ALL(_avx2, __attribute__((target("avx2"))))
 SD_ALL(_avx512, __attribute__((target("avx512f,avx512bw,prefer-vector-width=512"))))
-/* 1-, 2- and 4-byte elements (FP8 and bytes; BF16 and FP16, most of a model; FP32), AVX-512,
- * written out: what the compiler made of SD_LOOP spent most of its instructions moving 32-bit
- * values in and out of 64-bit lanes. Here 16 elements per group in 32-bit lanes: the index
- * mixing and each lane's weight r as 32-bit vectors, and the sums in 64-bit lanes, the even
- * elements' r * limb by one vpmuludq (which reads the low half of each 64-bit lane) and the odd
- * ones' after a 32-bit shift; a 4-byte element is two 16-bit limbs, as L_W4 cuts it. Two
- * rewrites that change no result save 10 of the ~105 instructions per group: a lane's mix opens
- * with h ^= h >> 16 on h = u ^ t, which is (u ^ u >> 16) ^ (t ^ t >> 16), so the u half is done
- * once for the four lanes and the t half is a constant; and the sum of r adds each 64-bit lane
- * whole (r_even + 2^32 r_odd) beside the odd halves it needs anyway for the products, the even
- * ones recovered at the block's end. Same sums as SD_LOOP, element for element; the tail
- * (n % 16) goes to the plain loop. */
-__attribute__((target("avx512f,avx512bw")))
-static inline __m512i sd_mix16(__m512i h, __m512i m1, __m512i m2) {
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-    h = _mm512_mullo_epi32(h, m1);
-    h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 15));
-    h = _mm512_mullo_epi32(h, m2);
-    return _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-}
-/* one call's keys as vectors, and one block's sums (sw: r's 64-bit lanes whole, so: their odd
- * halves; sx, sy: r * limb j of the new and of the old bits) */
-typedef struct {
-    __m512i m1, m2, vs1, vs2, one, pm1, iota, low16, vt[4];
-} sdv_keys;
-typedef struct {
-    __m512i sw[4], so[4], sx[4][2], sy[4][2];
-} sdv_sums;
-/* limb j of 16 elements of W bytes at p, one per 32-bit lane */
-__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) __m512i sdv_limb(
-        const int W, const void *p, int j, const sdv_keys *k) {
+/* 1-, 2- and 4-byte elements, written out (dcr_sd_vec.h says how), for AVX-512 and for AVX2 */
+__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) __m512i sdv_limb_avx512(
+        const int W, const void *p, int j, __m512i m16) {
     if (W == 1) return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
     if (W == 2) return _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p));
     const __m512i v = _mm512_loadu_si512(p);
-    return j ? _mm512_srli_epi32(v, 16) : _mm512_and_si512(v, k->low16);
+    return j ? _mm512_srli_epi32(v, 16) : _mm512_and_si512(v, m16);
 }
-/* G groups of 16 elements from i on (G, W and OLD constants: the loops unroll). Each group's
- * index mix and lane mixes are a chain of ~10 dependent multiplies, ~90 cycles; one group at a
- * time left the out-of-order window short of independent work, and the kernel ran at about
- * twice its instruction count's time. Four chains side by side: 1.6x faster on BF16 (one
- * thread; docs/results.md, "Format version 4, seventh turn"); eight spill registers and are
- * slower. The sums are the same adds in another order. */
-#define SDV_GROUPS 4
-__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) void sdv_groups(
-        const int G, const int W, const char *x, const char *y, const int64_t *gidx, int64_t start, int64_t i,
-        const sdv_keys *k, sdv_sums *s, const int OLD) {
-    const int NL = W == 4 ? 2 : 1;
-    __m512i v[SDV_GROUPS], xl[SDV_GROUPS][2], yl[SDV_GROUPS][2];
-    for (int q = 0; q < G; q++) {
-        const int64_t j = i + 16 * q;
-        __m512i lo, hi;
-        if (gidx) {
-            const __m512i g0 = _mm512_loadu_si512((const void *)(gidx + j));
-            const __m512i g1 = _mm512_loadu_si512((const void *)(gidx + j + 8));
-            lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(g0)), _mm512_cvtepi64_epi32(g1), 1);
-            hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_srli_epi64(g0, 32))),
-                                    _mm512_cvtepi64_epi32(_mm512_srli_epi64(g1, 32)), 1);
-        } else {  /* start + j + k: the low halves count up, a carry past 2^32 goes to the high */
-            const uint64_t g = (uint64_t)(start + j);
-            const __m512i base = _mm512_set1_epi32((int)(uint32_t)g);
-            lo = _mm512_add_epi32(base, k->iota);
-            const __mmask16 carry = _mm512_cmplt_epu32_mask(lo, base);
-            hi = _mm512_mask_add_epi32(_mm512_set1_epi32((int)(uint32_t)(g >> 32)), carry,
-                                       _mm512_set1_epi32((int)(uint32_t)(g >> 32)), k->one);
-        }
-        __m512i u = sd_mix16(_mm512_xor_si512(lo, k->vs1), k->m1, k->m2);
-        u = sd_mix16(_mm512_xor_si512(_mm512_xor_si512(u, k->vs2), hi), k->m1, k->m2);
-        v[q] = _mm512_xor_si512(u, _mm512_srli_epi32(u, 16));  /* every lane's first mix step */
-        for (int m = 0; m < NL; m++) {
-            xl[q][m] = sdv_limb(W, x + j * W, m, k);
-            if (OLD) yl[q][m] = sdv_limb(W, y + j * W, m, k);
-        }
-    }
-    for (int q = 0; q < G; q++)
-        for (int l = 0; l < 4; l++) {
-            __m512i h = _mm512_mullo_epi32(_mm512_xor_si512(v[q], k->vt[l]), k->m1);  /* sd_mix16 after its first step */
-            h = _mm512_mullo_epi32(_mm512_xor_si512(h, _mm512_srli_epi32(h, 15)), k->m2);
-            h = _mm512_xor_si512(h, _mm512_srli_epi32(h, 16));
-            __m512i r = _mm512_min_epu32(_mm512_max_epu32(_mm512_srli_epi32(h, 1), k->one), k->pm1);
-            const __m512i ro = _mm512_srli_epi64(r, 32);
-            s->sw[l] = _mm512_add_epi64(s->sw[l], r);
-            s->so[l] = _mm512_add_epi64(s->so[l], ro);
-            for (int m = 0; m < NL; m++) {
-                const __m512i xo = _mm512_srli_epi64(xl[q][m], 32);
-                s->sx[l][m] = _mm512_add_epi64(s->sx[l][m],
-                                               _mm512_add_epi64(_mm512_mul_epu32(r, xl[q][m]), _mm512_mul_epu32(ro, xo)));
-                if (OLD) {
-                    const __m512i yo = _mm512_srli_epi64(yl[q][m], 32);
-                    s->sy[l][m] = _mm512_add_epi64(s->sy[l][m],
-                                                   _mm512_add_epi64(_mm512_mul_epu32(r, yl[q][m]), _mm512_mul_epu32(ro, yo)));
-                }
-            }
-        }
+#define SFX _avx512
+#define TGT __attribute__((target("avx512f,avx512bw")))
+#define VEC __m512i
+#define NV 16
+#define SET1(x) _mm512_set1_epi32((int)(uint32_t)(x))
+#define ZERO _mm512_setzero_si512()
+#define IOTA _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
+#define XOR _mm512_xor_si512
+#define AND _mm512_and_si512
+#define ADD32 _mm512_add_epi32
+#define ADD64 _mm512_add_epi64
+#define SRL32 _mm512_srli_epi32
+#define SRL64 _mm512_srli_epi64
+#define MULLO _mm512_mullo_epi32
+#define MULU _mm512_mul_epu32
+#define MINU _mm512_min_epu32
+#define MAXU _mm512_max_epu32
+#define COUNT(g, k, lo, hi)                                                                            \
+    do {                                                                                               \
+        const __m512i base_ = SET1(g);                                                                 \
+        lo = _mm512_add_epi32(base_, (k)->iota);                                                       \
+        hi = _mm512_mask_add_epi32(SET1((g) >> 32), _mm512_cmplt_epu32_mask(lo, base_), SET1((g) >> 32), \
+                                   (k)->one);                                                          \
+    } while (0)
+#define GIDX(p, lo, hi)                                                                                \
+    do {                                                                                               \
+        const __m512i g0_ = _mm512_loadu_si512((const void *)(p));                                     \
+        const __m512i g1_ = _mm512_loadu_si512((const void *)((p) + 8));                               \
+        lo = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(g0_)), _mm512_cvtepi64_epi32(g1_), 1); \
+        hi = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi64_epi32(_mm512_srli_epi64(g0_, 32))), \
+                                _mm512_cvtepi64_epi32(_mm512_srli_epi64(g1_, 32)), 1);                 \
+    } while (0)
+#define LIMB sdv_limb_avx512
+#define SUM64(v) ((uint64_t)_mm512_reduce_add_epi64(v))
+#include "dcr_sd_vec.h"  /* which undefines the parameters above */
+
+__attribute__((target("avx2"))) static inline __attribute__((always_inline)) __m256i sdv_limb_avx2(
+        const int W, const void *p, int j, __m256i m16) {
+    if (W == 1) return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    if (W == 2) return _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+    const __m256i v = _mm256_loadu_si256((const __m256i *)p);
+    return j ? _mm256_srli_epi32(v, 16) : _mm256_and_si256(v, m16);
 }
-__attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_inline)) void sdv_run(
-        const int W, const void *xp, const void *yp, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
-        uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5], const int OLD) {
-    const int NL = W == 4 ? 2 : 1;
-    const char *x = (const char *)xp, *y = (const char *)yp;
-    const int64_t n16 = n & ~(int64_t)15;
-    sdv_keys k;
-    k.m1 = _mm512_set1_epi32((int)0x7FEB352Du);
-    k.m2 = _mm512_set1_epi32((int)0x31848BABu);
-    k.vs1 = _mm512_set1_epi32((int)s1);
-    k.vs2 = _mm512_set1_epi32((int)s2);
-    k.one = _mm512_set1_epi32(1);
-    k.pm1 = _mm512_set1_epi32((int)(SD_P - 1));
-    k.low16 = _mm512_set1_epi32(0xFFFF);
-    k.iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int l = 0; l < 4; l++)  /* each lane's key with its mix's first step applied: t ^ t >> 16 (see above) */
-        k.vt[l] = _mm512_set1_epi32((int)(t[l] ^ t[l] >> 16));
-    for (int64_t b0 = 0; b0 < n16; b0 += SD_BLOCK) {
-        const int64_t b1 = b0 + SD_BLOCK < n16 ? b0 + SD_BLOCK : n16;
-        sdv_sums s;
-        for (int l = 0; l < 4; l++)
-            s.sw[l] = s.so[l] = s.sx[l][0] = s.sx[l][1] = s.sy[l][0] = s.sy[l][1] = _mm512_setzero_si512();
-        int64_t i = b0;
-        for (; i + 16 * SDV_GROUPS <= b1; i += 16 * SDV_GROUPS) sdv_groups(SDV_GROUPS, W, x, y, gidx, start, i, &k, &s, OLD);
-        for (; i < b1; i += 16) sdv_groups(1, W, x, y, gidx, start, i, &k, &s, OLD);
-        /* a block's sums: r < 2^31 over 256 elements per 64-bit lane half (< 2^39; sw wraps mod 2^64,
-         * and sw - 2^32 so is the even halves' sum exactly), r * limb < 2^47 over 2 * 256 (< 2^57) */
-        for (int l = 0; l < 4; l++) {
-            const uint64_t odd = (uint64_t)_mm512_reduce_add_epi64(s.so[l]);
-            const uint64_t even = (uint64_t)_mm512_reduce_add_epi64(s.sw[l]) - (odd << 32);
-            acc[l][0] = sd_mod(acc[l][0] + sd_mod(even + odd));
-            for (int m = 0; m < NL; m++) {
-                acc[l][m + 1] = sd_mod(acc[l][m + 1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(s.sx[l][m])));
-                if (OLD) old[l][m + 1] = sd_mod(old[l][m + 1] + sd_mod((uint64_t)_mm512_reduce_add_epi64(s.sy[l][m])));
-            }
-        }
-    }
-    if (n > n16) {
-        const int w = W == 1 ? 0 : W == 2 ? 1 : 2;
-        (OLD ? sdc_table_plain : sd_table_plain)[w](x + n16 * W, OLD ? y + n16 * W : NULL, gidx ? gidx + n16 : NULL,
-                                                    start + n16, n - n16, s1, s2, t, acc, old);
-    }
+__attribute__((target("avx2"))) static inline uint64_t sdv_sum64_avx2(__m256i v) {
+    const __m128i s = _mm_add_epi64(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    return (uint64_t)_mm_cvtsi128_si64(s) + (uint64_t)_mm_extract_epi64(s, 1);
 }
-#define SDV_FN(NAME, W, OLD)                                                                          \
-    __attribute__((target("avx512f,avx512bw"))) static void NAME(                                     \
-            const void *x, const void *y, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1, \
-            uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5]) {                 \
-        sdv_run(W, x, OLD ? y : NULL, gidx, start, n, s1, s2, t, acc, old, OLD);                      \
-    }
-SDV_FN(sdv1, 1, 0)
-SDV_FN(sdv2, 2, 0)
-SDV_FN(sdv4, 4, 0)
-SDV_FN(sdcv1, 1, 1)
-SDV_FN(sdcv2, 2, 1)
-SDV_FN(sdcv4, 4, 1)
-static const sd_fn sd_table_avx512v[4] = {sdv1, sdv2, sdv4, (sd_fn)sd_w8_avx512};
-static const sd_fn sdc_table_avx512v[4] = {sdcv1, sdcv2, sdcv4, (sd_fn)sdc_w8_avx512};
+#define SFX _avx2
+#define TGT __attribute__((target("avx2")))
+#define VEC __m256i
+#define NV 8
+#define SET1(x) _mm256_set1_epi32((int)(uint32_t)(x))
+#define ZERO _mm256_setzero_si256()
+#define IOTA _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
+#define XOR _mm256_xor_si256
+#define AND _mm256_and_si256
+#define ADD32 _mm256_add_epi32
+#define ADD64 _mm256_add_epi64
+#define SRL32 _mm256_srli_epi32
+#define SRL64 _mm256_srli_epi64
+#define MULLO _mm256_mullo_epi32
+#define MULU _mm256_mul_epu32
+#define MINU _mm256_min_epu32
+#define MAXU _mm256_max_epu32
+/* (no unsigned compare in AVX2: lo < base unsigned is a signed compare with the sign bits
+ * flipped, -1 where the low half carried, and subtracting -1 adds the carry) */
+#define COUNT(g, k, lo, hi)                                                                            \
+    do {                                                                                               \
+        const __m256i base_ = SET1(g), flip_ = SET1(0x80000000u);                                      \
+        lo = _mm256_add_epi32(base_, (k)->iota);                                                       \
+        hi = _mm256_sub_epi32(SET1((g) >> 32), _mm256_cmpgt_epi32(_mm256_xor_si256(base_, flip_),      \
+                                                                   _mm256_xor_si256(lo, flip_)));      \
+    } while (0)
+/* (each 64-bit index's halves gathered: low halves to the low 128 bits, high to the high) */
+#define GIDX(p, lo, hi)                                                                                \
+    do {                                                                                               \
+        const __m256i pick_ = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7);                               \
+        const __m256i a_ = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)(p)), pick_); \
+        const __m256i b_ = _mm256_permutevar8x32_epi32(_mm256_loadu_si256((const __m256i *)((p) + 4)), pick_); \
+        lo = _mm256_permute2x128_si256(a_, b_, 0x20);                                                  \
+        hi = _mm256_permute2x128_si256(a_, b_, 0x31);                                                  \
+    } while (0)
+#define LIMB sdv_limb_avx2
+#define SUM64 sdv_sum64_avx2
+#include "dcr_sd_vec.h"  /* which undefines the parameters above */
+
+static const sd_fn sd_table_avx512v[4] = {sdv1_avx512, sdv2_avx512, sdv4_avx512, (sd_fn)sd_w8_avx512};
+static const sd_fn sdc_table_avx512v[4] = {sdcv1_avx512, sdcv2_avx512, sdcv4_avx512, (sd_fn)sdc_w8_avx512};
+static const sd_fn sd_table_avx2v[4] = {sdv1_avx2, sdv2_avx2, sdv4_avx2, (sd_fn)sd_w8_avx2};
+static const sd_fn sdc_table_avx2v[4] = {sdcv1_avx2, sdcv2_avx2, sdcv4_avx2, (sd_fn)sdc_w8_avx2};
 static int sd_isa(void) {  /* 2: AVX-512, 1: AVX2, 0: plain */
     static int isa = -1;
     if (isa < 0) {
@@ -1260,7 +1207,7 @@ static const sd_fn *sd_table(int change) {
     int isa = simd_enabled ? sd_isa() : 0;
     if (simd_enabled == 2 && isa > 1) isa = 1;
     if (isa == 2) return change ? sdc_table_avx512v : sd_table_avx512v;
-    if (isa == 1) return change ? sdc_table_avx2 : sd_table_avx2;
+    if (isa == 1) return change ? sdc_table_avx2v : sd_table_avx2v;
     return change ? sdc_table_plain : sd_table_plain;
 }
 #else
@@ -1272,7 +1219,7 @@ int dcr_sd_build(void) {
     const sd_fn *t = sd_table(0);
 #ifdef DCR_X86
     if (t == sd_table_avx512v) return 2;
-    if (t == sd_table_avx2) return 1;
+    if (t == sd_table_avx2v) return 1;
 #endif
     return t == sd_table_plain ? 0 : -1;
 }
