@@ -1110,8 +1110,6 @@ __attribute__((target("avx512f,avx512bw"))) static inline __attribute__((always_
 #define ZERO _mm512_setzero_si512()
 #define IOTA _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)
 #define XOR _mm512_xor_si512
-#define AND _mm512_and_si512
-#define ADD32 _mm512_add_epi32
 #define ADD64 _mm512_add_epi64
 #define SRL32 _mm512_srli_epi32
 #define SRL64 _mm512_srli_epi64
@@ -1157,8 +1155,6 @@ __attribute__((target("avx2"))) static inline uint64_t sdv_sum64_avx2(__m256i v)
 #define ZERO _mm256_setzero_si256()
 #define IOTA _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7)
 #define XOR _mm256_xor_si256
-#define AND _mm256_and_si256
-#define ADD32 _mm256_add_epi32
 #define ADD64 _mm256_add_epi64
 #define SRL32 _mm256_srli_epi32
 #define SRL64 _mm256_srli_epi64

@@ -23,7 +23,7 @@
  *   VEC, NV             the vector type, its 32-bit lanes
  *   SET1(x), ZERO       a vector of x in every 32-bit lane, of zeros
  *   IOTA                0, 1, ..., NV - 1
- *   XOR, AND, ADD32, ADD64, SRL32(v, k), SRL64(v, k), MULLO, MULU, MINU, MAXU
+ *   XOR, ADD64, SRL32(v, k), SRL64(v, k), MULLO, MULU, MINU, MAXU
  *                       the lane operations (MULU: vpmuludq; MINU, MAXU: unsigned 32-bit)
  *   COUNT(g, k, lo, hi) lo, hi: the low and high halves of g + 0 .. g + NV - 1 (uint64 g;
  *                       k: the keys, for iota and one)
@@ -161,8 +161,6 @@ DCR_SDV_FN(sdcv4, 4, 1)
 #undef ZERO
 #undef IOTA
 #undef XOR
-#undef AND
-#undef ADD32
 #undef ADD64
 #undef SRL32
 #undef SRL64
