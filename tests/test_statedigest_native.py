@@ -98,10 +98,10 @@ def test_whole_tensor_equals_reference_every_dtype(dtype, simd, reference):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.int32,
                                    torch.uint8, torch.bool, torch.float8_e4m3fn], ids=str)
 def test_lengths_around_the_kernels_step_equal_reference(dtype, simd, reference):
-    """The AVX-512 kernels of 1-, 2- and 4-byte elements sum four groups of 16 elements a step,
-    then single groups to their block's end (4096), then a scalar tail: lengths that end in each
-    of those, at canonical starts that are not a multiple of 16, for the one-side and the change
-    kernels."""
+    """The written-out kernels of 1-, 2- and 4-byte elements (``csrc/dcr_sd_vec.h``) sum four
+    groups of 16 (AVX-512) or 8 (AVX2) elements a step, then single groups to their block's end
+    (4096), then a scalar tail: lengths that end in each of those, at canonical starts that are
+    not a multiple of 8, for the one-side and the change kernels, on every build."""
     lengths = [16 * k + r for k in range(10) for r in (0, 5)] + [4096 + 16 * g + 3 for g in (1, 2, 3)] \
         + [2 * 4096 + 48, 3 * 4096 + 64 + 16 + 1]
     for n in lengths:
