@@ -270,6 +270,9 @@ static int simd_enabled = 1;
 /* 1: the best the CPU has (the default), 0: the scalar scans, 2: AVX2 at most (the classes scans
  * and the state digest's builds) */
 void dcr_set_simd(int on) { simd_enabled = on; }
+/* what the setting leaves of the best instruction set v the CPU has (2 AVX-512, 1 AVX2, 0 none):
+ * one rule for the classes scans and the state digest's builds */
+static inline int simd_cap(int v) { return simd_enabled == 2 && v > 1 ? 1 : (simd_enabled ? v : 0); }
 
 #ifdef DCR_X86
 /* 2: AVX-512BW (+BMI2 for pdep), 1: AVX2, 0: neither (or dcr_set_simd(0)) */
@@ -280,7 +283,7 @@ static int simd_isa(void) {
         v = __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("bmi2") && __builtin_cpu_supports("popcnt") ? 2
             : __builtin_cpu_supports("avx2") && __builtin_cpu_supports("popcnt") ? 1 : 0;
     }
-    return simd_enabled == 2 && v > 1 ? 1 : (simd_enabled ? v : 0);
+    return simd_cap(v);
 }
 #endif
 
@@ -1200,8 +1203,7 @@ static int sd_isa(void) {  /* 2: AVX-512, 1: AVX2, 0: plain */
 static const sd_fn *sd_table(int change) {
     /* dcr_set_simd(0): the plain build; dcr_set_simd(2): AVX2 at most, as for the classes scans,
      * so that the tests reach every build on an AVX-512 machine (this asked only "any SIMD?") */
-    int isa = simd_enabled ? sd_isa() : 0;
-    if (simd_enabled == 2 && isa > 1) isa = 1;
+    const int isa = simd_cap(sd_isa());
     if (isa == 2) return change ? sdc_table_avx512v : sd_table_avx512v;
     if (isa == 1) return change ? sdc_table_avx2v : sd_table_avx2v;
     return change ? sdc_table_plain : sd_table_plain;
