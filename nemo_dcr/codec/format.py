@@ -413,18 +413,25 @@ class SegmentMerger:
         if not isinstance(p, dict) or not isinstance(p.get("chunks"), list) or not isinstance(p.get("last"), bool):
             fail("malformed segment: tensor piece")
         chunks = []
+        # (plain loops, no generator expressions: once per chunk and per piece of every delta
+        # opened, on the GIL before anything is applied)
         for c in p["chunks"]:
-            if not isinstance(c, dict) or not all(isinstance(c.get(k), int) and not isinstance(c.get(k), bool)
-                                                  for k in ("off", "plen", "vlen")):
+            if not isinstance(c, dict):
                 fail(f"malformed segment: a chunk of {p.get('name')!r}")
-            if c["off"] < 0 or c["plen"] < 0 or c["vlen"] < 0 or c["off"] + c["plen"] + c["vlen"] > length:
+            off, plen, vlen = c.get("off"), c.get("plen"), c.get("vlen")
+            if type(off) is not int or type(plen) is not int or type(vlen) is not int:  # (not bool)
+                fail(f"malformed segment: a chunk of {p.get('name')!r}")
+            if off < 0 or plen < 0 or vlen < 0 or off + plen + vlen > length:
                 fail(f"malformed segment: a chunk of {p.get('name')!r} lies outside its segment")
-            chunks.append({**c, "off": start + c["off"]})
+            c = dict(c)
+            c["off"] = start + off
+            chunks.append(c)
         t = self._open_tensor
         if t is None:
-            t = {k: v for k, v in p.items() if k not in ("chunks", "last")}
+            t = dict(p)
+            del t["chunks"], t["last"]
             t["chunks"] = []
-            if any(e.get("name") == t.get("name") for e in self.tensors[-1:]):
+            if self.tensors and self.tensors[-1].get("name") == t.get("name"):
                 fail(f"malformed segment: tensor {t.get('name')!r} again after its last piece")
             self._open_tensor = t
         elif p.get("name") != t.get("name") or any(p.get(k) != t.get(k) for k in self._SAME):
