@@ -46,7 +46,9 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   digests (pre/post images) over the whole shard in chunks, as a keyframe's make them, on
   ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
 * state digest of the shard: the torch reference (timed on at most 8M elements, scaled) and the
-  C kernel on ``--workers`` threads;
+  C kernel on ``--workers`` threads; on one thread (``state_digest_1t``), the shard's bytes read
+  as bytes, BF16, FP32 and FP64, in each build of the kernel the CPU runs (its best, AVX2, plain),
+  with ns per element;
 * keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``): a fresh
   publisher's first version with the state digest in C and in torch, and in format version 1,
   against writing (and fsyncing) the raw bytes of the shard there (``raw_write``;
@@ -87,6 +89,7 @@ from nemo_dcr.delta import DEFAULT_CHUNK, plan_entry, run_plan, verify_plan
 from nemo_dcr.delta.apply import ApplyReport
 from nemo_dcr.state import statedigest
 from nemo_dcr.state.digest import RunningDigest, values_digest
+from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.statedigest import ChangeDigest
 from nemo_dcr.stores.local import LocalStore
 from nemo_dcr.sync.follower import Follower
@@ -357,6 +360,41 @@ def digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | fl
     if native.lib() is not None:
         rows.append(_row("state_digest", "fast", _median(
             lambda: statedigest.tensor_contrib("shard", base, workers=workers), reps), memcpy))
+    return rows + digest_build_rows(base, reps, memcpy)
+
+
+#: the widths the state digest's kernels take, each a dtype a model holds: the written-out
+#: kernel's 1-, 2- and 4-byte elements and the compiler's loop's 8-byte ones
+DIGEST_DTYPES = (torch.uint8, torch.bfloat16, torch.float32, torch.float64)
+#: ``dcr_sd_build``'s answers
+SD_BUILDS = {0: "plain", 1: "avx2", 2: "avx512"}
+
+
+def digest_build_rows(base: torch.Tensor, reps: int, memcpy: Memcpy | float) -> list:
+    """The state digest on one thread of the shard's bytes read as each of ``DIGEST_DTYPES``
+    (the same bytes, so the memcpy is their unit too), in every build of the kernel this CPU
+    runs: ``dcr_set_simd`` 1 (the best it has), 2 (AVX2 at most), 0 (plain), each build once
+    (``dcr_sd_build`` names it). Rows ``state_digest_1t``, path ``<dtype> <build>``, with ns per
+    element: where each build stands on this core against the others (docs/results.md, "Format
+    version 4, seventh turn" on an Intel core, "eighth turn" on an AMD one)."""
+    lib = native.lib()
+    if lib is None:
+        return []
+    rows, seen = [], set()
+    try:
+        for setting in (1, 2, 0):
+            lib.dcr_set_simd(setting)
+            build = lib.dcr_sd_build()
+            if build in seen:
+                continue
+            seen.add(build)
+            for dtype in DIGEST_DTYPES:
+                t = base.view(dtype)
+                secs = _median(lambda t=t: statedigest.tensor_contrib("shard", t, workers=1), reps)
+                rows.append(_row("state_digest_1t", f"{dtype_name(dtype)} {SD_BUILDS.get(build, build)}", secs,
+                                 memcpy, ns_per_element=1e9 * secs / t.numel()))
+    finally:
+        lib.dcr_set_simd(1)
     return rows
 
 
@@ -496,7 +534,8 @@ def format_table(r: dict) -> str:
              "", "| change | side | path | device | ms | memcpy ms | x memcpy |", "|---|---|---|---|---:|---:|---:|"]
     for row in r["rows"]:
         ch = "" if row["change"] is None else f"{100 * row['change']:g} %"
-        extra = f" ({row['x_raw_write']:.2f}x raw write)" if "x_raw_write" in row else ""
+        extra = f" ({row['x_raw_write']:.2f}x raw write)" if "x_raw_write" in row else \
+            f" ({row['ns_per_element']:.2f} ns an element)" if "ns_per_element" in row else ""
         lines.append(f"| {ch} | {row['side']} | {row['path']} | {row['device']} | {1e3 * row['seconds']:.1f} | "
                      f"{1e3 * row['memcpy_seconds']:.1f} | {row['x_memcpy']:.2f}x{extra} |")
     return "\n".join(lines)

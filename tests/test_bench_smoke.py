@@ -252,6 +252,8 @@ def test_kernels_bench_quick_json():
     """bench/kernels.py --quick --json: every row of issue #12's table is there, measured, with its
     ratio to the same memcpy; every encode and apply was checked bit for bit inside the run."""
     kernels = _load_kernels()
+    lib = kernels.native.lib()
+    best = lib.dcr_sd_build() if lib is not None else None  # (the default setting: the best build)
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = kernels.main(["--quick", "--json", "--changes", "0.01", "0.05"])
@@ -284,6 +286,19 @@ def test_kernels_bench_quick_json():
         if row["change"] is not None:  # the synthetic step hits the asked change rate
             assert abs(row["change_rate"] - row["change"]) < 0.1 * row["change"]
     assert "| keyframe | raw_write |" in kernels.format_table(r)
+    # the state digest on one thread: each width in each build this CPU runs, once, and the best
+    # build set again after
+    one_thread = {row["path"]: row for row in r["rows"] if row["side"] == "state_digest_1t"}
+    if lib is None:
+        assert not one_thread
+    else:
+        assert lib.dcr_sd_build() == best
+        widths = {"uint8": 1, "bfloat16": 2, "float32": 4, "float64": 8}
+        assert set(one_thread) == {f"{d} {kernels.SD_BUILDS[b]}" for d in widths for b in {best, min(best, 1), 0}}
+        for path, row in one_thread.items():
+            numel = 2 * r["config"]["elements"] // widths[path.split()[0]]  # the shard's bytes as that dtype
+            assert math.isclose(row["ns_per_element"], 1e9 * row["seconds"] / numel)
+        assert "ns an element)" in kernels.format_table(r)
 
 
 def test_kernels_bench_device_hook_rows_join_the_table():
