@@ -16,6 +16,7 @@
 #include <string.h>
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
+#include <cpuid.h>
 #define DCR_X86 1
 #endif
 
@@ -268,11 +269,12 @@ static inline __attribute__((always_inline)) int64_t scan_decode(
 #define MAXA 64
 static int simd_enabled = 1;
 /* 1: the best the CPU has (the default), 0: the scalar scans, 2: AVX2 at most (the classes scans
- * and the state digest's builds) */
+ * and the state digest's builds), 3: as 2, the AVX2 decoder's bit selection without pdep (what a
+ * core whose pdep is slow runs: so that a machine with a fast one tests that path too) */
 void dcr_set_simd(int on) { simd_enabled = on; }
 /* what the setting leaves of the best instruction set v the CPU has (2 AVX-512, 1 AVX2, 0 none):
  * one rule for the classes scans and the state digest's builds */
-static inline int simd_cap(int v) { return simd_enabled == 2 && v > 1 ? 1 : (simd_enabled ? v : 0); }
+static inline int simd_cap(int v) { return simd_enabled >= 2 && v > 1 ? 1 : (simd_enabled ? v : 0); }
 
 #ifdef DCR_X86
 /* 2: AVX-512BW (+BMI2 for pdep), 1: AVX2, 0: neither (or dcr_set_simd(0)) */
@@ -349,8 +351,9 @@ static inline int block_of_avx512(const int16_t *cum, uint32_t r) {
 #define NTH(e, at) __builtin_ctzll(_pdep_u64(1ULL << (at), e))
 #include "dcr_simd_scans.h"  /* which undefines the parameters above */
 
-/* AVX2: a block's classes are two vectors of 32 bytes. No pdep: it is microcoded (slow) on the
- * AMD cores that lack AVX-512, so a rank inside a block is found by clearing lower set bits. */
+/* AVX2: a block's classes are two vectors of 32 bytes. A rank inside a block is found without
+ * pdep (nth_bit), which is microcoded (slow) on the AMD cores before Zen 3; the scans that select
+ * a bit are built a second time with pdep for the cores where it is fast (below). */
 typedef struct { __m256i absm, vlo, vhi; __m128i sh; } ctx256;
 typedef struct { __m256i a, b; } blk256;
 __attribute__((target("avx2")))
@@ -408,9 +411,30 @@ static inline int block_of_avx2(const int16_t *cum, uint32_t r) {
             _mm256_cmpgt_epi16(_mm256_loadu_si256((const __m256i *)(cum + 16 * q)), v)));
     return 64 - (int)(gt / 2);
 }
+/* NTH without pdep: the bytes' running popcounts (one multiply) give the byte that holds set bit
+ * number `at` (how many bytes' sums are not above it), three popcount halvings the bit in that
+ * byte. No branch: clearing `at` lower set bits in a loop (what this build did before) ended its
+ * loop on a different count for every change, a misprediction each (a 45M BF16 delta's decode
+ * on Zen 3: 0.70-0.71 ns an element with the loop, 0.66 with this; docs/results.md, format 4,
+ * ninth turn). */
+__attribute__((target("popcnt")))
 static inline int nth_bit(uint64_t e, uint64_t at) {
-    for (; at; at--) e &= e - 1;
-    return __builtin_ctzll(e);
+    uint64_t b = e - ((e >> 1) & 0x5555555555555555ULL);
+    b = (b & 0x3333333333333333ULL) + ((b >> 2) & 0x3333333333333333ULL);
+    b = (b + (b >> 4)) & 0x0F0F0F0F0F0F0F0FULL;
+    const uint64_t pre = b * 0x0101010101010101ULL;  /* byte i: the set bits of bytes 0..i (<= 64) */
+    /* bit 7 of byte i is set where pre[i] <= at: the bytes wholly before the bit */
+    const uint64_t le = ((at * 0x0101010101010101ULL | 0x8080808080808080ULL) - pre) & 0x8080808080808080ULL;
+    const int sh = 8 * __builtin_popcountll(le);
+    uint64_t x = (e >> sh) & 0xFF, r = at - (((pre << 8) >> sh) & 0xFF);
+    int pos = sh;
+    for (int w = 4; w >= 1; w >>= 1) {  /* (unrolled: w is constant in each step) */
+        const uint64_t c = (uint64_t)__builtin_popcountll(x & ((1ULL << w) - 1));
+        const uint64_t up = r >= c;  /* the bit is above this half */
+        const int step = w & -(int)up;
+        x >>= step; pos += step; r -= c & (0 - up);
+    }
+    return pos;
 }
 #define SFX _avx2
 #define TGT __attribute__((target("avx2,popcnt")))
@@ -427,6 +451,50 @@ static inline int nth_bit(uint64_t e, uint64_t at) {
 #define NEQ(o, nw) neq_avx2(o, nw)
 #define NTH(e, at) nth_bit(e, at)
 #include "dcr_simd_scans.h"  /* which undefines the parameters above */
+
+/* The AVX2 scans that select a bit (the decoder's, run_select) again, by pdep, for the AVX2 cores where pdep is one fast
+ * instruction (Intel from Haswell on, AMD from Zen 3 on; fast_pdep): on Zen 3 a 45M BF16 delta's
+ * decode took 0.56-0.57 ns an element so, 0.66 with nth_bit (docs/results.md, format 4, ninth
+ * turn). The scans that select no bit (the encoder's, run_count) are not built twice. */
+#define DCR_SELECT_ONLY
+#define SFX _avx2p
+#define TGT __attribute__((target("avx2,popcnt,bmi2")))
+#define CTX_T ctx256
+#define CTX(m, l, h) ctx_avx2(m, l, h)
+#define BLK_T blk256
+#define CLASSES(x, p) classes_avx2(x, p)
+#define ACT_T __m256i
+#define ACT(c) _mm256_set1_epi8((char)(c))
+#define EQ(cb, a) eq_avx2(cb, a)
+#define LDB(p) ld_avx2(p)
+#define BLOCK_OF(cum, r) block_of_avx2(cum, r)
+#define STB(p, cb) st_avx2(p, cb)
+#define NEQ(o, nw) neq_avx2(o, nw)
+#define NTH(e, at) __builtin_ctzll(_pdep_u64(1ULL << (at), e))
+#include "dcr_simd_scans.h"
+#undef DCR_SELECT_ONLY
+
+/* pdep is microcoded on the AMD cores before Zen 3 (and Hygon's, built on Zen 1): tens to
+ * hundreds of cycles, growing with the mask's set bits. Elsewhere one instruction. */
+static int fast_pdep(void) {
+    static int v = -1;
+    if (v < 0) {
+        unsigned a = 0, b = 0, c = 0, d = 0;
+        int slow = 0;
+        if (__get_cpuid(0, &a, &b, &c, &d)) {
+            const int amd = (b == 0x68747541 && d == 0x69746e65 && c == 0x444d4163)   /* "AuthenticAMD" */
+                         || (b == 0x6f677948 && d == 0x65476e6e && c == 0x656e6975);  /* "HygonGenuine" */
+            if (amd && __get_cpuid(1, &a, &b, &c, &d)) {
+                unsigned family = (a >> 8) & 0xF;
+                if (family == 0xF) family += (a >> 20) & 0xFF;
+                slow = family < 0x19;
+            }
+        }
+        __builtin_cpu_init();
+        v = __builtin_cpu_supports("bmi2") && !slow;
+    }
+    return v;
+}
 #endif
 
 /* ------------------------------------------------------------------ encode, once placed */
@@ -730,8 +798,9 @@ static int decode_placed(const void *oldp, void *wb, int64_t n, int w, int mant,
         out = scan_decode_avx512((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
                                  (uint16_t *)new_out, (uint16_t *)old_out, (uint16_t *)wb);
     else if (isa == 1)
-        out = scan_decode_avx2((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
-                               (uint16_t *)new_out, (uint16_t *)old_out, (uint16_t *)wb);
+        out = (simd_enabled != 3 && fast_pdep() ? scan_decode_avx2p : scan_decode_avx2)(
+            (const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out, (uint16_t *)new_out,
+            (uint16_t *)old_out, (uint16_t *)wb);
 #endif
     if (out != -2) scalar = 0;
     else out = w == 2 ? scan_decode(oldp, n, 2, mant, lo, hi, cnt, want, next, endc, rk, dv, idx_out, new_out, old_out, wb)
@@ -910,7 +979,8 @@ int dcr_cls_run_select(const void *base, int64_t nbase, int w, int mant, int lo,
         if (isa == 2 && n[r] >= 64)
             left = run_select_avx512((const uint16_t *)p, n[r], mant, lo, hi, cnt, want, next, endc, within, e - j, out);
         else if (isa == 1 && n[r] >= 64)
-            left = run_select_avx2((const uint16_t *)p, n[r], mant, lo, hi, cnt, want, next, endc, within, e - j, out);
+            left = (simd_enabled != 3 && fast_pdep() ? run_select_avx2p : run_select_avx2)(
+                (const uint16_t *)p, n[r], mant, lo, hi, cnt, want, next, endc, within, e - j, out);
         else
 #endif
         if (w == 2) left = run_select(p, n[r], 2, mant, lo, hi, cnt, want, next, endc, within, e - j, out);

@@ -16,12 +16,14 @@
  *   BLOCK_OF(cum, r) how many of the 64 int16 cum[0..63] (nondecreasing, < 0x7FFF) are <= r
  *   NEQ(o, nw)       mask of the 64 elements that differ between o and nw
  *   NTH(e, at)       the index of bit number `at` (from 0) among the set bits of e
- * and undefines them at its end, so the next inclusion starts from nothing.
+ * and undefines them at its end, so the next inclusion starts from nothing. With DCR_SELECT_ONLY
+ * defined only the scans that select a bit by NTH are made (the decoder's scan, run_select).
  */
 #define DCR_CAT2(a, b) a##b
 #define DCR_CAT(a, b) DCR_CAT2(a, b)
 #define F(name) DCR_CAT(name, SFX)
 
+#ifndef DCR_SELECT_ONLY
 /* pass A of the encoder: the changes (found_t: positions, old and new bits) */
 TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_t n, found_t *f) {
     for (int64_t i = 0; i < n; i += 64) {
@@ -40,6 +42,8 @@ TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_
     }
     return f->k;
 }
+
+#endif
 
 #ifndef DSEG
 #define DSEG 4096
@@ -98,6 +102,7 @@ TGT static inline __attribute__((always_inline)) void F(segment_classes)(const u
     }
 }
 
+#ifndef DCR_SELECT_ONLY
 /* pass B of the encoder (cls: each change's class). Returns 0, or -2 when more than MAXA
  * classes have changes (use the scalar pass).
  *
@@ -149,6 +154,7 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
     }
     return 0;
 }
+#endif
 
 /* the decoder's scan. table: the active classes (table order), start: where each class's
  * changes begin in the class-ordered rk/dv. Returns the number of changes written, -2 (use the
@@ -289,6 +295,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
 #define DCR_RUN_AHEAD(p, i, n) do { } while (0)
 #endif
 
+#ifndef DCR_SELECT_ONLY
 /* counts[c - lo] += the run's elements of class c, for lo <= c <= hi (hi - lo < MAXA) */
 TGT static void F(run_count)(const uint16_t *p, int64_t n, int mant, int lo, int hi, uint32_t *counts) {
     const int nc = hi - lo + 1;
@@ -305,6 +312,7 @@ TGT static void F(run_count)(const uint16_t *p, int64_t n, int mant, int lo, int
     for (; i < n; i++) t[class_of(p[i], 0x7FFF, mant, lo, hi) - lo]++;
     for (int c = 0; c < nc; c++) counts[c] += t[c];
 }
+#endif
 
 /* run_select's loop (dcr_classes.c): cnt/want/next indexed by class - lo; the classes with an
  * element still asked for are compared, each block's members of a class found by NTH. Returns

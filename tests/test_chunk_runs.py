@@ -137,7 +137,7 @@ def test_run_counts_and_select_in_c_equal_the_reference(dtype):
             assert int(np.flatnonzero(ctx[run[j]].numpy() == cls[j])[within[j]]) == got[j]
 
 
-@pytest.mark.parametrize("simd", [0, 1, 2], ids=["scalar", "best", "avx2"])
+@pytest.mark.parametrize("simd", [0, 1, 2, 3], ids=["scalar", "best", "avx2", "avx2-without-pdep"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_run_kernels_vector_loops_equal_the_reference(dtype, simd):
     """2-byte runs of a block (64) or more take the vector loops (AVX-512BW or AVX2, and

@@ -370,10 +370,12 @@ def test_reference_decoder_is_used_without_the_kernel(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 def test_vector_and_scalar_scans_agree(dtype):
     """The kernel's vector scans (2-byte dtypes: AVX-512 where the CPU has it, and AVX2, which
-    ``dcr_set_simd(2)`` forces there) and its scalar scans give the same bytes and the same
-    decode, including the base bits at the changes, chunk tails that are not a whole block,
-    chunks over several of the decoder's 4096-element segments, changes at a segment's first and
-    last element, and more active classes than the vector path takes."""
+    ``dcr_set_simd(2)`` forces there; ``dcr_set_simd(3)``: AVX2 whose decoder selects a block's
+    bit without pdep, what a core with a slow pdep runs) and its scalar scans give the same bytes
+    and the same decode, including the base bits at the changes, chunk tails that are not a whole
+    block, chunks over several of the decoder's 4096-element segments, changes at a segment's
+    first and last element, a change at every bit of a block whose elements are all one class,
+    and more active classes than the vector path takes."""
     lib = native.lib()
     mant = classes.MANTISSA[dtype]
     cases = [_pair(dtype, n, p, seed=n) for n, p in [(1, 1.0), (63, 0.2), (64, 0.2), (65, 0.2), (1000, 0.05),
@@ -385,10 +387,17 @@ def test_vector_and_scalar_scans_agree(dtype):
     edge = torch.tensor([0, 4095, 4096, 8191, 8192, 3 * 4096 + 76])  # segment ends, the last element
     new[edge] = old[edge] ^ 1
     cases.append((old, new))
+    # one class throughout (mantissas differ, the exponent not): the r-th member of a block is
+    # bit r, every r from 0 to 63 selected once, each byte of the block's mask in turn
+    one = (torch.arange(2 * 4096 + 64) % 128 + (15 << mant)).to(torch.int16)
+    nudged = one.clone()
+    at = torch.arange(64) * 64 + torch.arange(64)  # block b's bit b
+    nudged[at] ^= 1
+    cases.append((one, nudged))
     try:
         for old, new in cases:
             out = []
-            for simd in (1, 2, 0):
+            for simd in (1, 2, 3, 0):
                 lib.dcr_set_simd(simd)
                 k, rows, pos, val, idx, eold, enew = classes.encode(old, new, mant, with_changes=True)
                 assert torch.equal(idx, torch.nonzero(old != new).squeeze(1))
@@ -396,7 +405,7 @@ def test_vector_and_scalar_scans_agree(dtype):
                 didx, dval, dold = classes.decode(old, rows, pos, val, k, mant, with_old=True)
                 assert torch.equal(didx, idx) and torch.equal(dval, new[idx]) and torch.equal(dold, old[idx])
                 out.append((k, rows, pos, val, idx.tolist(), didx.tolist(), dval.tolist(), dold.tolist()))
-            assert out[0] == out[1] == out[2]
+            assert all(o == out[0] for o in out)
             assert out[0][:4] == classes.encode_reference(old, new, mant)
     finally:
         lib.dcr_set_simd(1)
@@ -418,7 +427,7 @@ def test_decode_into_the_base_writes_the_changes_or_nothing(dtype):
     short = old.clone()
     short[n // 2:] = old[0]  # every later element in one class: the others run out of members
     try:
-        for simd in (1, 2, 0):
+        for simd in (1, 2, 3, 0):
             lib.dcr_set_simd(simd)
             b = old.clone()
             seen = b._version
@@ -453,7 +462,7 @@ def test_positions_come_back_with_the_chunks_start_added():
     start = (1 << 33) + 5  # past 32 bits: a position in a large tensor
     short = old.clone()
     short[old.numel() // 2:] = old[0]
-    routes = [dict(use_native=True, simd=s) for s in (1, 2, 0)] + [dict(use_native=False, simd=None)]
+    routes = [dict(use_native=True, simd=s) for s in (1, 2, 3, 0)] + [dict(use_native=False, simd=None)]
     try:
         for r in routes:
             if r["simd"] is not None:
