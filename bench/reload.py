@@ -45,6 +45,7 @@ if HERE not in sys.path:
 
 import netenv as ne  # noqa: E402
 
+from nemo_dcr.codec.names import DEFAULT_CHUNK  # noqa: E402
 from nemo_dcr.stores import HttpStore  # noqa: E402
 from nemo_dcr.sync.publisher import Publisher  # noqa: E402
 
@@ -66,7 +67,8 @@ def measure(region, endpoint, args) -> dict:
         raw_put = time.perf_counter() - t
         del raw
         store = ne.s3_store(endpoint, prefix)
-        pub = Publisher(store, format_version=args.format_version, encoding=args.encoding)
+        pub = Publisher(store, format_version=args.format_version, encoding=args.encoding,
+                        chunk_elems=args.chunk_elems)
         r0 = pub.publish(prev)
         stages = ne.stage_sums(r0.spans)
         out["publish"].append({"elements": elements, "raw_put": raw_put, "keyframe_publish": r0.seconds,
@@ -190,7 +192,7 @@ def run(args) -> dict:
     res["config"] = {"sizes": args.sizes, "changes": args.changes, "rates_mbit": args.rates, "reps": args.reps,
                      "quick": args.quick, "shaping": kind, "rtt_added_ms": args.rtt_ms,
                      "format_version": args.format_version, "encoding": args.encoding,
-                     "speculate": args.speculate,
+                     "speculate": args.speculate, "chunk_elems": args.chunk_elems,
                      "receiver_workers_assumed": args.workers,
                      "changes_kind": "injected (random positions, relative nudges), not an optimizer's"}
     res["machine"] = ne.machine()
@@ -268,6 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--encoding", default="auto",
                     help="the publisher's delta coding: auto (the default; classes where it pays), portable "
                          "(positions sent: more bytes, no scan of the receiver's base), ...")
+    ap.add_argument("--chunk-elems", type=int, default=DEFAULT_CHUNK,
+                    help="the publisher's elements per chunk (default %(default)s): a receiver decodes and "
+                         "applies a chunk as one job, so smaller chunks spread an arriving part's work finer")
     args = ap.parse_args(argv)
     q = args.quick
     args.sizes = [int(s) for s in (args.sizes or ([2e6] if q else [10e6, 30e6, 100e6]))]

@@ -193,8 +193,10 @@ def test_reload_bench_quick_over_the_rate_limiter():
     pytest.importorskip("moto.moto_server.werkzeug_app")
     res = _run_json(bench.load("reload"), ["--quick", "--json", "--sizes", "300000", "--shaping", "proxy",
                                            "--format-version", "2",  # (the fan-out bench runs the default, 3)
-                                           "--reps", "2"])
+                                           "--reps", "2",
+                                           "--chunk-elems", "4096"])  # (each ~18K-element matrix in 5 chunks)
     assert res["config"]["shaping"].startswith("in-process rate limiter") and res["config"]["format_version"] == 2
+    assert res["config"]["chunk_elems"] == 4096
     assert {r["via"] for r in res["rows"]} == {"s3", "relay"}
     for r in res["rows"]:
         assert r["changes"] == "injected" and r["link_mbit"] == 200
