@@ -497,6 +497,17 @@ static int fast_pdep(void) {
 }
 #endif
 
+/* Whether the 2-byte decoder's scans select a block's bit by pdep now (AVX-512; AVX2 where pdep
+ * is fast, unless dcr_set_simd(3)): `nemo-dcr --version` says so beside dcr_simd_level. */
+int dcr_simd_pdep(void) {
+#ifdef DCR_X86
+    const int isa = simd_isa();
+    return isa == 2 || (isa == 1 && simd_enabled != 3 && fast_pdep());
+#else
+    return 0;
+#endif
+}
+
 /* ------------------------------------------------------------------ encode, once placed */
 /* The coding of k changes once each is placed: ex[j] its class (< nc), rank[j] its rank among
  * the chunk's elements of that class, oldv[j]/newv[j] its old and new bits (w bytes each);

@@ -412,6 +412,24 @@ def test_vector_and_scalar_scans_agree(dtype):
 
 
 @needs_native
+def test_the_version_line_names_how_a_block_bit_is_selected():
+    """``describe()`` (``nemo-dcr --version``) says whether the AVX2 scans select a block's bit by
+    pdep (cores where it is fast) or without it; ``dcr_set_simd(3)`` and the scalar scans do not
+    use it."""
+    lib = native.lib()
+    try:
+        lib.dcr_set_simd(3)
+        assert lib.dcr_simd_pdep() == 0 and "pdep" not in native.describe()
+        lib.dcr_set_simd(0)
+        assert lib.dcr_simd_pdep() == 0 and native.describe().startswith("native, scalar scans")
+        lib.dcr_set_simd(2)
+        if native.simd_level() == 1:
+            assert ("AVX2 + pdep scans" in native.describe()) == bool(lib.dcr_simd_pdep())
+    finally:
+        lib.dcr_set_simd(1)
+
+
+@needs_native
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_decode_into_the_base_writes_the_changes_or_nothing(dtype):
     """A chunk decoded into the receiver's own bits (``into``: each change written as the scan

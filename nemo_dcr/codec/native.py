@@ -124,6 +124,8 @@ def _declare(lib) -> None:
     lib.dcr_sd_build.argtypes = []
     lib.dcr_simd_level.restype = ctypes.c_int
     lib.dcr_simd_level.argtypes = []
+    lib.dcr_simd_pdep.restype = ctypes.c_int
+    lib.dcr_simd_pdep.argtypes = []
     lib.dcr_source_hash.restype = ctypes.c_char_p
     lib.dcr_source_hash.argtypes = []
     lib.dcr_sd_contrib.restype = ctypes.c_int
@@ -258,9 +260,12 @@ def simd_level() -> int | None:
 
 
 def describe() -> str:
-    """``backend()`` with what the native one runs and where it came from, e.g. ``native, AVX2
-    scans, packaged``; the reference with why."""
+    """``backend()`` with what the native one runs and where it came from, e.g. ``native, AVX2 +
+    pdep scans, packaged``; the reference with why."""
     level = simd_level()
     if level is None:
         return f"reference: {build_error}"
-    return f"native, {SIMD_NAMES.get(level, level)} scans, {origin}"
+    # (AVX2 with or without pdep: a core where it is slow selects a block's bit another way)
+    loaded = lib()
+    pdep = " + pdep" if level == 1 and loaded is not None and loaded.dcr_simd_pdep() else ""
+    return f"native, {SIMD_NAMES.get(level, level)}{pdep} scans, {origin}"
