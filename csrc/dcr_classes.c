@@ -415,8 +415,8 @@ static inline int block_of_avx2(const int16_t *cum, uint32_t r) {
  * number `at` (how many bytes' sums are not above it), three popcount halvings the bit in that
  * byte. No branch: clearing `at` lower set bits in a loop (what this build did before) ended its
  * loop on a different count for every change, a misprediction each (a 45M BF16 delta's decode
- * on Zen 3: 0.70-0.71 ns an element with the loop, 0.66 with this; docs/results.md, format 4,
- * ninth turn). */
+ * on Zen 3: 0.69-0.71 ns an element with the loop, 0.65-0.66 with this; docs/results.md, format
+ * 4, ninth turn). */
 __attribute__((target("popcnt")))
 static inline int nth_bit(uint64_t e, uint64_t at) {
     uint64_t b = e - ((e >> 1) & 0x5555555555555555ULL);
@@ -452,10 +452,11 @@ static inline int nth_bit(uint64_t e, uint64_t at) {
 #define NTH(e, at) nth_bit(e, at)
 #include "dcr_simd_scans.h"  /* which undefines the parameters above */
 
-/* The AVX2 scans that select a bit (the decoder's, run_select) again, by pdep, for the AVX2 cores where pdep is one fast
- * instruction (Intel from Haswell on, AMD from Zen 3 on; fast_pdep): on Zen 3 a 45M BF16 delta's
- * decode took 0.56-0.57 ns an element so, 0.66 with nth_bit (docs/results.md, format 4, ninth
- * turn). The scans that select no bit (the encoder's, run_count) are not built twice. */
+/* The AVX2 scans that select a bit (the decoder's, run_select) again, by pdep, for the cores
+ * where pdep is one fast instruction (Intel from Haswell on, AMD from Zen 3 on; fast_pdep): on
+ * Zen 3 a 45M BF16 delta's decode took 0.53-0.59 ns an element so, 0.65-0.66 with nth_bit
+ * (docs/results.md, format 4, ninth turn). The scans that select no bit (the encoder's,
+ * run_count) are not built twice. */
 #define DCR_SELECT_ONLY
 #define SFX _avx2p
 #define TGT __attribute__((target("avx2,popcnt,bmi2")))

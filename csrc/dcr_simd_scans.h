@@ -42,7 +42,6 @@ TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_
     }
     return f->k;
 }
-
 #endif
 
 #ifndef DSEG
