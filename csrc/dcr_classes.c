@@ -438,17 +438,7 @@ static inline int nth_bit(uint64_t e, uint64_t at) {
 }
 #define SFX _avx2
 #define TGT __attribute__((target("avx2,popcnt")))
-#define CTX_T ctx256
-#define CTX(m, l, h) ctx_avx2(m, l, h)
-#define BLK_T blk256
-#define CLASSES(x, p) classes_avx2(x, p)
-#define ACT_T __m256i
-#define ACT(c) _mm256_set1_epi8((char)(c))
-#define EQ(cb, a) eq_avx2(cb, a)
-#define LDB(p) ld_avx2(p)
-#define BLOCK_OF(cum, r) block_of_avx2(cum, r)
-#define STB(p, cb) st_avx2(p, cb)
-#define NEQ(o, nw) neq_avx2(o, nw)
+#include "dcr_avx2_params.h"
 #define NTH(e, at) nth_bit(e, at)
 #include "dcr_simd_scans.h"  /* which undefines the parameters above */
 
@@ -460,17 +450,7 @@ static inline int nth_bit(uint64_t e, uint64_t at) {
 #define DCR_SELECT_ONLY
 #define SFX _avx2p
 #define TGT __attribute__((target("avx2,popcnt,bmi2")))
-#define CTX_T ctx256
-#define CTX(m, l, h) ctx_avx2(m, l, h)
-#define BLK_T blk256
-#define CLASSES(x, p) classes_avx2(x, p)
-#define ACT_T __m256i
-#define ACT(c) _mm256_set1_epi8((char)(c))
-#define EQ(cb, a) eq_avx2(cb, a)
-#define LDB(p) ld_avx2(p)
-#define BLOCK_OF(cum, r) block_of_avx2(cum, r)
-#define STB(p, cb) st_avx2(p, cb)
-#define NEQ(o, nw) neq_avx2(o, nw)
+#include "dcr_avx2_params.h"
 #define NTH(e, at) __builtin_ctzll(_pdep_u64(1ULL << (at), e))
 #include "dcr_simd_scans.h"
 #undef DCR_SELECT_ONLY
