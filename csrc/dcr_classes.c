@@ -476,6 +476,9 @@ static int fast_pdep(void) {
     }
     return v;
 }
+/* whether the AVX2 scans that select a bit take their pdep build now: the one rule the decoder's
+ * and run_select's dispatch and dcr_simd_pdep (what --version says) all read */
+static inline int avx2_pdep(void) { return simd_enabled != 3 && fast_pdep(); }
 #endif
 
 /* Whether the 2-byte decoder's scans select a block's bit by pdep now (AVX-512; AVX2 where pdep
@@ -483,7 +486,7 @@ static int fast_pdep(void) {
 int dcr_simd_pdep(void) {
 #ifdef DCR_X86
     const int isa = simd_isa();
-    return isa == 2 || (isa == 1 && simd_enabled != 3 && fast_pdep());
+    return isa == 2 || (isa == 1 && avx2_pdep());
 #else
     return 0;
 #endif
@@ -790,7 +793,7 @@ static int decode_placed(const void *oldp, void *wb, int64_t n, int w, int mant,
         out = scan_decode_avx512((const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out,
                                  (uint16_t *)new_out, (uint16_t *)old_out, (uint16_t *)wb);
     else if (isa == 1)
-        out = (simd_enabled != 3 && fast_pdep() ? scan_decode_avx2p : scan_decode_avx2)(
+        out = (avx2_pdep() ? scan_decode_avx2p : scan_decode_avx2)(
             (const uint16_t *)oldp, n, mant, lo, hi, table, ntab, start, rk, dv, idx_out, (uint16_t *)new_out,
             (uint16_t *)old_out, (uint16_t *)wb);
 #endif
@@ -971,7 +974,7 @@ int dcr_cls_run_select(const void *base, int64_t nbase, int w, int mant, int lo,
         if (isa == 2 && n[r] >= 64)
             left = run_select_avx512((const uint16_t *)p, n[r], mant, lo, hi, cnt, want, next, endc, within, e - j, out);
         else if (isa == 1 && n[r] >= 64)
-            left = (simd_enabled != 3 && fast_pdep() ? run_select_avx2p : run_select_avx2)(
+            left = (avx2_pdep() ? run_select_avx2p : run_select_avx2)(
                 (const uint16_t *)p, n[r], mant, lo, hi, cnt, want, next, endc, within, e - j, out);
         else
 #endif
