@@ -29,7 +29,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 CSRC = HERE / "csrc"
 SOURCES = ["dcr_classes.c", "dcr_planes.c", "dcr_crc32.c", "dcr_portable.c"]  # compiled, relative to csrc/
-HEADERS = ["dcr_simd_scans.h", "dcr_sd_vec.h", "dcr_avx2_params.h"]  # included: part of what the source hash covers
+# included: part of what the source hash covers
+HEADERS = ["dcr_simd_scans.h", "dcr_sd_vec.h", "dcr_avx2_params.h", "dcr_sd_blocked.h"]
 CFLAGS = ["-O3", "-std=c99"]          # no -march: the CPU is chosen at run time, not at build time
 LIBRARY = "nemo_dcr/codec/libdcr.so"  # where the package looks for it (native.LIBRARY)
 EXTENSION = "nemo_dcr.codec.libdcr"

@@ -1287,13 +1287,20 @@ int dcr_sd_build(void) {
     return t == sd_table_plain ? 0 : -1;
 }
 
-/* the element loop of width w over x (and y: the change variant) -> the sums, m the limbs */
+#include "dcr_sd_blocked.h"
+
+/* the element loop of width w over x (and y: the change variant) -> the sums, m the limbs;
+ * defn: which definition's weights (1 or 2, docs/format.md "State digest") */
 static int sd_run(const void *x, const void *y, int w, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
-                  uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5], int *m) {
+                  uint32_t s2, const uint32_t *t, uint64_t acc[4][5], uint64_t old[4][5], int *m, int defn) {
     int k = w == 1 ? 0 : w == 2 ? 1 : w == 4 ? 2 : w == 8 ? 3 : -1;
-    if (n < 0 || start < 0 || k < 0) return E_ARGS;
-    sd_table(y != NULL)[k](x, y, gidx, start, n, s1, s2, t, acc, old);
+    if (n < 0 || start < 0 || k < 0 || (defn != 1 && defn != 2)) return E_ARGS;
     *m = w == 8 ? 4 : w == 4 ? 2 : 1;
+    if (defn == 2) {
+        if (gidx == NULL && y == NULL) sdb_range(x, w, *m, start, n, s1, s2, t, acc);
+        else sdb_each(x, y, w, gidx, start, n, s1, s2, t, acc, old);
+    } else
+        sd_table(y != NULL)[k](x, y, gidx, start, n, s1, s2, t, acc, old);
     return 0;
 }
 
@@ -1309,9 +1316,9 @@ static void sd_out(uint64_t acc[4][5], int m, const uint64_t *kpow, const uint64
 }
 
 int dcr_sd_contrib(const void *bits, int w, const int64_t *gidx, int64_t start, int64_t n, uint32_t s1,
-                   uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
+                   uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out, int defn) {
     uint64_t acc[4][5] = {{0}};
-    int m, rc = sd_run(bits, NULL, w, gidx, start, n, s1, s2, t, acc, NULL, &m);
+    int m, rc = sd_run(bits, NULL, w, gidx, start, n, s1, s2, t, acc, NULL, &m, defn);
     if (rc) return rc;
     sd_out(acc, m, kpow, c, out);
     return 0;
@@ -1324,16 +1331,17 @@ int dcr_sd_contrib(const void *bits, int w, const int64_t *gidx, int64_t start, 
  * (gidx) cost an int64 array made in torch and read back: 10x the time. Returns 0, or E_ARGS
  * (nothing summed: out untouched). */
 int dcr_sd_contrib_runs(const void *bits, int w, const int64_t *gstart, int64_t n_runs, int64_t len, uint32_t s1,
-                        uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
+                        uint32_t s2, const uint32_t *t, const uint64_t *kpow, const uint64_t *c, uint64_t *out, int defn) {
     uint64_t acc[4][5] = {{0}};
     int m = 1;
-    if (n_runs < 0 || len < 0 || (n_runs > 0 && gstart == NULL) || (w != 1 && w != 2 && w != 4 && w != 8))
+    if (n_runs < 0 || len < 0 || (n_runs > 0 && gstart == NULL) || (w != 1 && w != 2 && w != 4 && w != 8)
+        || (defn != 1 && defn != 2))
         return E_ARGS;
     for (int64_t r = 0; r < n_runs; r++)
         if (gstart[r] < 0) return E_ARGS;
     for (int64_t r = 0; r < n_runs; r++)
         sd_run((const char *)bits + (size_t)(r * len) * (size_t)w, NULL, w, NULL, gstart[r], len, s1, s2, t, acc,
-               NULL, &m);  /* (cannot fail: every argument it checks is checked above) */
+               NULL, &m, defn);  /* (cannot fail: every argument it checks is checked above) */
     sd_out(acc, m, kpow, c, out);
     return 0;
 }
@@ -1347,7 +1355,8 @@ int dcr_sd_contrib_runs(const void *bits, int w, const int64_t *gstart, int64_t 
  * Returns 0, or E_ARGS (nothing summed: out untouched). */
 int dcr_sd_contrib_many(int64_t n, const uint64_t *ptrs, const int32_t *widths, const int64_t *counts,
                         const int64_t *starts, const uint32_t *s1, const uint32_t *s2, const uint32_t *t,
-                        const uint64_t *kpow, const uint64_t *c, uint64_t *out) {
+                        const uint64_t *kpow, const uint64_t *c, uint64_t *out, int defn) {
+    if (defn != 1 && defn != 2) return E_ARGS;
     if (n < 0 || (n > 0 && (ptrs == NULL || widths == NULL || counts == NULL || starts == NULL))) return E_ARGS;
     for (int64_t i = 0; i < n; i++) {
         int w = widths[i];
@@ -1359,7 +1368,7 @@ int dcr_sd_contrib_many(int64_t n, const uint64_t *ptrs, const int32_t *widths, 
         uint64_t acc[4][5] = {{0}};
         int m;
         sd_run((const void *)(uintptr_t)ptrs[i], NULL, widths[i], NULL, starts[i], counts[i], s1[i], s2[i],
-               t + 4 * i, acc, NULL, &m);  /* (cannot fail: every argument it checks is checked above) */
+               t + 4 * i, acc, NULL, &m, defn);  /* (cannot fail: every argument it checks is checked above) */
         sd_out(acc, m, kpow + 16 * i, c + 4 * i, out + 4 * i);
     }
     return 0;
@@ -1385,10 +1394,10 @@ int dcr_i64_range(const int64_t *x, int64_t n, int64_t *lo, int64_t *hi) {
  * dcr_sd_contrib calls and a subtraction give, with each index mixed once instead of twice.
  * The C_l term is the same on both sides and cancels. Returns 0, or E_ARGS. */
 int dcr_sd_change(const void *new_bits, const void *old_bits, int w, const int64_t *gidx, int64_t start, int64_t n,
-                  uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *out) {
+                  uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *out, int defn) {
     uint64_t acc[4][5] = {{0}}, old[4][5] = {{0}};
     if (old_bits == NULL) return E_ARGS;
-    int m, rc = sd_run(new_bits, old_bits, w, gidx, start, n, s1, s2, t, acc, old, &m);
+    int m, rc = sd_run(new_bits, old_bits, w, gidx, start, n, s1, s2, t, acc, old, &m, defn);
     if (rc) return rc;
     for (int l = 0; l < 4; l++) {
         uint64_t v = 0;
@@ -1403,20 +1412,20 @@ int dcr_sd_change(const void *new_bits, const void *old_bits, int w, const int64
  * E_RANGE, nothing summed, when one does not. One call where a chunk's changes made two (their
  * range, then their sum): a model of many small tensors makes one or two a tensor. */
 int dcr_sd_change_in(const void *new_bits, const void *old_bits, int w, const int64_t *gidx, int64_t n,
-                     int64_t numel, uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *out) {
+                     int64_t numel, uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *out, int defn) {
     int64_t lo, hi;
     if (gidx == NULL || dcr_i64_range(gidx, n, &lo, &hi) != 0) return E_ARGS;
     if (lo < 0 || hi >= numel) return E_RANGE;
-    return dcr_sd_change(new_bits, old_bits, w, gidx, 0, n, s1, s2, t, kpow, out);
+    return dcr_sd_change(new_bits, old_bits, w, gidx, 0, n, s1, s2, t, kpow, out, defn);
 }
 
 /* dcr_sd_change_in, added into acc: a running sum's LANES lanes (each in [0, P), kept so) held
  * in C memory by its Python owner, who calls this keeping the GIL (native.held: one caller at a
  * time), so that a chunk's change costs one call and no object. acc is left as it was on error. */
 int dcr_sd_change_acc(const void *new_bits, const void *old_bits, int w, const int64_t *gidx, int64_t n,
-                      int64_t numel, uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *acc) {
+                      int64_t numel, uint32_t s1, uint32_t s2, const uint32_t *t, const uint64_t *kpow, uint64_t *acc, int defn) {
     uint64_t out[4];
-    int rc = dcr_sd_change_in(new_bits, old_bits, w, gidx, n, numel, s1, s2, t, kpow, out);
+    int rc = dcr_sd_change_in(new_bits, old_bits, w, gidx, n, numel, s1, s2, t, kpow, out, defn);
     if (rc) return rc;
     for (int l = 0; l < 4; l++) acc[l] = sd_mod(sd_mod(acc[l]) + out[l]);
     return 0;

@@ -52,6 +52,13 @@ def store(request, tmp_path):
     return make_s3_store(request.getfixturevalue("moto_s3"), request)
 
 
+@pytest.fixture(params=[1, 2], ids=["def1", "def2"])
+def definition(request):
+    """The state digest's definition of the weights (docs/format.md, "State digest"): a test
+    that takes it runs under both."""
+    return request.param
+
+
 @pytest.fixture
 def cli(capsys):
     """``cli("diff", a, b, "-o", out)``: run ``nemo-dcr`` in this process -> CliResult

@@ -165,13 +165,13 @@ def test_a_version_4_publisher_sums_each_element_once(tmp_path, monkeypatch):
             n[0] += bits.numel()
             return real(self, bits, start)
 
-        def counting_pieces(name, tensor, spec, n=n, real=real_pieces):
+        def counting_pieces(name, tensor, spec, *a, n=n, real=real_pieces):
             n[0] += tensor.numel()
-            return real(name, tensor, spec)
+            return real(name, tensor, spec, *a)
 
-        def counting_many(ranges, n=n, real=statedigest.many_contrib):  # small tensors, one call a job
+        def counting_many(ranges, n=n, real=statedigest.many_contrib, **k):  # small tensors, one call a job
             n[0] += sum(r[3].numel() for r in ranges)
-            return real(ranges)
+            return real(ranges, **k)
         monkeypatch.setattr(SumKey, "range", counting_range)
         monkeypatch.setattr(statedigest, "_pieces", counting_pieces)
         monkeypatch.setattr(statedigest, "many_contrib", counting_many)  # state_contrib's

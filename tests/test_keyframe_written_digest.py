@@ -115,7 +115,7 @@ def test_chunks_added_for_later_are_summed_at_the_end_and_others_as_added(monkey
     monkeypatch.setattr(statedigest, "region_contrib",
                         lambda name, *a, **kw: summed.append(name) or real(name, *a, **kw))
     monkeypatch.setattr(statedigest, "many_contrib",  # the later chunks of one run of the canonical tensor
-                        lambda ranges: summed.extend(r[0] for r in ranges) or real_many(ranges))
+                        lambda ranges, **k: summed.extend(r[0] for r in ranges) or real_many(ranges, **k))
     w = WrittenDigest()
     added: list = []  # (name, elements, later) in the order added
     for name, t in state.items():

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import os
+from functools import partial
 
 import pytest
 import torch
@@ -31,10 +32,10 @@ def random_tensor(shape, dtype, seed):
 
 
 
-def sharded_digest(name, t, specs):
+def sharded_digest(name, t, specs, definition=1):
     d = StateDigest.zero()
     for spec in specs:
-        d = d + tensor_contrib(name, cut(t, spec).clone(), spec)
+        d = d + tensor_contrib(name, cut(t, spec).clone(), spec, definition=definition)
     return d
 
 
@@ -53,8 +54,19 @@ def _mix_ref(h):
     return h
 
 
-def reference_digest(name, t):
-    """The definition, element by element, in unbounded Python integers."""
+def _weight_ref(i, keys, lane):
+    u = _mix_ref(_mix_ref((i & 0xFFFFFFFF) ^ keys.s1) ^ keys.s2 ^ (i >> 32))
+    return min(max(_mix_ref(u ^ keys.t[lane]) >> 1, 1), P - 1)
+
+
+def _table_ref(j, lane):
+    """Definition 2's table: the same weight of ``j``, with fixed keys."""
+    return min(max(_mix_ref(_mix_ref(j ^ 0x9E3779B9) ^ (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F, 0x165667B1)[lane]) >> 1,
+                   1), P - 1)
+
+
+def reference_digest(name, t, definition=1):
+    """The definition, element by element, in unbounded Python integers (docs/format.md)."""
     keys = sd._keys(name, sd.dtype_name(t.dtype), tuple(t.shape))
     w = t.element_size()
     mask = (1 << (8 * w)) - 1
@@ -62,9 +74,11 @@ def reference_digest(name, t):
     for i, x in enumerate(flat_bits(t).tolist()):
         x &= mask
         limbs = [x] if w == 1 else [(x >> (16 * j)) & 0xFFFF for j in range(w // 2)]
-        u = _mix_ref(_mix_ref((i & 0xFFFFFFFF) ^ keys.s1) ^ keys.s2 ^ (i >> 32))
         for lane in range(sd.LANES):
-            r = min(max(_mix_ref(u ^ keys.t[lane]) >> 1, 1), P - 1)
+            if definition == 1:
+                r = _weight_ref(i, keys, lane)
+            else:  # the block's weight times the table's entry for the place in the block
+                r = _weight_ref(i >> 10, keys, lane) * _table_ref(i & 1023, lane) % P
             v = keys.c[lane] + sum(limb * keys.kpow[lane][j] for j, limb in enumerate(limbs))
             lanes[lane] = (lanes[lane] + r * v) % P
     return StateDigest(tuple(lanes))
@@ -72,14 +86,14 @@ def reference_digest(name, t):
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.bfloat16, torch.float32, torch.int64,
                                    torch.float64], ids=str)
-def test_matches_pure_python_definition(dtype):
-    t = random_tensor((5, 23), dtype, seed=1)
+def test_matches_pure_python_definition(dtype, definition):
+    t = random_tensor((5, 23) if definition == 1 else (3, 1100), dtype, seed=1)  # (def 2: three blocks)
     if dtype.is_floating_point or dtype == torch.int64:  # extreme bit patterns: all ones, sign bit only
         b = int_view(t).reshape(-1)
         b[0] = -1
         b[1] = torch.iinfo(b.dtype).min
         b[2] = 0
-    assert tensor_contrib("m.w", t) == reference_digest("m.w", t)
+    assert tensor_contrib("m.w", t, definition=definition) == reference_digest("m.w", t, definition)
 
 
 # ----------------------------------------------------------------------------- sharding independence
@@ -100,11 +114,11 @@ LAYOUTS = [
 
 
 @pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
-def test_sharding_independent_every_dtype(dtype):
-    for k, (shape, splits) in enumerate(LAYOUTS):
+def test_sharding_independent_every_dtype(dtype, definition):
+    for k, (shape, splits) in enumerate(LAYOUTS + [((40, 70), {0: 3}), ((40, 70), {1: 4})]):  # (blocks of 1024)
         t = random_tensor(shape, dtype, seed=100 + k)
-        whole = tensor_contrib("layer.w", t)
-        assert whole == sharded_digest("layer.w", t, grid(shape, splits)), (shape, splits)
+        whole = tensor_contrib("layer.w", t, definition=definition)
+        assert whole == sharded_digest("layer.w", t, grid(shape, splits), definition), (shape, splits)
 
 
 def test_trainer_tp4_receiver_tp1_tp2_agree():
@@ -221,12 +235,14 @@ MIN_LANES = {1: 4, 2: 4, 4: 3, 8: 1}
 
 @pytest.mark.parametrize("dtype", [torch.uint8, torch.float8_e5m2, torch.bfloat16, torch.int16,
                                    torch.float32, torch.int32, torch.float64, torch.int64], ids=str)
-def test_every_single_bit_flip_changes_digest(dtype):
-    shape = (7, 9)
+def test_every_single_bit_flip_changes_digest(dtype, definition):
+    changes_contrib = partial(sd.changes_contrib, definition=definition)
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
+    shape = (7, 9) if definition == 1 else (3, 1100)
     t = random_tensor(shape, dtype, seed=11)
     w = t.element_size()
     iv = INT_VIEW[w]
-    idx_all = [0, 31, 62]
+    idx_all = [0, 31, 62] if definition == 1 else [0, 1023, 1024, 3299]  # (def 2: a block's edges)
     flat = flat_bits(t)
     for i in idx_all:
         idx = torch.tensor([i])
@@ -290,7 +306,8 @@ def test_every_value_of_bool_and_one_byte_types_is_distinct():
         assert len(seen) == len(vals)
 
 
-def test_random_multi_bit_single_element_changes_detected():
+def test_random_multi_bit_single_element_changes_detected(definition):
+    changes_contrib = partial(sd.changes_contrib, definition=definition)
     g = torch.Generator().manual_seed(12)
     for dtype in (torch.float32, torch.float64, torch.int64):
         iv = INT_VIEW[torch.empty((), dtype=dtype).element_size()]
@@ -305,7 +322,8 @@ def test_random_multi_bit_single_element_changes_detected():
             assert _lanes_changed(da, db) == sd.LANES  # all lanes, with overwhelming probability
 
 
-def test_swap_two_elements_changes_digest():
+def test_swap_two_elements_changes_digest(definition):
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
     t = random_tensor((10, 10), torch.float32, seed=15)
     for i, j in [(0, 1), (3, 97), (50, 51), (0, 99)]:
         s = t.clone().reshape(-1)
@@ -314,9 +332,52 @@ def test_swap_two_elements_changes_digest():
     # swapping rows, and transposing a square matrix
     assert tensor_contrib("w", t.flip(0).contiguous()) != tensor_contrib("w", t)
     assert tensor_contrib("w", t.t().contiguous()) != tensor_contrib("w", t)
+    # rows of 1024 (definition 2: whole blocks) swapped, and a square matrix of them transposed
+    t = random_tensor((1024, 1024), torch.bfloat16, seed=16)
+    assert tensor_contrib("w", t[[1, 0, *range(2, 1024)]].contiguous()) != tensor_contrib("w", t)
+    assert tensor_contrib("w", t.t().contiguous()) != tensor_contrib("w", t)
 
 
-def test_name_dtype_and_shape_are_bound():
+def test_definition_2s_table_and_blocks():
+    """Definition 2's table: four lanes of 1024 weights in [1, P), distinct within each lane, so
+    that exchanging two different values inside one block always moves every lane (the block's
+    weight times (g(i) - g(j)) times the values' difference, no factor 0 mod P); the C library's
+    table is the reference's. And the two definitions give different digests of the same bits."""
+    table = sd.table2()
+    assert table.shape == (sd.LANES, sd.BLOCK2)
+    assert (table == sd._table2().numpy()).all()
+    assert int(table.min()) >= 1 and int(table.max()) < P
+    assert all(len(set(row.tolist())) == sd.BLOCK2 for row in table)
+    assert [_table_ref(j, lane) for lane in range(4) for j in (0, 1, 1023)] \
+        == [int(table[lane][j]) for lane in range(4) for j in (0, 1, 1023)]
+    t = random_tensor((2048,), torch.bfloat16, seed=17)
+    base = tensor_contrib("w", t, definition=2)
+    flat = int_view(t)
+    for i, j in [(0, 1), (0, 1023), (511, 512), (1024, 2047)]:
+        if flat[i] == flat[j]:
+            continue
+        s = t.clone()
+        int_view(s)[i], int_view(s)[j] = flat[j], flat[i]
+        assert _lanes_changed(tensor_contrib("w", s, definition=2), base) == sd.LANES, (i, j)
+    assert base != tensor_contrib("w", t)
+
+
+def test_an_unknown_definition_is_refused_before_anything_is_summed():
+    t = torch.zeros(4, dtype=torch.bfloat16)
+    for bad in (0, 3, "2", True, None):
+        with pytest.raises(DcrError, match="state digest definition .* is not supported"):
+            tensor_contrib("w", t, definition=bad)
+        with pytest.raises(DcrError, match="state digest definition .* is not supported"):
+            sd.RunningSum(definition=bad)
+    with pytest.raises(DcrError, match="state digest definition 3 is not supported"):
+        sd.change_contrib("w", torch.bfloat16, (4,), torch.arange(2), t[:2], t[:2], definition=3)
+    with pytest.raises(DcrError, match="state digest definition 3 is not supported"):
+        state_contrib({"w": t}, definition=3)
+
+
+def test_name_dtype_and_shape_are_bound(definition):
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
+    state_contrib = partial(sd.state_contrib, definition=definition)
     t = random_tensor((8, 6), torch.bfloat16, seed=16)
     base = state_contrib({"a": t, "b": torch.zeros(3)})
     assert state_contrib({"c": t, "b": torch.zeros(3)}) != base  # moved to another name
@@ -333,9 +394,9 @@ def test_keys_of_a_model_of_many_tensors_stay_cached():
     each name before it comes round again), ~90 us of hashing each."""
     tensors = {f"experts.{i}.w": torch.full((2,), i, dtype=torch.bfloat16) for i in range(5000)}
     first = state_contrib(tensors)
-    before = sd._keys.cache_info()
+    before = sd._keys1.cache_info()
     assert state_contrib(tensors) == first
-    after = sd._keys.cache_info()
+    after = sd._keys1.cache_info()
     assert after.misses == before.misses and after.hits - before.hits == len(tensors)
 
 
@@ -346,7 +407,7 @@ def test_small_tensors_are_summed_in_jobs_of_a_range_each(monkeypatch):
     monkeypatch.setattr(sd, "_NATIVE_RANGE", 1000)
     sizes = [300, 300, 300, 300, 2500, 10, 990]
     tensors = {f"t{i}": random_tensor((n,), torch.bfloat16, seed=40 + i) for i, n in enumerate(sizes)}
-    pieces = [sd._pieces(name, t, None) for name, t in tensors.items()]
+    pieces = [sd._pieces(name, t, None, 1) for name, t in tensors.items()]
     if not all(threaded for _, _, threaded in pieces):
         pytest.skip("the C kernel is not built here: the reference sums on the calling thread")
     # elements per job: 900 | 300 | 1000 | 1000 | 500 + 10 | 990

@@ -1,10 +1,12 @@
 """The state digest's C kernel (csrc/, ``dcr_sd_contrib``) against the torch reference
 (``statedigest._kernel``), bit for bit: every dtype, special values, every index path (whole
 tensor, a run of the canonical tensor, a general shard, explicit indices past 2**32), both the
-SIMD and the scalar builds, and the weight clamp's two edge cases constructed on purpose."""
+SIMD and the scalar builds, both definitions of the weights, and the weight clamp's two edge
+cases constructed on purpose."""
 from __future__ import annotations
 
 import ctypes
+from functools import partial
 
 import pytest
 import torch
@@ -16,16 +18,7 @@ from nemo_dcr.codec import native
 from nemo_dcr.errors import DcrError
 from nemo_dcr.state import statedigest as sd
 from nemo_dcr.state.dtypes import DTYPES, dtype_name, int_view
-from nemo_dcr.state.statedigest import (
-    ChangeDigest,
-    P,
-    RunningSum,
-    StateDigest,
-    change_contrib,
-    changes_contrib,
-    state_contrib,
-    tensor_contrib,
-)
+from nemo_dcr.state.statedigest import ChangeDigest, P, RunningSum, StateDigest, state_contrib
 
 pytestmark = pytest.mark.skipif(native.lib() is None, reason=f"no C kernels: {native.build_error}")
 
@@ -83,7 +76,8 @@ def special_tensor(dtype, n, seed):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
-def test_whole_tensor_equals_reference_every_dtype(dtype, simd, reference):
+def test_whole_tensor_equals_reference_every_dtype(dtype, simd, reference, definition):
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
     # lengths not a multiple of any vector width or the C block size
     for n, seed in ((0, 1), (1, 2), (17, 3), (4096 * 3 + 5, 4)):
         t = special_tensor(dtype, n, seed).reshape(-1)
@@ -97,13 +91,17 @@ def test_whole_tensor_equals_reference_every_dtype(dtype, simd, reference):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.int16, torch.float32, torch.int32,
                                    torch.uint8, torch.bool, torch.float8_e4m3fn], ids=str)
-def test_lengths_around_the_kernels_step_equal_reference(dtype, simd, reference):
+def test_lengths_around_the_kernels_step_equal_reference(dtype, simd, reference, definition):
     """The written-out kernels of 1-, 2- and 4-byte elements (``csrc/dcr_sd_vec.h``) sum four
     groups of 16 (AVX-512) or 8 (AVX2) elements a step, then single groups to their block's end
     (4096), then a scalar tail: lengths that end in each of those, at canonical starts that are
-    not a multiple of 8, for the one-side and the change kernels, on every build."""
+    not a multiple of 8, for the one-side and the change kernels, on every build. Definition 2
+    (``csrc/dcr_sd_blocked.h``) sums blocks of 1024 canonical indices in groups of 8: lengths
+    that end inside and at a block's end, from a start inside the first block."""
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
+    change_contrib = partial(sd.change_contrib, definition=definition)
     lengths = [16 * k + r for k in range(10) for r in (0, 5)] + [4096 + 16 * g + 3 for g in (1, 2, 3)] \
-        + [2 * 4096 + 48, 3 * 4096 + 64 + 16 + 1]
+        + [2 * 4096 + 48, 3 * 4096 + 64 + 16 + 1, 1024 - 41, 1024 - 41 + 8, 2048 - 41 + 1]
     for n in lengths:
         t = special_tensor(dtype, n + 41, seed=n)
         spec = ShardSpec.of((n + 41,), (41,), (n,))  # a run starting at canonical index 41
@@ -117,7 +115,8 @@ def test_lengths_around_the_kernels_step_equal_reference(dtype, simd, reference)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.bool], ids=str)
-def test_shards_and_strides_equal_reference(dtype, simd, reference):
+def test_shards_and_strides_equal_reference(dtype, simd, reference, definition):
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
     full = special_tensor(dtype, 48 * 40, seed=5).reshape(48, 40)
     specs = [ShardSpec.of((48, 40), (8, 0), (16, 40)),   # a run of the canonical tensor: counted index
              ShardSpec.of((48, 40), (0, 10), (48, 20)),  # a column block: explicit indices
@@ -134,7 +133,9 @@ def test_shards_and_strides_equal_reference(dtype, simd, reference):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.int64, torch.float8_e4m3fn], ids=str)
-def test_changes_past_2_pow_32_equal_reference(dtype, simd, reference):
+def test_changes_past_2_pow_32_equal_reference(dtype, simd, reference, definition):
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
+    changes_contrib = partial(sd.changes_contrib, definition=definition)
     shape = (1 << 21, 1 << 12)  # 2**33 elements, never materialised
     g = torch.Generator().manual_seed(9)
     idx = torch.randperm(1 << 20, generator=g)[:5000].to(torch.int64) * 8191 + 3
@@ -154,9 +155,11 @@ def test_changes_past_2_pow_32_equal_reference(dtype, simd, reference):
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
 @pytest.mark.parametrize("n", [0, 1, 4095, 4096, 4097, 9000])  # around the kernel's reduction block
-def test_change_in_one_pass_equals_the_two_sides(dtype, n, simd, reference):
+def test_change_in_one_pass_equals_the_two_sides(dtype, n, simd, reference, definition):
     """``change_contrib`` (``dcr_sd_change``: each index weighed once for old and new) is exactly
     ``contrib(new) - contrib(old)``, in C and in the torch reference, special values included."""
+    changes_contrib = partial(sd.changes_contrib, definition=definition)
+    change_contrib = partial(sd.change_contrib, definition=definition)
     shape = (n + 17, 3)
     g = torch.Generator().manual_seed(n)
     idx = torch.randperm(shape[0] * shape[1], generator=g)[:n]
@@ -168,10 +171,12 @@ def test_change_in_one_pass_equals_the_two_sides(dtype, n, simd, reference):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64], ids=str)
-def test_a_chunks_changes_take_one_call_and_sum_as_the_general_path(dtype, monkeypatch):
+def test_a_chunks_changes_take_one_call_and_sum_as_the_general_path(dtype, monkeypatch, definition):
     """A chunk's changes as diff and apply report them (1-D host tensors, int64 indices) go to
     ``dcr_sd_change_in`` alone, which checks their range and sums them in one call; the general
     path (2-D indices here) gives the same digest, and an index past the end is refused by both."""
+    changes_contrib = partial(sd.changes_contrib, definition=definition)
+    change_contrib = partial(sd.change_contrib, definition=definition)
     shape = (700, 3)
     g = torch.Generator().manual_seed(3)
     idx = torch.sort(torch.randperm(2100, generator=g)[:300]).values
@@ -190,12 +195,14 @@ def test_a_chunks_changes_take_one_call_and_sum_as_the_general_path(dtype, monke
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8], ids=str)
-def test_a_running_sum_adds_chunks_in_c_from_several_threads(dtype, monkeypatch):
+def test_a_running_sum_adds_chunks_in_c_from_several_threads(dtype, monkeypatch, definition):
     """``RunningSum.add_change``: one GIL-keeping call a chunk (``dcr_sd_change_acc``), adding into
     lanes kept in C. Chunks reported from four threads at once sum to what the general path's
     parts add up to; a chunk with an index past the end is refused and leaves the sum as it was;
     parts added whole (``add``) join it."""
     from concurrent.futures import ThreadPoolExecutor
+    changes_contrib = partial(sd.changes_contrib, definition=definition)
+    change_contrib = partial(sd.change_contrib, definition=definition)
     shape, numel = (700, 3), 2100
     g = torch.Generator().manual_seed(11)
     chunks = [(torch.sort(torch.randperm(numel, generator=g)[:60]).values, special_tensor(dtype, 60, seed=20 + i),
@@ -205,7 +212,7 @@ def test_a_running_sum_adds_chunks_in_c_from_several_threads(dtype, monkeypatch)
     for idx, old, new in chunks:  # (2-D indices: the general path)
         want = want + change_contrib("w", dtype, list(shape), idx.reshape(6, 10), old, new)
     called = record_held_calls(monkeypatch)
-    s = RunningSum(start)
+    s = RunningSum(start, definition=definition)
     with ThreadPoolExecutor(4) as pool:
         list(pool.map(lambda c: s.add_change("w", dtype, shape, *c), chunks))
     assert set(called) == {"dcr_sd_change_acc"} and len(called) == len(chunks)
@@ -222,7 +229,7 @@ def test_a_running_sum_adds_chunks_in_c_from_several_threads(dtype, monkeypatch)
     assert s.total == want + part
 
 
-def test_change_digest_moves_a_state_digest_to_the_new_state(simd):
+def test_change_digest_moves_a_state_digest_to_the_new_state(simd, definition):
     """A ChangeDigest fed changes (old and new bits), arrivals (old None) and departures (new
     None) takes the whole digest of the old state to that of the new one."""
     g = torch.Generator().manual_seed(5)
@@ -232,12 +239,12 @@ def test_change_digest_moves_a_state_digest_to_the_new_state(simd):
     b[idx] = special_tensor(torch.bfloat16, 700, seed=6)
     gone = special_tensor(torch.float32, 33, seed=7)
     came = torch.arange(9, dtype=torch.int64)
-    d = ChangeDigest()
+    d = ChangeDigest(definition=definition)
     d("a", torch.bfloat16, (50_000,), idx, a[idx], b[idx])
     d("gone", torch.float32, (33,), torch.arange(33), gone, None)
     d("came", torch.int64, (9,), torch.arange(9), None, came)
-    before = state_contrib({"a": a, "gone": gone})
-    assert before + d.total == state_contrib({"a": b, "came": came})
+    before = state_contrib({"a": a, "gone": gone}, definition=definition)
+    assert before + d.total == state_contrib({"a": b, "came": came}, definition=definition)
 
 
 # ----------------------------------------------------------------------------- the clamp's edges
@@ -282,8 +289,8 @@ def test_weight_clamp_edges_equal_reference(simd, reference):
     idx = torch.tensor(sorted(set(idx)), dtype=torch.int64)
     for seed in range(3):
         bits = special_tensor(torch.bfloat16, idx.numel(), seed)
-        got = changes_contrib("edge", torch.bfloat16, shape, idx, bits)
-        assert got == reference(changes_contrib, "edge", torch.bfloat16, shape, idx, bits)
+        got = sd.changes_contrib("edge", torch.bfloat16, shape, idx, bits)
+        assert got == reference(sd.changes_contrib, "edge", torch.bfloat16, shape, idx, bits)
         # and the weights are what the definition says (1 and P - 1, never 0 or P)
         r = [min(max(_mix(_mix(_mix((i & M32) ^ keys.s1) ^ keys.s2 ^ (i >> 32)) ^ keys.t[0]) >> 1, 1), P - 1)
              for i in idx.tolist()]
@@ -293,9 +300,9 @@ def test_weight_clamp_edges_equal_reference(simd, reference):
 def test_state_contrib_spreads_over_workers(reference):
     """Ranges on several threads add up to the same digest as one."""
     t = special_tensor(torch.bfloat16, (1 << 23) + 1234, seed=11)
-    one = tensor_contrib("w", t, workers=1)
-    assert tensor_contrib("w", t, workers=2) == one == tensor_contrib("w", t, workers=4)
-    assert one == reference(tensor_contrib, "w", t)
+    one = sd.tensor_contrib("w", t, workers=1)
+    assert sd.tensor_contrib("w", t, workers=2) == one == sd.tensor_contrib("w", t, workers=4)
+    assert one == reference(sd.tensor_contrib, "w", t)
 
 
 # ----------------------------------------------------------------------------- pinned values
@@ -319,15 +326,16 @@ def _payload_state():
 
 
 # Digests of _payload_state() computed with the torch reference before the C kernel existed
-# (commit 750676a): the values manifests already hold, which the C path must keep giving.
-PINNED_HEX = "257174cf02cf597441d29f534452f348"
+# (commit 750676a): the values manifests already hold, which the C path must keep giving; and
+# under definition 2, computed with the torch reference when it was written (this commit's).
+PINNED_HEX = {1: "257174cf02cf597441d29f534452f348", 2: "2ba6c97351ed3100723caa5361c26196"}
 
 
-def test_pinned_digests_reference_and_native(simd, reference):
+def test_pinned_digests_reference_and_native(simd, reference, definition):
     state = _payload_state()
-    got = state_contrib(state).hex()
-    assert got == reference(state_contrib, state).hex()
-    assert got == PINNED_HEX
+    got = state_contrib(state, definition=definition).hex()
+    assert got == reference(state_contrib, state, definition=definition).hex()
+    assert got == PINNED_HEX[definition]
 
 
 @pytest.mark.parametrize("strided", [False, True], ids=["one-call-jobs", "ranges"])
@@ -343,7 +351,7 @@ def test_a_states_tensors_are_summed_side_by_side(monkeypatch, strided):
         state = {n: t[::2] for n, t in state.items()}
     expected = StateDigest.zero()
     for n, t in state.items():
-        expected = expected + tensor_contrib(n, t)
+        expected = expected + sd.tensor_contrib(n, t)
     met = threading.Barrier(2, timeout=30)
     calls = []
     real, real_many = sd._native_kernel, sd.many_contrib
@@ -353,8 +361,8 @@ def test_a_states_tensors_are_summed_side_by_side(monkeypatch, strided):
         met.wait()  # BrokenBarrierError after 30 s if the other tensor's range never runs meanwhile
         return real(*a, **k)
 
-    def many(ranges):
-        run = real_many(ranges)
+    def many(ranges, **k):
+        run = real_many(ranges, **k)
 
         def waiting():
             calls.append("job")
@@ -371,11 +379,12 @@ def test_a_states_tensors_are_summed_side_by_side(monkeypatch, strided):
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES.values()), ids=str)
-def test_a_shard_of_runs_sums_run_by_run_as_the_reference(dtype, simd, reference, monkeypatch):
+def test_a_shard_of_runs_sums_run_by_run_as_the_reference(dtype, simd, reference, monkeypatch, definition):
     """A shard held as one run per row (a column block: a TP engine's row-parallel weight) is
     summed by ``dcr_sd_contrib_runs``, runs counted from their canonical starts, in ranges of
     whole runs; the same digest as the torch reference, for runs around ``RUN_MIN`` and the
     kernel's vector width, ranges cut between runs, and a local tensor that is a view."""
+    tensor_contrib = partial(sd.tensor_contrib, definition=definition)
     called = []
     real = sd._run_pieces
     monkeypatch.setattr(sd, "_run_pieces", lambda *a: called.append(a[-1]) or real(*a))
@@ -402,27 +411,28 @@ def test_a_shard_of_runs_sums_run_by_run_as_the_reference(dtype, simd, reference
         == tensor_contrib("w", full)
 
 
-def test_the_runs_kernel_refuses_bad_arguments_before_summing():
+def test_the_runs_kernel_refuses_bad_arguments_before_summing(definition):
     lib = native.lib()
-    keys = sd._keys("w", "bfloat16", (4, 8))
+    keys = sd._keys("w", "bfloat16", (4, 8), definition)
     t, kp, c = sd._native_keys(keys)
     bits = torch.zeros(8, dtype=torch.int16)
     out = (ctypes.c_uint64 * sd.LANES)(7, 7, 7, 7)
 
-    def call(starts, w=2, n_runs=None, length=4):
+    def call(starts, w=2, n_runs=None, length=4, defn=definition):
         g = torch.tensor(starts, dtype=torch.int64)
         return lib.dcr_sd_contrib_runs(bits.data_ptr(), w, g.data_ptr(), len(starts) if n_runs is None else n_runs,
-                                       length, keys.s1, keys.s2, t, kp, c, out)
+                                       length, keys.s1, keys.s2, t, kp, c, out, defn)
 
     assert call([0, -4]) != 0  # a negative canonical start
     assert call([0, 4], w=3) != 0  # no such width
     assert call([0, 4], n_runs=-1) != 0
+    assert call([0, 4], defn=3) != 0 and call([0, 4], defn=0) != 0  # no such definition
     assert list(out) == [7, 7, 7, 7]  # refused before anything was written
     assert call([0, 4]) == 0
     assert list(out) == list(sd._native_kernel(lib, keys, bits, start=0))  # runs 0..3 and 4..7: one run 0..7
 
 
-def test_many_ranges_in_one_call_sum_as_one_call_each(simd, reference):
+def test_many_ranges_in_one_call_sum_as_one_call_each(simd, reference, definition):
     """``many_contrib``: each range's contribution, in one ``dcr_sd_contrib_many`` call, equal to
     ``range_contrib`` of it (C and torch reference) on every dtype, special values included, at
     any canonical start (a tensor's leading elements, a run inside it, its last elements)."""
@@ -430,9 +440,9 @@ def test_many_ranges_in_one_call_sum_as_one_call_each(simd, reference):
     for k, dtype in enumerate(DTYPES.values()):
         t = special_tensor(dtype, 50 + 37 * k, seed=70 + k)
         ranges.append((f"t{k}", dtype, (t.numel() + 3 * k,), int_view(t), (0, k, 3 * k)[k % 3]))
-    got = sd.many_contrib(ranges)()
-    assert got == [sd.range_contrib(*r) for r in ranges]
-    assert got == reference(lambda: sd.many_contrib(ranges)())
+    got = sd.many_contrib(ranges, definition=definition)()
+    assert got == [sd.range_contrib(*r, definition=definition) for r in ranges]
+    assert got == reference(lambda: sd.many_contrib(ranges, definition=definition)())
     assert len(set(got)) == len(got)  # each range its own sums (no range's keys or bits reused)
     assert sd.many_contrib([])() == []
 
@@ -448,14 +458,14 @@ def test_many_ranges_are_checked_before_the_call():
         sd.many_contrib([("w", torch.float32, (4,), torch.zeros(4, dtype=torch.int16), 0)])
 
 
-def test_the_many_ranges_kernel_refuses_bad_arguments_before_summing():
+def test_the_many_ranges_kernel_refuses_bad_arguments_before_summing(definition):
     lib = native.lib()
     bits = torch.zeros(8, dtype=torch.int16)
-    keys = sd._keys("w", "bfloat16", (8,))
+    keys = sd._keys("w", "bfloat16", (8,), definition)
     t, kp, c = sd._native_keys(keys)
     out = (ctypes.c_uint64 * (2 * sd.LANES))(*([7] * 2 * sd.LANES))
 
-    def call(w=2, count=8, ptr=None, n=2, start=0):
+    def call(w=2, count=8, ptr=None, n=2, start=0, defn=definition):
         ptrs = (ctypes.c_uint64 * 2)(bits.data_ptr(), bits.data_ptr() if ptr is None else ptr)
         widths = (ctypes.c_int32 * 2)(2, w)
         counts = (ctypes.c_int64 * 2)(8, count)
@@ -465,13 +475,14 @@ def test_the_many_ranges_kernel_refuses_bad_arguments_before_summing():
         tt = (ctypes.c_uint32 * 8)(*t, *t)
         kpp = (ctypes.c_uint64 * 32)(*kp, *kp)
         cc = (ctypes.c_uint64 * 8)(*c, *c)
-        return lib.dcr_sd_contrib_many(n, ptrs, widths, counts, starts, s1, s2, tt, kpp, cc, out)
+        return lib.dcr_sd_contrib_many(n, ptrs, widths, counts, starts, s1, s2, tt, kpp, cc, out, defn)
 
     assert call(w=3) != 0  # no such width
     assert call(count=-1) != 0
     assert call(ptr=0) != 0  # elements at no address
     assert call(n=-1) != 0
     assert call(start=-1) != 0
+    assert call(defn=3) != 0  # no such definition
     assert list(out) == [7] * 2 * sd.LANES  # refused before anything was written
     assert call() == 0
     one = list(sd._native_kernel(lib, keys, bits, start=0))

@@ -129,17 +129,26 @@ def _declare(lib) -> None:
     lib.dcr_source_hash.restype = ctypes.c_char_p
     lib.dcr_source_hash.argtypes = []
     lib.dcr_sd_contrib.restype = ctypes.c_int
-    lib.dcr_sd_contrib.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p, p]
+    lib.dcr_sd_contrib.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32,
+                                   ctypes.c_uint32, p, p, p, p, ctypes.c_int]
     lib.dcr_sd_contrib_many.restype = ctypes.c_int
-    lib.dcr_sd_contrib_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p]
+    lib.dcr_sd_contrib_many.argtypes = [i64, p, p, p, p, p, p, p, p, p, p, ctypes.c_int]
     lib.dcr_sd_contrib_runs.restype = ctypes.c_int
-    lib.dcr_sd_contrib_runs.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p, p]
+    lib.dcr_sd_contrib_runs.argtypes = [p, ctypes.c_int, p, i64, i64, ctypes.c_uint32,
+                                        ctypes.c_uint32, p, p, p, p, ctypes.c_int]
     lib.dcr_sd_change.restype = ctypes.c_int
-    lib.dcr_sd_change.argtypes = [p, p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p]
+    lib.dcr_sd_change.argtypes = [p, p, ctypes.c_int, p, i64, i64,
+                                  ctypes.c_uint32, ctypes.c_uint32, p, p, p, ctypes.c_int]
     lib.dcr_sd_change_in.restype = ctypes.c_int
-    lib.dcr_sd_change_in.argtypes = [p, p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p]
+    lib.dcr_sd_change_in.argtypes = [p, p, ctypes.c_int, p, i64, i64,
+                                     ctypes.c_uint32, ctypes.c_uint32, p, p, p, ctypes.c_int]
     lib.dcr_sd_change_acc.restype = ctypes.c_int
-    lib.dcr_sd_change_acc.argtypes = [p, p, ctypes.c_int, p, i64, i64, ctypes.c_uint32, ctypes.c_uint32, p, p, p]
+    lib.dcr_sd_change_acc.argtypes = [p, p, ctypes.c_int, p, i64, i64,
+                                      ctypes.c_uint32, ctypes.c_uint32, p, p, p, ctypes.c_int]
+    lib.dcr_sdb_table.restype = None
+    lib.dcr_sdb_table.argtypes = [p]
+    lib.dcr_sdb_build.restype = ctypes.c_int
+    lib.dcr_sdb_build.argtypes = []
     for f in (lib.dcr_planes_split, lib.dcr_planes_join):
         f.restype = ctypes.c_int
         f.argtypes = [p, i64, ctypes.c_int, p]

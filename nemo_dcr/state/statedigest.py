@@ -20,7 +20,11 @@ with raw bits ``x`` (its integer view, unsigned, split into 16-bit limbs ``x_0..
     v_l(x)    = C_l + x_0 + x_1*K_l + x_2*K_l**2 + x_3*K_l**3           (mod P)
     contrib_l = r_l(n, i) * v_l(x)                                       (mod P)
 
-where ``mix`` is a 32-bit xorshift-multiply avalanche (multipliers < 2**31).
+where ``mix`` is a 32-bit xorshift-multiply avalanche (multipliers < 2**31). That is definition
+1, what every manifest and header holds. Definition 2 (``definition=2`` on every function below;
+no format version writes it yet) weighs element ``i`` by ``r_l(n, i >> 10) * g_l(i & 1023) mod P``,
+its block's definition-1 weight times a fixed table's entry (``table2``): the mixes once a block
+of 1024, one product per lane and limb an element, ~3x faster (docs/format.md, "Definition 2").
 
 Two implementations compute it: ``_kernel`` below (torch ops; the reference, and the fallback
 without a C compiler or with ``NEMO_DCR_NATIVE=0``) and ``dcr_sd_contrib`` in
@@ -36,6 +40,7 @@ most 2**15 terms); nothing relies on signed overflow. See docs/format.md, "State
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import json
@@ -77,6 +82,13 @@ _PERSON = b"nemo-dcr-sd-v1"
 #: rank's shards of one) missed on every call, ~90 us of BLAKE2b and modular powers each
 KEYS_CACHED = 1 << 16
 _HEX_WIDTH = 8  # hex digits per lane (P < 16**8)
+#: the definitions of an element's weight (docs/format.md, "State digest"): 1 mixes every
+#: element's index; 2 mixes each block of ``BLOCK2`` indices' number once and multiplies its
+#: weight by a fixed table's entry for the element's place in the block (``table2``)
+DEFINITIONS = (1, 2)
+BLOCK2 = 1 << 10
+_G0 = 0x9E3779B9  # definition 2's table: g_l(j) = weight(mix(j ^ _G0), _GT[l])
+_GT = (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F, 0x165667B1)
 
 
 # ----------------------------------------------------------------------------- value object
@@ -169,6 +181,7 @@ class _Keys:
     kpow: tuple  # per lane: (1, K, K**2, K**3) mod P, K in [2, P) distinct across lanes
     c: tuple  # per lane offset in [1, P): an all-zero tensor still contributes
     hi: bool  # some canonical index is >= 2**32
+    definition: int = 1  # the weights' definition (DEFINITIONS): the C kernels' last argument
 
 
 _NATIVE_RANGE = 1 << 23  # elements per native call: the unit spread over the worker threads
@@ -187,8 +200,28 @@ def one_range(numel: int) -> bool:
     return numel <= _NATIVE_RANGE
 
 
+def checked_definition(definition) -> int:
+    """``definition`` if it is one of ``DEFINITIONS``; ``DcrError`` otherwise."""
+    if type(definition) is not int or definition not in DEFINITIONS:
+        raise DcrError(f"state digest definition {definition!r} is not supported "
+                       f"(this build knows {', '.join(map(str, DEFINITIONS))})")
+    return definition
+
+
+def _keys(name: str, dtype: str, global_shape: tuple, definition: int = 1) -> _Keys:
+    """The keys of tensor ``name`` (its dtype name, global shape) under ``definition``: the same
+    for both definitions, which differ in how an index's weight is made from them."""
+    keys = _keys1(name, dtype, global_shape)
+    return keys if definition == 1 and type(definition) is int else _keys2(keys, checked_definition(definition))
+
+
 @functools.lru_cache(maxsize=KEYS_CACHED)
-def _keys(name: str, dtype: str, global_shape: tuple) -> _Keys:
+def _keys2(keys: _Keys, definition: int) -> _Keys:
+    return dataclasses.replace(keys, definition=definition)
+
+
+@functools.lru_cache(maxsize=KEYS_CACHED)
+def _keys1(name: str, dtype: str, global_shape: tuple) -> _Keys:
     ident = json.dumps([name, dtype, list(global_shape)]).encode()
     counter = 0
     while True:
@@ -247,21 +280,43 @@ def _kernel(keys: _Keys, gidx: torch.Tensor, bits: torch.Tensor) -> list:
     if n == 0:
         return [0] * LANES
     limbs = _limbs(bits)
+    blocked = keys.definition == 2
+    at = gidx >> 10 if blocked else gidx  # definition 2 weighs the block's number (BLOCK2 = 2**10)
     # keyed 32-bit permutation of the index (a bijection while i < 2**32), shared by the lanes
-    base = _fmix(gidx.bitwise_and(_M32).bitwise_xor_(keys.s1))
+    base = _fmix(at.bitwise_and(_M32).bitwise_xor_(keys.s1))
     base.bitwise_xor_(keys.s2)
     if keys.hi:
-        base.bitwise_xor_(gidx >> 32)
+        base.bitwise_xor_(at >> 32)
     _fmix(base)
     out = []
     for lane in range(LANES):
         h = _fmix(base.bitwise_xor(keys.t[lane]))
         r = h.bitwise_right_shift_(1).clamp_(1, P - 1)  # weight in [1, P), never 0
+        if blocked:  # times the table's entry for the place in the block: < 2**62, in [1, P) again
+            r = r.mul_(_table2()[lane].to(gidx.device)[gidx & (BLOCK2 - 1)]).remainder_(P)
         kp = keys.kpow[lane]
         acc = keys.c[lane] * (int(r.sum()) % P)  # r.sum() < 2**31 * 2**20
         for j, limb in enumerate(limbs):
             acc += kp[j] * _blocksum(r * limb)  # r * limb < 2**47
         out.append(acc % P)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _table2() -> torch.Tensor:
+    """Definition 2's table, ``LANES`` rows of ``BLOCK2`` weights in [1, P) (int64), the same for
+    every tensor: ``g_l(j) = clamp(mix(mix(j ^ G0) ^ GT_l) >> 1, 1, P - 1)``."""
+    u = _fmix(torch.arange(BLOCK2, dtype=torch.int64).bitwise_xor_(_G0))
+    return torch.stack([_fmix(u.bitwise_xor(t)).bitwise_right_shift_(1).clamp_(1, P - 1) for t in _GT])
+
+
+def table2() -> np.ndarray:
+    """Definition 2's table as the C kernels hold it (the reference's where there is none)."""
+    lib = native.lib()
+    if lib is None:
+        return _table2().numpy().astype(np.uint32)
+    out = np.zeros((LANES, BLOCK2), dtype=np.uint32)
+    lib.dcr_sdb_table(out.ctypes.data)
     return out
 
 
@@ -280,7 +335,7 @@ def _native_kernel(lib, keys: _Keys, bits: torch.Tensor, start: int = 0, gidx: t
     t, kp, c = _native_keys(keys)
     out = (ctypes.c_uint64 * LANES)()
     rc = lib.dcr_sd_contrib(bits.data_ptr(), bits.element_size(), gidx.data_ptr() if gidx is not None else None,
-                            start, bits.numel(), keys.s1, keys.s2, t, kp, c, out)
+                            start, bits.numel(), keys.s1, keys.s2, t, kp, c, out, keys.definition)
     if rc != 0:
         raise DcrError(f"state digest kernel failed ({rc})")
     return list(out)
@@ -306,32 +361,34 @@ def _as_bits(bits: torch.Tensor, width: int) -> torch.Tensor:
 # ----------------------------------------------------------------------------- public API
 
 def tensor_contrib(name: str, tensor: torch.Tensor, spec: ShardSpec | None = None, *,
-                   workers: int | None = None) -> StateDigest:
+                   workers: int | None = None, definition: int = 1) -> StateDigest:
     """Partial state digest of a local tensor, or of a shard of tensor ``name`` placed by ``spec``.
 
     ``spec`` None means the whole tensor. Any strides are fine; memory beyond the tensor is
     O(CHUNK) (O(workers * 8M elements) with the C kernel, whose ranges run on ``workers``
     threads). Summing this over a set of shards that covers every canonical element exactly once
-    gives the digest of the whole tensor.
+    gives the digest of the whole tensor. ``definition``: of the weights (``DEFINITIONS``).
     """
-    return _sum_pieces([_pieces(name, tensor, spec)], workers)
+    return _sum_pieces([_pieces(name, tensor, spec, definition)], workers)
 
 
 def state_contrib(tensors: Mapping[str, torch.Tensor],
-                  shards: Mapping[str, ShardSpec] | None = None, *, workers: int | None = None) -> StateDigest:
+                  shards: Mapping[str, ShardSpec] | None = None, *, workers: int | None = None,
+                  definition: int = 1) -> StateDigest:
     """Sum of ``tensor_contrib`` over ``tensors``; ``shards`` maps names to their ShardSpec
     (a name missing from it is a whole tensor). Every tensor is checked before any is read, and
     the ranges of all of them share the ``workers`` threads: a model's tensors are mostly under
     one range (8M elements), and summed one tensor after another they ran on one thread."""
     shards = shards or {}
+    checked_definition(definition)
     runs, pieces = [], []
     for name, t in tensors.items():
         run = _one_run(name, t, shards.get(name))
         if run is not None:
             runs.append(run)
         else:
-            pieces.append(_pieces(name, t, shards.get(name)))
-    return _sum_pieces(pieces, workers) + _sum_runs(runs, workers)
+            pieces.append(_pieces(name, t, shards.get(name), definition))
+    return _sum_pieces(pieces, workers) + _sum_runs(runs, workers, definition)
 
 
 def _run_start(imap: IndexMap) -> int | None:
@@ -365,26 +422,26 @@ def _one_run(name: str, tensor: torch.Tensor, spec: ShardSpec | None) -> tuple |
     return name, tensor.dtype, tuple(spec.global_shape), int_view(tensor).reshape(-1), offset
 
 
-def _sum_runs(runs: list, workers: int | None) -> StateDigest:
+def _sum_runs(runs: list, workers: int | None, definition: int) -> StateDigest:
     """The sum of ``many_contrib``'s ranges ``runs``, in jobs of up to ``MANY_JOB`` elements, each
     prepared on the calling thread and summed in one C call on the workers: the workers summing a
     small tensor each at a time took the GIL from each other at every tensor (a state of 4096
     tensors of 32K BF16: 265 ms, twice one tensor of the same elements)."""
     acc = [0] * LANES
-    jobs = (many_contrib(job) for job in in_jobs(runs, lambda r: r[3].numel(), MANY_JOB))
+    jobs = (many_contrib(job, definition=definition) for job in in_jobs(runs, lambda r: r[3].numel(), MANY_JOB))
     for digests in ordered_map(lambda run: run(), jobs, workers):
         for d in digests:
             acc = _add(acc, d.lanes)
     return StateDigest(tuple(acc))
 
 
-def _pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None):
+def _pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None, definition: int):
     """-> (the function summing one range of ``tensor``'s elements, the ranges' starts, whether
     they run on the worker threads), the tensor and its shard checked first. The C kernel's
     ranges are ``_NATIVE_RANGE`` elements, spread over the threads; the torch reference's are
     ``CHUNK`` elements, on the calling thread (torch's own ops use the cores)."""
     spec = _checked_shard(name, tensor, spec)
-    keys = _keys(name, dtype_name(tensor.dtype), tuple(spec.global_shape))
+    keys = _keys(name, dtype_name(tensor.dtype), tuple(spec.global_shape), definition)
     imap = IndexMap(spec)
     fa = FlatAccess(tensor)
     lib = native.lib() if tensor.device.type == "cpu" else None
@@ -431,7 +488,7 @@ def _run_pieces(lib, keys: _Keys, fa: FlatAccess, gstart: torch.Tensor, length: 
         bits = fa.read(s, e).contiguous()
         out = (ctypes.c_uint64 * LANES)()
         rc = lib.dcr_sd_contrib_runs(bits.data_ptr(), bits.element_size(), gstart[s // length:].data_ptr(),
-                                     (e - s) // length, length, keys.s1, keys.s2, t, kp, c, out)
+                                     (e - s) // length, length, keys.s1, keys.s2, t, kp, c, out, keys.definition)
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
         return list(out)
@@ -469,7 +526,7 @@ def _sum_batch(batch: list) -> list:
 
 
 def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], bits: torch.Tensor,
-                  start: int = 0) -> StateDigest:
+                  start: int = 0, *, definition: int = 1) -> StateDigest:
     """Contribution of the elements of tensor ``name`` at the canonical flat indices ``start``,
     ``start + 1``, ... holding ``bits`` (one run: no index array is made or read)."""
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
@@ -477,7 +534,7 @@ def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[in
     b = _as_bits(bits.reshape(-1), itemsize(dt))
     if start < 0 or start + b.numel() > math.prod(shape):
         raise DcrError(f"{name}: elements {start}..{start + b.numel()} out of range for shape {list(shape)}")
-    keys = _keys(name, dtype_name(dt), shape)
+    keys = _keys(name, dtype_name(dt), shape, definition)
     lib = native.lib() if b.device.type == "cpu" else None
     if lib is not None:
         return StateDigest(tuple(_native_kernel(lib, keys, b.contiguous(), start=start)))
@@ -489,14 +546,15 @@ def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[in
     return StateDigest(tuple(acc))
 
 
-def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], torch.Tensor, int]]
-                 ) -> Callable[[], list[StateDigest]]:
+def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], torch.Tensor, int]], *,
+                 definition: int = 1) -> Callable[[], list[StateDigest]]:
     """``range_contrib(name, dtype, global_shape, bits, start)`` of each range, prepared now
     (keys, checks, pointers) and summed when the returned function is called: with the C kernel
     in one call for them all (``dcr_sd_contrib_many``), so that a worker summing many small
     tensors gives the GIL up once, not once a tensor to a thread encoding or writing them
     (``delta/diff.py``'s ``_digests_ahead``, ``WrittenDigest.total``)."""
     lib = native.lib()
+    checked_definition(definition)
     prepared = []
     for name, dtype, global_shape, bits, start in ranges:
         dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
@@ -506,10 +564,10 @@ def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], t
             raise DcrError(f"{name}: elements {start}..{start + b.numel()} out of range for shape {list(shape)}")
         prepared.append((name, dt, shape, b, start))
     if lib is None or any(p[3].device.type != "cpu" for p in prepared):
-        return lambda: [range_contrib(*p) for p in prepared]
+        return lambda: [range_contrib(*p, definition=definition) for p in prepared]
     prepared = [(name, dt, shape, b.contiguous(), start) for name, dt, shape, b, start in prepared]
     n = len(prepared)
-    keys = [_keys(name, dtype_name(dt), shape) for name, dt, shape, _, _ in prepared]
+    keys = [_keys(name, dtype_name(dt), shape, definition) for name, dt, shape, _, _ in prepared]
     args: list[np.ndarray] = [
         np.array([p[3].data_ptr() for p in prepared], dtype=np.uint64),
         np.array([p[3].element_size() for p in prepared], dtype=np.int32),
@@ -523,7 +581,7 @@ def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], t
 
     def run() -> list[StateDigest]:
         out = np.zeros(LANES * n, dtype=np.uint64)
-        rc = lib.dcr_sd_contrib_many(n, *(a.ctypes.data for a in args), out.ctypes.data)
+        rc = lib.dcr_sd_contrib_many(n, *(a.ctypes.data for a in args), out.ctypes.data, definition)
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
         _ = prepared  # the tensors stay alive until the kernel has read them
@@ -533,7 +591,7 @@ def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], t
 
 
 def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: torch.Tensor,
-                   start: int = 0) -> StateDigest:
+                   start: int = 0, *, definition: int = 1) -> StateDigest:
     """Contribution of the elements ``start``, ``start + 1``, ... in the own flat order of a
     region of tensor ``name`` placed by ``imap`` (a shard's map), holding ``bits``: one call of
     ``range_contrib`` where the region is one run of the canonical tensor (the whole tensor, a
@@ -544,7 +602,7 @@ def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: to
     gshape = tuple(imap.spec.global_shape)
     offset = _run_start(imap)
     if offset is not None:
-        return range_contrib(name, dtype, gshape, bits, start + offset)
+        return range_contrib(name, dtype, gshape, bits, start + offset, definition=definition)
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     b = _as_bits(bits.reshape(-1), itemsize(dt))
     end = start + b.numel()
@@ -556,26 +614,28 @@ def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: to
     lib = native.lib() if b.device.type == "cpu" else None
     if lib is None or length < RUN_MIN:
         gidx = imap.to_global(torch.arange(start, end, dtype=torch.int64, device=b.device))
-        return changes_contrib(name, dt, gshape, gidx, b)
+        return changes_contrib(name, dt, gshape, gidx, b, definition=definition)
     r0, r1 = start // length, -(-end // length)  # the runs the elements touch
     gst = imap.to_global(torch.arange(r0, r1, dtype=torch.int64) * length).contiguous()
     acc = StateDigest.zero()
     lo = min(end, (r0 + 1) * length) if start % length else start  # the first whole run's start
     if lo > start:
-        acc = acc + range_contrib(name, dt, gshape, b[:lo - start], int(gst[0]) + start % length)
+        acc = acc + range_contrib(name, dt, gshape, b[:lo - start], int(gst[0]) + start % length,
+                                  definition=definition)
     hi = max(lo, end - end % length)  # the whole runs' end
     if hi > lo:
-        keys = _keys(name, dtype_name(dt), gshape)
+        keys = _keys(name, dtype_name(dt), gshape, definition)
         t, kp, c = _native_keys(keys)
         runs = b[lo - start:hi - start].contiguous()
         out = (ctypes.c_uint64 * LANES)()
         rc = lib.dcr_sd_contrib_runs(runs.data_ptr(), runs.element_size(), gst[lo // length - r0:].data_ptr(),
-                                     (hi - lo) // length, length, keys.s1, keys.s2, t, kp, c, out)
+                                     (hi - lo) // length, length, keys.s1, keys.s2, t, kp, c, out, definition)
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
         acc = acc + StateDigest._of(tuple(out))
     if end > hi:
-        acc = acc + range_contrib(name, dt, gshape, b[hi - start:], int(gst[hi // length - r0]))
+        acc = acc + range_contrib(name, dt, gshape, b[hi - start:], int(gst[hi // length - r0]),
+                                  definition=definition)
     return acc
 
 
@@ -593,7 +653,7 @@ def _out_of_range(idx: torch.Tensor, numel: int) -> bool:
 
 
 def _checked(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], global_idx: torch.Tensor,
-             *bits: torch.Tensor) -> tuple:
+             *bits: torch.Tensor, definition: int = 1) -> tuple:
     """-> (keys, int64 indices, integer-view bits...) of ``changes_contrib``'s arguments, checked."""
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     dname = dtype_name(dt)
@@ -614,11 +674,11 @@ def _checked(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], g
         out.append(b)
     if idx.numel() and _out_of_range(idx, numel):
         raise DcrError(f"{name}: global index out of range for shape {list(shape)}")
-    return (_keys(name, dname, shape), idx, *out)
+    return (_keys(name, dname, shape, definition), idx, *out)
 
 
 def changes_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[int],
-                    global_idx: torch.Tensor, bits: torch.Tensor) -> StateDigest:
+                    global_idx: torch.Tensor, bits: torch.Tensor, *, definition: int = 1) -> StateDigest:
     """Contribution of the elements of tensor ``name`` at canonical flat ``global_idx`` holding
     ``bits`` (a tensor of ``dtype`` or of its integer view). Indices must be distinct.
 
@@ -626,7 +686,7 @@ def changes_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[
     ``D + changes_contrib(..., idx, new_bits) - changes_contrib(..., idx, old_bits)``
     (``change_contrib`` computes that difference in one pass).
     """
-    keys, idx, b = _checked(name, dtype, global_shape, global_idx, bits)
+    keys, idx, b = _checked(name, dtype, global_shape, global_idx, bits, definition=definition)
     acc = [0] * LANES
     lib = native.lib() if b.device.type == "cpu" and idx.device.type == "cpu" else None
     if lib is not None:
@@ -637,21 +697,22 @@ def changes_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[
 
 
 def change_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], global_idx: torch.Tensor,
-                   old: torch.Tensor, new: torch.Tensor) -> StateDigest:
+                   old: torch.Tensor, new: torch.Tensor, *, definition: int = 1) -> StateDigest:
     """How the digest moves when the elements at ``global_idx`` go from ``old`` to ``new`` bits:
     ``changes_contrib(..., new) - changes_contrib(..., old)``, which it equals exactly. The C
     kernel (``dcr_sd_change``) weighs each index once for both sides: the index weights are most
     of a contribution's cost, so a change costs about half of the two calls."""
-    fast = _change_fast(name, dtype, global_shape, global_idx, old, new)
-    return fast if fast is not None else _change_general(name, dtype, global_shape, global_idx, old, new)
+    fast = _change_fast(name, dtype, global_shape, global_idx, old, new, definition)
+    return fast if fast is not None else _change_general(name, dtype, global_shape, global_idx, old, new, definition)
 
 
-def _change_general(name, dtype, global_shape, global_idx, old, new) -> StateDigest:
+def _change_general(name, dtype, global_shape, global_idx, old, new, definition: int = 1) -> StateDigest:
     """``change_contrib`` for what ``_fast_args`` does not take: any shape, device and index type."""
-    keys, idx, o, n = _checked(name, dtype, global_shape, global_idx, old, new)
+    keys, idx, o, n = _checked(name, dtype, global_shape, global_idx, old, new, definition=definition)
     lib = native.lib() if n.device.type == o.device.type == idx.device.type == "cpu" else None
     if lib is None:  # the reference: the two sides' contributions
-        return changes_contrib(name, dtype, global_shape, idx, n) - changes_contrib(name, dtype, global_shape, idx, o)
+        return (changes_contrib(name, dtype, global_shape, idx, n, definition=definition)
+                - changes_contrib(name, dtype, global_shape, idx, o, definition=definition))
     if not idx.numel():
         return StateDigest.zero()
     t, kp, _ = _native_keys(keys)
@@ -660,24 +721,24 @@ def _change_general(name, dtype, global_shape, global_idx, old, new) -> StateDig
     if idx.numel() <= HELD_CHANGES:
         lib = native.held() or lib
     rc = lib.dcr_sd_change(n.data_ptr(), o.data_ptr(), n.element_size(), idx.data_ptr(), 0, n.numel(),
-                           keys.s1, keys.s2, t, kp, out)
+                           keys.s1, keys.s2, t, kp, out, definition)
     if rc != 0:
         raise DcrError(f"state digest kernel failed ({rc})")
     return StateDigest._of(tuple(out))  # the kernel's lanes are in [0, P)
 
 
 @functools.lru_cache(maxsize=KEYS_CACHED)
-def _prepared(name: str, dtype: torch.dtype | str, global_shape: tuple) -> tuple:
+def _prepared(name: str, dtype: torch.dtype | str, global_shape: tuple, definition: int) -> tuple:
     """-> (keys, their C arrays, numel, element width) of one tensor: what ``_checked`` and
     ``_native_keys`` work out from the arguments, kept for the next chunk of the same tensor."""
     dt = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
     shape = tuple(int(s) for s in global_shape)
-    keys = _keys(name, dtype_name(dt), shape)
+    keys = _keys(name, dtype_name(dt), shape, definition)
     t, kp, _ = _native_keys(keys)
     return keys, t, kp, math.prod(shape), itemsize(dt)
 
 
-def _fast_args(name, dtype, global_shape, idx, old, new) -> tuple | None:
+def _fast_args(name, dtype, global_shape, idx, old, new, definition: int = 1) -> tuple | None:
     """(the GIL-keeping library, ``dcr_sd_change_in``'s arguments but the last) for a chunk's
     changes as diff and apply report them (1-D contiguous host tensors, int64 indices, at most
     ``HELD_CHANGES``), with ``change_contrib``'s checks in fewer calls; None for anything else
@@ -692,10 +753,10 @@ def _fast_args(name, dtype, global_shape, idx, old, new) -> tuple | None:
     h = native.held()
     if h is None:
         return None
-    keys, t, kp, numel, w = _prepared(name, dtype, global_shape)
+    keys, t, kp, numel, w = _prepared(name, dtype, global_shape, definition)
     if old.element_size() != w or new.element_size() != w:
         return None  # (the general path says what is wrong)
-    return h, (new.data_ptr(), old.data_ptr(), w, idx.data_ptr(), k, numel, keys.s1, keys.s2, t, kp)
+    return h, (new.data_ptr(), old.data_ptr(), w, idx.data_ptr(), k, numel, keys.s1, keys.s2, t, kp), definition
 
 
 def _fast_rc(rc: int, name: str, global_shape) -> None:
@@ -705,13 +766,13 @@ def _fast_rc(rc: int, name: str, global_shape) -> None:
         raise DcrError(f"state digest kernel failed ({rc})")
 
 
-def _change_fast(name, dtype, global_shape, idx, old, new) -> StateDigest | None:
+def _change_fast(name, dtype, global_shape, idx, old, new, definition: int = 1) -> StateDigest | None:
     """``change_contrib`` in one C call where ``_fast_args`` allows; None otherwise."""
-    a = _fast_args(name, dtype, global_shape, idx, old, new)
+    a = _fast_args(name, dtype, global_shape, idx, old, new, definition)
     if a is None:
         return None
     out = (ctypes.c_uint64 * LANES)()
-    _fast_rc(a[0].dcr_sd_change_in(*a[1], out), name, global_shape)
+    _fast_rc(a[0].dcr_sd_change_in(*a[1], out, a[2]), name, global_shape)
     return StateDigest._of(tuple(out))
 
 
@@ -720,19 +781,21 @@ class RunningSum:
     (``add_change``: ``change_contrib``'s arguments) goes straight into lanes held in C memory,
     by a C call that keeps the GIL (``native.held``), so no two run at once: one call a chunk, no
     digest object and no lock (a diff or apply of many small tensors makes one or two a tensor:
-    docs/results.md, twenty-fourth turn). Other parts (``add``) are summed under a lock."""
+    docs/results.md, twenty-fourth turn). Other parts (``add``) are summed under a lock, and must
+    be of the same ``definition``."""
 
-    def __init__(self, start: StateDigest | None = None):
+    def __init__(self, start: StateDigest | None = None, *, definition: int = 1):
+        self.definition = checked_definition(definition)
         self._parts = start if start is not None else StateDigest.zero()
         self._acc = (ctypes.c_uint64 * LANES)()  # lanes in [0, P): dcr_sd_change_acc keeps them so
         self._lock = threading.Lock()
 
     def add_change(self, name, dtype, global_shape, global_idx, old, new) -> None:
-        a = _fast_args(name, dtype, global_shape, global_idx, old, new)
+        a = _fast_args(name, dtype, global_shape, global_idx, old, new, self.definition)
         if a is None:  # (the general path: _fast_args' checks are not made a second time)
-            self.add(_change_general(name, dtype, global_shape, global_idx, old, new))
+            self.add(_change_general(name, dtype, global_shape, global_idx, old, new, self.definition))
         else:
-            _fast_rc(a[0].dcr_sd_change_acc(*a[1], self._acc), name, global_shape)
+            _fast_rc(a[0].dcr_sd_change_acc(*a[1], self._acc, a[2]), name, global_shape)
 
     def add(self, part: StateDigest) -> None:
         with self._lock:
@@ -754,10 +817,13 @@ class ChangeDigest:
         change = ChangeDigest()
         diff(base, target, on_change=change)        # or apply(..., on_change=change)
         new_digest = old_digest + change.total
+
+    ``definition``: of the weights, the old digest's.
     """
 
-    def __init__(self):
-        self._sum = RunningSum()
+    def __init__(self, *, definition: int = 1):
+        self._sum = RunningSum(definition=definition)
+        self._definition = definition
 
     @property
     def total(self) -> StateDigest:
@@ -767,9 +833,9 @@ class ChangeDigest:
         if new is not None and old is not None:
             self._sum.add_change(name, dtype, global_shape, global_idx, old, new)
         elif new is not None:
-            self._sum.add(changes_contrib(name, dtype, global_shape, global_idx, new))
+            self._sum.add(changes_contrib(name, dtype, global_shape, global_idx, new, definition=self._definition))
         elif old is not None:
-            self._sum.add(-changes_contrib(name, dtype, global_shape, global_idx, old))
+            self._sum.add(-changes_contrib(name, dtype, global_shape, global_idx, old, definition=self._definition))
 
 
 class WrittenDigest:
@@ -781,10 +847,11 @@ class WrittenDigest:
     chunk was written another way (or found written already), and the caller sums the state
     whole instead; ``elements`` counts what was summed, which the caller compares with what it
     holds. Only a state that holds the target's bits can match its digest, so a match is the
-    check a whole pass makes (docs/format.md, "State digest")."""
+    check a whole pass makes (docs/format.md, "State digest"). ``definition``: of the weights."""
 
-    def __init__(self):
-        self._sum = RunningSum()
+    def __init__(self, *, definition: int = 1):
+        self._sum = RunningSum(definition=definition)
+        self.definition = definition
         self._lock = threading.Lock()
         self.elements = 0
         self.complete = True
@@ -806,7 +873,7 @@ class WrittenDigest:
                 self.elements += n
                 self._later.append((name, dtype, region_map, bits, start))
             return
-        part = region_contrib(name, dtype, region_map, bits, start)
+        part = region_contrib(name, dtype, region_map, bits, start, definition=self.definition)
         with self._lock:
             self.elements += n
         self._sum.add(part)
@@ -819,11 +886,11 @@ class WrittenDigest:
         with self._lock:
             later, self._later = self._later, []
         if later:
-            self._sum.add(_sum_later(later))
+            self._sum.add(_sum_later(later, self.definition))
         return self._sum.total
 
 
-def _sum_later(later: list) -> StateDigest:
+def _sum_later(later: list, definition: int) -> StateDigest:
     """``WrittenDigest``'s deferred chunks, summed over the workers: a chunk of a region that is one
     run of the canonical tensor (a whole tensor, a row shard) in jobs of up to ``MANY_JOB``
     elements, each prepared on the calling thread and summed in one C call (``many_contrib``);
@@ -838,14 +905,16 @@ def _sum_later(later: list) -> StateDigest:
         if offset is not None:
             runs.append((name, dtype, tuple(imap.spec.global_shape), bits, start + offset))
         else:
-            other.append(_later_piece(name, dtype, imap, bits, start))
-    return (_sum_pieces(other, None) if other else StateDigest.zero()) + _sum_runs(runs, None)
+            other.append(_later_piece(name, dtype, imap, bits, start, definition))
+    return (_sum_pieces(other, None) if other else StateDigest.zero()) + _sum_runs(runs, None, definition)
 
 
-def _later_piece(name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int):
+def _later_piece(name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int,
+                 definition: int):
     """A deferred chunk of ``WrittenDigest`` as one of ``_pieces``' answers: one range, threaded."""
     n = bits.numel()
-    return (lambda _s: region_contrib(name, dtype, region_map, bits, start).lanes), range(0, n, n), True
+    return (lambda _s: region_contrib(name, dtype, region_map, bits, start, definition=definition).lanes), \
+        range(0, n, n), True
 
 
 def allreduce_digest(d: StateDigest, group: ProcessGroup | None = None) -> StateDigest:
