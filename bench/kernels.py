@@ -46,9 +46,10 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   digests (pre/post images) over the whole shard in chunks, as a keyframe's make them, on
   ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
 * state digest of the shard: the torch reference (timed on at most 8M elements, scaled) and the
-  C kernel on ``--workers`` threads; on one thread (``state_digest_1t``), the shard's bytes read
-  as bytes, BF16, FP32 and FP64, in each build of the kernel the CPU runs (its best, AVX2, plain),
-  with ns per element;
+  C kernel on ``--workers`` threads (``fast``; ``fast-def2``: the weights' second definition,
+  docs/format.md); on one thread (``state_digest_1t``), the shard's bytes read as bytes, BF16,
+  FP32 and FP64, in each build of the kernel the CPU runs (its best, AVX2, plain), under both
+  definitions, with ns per element;
 * keyframe publish into a local directory (a ``Publisher`` on a ``LocalStore``): a fresh
   publisher's first version with the state digest in C and in torch, and in format version 1,
   against writing (and fsyncing) the raw bytes of the shard there (``raw_write``;
@@ -360,6 +361,8 @@ def digest_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | fl
     if native.lib() is not None:
         rows.append(_row("state_digest", "fast", _median(
             lambda: statedigest.tensor_contrib("shard", base, workers=workers), reps), memcpy))
+        rows.append(_row("state_digest", "fast-def2", _median(
+            lambda: statedigest.tensor_contrib("shard", base, workers=workers, definition=2), reps), memcpy))
     return rows + digest_build_rows(base, reps, memcpy)
 
 
@@ -374,8 +377,9 @@ def digest_build_rows(base: torch.Tensor, reps: int, memcpy: Memcpy | float) -> 
     """The state digest on one thread of the shard's bytes read as each of ``DIGEST_DTYPES``
     (the same bytes, so the memcpy is their unit too), in every build of the kernel this CPU
     runs: ``dcr_set_simd`` 1 (the best it has), 2 (AVX2 at most), 0 (plain), each build once
-    (``dcr_sd_build`` names it). Rows ``state_digest_1t``, path ``<dtype> <build>``, with ns per
-    element: where each build stands on this core against the others (docs/results.md, "Format
+    (``dcr_sd_build`` names it), under both definitions of the weights (the second's builds:
+    ``dcr_sdb_build``). Rows ``state_digest_1t``, path ``<dtype> <build>`` (``... def2``), with ns
+    per element: where each build stands on this core against the others (docs/results.md, "Format
     version 4, seventh turn" on an Intel core, "eighth turn" on an AMD one)."""
     lib = native.lib()
     if lib is None:
@@ -384,15 +388,16 @@ def digest_build_rows(base: torch.Tensor, reps: int, memcpy: Memcpy | float) -> 
     try:
         for setting in (1, 2, 0):
             lib.dcr_set_simd(setting)
-            build = lib.dcr_sd_build()
-            if build in seen:
-                continue
-            seen.add(build)
-            for dtype in DIGEST_DTYPES:
-                t = base.view(dtype)
-                secs = _median(lambda t=t: statedigest.tensor_contrib("shard", t, workers=1), reps)
-                rows.append(_row("state_digest_1t", f"{dtype_name(dtype)} {SD_BUILDS.get(build, build)}", secs,
-                                 memcpy, ns_per_element=1e9 * secs / t.numel()))
+            for definition, build, suffix in ((1, lib.dcr_sd_build(), ""), (2, lib.dcr_sdb_build(), " def2")):
+                if (definition, build) in seen:
+                    continue
+                seen.add((definition, build))
+                for dtype in DIGEST_DTYPES:
+                    t = base.view(dtype)
+                    secs = _median(lambda t=t, d=definition: statedigest.tensor_contrib("shard", t, workers=1,
+                                                                                        definition=d), reps)
+                    rows.append(_row("state_digest_1t", f"{dtype_name(dtype)} {SD_BUILDS.get(build, build)}{suffix}",
+                                     secs, memcpy, ns_per_element=1e9 * secs / t.numel()))
     finally:
         lib.dcr_set_simd(1)
     return rows
