@@ -78,9 +78,12 @@ static inline uint64_t sdb_mod(uint64_t x) {
             s[0][j] += a0; s[1][j] += a1; s[2][j] += a2; s[3][j] += a3;                              \
         }                                                                                            \
     }
+/* (a 4-byte element's limbs cut in 32-bit arithmetic: L_W4's 64-bit shift kept the compiler from
+ * vectorising the loop, 2.5x the time) */
+#define SDB_L4(a, j) (((uint32_t)a[i] >> (16 * (j))) & 0xFFFFu)
 SDB_BLOCK_PLAIN(sdb_block_plain_w1, uint8_t, 1, L_W1)
 SDB_BLOCK_PLAIN(sdb_block_plain_w2, uint16_t, 1, L_W2)
-SDB_BLOCK_PLAIN(sdb_block_plain_w4, uint32_t, 2, L_W4)
+SDB_BLOCK_PLAIN(sdb_block_plain_w4, uint32_t, 2, SDB_L4)
 SDB_BLOCK_PLAIN(sdb_block_plain_w8, uint64_t, 4, L_W8)
 static void sdb_block_plain(const void *x, int w, int j0, int n, uint64_t s[4][4]) {
     (w == 1 ? sdb_block_plain_w1 : w == 2 ? sdb_block_plain_w2 : w == 4 ? sdb_block_plain_w4
