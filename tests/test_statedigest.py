@@ -33,7 +33,7 @@ def random_tensor(shape, dtype, seed):
 
 
 def sharded_digest(name, t, specs, definition=1):
-    d = StateDigest.zero()
+    d = StateDigest.zero(definition)
     for spec in specs:
         d = d + tensor_contrib(name, cut(t, spec).clone(), spec, definition=definition)
     return d
@@ -81,7 +81,7 @@ def reference_digest(name, t, definition=1):
                 r = _weight_ref(i >> 10, keys, lane) * _table_ref(i & 1023, lane) % P
             v = keys.c[lane] + sum(limb * keys.kpow[lane][j] for j, limb in enumerate(limbs))
             lanes[lane] = (lanes[lane] + r * v) % P
-    return StateDigest(tuple(lanes))
+    return StateDigest(tuple(lanes), definition)
 
 
 @pytest.mark.parametrize("dtype", [torch.bool, torch.uint8, torch.bfloat16, torch.float32, torch.int64,
@@ -519,3 +519,30 @@ def test_allreduce_digest_gloo_two_processes(tmp_path):
     expect = state_contrib(_state()).hex()
     for r in range(world):
         assert found[r] == expect
+
+
+def test_digests_of_the_two_definitions_do_not_mix():
+    """A StateDigest carries the definition it was summed with: digests of one definition add,
+    subtract and negate into that definition; one of each is refused (their sum is no digest of
+    anything, and nothing later could tell); equal lanes of two definitions are not equal
+    digests; the text form is the lanes alone, and reading it back says which definition."""
+    t = random_tensor((40, 70), torch.bfloat16, seed=18)
+    d1, d2 = tensor_contrib("w", t), tensor_contrib("w", t, definition=2)
+    assert (d1.definition, d2.definition) == (1, 2)
+    assert (d2 + d2).definition == (d2 - d2).definition == (-d2).definition == 2
+    for op in (lambda: d1 + d2, lambda: d2 - d1, lambda: d1 + StateDigest.zero(2)):
+        with pytest.raises(DcrError, match="definition 1 and one of definition 2|definition 2 and one of definition 1"):
+            op()
+    assert StateDigest(d2.lanes) != d2 and StateDigest(d2.lanes, 2) == d2
+    assert StateDigest.from_hex(d2.hex(), 2) == d2 and StateDigest.from_hex(d1.hex()) == d1
+    assert StateDigest.sum_hex([d2.hex(), d2.hex()], 2) == d2 + d2
+    assert "definition=2" in repr(d2) and "definition" not in repr(d1)
+    with pytest.raises(DcrError, match="cannot be added"):
+        sd.RunningSum(d1, definition=2)
+    s = sd.RunningSum(d2, definition=2)
+    s.add(d2)
+    assert s.total == d2 + d2
+    with pytest.raises(DcrError, match="cannot be added"):
+        s.add(d1)
+    with pytest.raises(DcrError, match="definition 3 is not supported"):
+        StateDigest((0, 0, 0, 0), 3)

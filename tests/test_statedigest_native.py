@@ -128,7 +128,7 @@ def test_shards_and_strides_equal_reference(dtype, simd, reference, definition):
     assert tensor_contrib("w", nc) == reference(tensor_contrib, "w", nc)
     # the sum over a cover equals the whole, on the native path alone
     parts = [ShardSpec.of((48, 40), (0, 0), (48, 10)), ShardSpec.of((48, 40), (0, 10), (48, 30))]
-    assert sum((tensor_contrib("w", cut(full, s).clone(), s) for s in parts), StateDigest.zero()) \
+    assert sum((tensor_contrib("w", cut(full, s).clone(), s) for s in parts), StateDigest.zero(definition)) \
         == tensor_contrib("w", full)
 
 
@@ -167,7 +167,7 @@ def test_change_in_one_pass_equals_the_two_sides(dtype, n, simd, reference, defi
     two = changes_contrib("w", dtype, shape, idx, new) - changes_contrib("w", dtype, shape, idx, old)
     assert change_contrib("w", dtype, shape, idx, old, new) == two
     assert reference(change_contrib, "w", dtype, shape, idx, old, new) == two
-    assert change_contrib("w", dtype, shape, idx, old, old) == StateDigest.zero()
+    assert change_contrib("w", dtype, shape, idx, old, old) == StateDigest.zero(definition)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.uint8, torch.float64], ids=str)
@@ -207,7 +207,7 @@ def test_a_running_sum_adds_chunks_in_c_from_several_threads(dtype, monkeypatch,
     g = torch.Generator().manual_seed(11)
     chunks = [(torch.sort(torch.randperm(numel, generator=g)[:60]).values, special_tensor(dtype, 60, seed=20 + i),
                special_tensor(dtype, 60, seed=200 + i)) for i in range(48)]
-    start = StateDigest((5, P - 1, 0, 123456789))
+    start = StateDigest((5, P - 1, 0, 123456789), definition)
     want = start
     for idx, old, new in chunks:  # (2-D indices: the general path)
         want = want + change_contrib("w", dtype, list(shape), idx.reshape(6, 10), old, new)
@@ -407,7 +407,7 @@ def test_a_shard_of_runs_sums_run_by_run_as_the_reference(dtype, simd, reference
     assert tensor_contrib("w", shard, spec) == reference(tensor_contrib, "w", shard, spec)
     # the column blocks of a tensor add up to its whole digest
     parts = [ShardSpec.of((rows, cols), (0, o), (rows, w)) for o, w in ((0, 30), (30, 41), (71, 19))]
-    assert sum((tensor_contrib("w", cut(full, s).clone(), s) for s in parts), StateDigest.zero()) \
+    assert sum((tensor_contrib("w", cut(full, s).clone(), s) for s in parts), StateDigest.zero(definition)) \
         == tensor_contrib("w", full)
 
 

@@ -95,57 +95,72 @@ _GT = (0x85EBCA6B, 0xC2B2AE35, 0x27D4EB2F, 0x165667B1)
 
 @dataclass(frozen=True)
 class StateDigest:
-    """A state digest: ``LANES`` integers in [0, P). Add/subtract partial digests freely."""
+    """A state digest: ``LANES`` integers in [0, P), and the definition of the weights they were
+    summed with (``DEFINITIONS``). Add/subtract partial digests of one definition freely; two of
+    different definitions are refused (their sum means nothing, and would not be caught later:
+    it is just another number). The text form (``hex``) does not say the definition: what holds
+    the text (its format version) does."""
 
     lanes: tuple
+    definition: int = 1
 
     def __post_init__(self):
         lanes = tuple(int(v) for v in self.lanes)
         if len(lanes) != LANES or any(not 0 <= v < P for v in lanes):
             raise DcrError(f"invalid state digest lanes {self.lanes!r}")
+        checked_definition(self.definition)
         object.__setattr__(self, "lanes", lanes)
 
     @classmethod
-    def zero(cls) -> StateDigest:
-        return cls((0,) * LANES)
+    def zero(cls, definition: int = 1) -> StateDigest:
+        return cls((0,) * LANES, definition)
 
     @classmethod
-    def _of(cls, lanes: tuple) -> StateDigest:
+    def _of(cls, lanes: tuple, definition: int = 1) -> StateDigest:
         """Lanes known to be LANES Python ints in [0, P) (reduced here, or the C kernel's output),
         unchecked: the follower sums one of these per applied chunk."""
         d = object.__new__(cls)
         object.__setattr__(d, "lanes", lanes)
+        object.__setattr__(d, "definition", definition)
         return d
+
+    def _mixed(self, other: StateDigest) -> DcrError:
+        return DcrError(f"a state digest of definition {self.definition} and one of definition "
+                        f"{other.definition} cannot be added or subtracted")
 
     def __add__(self, other: StateDigest) -> StateDigest:
         if not isinstance(other, StateDigest):
             return NotImplemented
-        return StateDigest._of(tuple([(a + b) % P for a, b in zip(self.lanes, other.lanes)]))
+        if other.definition != self.definition:  # (inline: a follower adds one of these a chunk)
+            raise self._mixed(other)
+        return StateDigest._of(tuple([(a + b) % P for a, b in zip(self.lanes, other.lanes)]), self.definition)
 
     def __sub__(self, other: StateDigest) -> StateDigest:
         if not isinstance(other, StateDigest):
             return NotImplemented
-        return StateDigest._of(tuple([(a - b) % P for a, b in zip(self.lanes, other.lanes)]))
+        if other.definition != self.definition:
+            raise self._mixed(other)
+        return StateDigest._of(tuple([(a - b) % P for a, b in zip(self.lanes, other.lanes)]), self.definition)
 
     def __neg__(self) -> StateDigest:
-        return StateDigest(tuple((-a) % P for a in self.lanes))
+        return StateDigest(tuple((-a) % P for a in self.lanes), self.definition)
 
     def hex(self) -> str:
         """Fixed-width lowercase hex: 8 digits per lane, lane 0 first (32 characters)."""
         return "".join(f"{v:0{_HEX_WIDTH}x}" for v in self.lanes)
 
     @classmethod
-    def from_hex(cls, s: str) -> StateDigest:
+    def from_hex(cls, s: str, definition: int = 1) -> StateDigest:
         if not isinstance(s, str) or len(s) != _HEX_WIDTH * LANES:
             raise DcrError(f"state digest must be {_HEX_WIDTH * LANES} hex digits, got {s!r}")
         try:
             lanes = tuple(int(s[k:k + _HEX_WIDTH], 16) for k in range(0, len(s), _HEX_WIDTH))
         except ValueError:
             raise DcrError(f"state digest is not hex: {s!r}") from None
-        return cls(lanes)
+        return cls(lanes, definition)
 
     @classmethod
-    def sum_hex(cls, texts: Iterable[str]) -> StateDigest:
+    def sum_hex(cls, texts: Iterable[str], definition: int = 1) -> StateDigest:
         """The sum of digests in their text form (``from_hex`` of each, added) in one numpy pass:
         a version-4 publisher's state digest is the sum of its tensors' digests, thousands of
         them, and one ``from_hex`` and ``+`` each took ~5 us (20 ms for 4096 tensors)."""
@@ -162,13 +177,14 @@ class StateDigest:
         if bool((lanes >= P).any()):
             raise DcrError("invalid state digest lanes (not below P)")
         total = lanes.astype(np.uint64).sum(axis=0)  # < 2**31 * 2**32 terms: no overflow
-        return cls(tuple(int(v) % P for v in total))
+        return cls(tuple(int(v) % P for v in total), definition)
 
     def __str__(self) -> str:
         return self.hex()
 
     def __repr__(self) -> str:
-        return f"StateDigest({self.hex()!r})"
+        return f"StateDigest({self.hex()!r})" if self.definition == 1 else \
+            f"StateDigest({self.hex()!r}, definition={self.definition})"
 
 
 # ----------------------------------------------------------------------------- per-tensor keys
@@ -369,7 +385,7 @@ def tensor_contrib(name: str, tensor: torch.Tensor, spec: ShardSpec | None = Non
     threads). Summing this over a set of shards that covers every canonical element exactly once
     gives the digest of the whole tensor. ``definition``: of the weights (``DEFINITIONS``).
     """
-    return _sum_pieces([_pieces(name, tensor, spec, definition)], workers)
+    return _sum_pieces([_pieces(name, tensor, spec, definition)], workers, definition)
 
 
 def state_contrib(tensors: Mapping[str, torch.Tensor],
@@ -388,7 +404,7 @@ def state_contrib(tensors: Mapping[str, torch.Tensor],
             runs.append(run)
         else:
             pieces.append(_pieces(name, t, shards.get(name), definition))
-    return _sum_pieces(pieces, workers) + _sum_runs(runs, workers, definition)
+    return _sum_pieces(pieces, workers, definition) + _sum_runs(runs, workers, definition)
 
 
 def _run_start(imap: IndexMap) -> int | None:
@@ -432,7 +448,7 @@ def _sum_runs(runs: list, workers: int | None, definition: int) -> StateDigest:
     for digests in ordered_map(lambda run: run(), jobs, workers):
         for d in digests:
             acc = _add(acc, d.lanes)
-    return StateDigest(tuple(acc))
+    return StateDigest(tuple(acc), definition)
 
 
 def _pieces(name: str, tensor: torch.Tensor, spec: ShardSpec | None, definition: int):
@@ -496,7 +512,7 @@ def _run_pieces(lib, keys: _Keys, fa: FlatAccess, gstart: torch.Tensor, length: 
     return part, range(0, fa.numel, per), True
 
 
-def _sum_pieces(pieces: list, workers: int | None) -> StateDigest:
+def _sum_pieces(pieces: list, workers: int | None, definition: int) -> StateDigest:
     """The sum of every range of ``pieces`` (``_pieces``' answers), in any order (a sum mod P)."""
     acc = [0] * LANES
     for fn, starts, threaded in pieces:
@@ -505,7 +521,7 @@ def _sum_pieces(pieces: list, workers: int | None) -> StateDigest:
                 acc = _add(acc, fn(s))
     for lanes in ordered_map(_sum_batch, _batches(pieces), workers):
         acc = _add(acc, lanes)
-    return StateDigest(tuple(acc))
+    return StateDigest(tuple(acc), definition)
 
 
 def _batches(pieces: list):
@@ -537,13 +553,13 @@ def range_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[in
     keys = _keys(name, dtype_name(dt), shape, definition)
     lib = native.lib() if b.device.type == "cpu" else None
     if lib is not None:
-        return StateDigest(tuple(_native_kernel(lib, keys, b.contiguous(), start=start)))
+        return StateDigest(tuple(_native_kernel(lib, keys, b.contiguous(), start=start)), definition)
     acc = [0] * LANES
     for s in range(0, b.numel(), CHUNK):
         e = min(s + CHUNK, b.numel())
         acc = _add(acc, _kernel(keys, torch.arange(start + s, start + e, dtype=torch.int64, device=b.device),
                                 b[s:e]))
-    return StateDigest(tuple(acc))
+    return StateDigest(tuple(acc), definition)
 
 
 def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], torch.Tensor, int]], *,
@@ -585,7 +601,7 @@ def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], t
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
         _ = prepared  # the tensors stay alive until the kernel has read them
-        return [StateDigest(tuple(int(v) for v in out[LANES * i:LANES * (i + 1)])) for i in range(n)]
+        return [StateDigest(tuple(int(v) for v in out[LANES * i:LANES * (i + 1)]), definition) for i in range(n)]
 
     return run
 
@@ -609,7 +625,7 @@ def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: to
     if start < 0 or end > imap.numel:
         raise DcrError(f"{name}: elements {start}..{end} out of range for its region of {imap.numel}")
     if end == start:
-        return StateDigest.zero()
+        return StateDigest.zero(definition)
     length = imap.run_length
     lib = native.lib() if b.device.type == "cpu" else None
     if lib is None or length < RUN_MIN:
@@ -617,7 +633,7 @@ def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: to
         return changes_contrib(name, dt, gshape, gidx, b, definition=definition)
     r0, r1 = start // length, -(-end // length)  # the runs the elements touch
     gst = imap.to_global(torch.arange(r0, r1, dtype=torch.int64) * length).contiguous()
-    acc = StateDigest.zero()
+    acc = StateDigest.zero(definition)
     lo = min(end, (r0 + 1) * length) if start % length else start  # the first whole run's start
     if lo > start:
         acc = acc + range_contrib(name, dt, gshape, b[:lo - start], int(gst[0]) + start % length,
@@ -632,7 +648,7 @@ def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: to
                                      (hi - lo) // length, length, keys.s1, keys.s2, t, kp, c, out, definition)
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
-        acc = acc + StateDigest._of(tuple(out))
+        acc = acc + StateDigest._of(tuple(out), definition)
     if end > hi:
         acc = acc + range_contrib(name, dt, gshape, b[hi - start:], int(gst[hi // length - r0]),
                                   definition=definition)
@@ -690,10 +706,10 @@ def changes_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[
     acc = [0] * LANES
     lib = native.lib() if b.device.type == "cpu" and idx.device.type == "cpu" else None
     if lib is not None:
-        return StateDigest(tuple(_native_kernel(lib, keys, b.contiguous(), gidx=idx.contiguous())))
+        return StateDigest(tuple(_native_kernel(lib, keys, b.contiguous(), gidx=idx.contiguous())), definition)
     for s in range(0, idx.numel(), CHUNK):
         acc = _add(acc, _kernel(keys, idx[s:s + CHUNK], b[s:s + CHUNK]))
-    return StateDigest(tuple(acc))
+    return StateDigest(tuple(acc), definition)
 
 
 def change_contrib(name: str, dtype: torch.dtype | str, global_shape: Sequence[int], global_idx: torch.Tensor,
@@ -714,7 +730,7 @@ def _change_general(name, dtype, global_shape, global_idx, old, new, definition:
         return (changes_contrib(name, dtype, global_shape, idx, n, definition=definition)
                 - changes_contrib(name, dtype, global_shape, idx, o, definition=definition))
     if not idx.numel():
-        return StateDigest.zero()
+        return StateDigest.zero(definition)
     t, kp, _ = _native_keys(keys)
     out = (ctypes.c_uint64 * LANES)()
     n, o, idx = n.contiguous(), o.contiguous(), idx.contiguous()
@@ -724,7 +740,7 @@ def _change_general(name, dtype, global_shape, global_idx, old, new, definition:
                            keys.s1, keys.s2, t, kp, out, definition)
     if rc != 0:
         raise DcrError(f"state digest kernel failed ({rc})")
-    return StateDigest._of(tuple(out))  # the kernel's lanes are in [0, P)
+    return StateDigest._of(tuple(out), definition)  # the kernel's lanes are in [0, P)
 
 
 @functools.lru_cache(maxsize=KEYS_CACHED)
@@ -773,7 +789,7 @@ def _change_fast(name, dtype, global_shape, idx, old, new, definition: int = 1) 
         return None
     out = (ctypes.c_uint64 * LANES)()
     _fast_rc(a[0].dcr_sd_change_in(*a[1], out, a[2]), name, global_shape)
-    return StateDigest._of(tuple(out))
+    return StateDigest._of(tuple(out), definition)
 
 
 class RunningSum:
@@ -786,7 +802,7 @@ class RunningSum:
 
     def __init__(self, start: StateDigest | None = None, *, definition: int = 1):
         self.definition = checked_definition(definition)
-        self._parts = start if start is not None else StateDigest.zero()
+        self._parts = StateDigest.zero(definition) + start if start is not None else StateDigest.zero(definition)
         self._acc = (ctypes.c_uint64 * LANES)()  # lanes in [0, P): dcr_sd_change_acc keeps them so
         self._lock = threading.Lock()
 
@@ -804,7 +820,7 @@ class RunningSum:
     @property
     def total(self) -> StateDigest:
         with self._lock:  # (the C adds keep the GIL: the lanes are read between two of them)
-            return self._parts + StateDigest._of(tuple(self._acc))
+            return self._parts + StateDigest._of(tuple(self._acc), self.definition)
 
 
 class ChangeDigest:
@@ -906,7 +922,8 @@ def _sum_later(later: list, definition: int) -> StateDigest:
             runs.append((name, dtype, tuple(imap.spec.global_shape), bits, start + offset))
         else:
             other.append(_later_piece(name, dtype, imap, bits, start, definition))
-    return (_sum_pieces(other, None) if other else StateDigest.zero()) + _sum_runs(runs, None, definition)
+    summed = _sum_pieces(other, None, definition) if other else StateDigest.zero(definition)
+    return summed + _sum_runs(runs, None, definition)
 
 
 def _later_piece(name: str, dtype: torch.dtype, region_map: IndexMap, bits: torch.Tensor, start: int,
@@ -927,4 +944,4 @@ def allreduce_digest(d: StateDigest, group: ProcessGroup | None = None) -> State
         device = torch.device("cuda", torch.cuda.current_device())
     t = torch.tensor(d.lanes, dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
-    return StateDigest(tuple(int(v) % P for v in t.cpu().tolist()))
+    return StateDigest(tuple(int(v) % P for v in t.cpu().tolist()), d.definition)
