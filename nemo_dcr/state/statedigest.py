@@ -309,7 +309,7 @@ def _kernel(keys: _Keys, gidx: torch.Tensor, bits: torch.Tensor) -> list:
         h = _fmix(base.bitwise_xor(keys.t[lane]))
         r = h.bitwise_right_shift_(1).clamp_(1, P - 1)  # weight in [1, P), never 0
         if blocked:  # times the table's entry for the place in the block: < 2**62, in [1, P) again
-            r = r.mul_(_table2()[lane].to(gidx.device)[gidx & (BLOCK2 - 1)]).remainder_(P)
+            r = r.mul_(_table2_on(gidx.device)[lane][gidx & (BLOCK2 - 1)]).remainder_(P)
         kp = keys.kpow[lane]
         acc = keys.c[lane] * (int(r.sum()) % P)  # r.sum() < 2**31 * 2**20
         for j, limb in enumerate(limbs):
@@ -324,6 +324,12 @@ def _table2() -> torch.Tensor:
     every tensor: ``g_l(j) = clamp(mix(mix(j ^ G0) ^ GT_l) >> 1, 1, P - 1)``."""
     u = _fmix(torch.arange(BLOCK2, dtype=torch.int64).bitwise_xor_(_G0))
     return torch.stack([_fmix(u.bitwise_xor(t)).bitwise_right_shift_(1).clamp_(1, P - 1) for t in _GT])
+
+
+@functools.lru_cache(maxsize=8)
+def _table2_on(device: torch.device) -> torch.Tensor:
+    """``_table2`` where the reference sums (a GPU's copy made once, not once a chunk)."""
+    return _table2().to(device)
 
 
 def table2() -> np.ndarray:
