@@ -590,6 +590,7 @@ def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], t
     prepared = [(name, dt, shape, b.contiguous(), start) for name, dt, shape, b, start in prepared]
     n = len(prepared)
     keys = [_keys(name, dtype_name(dt), shape, definition) for name, dt, shape, _, _ in prepared]
+    defn = keys[0].definition if keys else definition  # (what the keys are of: every C call takes that)
     args: list[np.ndarray] = [
         np.array([p[3].data_ptr() for p in prepared], dtype=np.uint64),
         np.array([p[3].element_size() for p in prepared], dtype=np.int32),
@@ -603,7 +604,7 @@ def many_contrib(ranges: Sequence[tuple[str, torch.dtype | str, Sequence[int], t
 
     def run() -> list[StateDigest]:
         out = np.zeros(LANES * n, dtype=np.uint64)
-        rc = lib.dcr_sd_contrib_many(n, *(a.ctypes.data for a in args), out.ctypes.data, definition)
+        rc = lib.dcr_sd_contrib_many(n, *(a.ctypes.data for a in args), out.ctypes.data, defn)
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
         _ = prepared  # the tensors stay alive until the kernel has read them
@@ -651,7 +652,7 @@ def region_contrib(name: str, dtype: torch.dtype | str, imap: IndexMap, bits: to
         runs = b[lo - start:hi - start].contiguous()
         out = (ctypes.c_uint64 * LANES)()
         rc = lib.dcr_sd_contrib_runs(runs.data_ptr(), runs.element_size(), gst[lo // length - r0:].data_ptr(),
-                                     (hi - lo) // length, length, keys.s1, keys.s2, t, kp, c, out, definition)
+                                     (hi - lo) // length, length, keys.s1, keys.s2, t, kp, c, out, keys.definition)
         if rc != 0:
             raise DcrError(f"state digest kernel failed ({rc})")
         acc = acc + StateDigest._of(tuple(out), definition)
@@ -743,7 +744,7 @@ def _change_general(name, dtype, global_shape, global_idx, old, new, definition:
     if idx.numel() <= HELD_CHANGES:
         lib = native.held() or lib
     rc = lib.dcr_sd_change(n.data_ptr(), o.data_ptr(), n.element_size(), idx.data_ptr(), 0, n.numel(),
-                           keys.s1, keys.s2, t, kp, out, definition)
+                           keys.s1, keys.s2, t, kp, out, keys.definition)
     if rc != 0:
         raise DcrError(f"state digest kernel failed ({rc})")
     return StateDigest._of(tuple(out), definition)  # the kernel's lanes are in [0, P)
@@ -778,7 +779,7 @@ def _fast_args(name, dtype, global_shape, idx, old, new, definition: int = 1) ->
     keys, t, kp, numel, w = _prepared(name, dtype, global_shape, definition)
     if old.element_size() != w or new.element_size() != w:
         return None  # (the general path says what is wrong)
-    return h, (new.data_ptr(), old.data_ptr(), w, idx.data_ptr(), k, numel, keys.s1, keys.s2, t, kp), definition
+    return h, (new.data_ptr(), old.data_ptr(), w, idx.data_ptr(), k, numel, keys.s1, keys.s2, t, kp), keys.definition
 
 
 def _fast_rc(rc: int, name: str, global_shape) -> None:
