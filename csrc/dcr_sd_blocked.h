@@ -14,8 +14,9 @@
  * The sums are those of the first definition's loop (acc[l][0] = sum r, acc[l][1 + j] = sum r *
  * limb j, mod P), so everything after the loop (sd_out, the change's difference) is shared.
  * Contiguous ranges go block by block: a block's sum_j g_l(j) x_j (< 1024 * 2^31 * 2^16 = 2^57)
- * then one product by a_l(b). Indices given one by one (gidx) and changes weigh each element
- * r = a * g mod P, the block's a_l kept while consecutive indices stay in one block.
+ * then one product by a_l(b). Indices given one by one (gidx) and changes are summed against the
+ * table while consecutive indices stay in one block, and the block's sums times its a_l when the
+ * block changes (sdb_each).
  *
  * Included once by dcr_classes.c after the first definition's loop (it uses sd_mix, sd_weight,
  * sd_mod, SD_P, simd_cap and sd_isa). */
