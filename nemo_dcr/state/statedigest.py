@@ -809,7 +809,8 @@ class RunningSum:
 
     def __init__(self, start: StateDigest | None = None, *, definition: int = 1):
         self.definition = checked_definition(definition)
-        self._parts = StateDigest.zero(definition) + start if start is not None else StateDigest.zero(definition)
+        # (a start of the other definition is refused by the addition, as any part would be)
+        self._parts = StateDigest.zero(definition) + (start if start is not None else StateDigest.zero(definition))
         self._acc = (ctypes.c_uint64 * LANES)()  # lanes in [0, P): dcr_sd_change_acc keeps them so
         self._lock = threading.Lock()
 
@@ -846,7 +847,6 @@ class ChangeDigest:
 
     def __init__(self, *, definition: int = 1):
         self._sum = RunningSum(definition=definition)
-        self._definition = definition
 
     @property
     def total(self) -> StateDigest:
@@ -856,9 +856,9 @@ class ChangeDigest:
         if new is not None and old is not None:
             self._sum.add_change(name, dtype, global_shape, global_idx, old, new)
         elif new is not None:
-            self._sum.add(changes_contrib(name, dtype, global_shape, global_idx, new, definition=self._definition))
+            self._sum.add(changes_contrib(name, dtype, global_shape, global_idx, new, definition=self._sum.definition))
         elif old is not None:
-            self._sum.add(-changes_contrib(name, dtype, global_shape, global_idx, old, definition=self._definition))
+            self._sum.add(-changes_contrib(name, dtype, global_shape, global_idx, old, definition=self._sum.definition))
 
 
 class WrittenDigest:
@@ -874,7 +874,6 @@ class WrittenDigest:
 
     def __init__(self, *, definition: int = 1):
         self._sum = RunningSum(definition=definition)
-        self.definition = definition
         self._lock = threading.Lock()
         self.elements = 0
         self.complete = True
@@ -900,6 +899,10 @@ class WrittenDigest:
         with self._lock:
             self.elements += n
         self._sum.add(part)
+
+    @property
+    def definition(self) -> int:
+        return self._sum.definition
 
     def give_up(self) -> None:
         self.complete = False
