@@ -137,8 +137,8 @@ def test_the_default_format_version_is_4():
 
 def test_a_format_version_is_checked():
     base, target = _states()
-    with pytest.raises(DcrError, match="format version 5"):
-        diff(base, target, format_version=5)
+    with pytest.raises(DcrError, match="format version 6"):
+        diff(base, target, format_version=6)
 
 
 def test_known_base_digests_of_another_algorithm_are_hashed():

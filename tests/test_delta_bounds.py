@@ -210,7 +210,7 @@ def test_typed_header_is_what_the_writer_wrote():
 
 def test_container_constants_unchanged():
     assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 4
-    assert sorted(VERSIONS) == [1, 2, 3, 4]  # a reader still reads versions 1 to 3 (tests/test_golden.py)
+    assert sorted(VERSIONS) == [1, 2, 3, 4, 5]  # a reader still reads versions 1 to 4 (tests/test_golden.py)
     from nemo_dcr.codec.format import SEGMENT, TRAILER
     assert SEGMENT.format == "<IIII" and TRAILER.format == "<II8s"  # version 3 (docs/format.md)
 

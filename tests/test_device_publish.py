@@ -117,13 +117,17 @@ def test_a_failed_publish_leaves_the_device_snapshot_the_base(tmp_path):
     assert_state(recv, {k: v.contiguous() for k, v in v1.items()})
 
 
-def test_device_apply_rebuilds_the_state_and_updates_the_digest():
+@pytest.mark.parametrize("fv", [4, 5])
+def test_device_apply_rebuilds_the_state_and_updates_the_digest(fv):
+    """... under the definition the delta's version sums with (2 from version 5)."""
     v0, v1 = _states()  # a tensor added, one removed, one re-typed: sent whole or dropped
-    blob = diff(v0, v1, chunk_elems=CHUNK, progress=False)
+    blob = diff(v0, v1, chunk_elems=CHUNK, progress=False, format_version=fv)
     recv = {k: v.clone() for k, v in v0.items()}
     d = apply_delta_(recv, blob)
     assert_state(recv, {k: v.contiguous() for k, v in v1.items()})
-    assert state_contrib(v0) + d == state_contrib(v1)
+    definition = 2 if fv == 5 else 1
+    assert d.definition == definition
+    assert state_contrib(v0, definition=definition) + d == state_contrib(v1, definition=definition)
 
 
 def test_device_apply_checks_every_chunk_before_the_first_write():

@@ -109,9 +109,9 @@ def test_publisher_hashes_each_tensor_once_per_version(tmp_path, monkeypatch):
     assert len(hashed) == len(third)
 
 
-@pytest.mark.parametrize("fv", [3, 4])
-def test_publisher_of_formats_3_and_4_hashes_no_tensor_whole(tmp_path, monkeypatch, fv):
-    """Format versions 3 and 4 (the default): the tensor digests are sums, the keyframe's summed
+@pytest.mark.parametrize("fv", [3, 4, 5])
+def test_publisher_of_formats_3_to_5_hashes_no_tensor_whole(tmp_path, monkeypatch, fv):
+    """Format versions 3, 4 (the default) and 5: the tensor digests are sums, the keyframe's summed
     from its chunks and each delta's from the base's and the changes: no tensor is hashed whole by
     a publish, and a follower checking every digest agrees. In version 4 the tensor digests are
     the state digest's terms, so the first version's state digest is no pass of its own either."""
@@ -143,12 +143,12 @@ def test_publisher_of_formats_3_and_4_hashes_no_tensor_whole(tmp_path, monkeypat
     recv = zeros_like(base)
     fol = Follower(store, recv)
     fol.sync(0)
-    algo = {3: "sd", 4: "sdn"}[fv]
+    algo = {3: "sd", 4: "sdn", 5: "sdb"}[fv]
     for v, s in ((1, target), (2, third)):
         fol.sync(v)
         assert_state(recv, s)
         assert fol.manifest is not None and fol.manifest.parts
-        assert fol.manifest.target_digest == statedigest.state_contrib(s).hex()
+        assert fol.manifest.target_digest == statedigest.state_contrib(s, definition=2 if fv == 5 else 1).hex()
         for p in fol.manifest.parts:
             for e in DeltaReader.open(store.get(p.key)).header.tensors:
                 assert e.target_digest == digest.tensor_digest(s[e.name], algo, place=digest.Place(e.name)), e.name

@@ -44,7 +44,7 @@ def test_version_3_round_trips_and_its_digests_are_the_sums_of_the_tensors():
     assert_state(recv, target)
 
 
-@pytest.mark.parametrize("fv", [3, 4])
+@pytest.mark.parametrize("fv", [3, 4, 5])
 def test_a_verified_apply_reads_each_tensor_once_the_target_follows_from_the_changes(monkeypatch, fv):
     """``apply(verify=True)``: each base digest is the sum over the held tensor (read once); the
     target's is that sum moved by the changes written (before: each tensor was hashed a second
@@ -92,7 +92,7 @@ def test_a_verified_apply_reads_each_tensor_once_the_target_follows_from_the_cha
     assert isinstance(e.value.__cause__, TargetMismatchError) and "all" in str(e.value.__cause__)
 
 
-@pytest.mark.parametrize("fv, algo", [(3, "sd"), (4, "sdn")])
+@pytest.mark.parametrize("fv, algo", [(3, "sd"), (4, "sdn"), (5, "sdb")])
 def test_a_keyframe_beside_a_delta_takes_the_digests_the_delta_reached(monkeypatch, tmp_path, fv, algo):
     """A version published with a delta and a keyframe: the delta sums each tensor's digest from
     the changes, and the keyframe's entries carry those, their chunks not summed again (a
@@ -111,7 +111,7 @@ def test_a_keyframe_beside_a_delta_takes_the_digests_the_delta_reached(monkeypat
     monkeypatch.setattr(SumKey, "range", lambda self, bits, *a: summed.append(bits) or real(self, bits, *a))
     ahead = diff_module.many_contrib  # a small tensor sent whole: summed ahead, on a worker
     monkeypatch.setattr(diff_module, "many_contrib",
-                        lambda ranges: summed.extend(r[3] for r in ranges) or ahead(ranges))
+                        lambda ranges, **k: summed.extend(r[3] for r in ranges) or ahead(ranges, **k))
     r = pub.publish(target, keyframe=True)
     monkeypatch.undo()
     m = r.manifest

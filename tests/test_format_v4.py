@@ -201,7 +201,7 @@ def test_a_reader_of_versions_1_to_3_refuses_version_4_clearly():
             DeltaReader.open(blob)
 
 
-@pytest.mark.parametrize("fv", [3, 4])
+@pytest.mark.parametrize("fv", [3, 4, 5])
 def test_a_base_digest_summed_beside_the_chunks_is_of_the_base_before_any_change_is_written(monkeypatch, fv):
     """A base digest not known before (a publisher's first delta after it rebuilt its base from
     the store) is summed beside the tensor's chunks, while ``on_change`` may write each chunk's
@@ -287,7 +287,7 @@ def test_a_sharded_senders_removal_is_checked_on_its_part():
         apply(good, blobs[3][0])
 
 
-@pytest.mark.parametrize("fv", [3, 4])
+@pytest.mark.parametrize("fv", [3, 4, 5])
 @pytest.mark.parametrize("workers", [1, 2])
 def test_a_keyframes_small_tensors_are_summed_ahead_on_the_workers(monkeypatch, fv, workers):
     """A tensor sent whole in one light chunk (a keyframe's small tensors) has its summed
@@ -313,23 +313,24 @@ def test_a_keyframes_small_tensors_are_summed_ahead_on_the_workers(monkeypatch, 
     jobs, threads = [], []
     real = diff_module.many_contrib
 
-    def spy(ranges):
+    def spy(ranges, **k):
         jobs.append([r[0] for r in ranges])
-        run = real(ranges)
+        run = real(ranges, **k)
         return lambda: threads.append(threading.current_thread()) or run()
     monkeypatch.setattr(diff_module, "many_contrib", spy)
     header = diff({}, state, shards=shards, workers=workers, format_version=fv, out=io.BytesIO())
-    algo = {3: "sd", 4: "sdn"}[fv]
+    algo = {3: "sd", 4: "sdn", 5: "sdb"}[fv]
     for e in header["tensors"]:
         assert e["target_digest"] == tensor_digest(state[e["name"]], algo,
                                                    place=Place(e["name"], shards.get(e["name"]))), e["name"]
     small = {k for k in state if k.startswith("s")}
     summed = sorted(n for job in jobs for n in job)
-    if fv == 4:
+    if fv >= 4:
         assert summed == sorted(small)
     else:  # "sd": keyed by no name (""), and by a region's own shape, so the region is summed ahead too
         assert len(summed) == len(small) + 1
     assert len(jobs) > 2
     assert threads and all((t is threading.main_thread()) == (workers == 1) for t in threads)
-    assert statedigest.StateDigest.sum_hex([e["target_digest"].split(":")[1] for e in header["tensors"]]) \
-        == state_contrib(state, shards) or fv == 3
+    definition = 2 if fv == 5 else 1
+    assert statedigest.StateDigest.sum_hex([e["target_digest"].split(":")[1] for e in header["tensors"]], definition) \
+        == state_contrib(state, shards, definition=definition) or fv == 3

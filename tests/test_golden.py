@@ -1,5 +1,5 @@
 """Golden files: deltas written by an earlier build (tests/data/golden/ for format version 1,
-tests/data/golden_v2/ for version 2, tests/data/golden_v3/ and golden_v4/ for versions 3 and 4, made by
+tests/data/golden_v2/ for version 2, tests/data/golden_v3/ to golden_v5/ for versions 3 to 5, made by
 tests/data/make_golden.py from the same inputs) must
 still apply bit-exactly, and encoding the same inputs again in the same version must give the
 same bytes, so the format cannot change by accident."""
@@ -57,7 +57,8 @@ def test_golden_versions_differ_only_in_their_digests():
     over them), and every digest of each is the algorithm its version names. Version 3 is version
     2 in segments with summed tensor digests: the same chunks, payloads and chunk digests (its
     offsets differ: each segment's index sits before its payloads). Version 4 is version 3 with
-    the tensor digests keyed by name (``sdn:``): the same segments but for the digests."""
+    the tensor digests keyed by name (``sdn:``): the same segments but for the digests; version 5
+    is version 4 with them under the state digest's definition 2 (``sdb:``)."""
     def no_digests(blob, chunk_digests=True):
         h = json.loads(json.dumps(DeltaReader.open(blob).raw_header))
         for k in ("format", "tool", "base_digest", "target_digest"):
@@ -70,18 +71,18 @@ def test_golden_versions_differ_only_in_their_digests():
                     c.pop("pre"), c.pop("post")
         return h
     for name in DELTAS:
-        v1, v2, v3, v4 = golden(name, 1), golden(name, 2), golden(name, 3), golden(name, 4)
-        assert _split(v1)[0][16:] == _split(v2)[0][16:] == _split(v3)[0][16:] == _split(v4)[0][16:], name
+        v1, v2, v3, v4, v5 = (golden(name, v) for v in (1, 2, 3, 4, 5))
+        assert len({_split(v)[0][16:] for v in (v1, v2, v3, v4, v5)}) == 1, name
         assert no_digests(v1) == no_digests(v2), name
-        assert no_digests(v2, False) == no_digests(v3, False) == no_digests(v4, False), name
-        for blob, prefix in ((v1, "sha256:"), (v2, "blake3:"), (v3, "sd:"), (v4, "sdn:")):
+        assert no_digests(v2, False) == no_digests(v3, False) == no_digests(v4, False) == no_digests(v5, False), name
+        for blob, prefix in ((v1, "sha256:"), (v2, "blake3:"), (v3, "sd:"), (v4, "sdn:"), (v5, "sdb:")):
             for t in DeltaReader.open(blob).header.tensors:
                 assert all(d.startswith(prefix) for d in (t.base_digest, t.target_digest) if d), (name, t.name)
 
 
 @pytest.mark.parametrize("version", [v for v in VERSIONS if v >= 3])
 def test_golden_v3_indexes_come_before_their_chunks(version):
-    """In versions 3 and 4 every chunk's payload lies after the index that lists it: a reader that
+    """From version 3 every chunk's payload lies after the index that lists it: a reader that
     has the object's first N bytes knows every chunk that ends within them."""
     from nemo_dcr.codec.format import PREAMBLE, read_segment
     for name in DELTAS:

@@ -99,6 +99,30 @@ def test_tp4_joint_commit_followed_by_tp2_group_and_unsharded_receiver(backend, 
     assert_global(late, 2)
 
 
+def test_a_group_moving_to_format_5_keeps_a_receiver_group_on_deltas(tmp_path):
+    """A restarted TP=4 trainer group publishes on in format 5 (state digests of definition 2):
+    each rank sums its part of the base once (its restore), the first format-5 manifest names the
+    base's digest under definition 2, and the TP=2 receiver group, which held a format-4 version,
+    sums its state once (all-reduced over the group) and goes on by deltas."""
+    from nemo_dcr.state.statedigest import state_contrib
+    from nemo_dcr.stores import LocalStore
+    root = str(tmp_path / "store")
+    res, codes = run_group(6, {"kind": "local", "root": root}, "joint-4-to-5", tmp_path)
+    assert_ok(res, range(6))
+    for r in (4, 5):
+        assert res[r]["versions"] == [0, 1, 2, 3]
+        assert res[r]["steps"] == [[["keyframe", 0]], [["delta", 1]], [["delta", 2]], [["delta", 3]]]
+    store = LocalStore(root)
+    m = read_manifest(store, read_head(store)[0].manifest)
+    base = read_manifest(store, m.base_manifest)
+    assert (m.format, base.format) == (5, 5) and read_manifest(store, base.base_manifest).format == 4
+    assert base.base_digest == state_contrib(W.global_state(1), definition=2).hex()
+    assert m.target_digest == state_contrib(W.global_state(3), definition=2).hex()
+    late = zeros()
+    assert Follower(store, late).sync().steps == [("keyframe", 0), ("delta", 1), ("delta", 2), ("delta", 3)]
+    assert_global(late, 3)
+
+
 def test_rank_killed_mid_upload_commits_nothing_and_a_fresh_group_carries_on(backend, tmp_path):
     store, spec = backend
     res, codes = run_group(4, spec, "die", tmp_path)

@@ -121,8 +121,24 @@ def find_version(store: Store | str, tensors: dict) -> int | None:
     (:func:`~nemo_dcr.sync.versions.locate`: read from HEAD down, up to a manifest that cannot
     be read)."""
     from nemo_dcr.sync.signing import verifying
-    m = locate(verifying(_open(store, create=False)), state_contrib(tensors).hex()).manifest
+    m = locate(verifying(_open(store, create=False)), _Digests(tensors)).manifest
     return None if m is None else m.version
+
+
+class _Digests:
+    """The state digest's text of ``tensors`` under a definition (``Manifest.definition``), each
+    summed once, when a walk down the chain first meets a manifest of it (``locate``).
+    ``first``: the definition asked for first (HEAD's manifest's)."""
+
+    def __init__(self, tensors):
+        self.tensors, self.texts = tensors, {}
+        self.first: int | None = None
+
+    def __call__(self, definition: int) -> str:
+        if definition not in self.texts:
+            self.texts[definition] = state_contrib(self.tensors, definition=definition).hex()
+            self.first = definition if self.first is None else self.first
+        return self.texts[definition]
 
 
 @dataclass
@@ -160,7 +176,7 @@ def pull_checkpoint(store: Store | str, out: str, version: int | None = None,
         # the version held, if a pull can use it: found above any manifest that cannot be read,
         # and, for a pull to HEAD, within the deltas that cost less than the newest keyframe (a
         # pull to another version is planned from the version held, wherever it is: going back)
-        current = locate(store, state_contrib(tensors).hex(), head, worth_fetching=version is None).manifest
+        current = locate(store, _Digests(tensors), head, worth_fetching=version is None).manifest
         if current is None:
             tensors = {}  # not a version the store knows: rebuild from the newest keyframe
     if current is None:
@@ -227,12 +243,14 @@ def _whole_tensors_for_shards(store, head) -> dict:
 
 def locate_checkpoint(store: Store | str, path: str) -> tuple[Found, str]:
     """-> (what :func:`~nemo_dcr.sync.versions.locate` found for the checkpoint at ``path``, the
-    checkpoint's state digest). The whole chain is searched, down to a manifest that cannot be
-    read (``Found.ended`` says which)."""
+    checkpoint's state digest: under the definition of the manifest found, else of HEAD's). The
+    whole chain is searched, down to a manifest that cannot be read (``Found.ended`` says which)."""
     from nemo_dcr.sync.signing import verifying
     tensors, _ = load_checkpoint(path)
-    d = state_contrib(tensors).hex()
-    return locate(verifying(_open(store, create=False)), d), d
+    digests = _Digests(tensors)
+    found = locate(verifying(_open(store, create=False)), digests)
+    definition = found.manifest.definition if found.manifest is not None else digests.first
+    return found, digests(definition or 1)
 
 
 def verify_checkpoint(store: Store | str, path: str) -> tuple[int | None, str]:

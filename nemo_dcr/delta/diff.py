@@ -26,7 +26,7 @@ from nemo_dcr.codec.names import DEFAULT_CHUNK, DEFAULT_LEVEL  # re-exported by 
 from nemo_dcr.codec.versions import REGION_OF_REMOVED, Version, version
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
-from nemo_dcr.state.digest import SUMMED, Place, SumKey, algo_of, state_digest, tensor_digest
+from nemo_dcr.state.digest import DEFINITION, SUMMED, Place, SumKey, algo_of, state_digest, tensor_digest
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
@@ -183,7 +183,7 @@ def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_
 
 
 def _digests_ahead(names, base, target, shards, chunk_elems, workers, fv: Version, known_targets) -> dict:
-    """name -> (future, i): the summed target digest (format 3, 4) of each small tensor sent
+    """name -> (future, i): the summed target digest (format 3 to 5) of each small tensor sent
     whole, item ``i`` of the future's list, summed on the workers in jobs of up to
     ``statedigest.MANY_JOB`` elements, all queued now. Such a tensor is one light chunk
     (``codec.chunk.light``), encoded on the calling thread, and its digest was summed there after
@@ -208,7 +208,7 @@ def _digests_ahead(names, base, target, shards, chunk_elems, workers, fv: Versio
     out = {}
     for job in in_jobs(ranges, lambda r: r[1][3].numel(), MANY_JOB):
         # each job's keys and checks made here, its sums in one C call on a worker
-        f = background(many_contrib([r for _, r in job]), workers)
+        f = background(many_contrib([r for _, r in job], definition=DEFINITION[fv.tensor_digest]), workers)
         for i, (name, _) in enumerate(job):
             out[name] = (f, i)
     return out
@@ -271,7 +271,7 @@ class _Tensor:
         self.of = FlatAccess(old) if old is not None else None
         n = self.nf.numel
         ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
-        # format 3's and 4's tensor digests are sums over elements ("sd", "sdn": state/digest.py):
+        # format 3's to 5's tensor digests are sums over elements ("sd", "sdn", "sdb": state/digest.py):
         # the target's is the base's plus the chunks' changes, O(changes); a tensor sent whole sums
         # its chunks. Both of a tensor's digests are of its region in the target (where the
         # receiver checks them), the base's too
@@ -293,7 +293,7 @@ class _Tensor:
         self.ahead = ahead if summed and old is None and not reuse else None
         early = None
         if old is not None and "base" not in digests and segmented:
-            # a segmented delta (version 3, 4) names the base digest in the tensor's first piece, which
+            # a segmented delta (version 3 to 5) names the base digest in the tensor's first piece, which
             # may be written before its last chunk is encoded: it is there by ``begin``. A tensor
             # summed in one range is so on one thread anyway: beside the chunks of the tensors
             # before it (the calling thread waited for each, one tensor after another: a
@@ -304,7 +304,8 @@ class _Tensor:
                 digests["base"] = tensor_digest(old, fv.tensor_digest, threads=workers, place=self.place)
         self.items = ranges if found is None else found
         self.chunks: list = []
-        self.target_sum = RunningSum()  # a summed target digest's parts: the chunks' changes, or dense ranges
+        # a summed target digest's parts: the chunks' changes, or dense ranges
+        self.target_sum = RunningSum(definition=self.sum_key.definition if self.sum_key is not None else 1)
         # the whole-tensor digests hash beside the chunks (the hashers drop the GIL), on one thread
         # each (state/digest.py, THREADS), outside the chunks' ordered window (util/parallel.background)
         wanted = ([] if summed or "target" in digests else ["target"]) \

@@ -59,10 +59,10 @@ def apply_(target: torch.Tensor, pos: torch.Tensor, new: torch.Tensor, pre: torc
 
 
 def digest_change(name: str, dtype, global_shape, global_idx: torch.Tensor, pre: torch.Tensor,
-                  new: torch.Tensor) -> StateDigest:
-    """The O(changes) state-digest update of applying ``new`` over ``pre`` at canonical
-    ``global_idx`` (``new_digest = old_digest + digest_change(...)``), computed with
+                  new: torch.Tensor, definition: int = 1) -> StateDigest:
+    """The O(changes) state-digest update (of ``definition``) of applying ``new`` over ``pre`` at
+    canonical ``global_idx`` (``new_digest = old_digest + digest_change(...)``), computed with
     ``state/statedigest.changes_contrib`` where the tensors are (its torch ops run on any
     device), so only 4 lanes come back to the host."""
-    return (changes_contrib(name, dtype, global_shape, global_idx, new)
-            - changes_contrib(name, dtype, global_shape, global_idx, pre))
+    return (changes_contrib(name, dtype, global_shape, global_idx, new, definition=definition)
+            - changes_contrib(name, dtype, global_shape, global_idx, pre, definition=definition))

@@ -32,6 +32,7 @@ from nemo_dcr.codec import classes
 from nemo_dcr.codec.chunk import CLASSES, decode_chunk, locate_chunk
 from nemo_dcr.codec.format import DeltaReader
 from nemo_dcr.codec.header import TensorKind
+from nemo_dcr.codec.versions import version
 from nemo_dcr.delta.apply import new_bits
 from nemo_dcr.device.apply import apply_, digest_change
 from nemo_dcr.device.diff import bits
@@ -63,10 +64,11 @@ def _place(name: str, c, payload, tb: torch.Tensor, dtype: torch.dtype):
     return idx + c.start, new
 
 
-def _all(name, t: torch.Tensor) -> StateDigest:
+def _all(name, t: torch.Tensor, definition: int) -> StateDigest:
     """The digest contribution of a whole tensor, from its bits where it is."""
     b = bits(t.contiguous())
-    return changes_contrib(name, t.dtype, tuple(t.shape), torch.arange(b.numel(), device=b.device), b)
+    return changes_contrib(name, t.dtype, tuple(t.shape), torch.arange(b.numel(), device=b.device), b,
+                           definition=definition)
 
 
 def _plan(reader: DeltaReader, tensors: MutableMapping[str, torch.Tensor], device):
@@ -111,19 +113,21 @@ def apply_delta_(tensors: MutableMapping[str, torch.Tensor], delta, device=None)
     """Apply ``delta`` (bytes, a path or a DeltaReader) to ``tensors`` in place (tensors sent
     whole are placed on ``device``, default: where the held tensors are); every chunk is decoded
     and its pre-image checked before the first write. -> the state-digest change: O(changes)
-    for the tensors in delta, O(tensor) for those sent whole or removed."""
+    for the tensors in delta, O(tensor) for those sent whole or removed; of the definition the
+    delta's format version sums with (``codec/versions.py``: 2 from version 5)."""
     reader = DeltaReader.open(delta)
     if device is None:
         device = next((t.device for t in tensors.values()), torch.device("cpu"))
     planned, whole = _plan(reader, tensors, device)
-    d = StateDigest.zero()
+    defn = version(reader.version).definition
+    d = StateDigest.zero(defn)
     for e, pos, cur, new in planned:
         apply_(tensors[e.name], pos, new, cur)
-        d = d + digest_change(e.name, e.torch_dtype, tuple(e.shape), pos, cur, new)
+        d = d + digest_change(e.name, e.torch_dtype, tuple(e.shape), pos, cur, new, defn)
     for name, t in whole.items():
         if name in tensors:
-            d = d - _all(name, tensors.pop(name))
+            d = d - _all(name, tensors.pop(name), defn)
         if t is not None:
             tensors[name] = t
-            d = d + _all(name, t)
+            d = d + _all(name, t, defn)
     return d

@@ -68,8 +68,9 @@ class DeltaPublishCallback(LoopCallback, Callback):
         chunk_elems: elements per delta chunk.
         workers: threads for encoding (None: the library's default).
         slow_publish_s: publishes taking longer than this are reported at INFO level.
-        format_version: delta format version (4 by default; 3, 2 or 1 while receivers older
-            than version 4, 3 or 2 follow the store).
+        format_version: delta format version (4 by default; 5: the state digests under their
+            definition 2, cheaper to sum whole; 3, 2 or 1 while receivers older than version 4, 3
+            or 2 follow the store).
         object_checksum: each part's checksum in its manifest: ``blake3`` (manifest format 4,
             the default from format version 3) or ``sha256`` (format 3: while receivers of the
             release before format 4 follow the store).

@@ -30,17 +30,23 @@ from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 
 HASH_RANGE = 1 << 22  # elements hashed per update
-TENSOR_ALGOS = ("blake3", "sha256", "blake2b", "sd", "sdn")  # what a tensor digest may be made with
+TENSOR_ALGOS = ("blake3", "sha256", "blake2b", "sd", "sdn", "sdb")  # what a tensor digest may be made with
 VALUES_ALGOS = ("blake3", "blake2b")  # what a chunk's pre/post image digest may be made with
-_PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": "", "sd": "sd:", "sdn": "sdn:"}
+_PREFIX = {"blake3": "blake3:", "sha256": "sha256:", "blake2b": "", "sd": "sd:", "sdn": "sdn:", "sdb": "sdb:"}
 #: ``"sd"`` (format version 3): the state digest (state/statedigest.py) of the tensor alone, as
 #: a whole tensor named ``""`` -- keyed by its dtype and shape, its elements at their flat indices.
 #: ``"sdn"`` (format version 4): the tensor's (or region's) share of the state digest itself --
 #: keyed by its name, dtype and global shape, its elements at their canonical indices -- so the
 #: tensor digests of a state add up to its state digest and a writer sums each element once.
-#: Both are plain sums over elements, so ``diff`` updates them from the changed elements alone
+#: ``"sdb"`` (format version 5): ``"sdn"`` under the state digest's definition 2 (blocked weights,
+#: ~3x cheaper to sum over a whole tensor: docs/format.md, "Definition 2: blocked weights").
+#: All are plain sums over elements, so ``diff`` updates them from the changed elements alone
 #: (``SumKey``); checksums, not cryptographic hashes (docs/format.md, "Digests").
-SUMMED = ("sd", "sdn")
+SUMMED = ("sd", "sdn", "sdb")
+#: the state digest definition (``statedigest.DEFINITIONS``) each summed digest's weights are of
+DEFINITION = {"sd": 1, "sdn": 1, "sdb": 2}
+#: the summed digests keyed by the tensor's name and place, so that a state's add up to its state digest
+NAMED = ("sdn", "sdb")
 SUM_NAME = ""
 #: BLAKE3 threads (``max_threads``) for a tensor digest that is a pass of its own (``tensor_digest``:
 #: a receiver's base check before the first write, a verification): 2 threads hash a large range
@@ -87,21 +93,23 @@ class Place:
 class SumKey:
     """What a summed tensor digest (``SUMMED``) of a tensor is keyed by and where its elements
     count: ``"sd"``, the name ``""``, the tensor's own dtype and shape, its flat indices;
-    ``"sdn"``, ``place``'s name and global shape, the canonical indices of its region. One
-    implementation of the sums every writer and reader of them makes."""
+    ``"sdn"`` and ``"sdb"``, ``place``'s name and global shape, the canonical indices of its
+    region; and the definition of the weights (``DEFINITION``). One implementation of the sums
+    every writer and reader of them makes."""
 
     def __init__(self, algo: str, dtype: torch.dtype, shape, place: Place | None = None):
         if algo not in SUMMED:
             raise ValueError(f"{algo!r} is not a summed tensor digest (those are {', '.join(SUMMED)})")
         self.algo, self.dtype, self.prefix = algo, dtype, _PREFIX[algo]
+        self.definition = DEFINITION[algo]
         #: the region's map where its flat indices are not its canonical ones (None: they are; a
         #: whole tensor's map is not made: a diff makes a key for each of thousands of tensors)
         self.imap: IndexMap | None = None
         self.spec: ShardSpec | None = None  # where the region sits ("sdn"; None: the whole tensor)
         self.name, self.shape = SUM_NAME, tuple(shape)
-        if algo == "sdn":
+        if algo in NAMED:
             if place is None:
-                raise ValueError("an \"sdn\" tensor digest is keyed by the tensor's name and place: none given")
+                raise ValueError(f"an {algo!r} tensor digest is keyed by the tensor's name and place: none given")
             spec = place.spec
             if spec is not None and tuple(spec.shape) != self.shape:
                 raise ValueError(f"{place.name}: tensor shape {self.shape} != its region's {tuple(spec.shape)}")
@@ -116,8 +124,8 @@ class SumKey:
         """The share (a StateDigest) of the flat elements ``start``, ... holding ``bits``."""
         from nemo_dcr.state.statedigest import range_contrib, region_contrib
         if self.imap is None:
-            return range_contrib(self.name, self.dtype, self.shape, bits, start)
-        return region_contrib(self.name, self.dtype, self.imap, bits, start)
+            return range_contrib(self.name, self.dtype, self.shape, bits, start, definition=self.definition)
+        return region_contrib(self.name, self.dtype, self.imap, bits, start, definition=self.definition)
 
     def at(self, idx: torch.Tensor, gidx: torch.Tensor | None = None) -> tuple[str, torch.dtype, tuple, torch.Tensor]:
         """``(name, dtype, shape, indices)``: the first arguments of the state digest's change
@@ -133,6 +141,11 @@ class SumKey:
             raise ValueError(f"{digest!r} is not an {self.algo!r} tensor digest")
         return sum_of(digest)
 
+    def zero(self):
+        """The StateDigest of no elements, of this key's definition."""
+        from nemo_dcr.state.statedigest import StateDigest
+        return StateDigest.zero(self.definition)
+
     def text(self, total) -> str:
         """The digest of a StateDigest ``total``, as written."""
         return self.prefix + total.hex()
@@ -147,15 +160,24 @@ def _sum_text(digest: str) -> str:
 
 
 def sum_of(digest: str):
-    """The StateDigest a summed tensor digest holds."""
+    """The StateDigest a summed tensor digest holds (of its algorithm's definition)."""
     from nemo_dcr.state.statedigest import StateDigest
-    return StateDigest.from_hex(_sum_text(digest))
+    return StateDigest.from_hex(_sum_text(digest), DEFINITION[algo_of(digest)])
 
 
-def sum_of_all(digests: Iterable[str]):
-    """The sum (a StateDigest) of summed tensor digests, in one pass (``StateDigest.sum_hex``)."""
+def sum_of_all(digests: Iterable[str], definition: int = 1):
+    """The sum (a StateDigest of ``definition``) of summed tensor digests, in one pass
+    (``StateDigest.sum_hex``). ``ValueError`` for a digest of another definition: a sum of
+    digests of two definitions is just another number, which no later check could tell from a
+    wrong state."""
     from nemo_dcr.state.statedigest import StateDigest
-    return StateDigest.sum_hex([_sum_text(d) for d in digests])
+    texts = []
+    for d in digests:
+        algo = algo_of(d)
+        if DEFINITION.get(algo) != definition:
+            raise ValueError(f"{d!r} is not a summed tensor digest of definition {definition}")
+        texts.append(d[len(_PREFIX[algo]):])
+    return StateDigest.sum_hex(texts, definition)
 
 
 class RunningDigest:
@@ -174,9 +196,8 @@ class RunningDigest:
         self._done = 0
         self._prefix = _PREFIX.get(algo, "")
         if algo in SUMMED:
-            from nemo_dcr.state.statedigest import StateDigest
             self._key = SumKey(algo, t.dtype, t.shape, place)
-            self._sum = StateDigest.zero()
+            self._sum = self._key.zero()
             return
         if algo == "blake3":
             big = t.numel() * t.element_size() >= THREADED_MIN
@@ -217,7 +238,7 @@ class MovedSumDigest:
     def __init__(self, start: str, dtype: torch.dtype, shape, place: Place | None = None):
         from nemo_dcr.state.statedigest import RunningSum
         self._key = SumKey(algo_of(start), dtype, shape, place)
-        self._sum = RunningSum(self._key.parse(start))
+        self._sum = RunningSum(self._key.parse(start), definition=self._key.definition)
 
     def advance(self, end: int) -> None:
         pass  # nothing to hash: the changes came with ``change``
@@ -256,7 +277,7 @@ def tensor_digest(t: torch.Tensor, algo: str = "blake3", threads: int | None = N
     if algo in SUMMED:  # the state digest kernel, its ranges over the worker threads
         from nemo_dcr.state.statedigest import tensor_contrib
         key = SumKey(algo, t.dtype, t.shape, place)
-        return key.text(tensor_contrib(key.name, t, key.spec, workers=threads))
+        return key.text(tensor_contrib(key.name, t, key.spec, workers=threads, definition=key.definition))
     if algo == "blake3" and t.is_cuda:
         from nemo_dcr.device import kernels  # the optional device layer, above this one: only when asked
         if kernels.available():

@@ -229,7 +229,9 @@ class Follower:
         self._bar: Progress = NullProgress(0, "")
         self._version: int | None = None
         self._held: Manifest | None = None        # the manifest of the verified state
-        self._digest: StateDigest | None = None  # global digest of the verified state
+        # global digest of the verified state: under its manifest's definition (docs/format.md,
+        # "State digest"), or under the next version's where that is another (_digest_under)
+        self._digest: StateDigest | None = None
         self._pending: dict | None = None        # a version whose apply was interrupted
         # rank 0: HEAD as last read ((bytes, tag), Head), so that the next read is conditional
         self._head_read: tuple[tuple[bytes, str], Head] | None = None
@@ -240,11 +242,11 @@ class Follower:
             manifest = self.group.run(lambda: manifest_at(self.store, v), f"read the manifest of version {v}")
         if manifest is not None:
             m, version = manifest, manifest.version
-            d = self._full_digest() if verify_initial else None  # O(model): only when asked for
+            d = self._full_digest(m.definition) if verify_initial else None  # O(model): only when asked for
             if d is not None and d.hex() != m.target_digest:
                 raise BaseMismatchError(f"the receiver's tensors are not version {version} "
                                         f"(digest {d.hex()}, expected {m.target_digest})")
-            self._version, self._held, self._digest = version, m, StateDigest.from_hex(m.target_digest)
+            self._version, self._held, self._digest = version, m, StateDigest.from_hex(m.target_digest, m.definition)
         self._reported()
 
     def _reported(self) -> None:
@@ -276,9 +278,9 @@ class Follower:
         where the delta touches it and any error in what was applied, but not a scribble on
         elements no delta touched; this does. On a mismatch the follower forgets its version, so
         the next sync rebuilds from a keyframe."""
-        if self._version is None:
+        if self._version is None or self._digest is None:
             return
-        d = self._full_digest()
+        d = self._full_digest(self._digest.definition)
         if d != self._digest:
             v = self._version
             self._forget()
@@ -396,7 +398,7 @@ class Follower:
                        f"read the manifest of version {tv}")
         if self._version is not None and target.version == self._version:
             assert self._digest is not None  # set together with _version (_verify)
-            if target.target_digest == self._digest.hex():
+            if target.target_digest == self._known_digest(target.definition):
                 self._held = target  # the same state under another manifest (a republished store)
                 return self._done(res, t0)
         bad: set = set()
@@ -454,7 +456,7 @@ class Follower:
         return Speculation(lambda k: _open_stream(store, k), keys)
 
     def _plan(self, target: Manifest, bad: set):
-        digest = self._digest.hex() if self._version is not None and self._digest is not None else None
+        digest = self._known_digest if self._version is not None and self._digest is not None else None
         known = self._held if self._version is not None else None
         refused: list = []
         for p in plans(self.store, target, self._version, digest, known, refused):
@@ -496,9 +498,15 @@ class Follower:
         stream = self.stream and not g.active
         # default: every object of the version verified before its first write
         blobs = [] if stream else self._take(feed, kind, m, parts)
-        if kind == "delta" and not resume and (self._digest is None or self._digest.hex() != m.base_digest):
-            raise BaseMismatchError(f"version {m.version} was built on a state whose digest is {m.base_digest}, "
-                                    f"the receiver's is {self._digest.hex() if self._digest else 'unknown'}")
+        if kind == "delta" and not resume:
+            summed = self._digest is not None and not self._known_digest(m.definition)
+            held = self._digest_under(m.definition)
+            if held is None or held.hex() != m.base_digest:
+                if summed:  # (summed from the tensors now: they are not the version held, as it was published)
+                    self._forget()
+                raise BaseMismatchError(f"version {m.version} was built on a state whose digest is {m.base_digest}, "
+                                        f"the receiver's is {held.hex() if held else 'unknown'}"
+                                        + ("; the next sync rebuilds from a keyframe" if summed else ""))
         before = self._pending
         if self._pending is None or self._pending["version"] != m.version or self._pending["kind"] != kind:
             # one journal per part: its keys are (tensor, chunk start within the sending rank's
@@ -507,8 +515,8 @@ class Follower:
             # over one memory, both written, are refused: ``delta/overlap.py``)
             # ``written``: a keyframe's state digest, summed as its chunks are written (_verify)
             self._pending = {"version": m.version, "kind": kind, "manifest": m, "journal": {},
-                             "change": ChangeDigest(), "claims": Claims(),
-                             "written": WrittenDigest() if kind == "keyframe" else None}
+                             "change": ChangeDigest(definition=m.definition), "claims": Claims(),
+                             "written": WrittenDigest(definition=m.definition) if kind == "keyframe" else None}
         pend = self._pending
         on_change = self._on_change(pend["change"] if kind == "delta" else None)  # a keyframe's digest: whole
         decoded = pend.setdefault("decoded", {})  # part key -> classes chunks decoded over the group
@@ -682,15 +690,16 @@ class Follower:
             change = pend["change"].total
             if self.group.active:
                 change = allreduce_digest(change, self.group.group)
-            d = StateDigest.from_hex(m.base_digest) + change
+            d = StateDigest.from_hex(m.base_digest, m.definition) + change
         elif kind == "keyframe" and not full:
-            d = self._written_digest(pend["written"] if pend is not None else None)
+            d = self._written_digest(pend["written"] if pend is not None else None, m.definition)
             if d.hex() != m.target_digest:
-                d = self._full_digest()  # (what was written is not all the receiver holds, or not the target)
+                # (what was written is not all the receiver holds, or not the target)
+                d = self._full_digest(m.definition)
         else:
-            d = self._full_digest()
+            d = self._full_digest(m.definition)
         if d.hex() != m.target_digest and kind == "delta":
-            d = self._full_digest()  # incremental accounting can be off after an interruption
+            d = self._full_digest(m.definition)  # incremental accounting can be off after an interruption
         if d.hex() != m.target_digest:
             raise TargetMismatchError(f"after applying version {m.version} the receiver's digest is {d.hex()}, "
                                       f"expected {m.target_digest}; the next sync re-bootstraps")
@@ -761,11 +770,32 @@ class Follower:
         raise CorruptObjectError(f"object {part.key} is corrupt or unreadable after {self.retries + 1} attempts: "
                                  f"{last}")
 
-    def _full_digest(self) -> StateDigest:
-        d = state_contrib(self.tensors, self.shards)
+    def _full_digest(self, definition: int) -> StateDigest:
+        d = state_contrib(self.tensors, self.shards, definition=definition)
         return allreduce_digest(d, self.group.group) if self.group.active else d
 
-    def _written_digest(self, written: WrittenDigest | None) -> StateDigest:
+    def _known_digest(self, definition: int) -> str:
+        """The verified state's digest text under ``definition``, where it is known without a pass
+        over the model (else ``""``, which no manifest's digest equals)."""
+        if self._digest is not None and self._digest.definition == definition:
+            return self._digest.hex()
+        held = self._held if self._version is not None else None
+        return held.target_digest if held is not None and held.definition == definition else ""
+
+    def _digest_under(self, definition: int) -> StateDigest | None:
+        """The verified state's digest under ``definition`` (None: no verified state). Under
+        another definition than the one known, summed whole once, on every rank: a version
+        whose publisher moved to format 5 (definition 2) follows one of format 4, and its
+        ``base_digest`` is the base state's under definition 2."""
+        if self._version is None or self._digest is None:
+            return None
+        known = self._known_digest(definition)
+        if known:
+            return StateDigest.from_hex(known, definition)
+        self._digest = self._full_digest(definition)
+        return self._digest
+
+    def _written_digest(self, written: WrittenDigest | None, definition: int) -> StateDigest:
         """A keyframe's state digest from what its chunks wrote, summed as they were written, where
         that was every element this receiver holds (each rank of a group decides alone, and every
         rank makes the one all-reduce): no pass over the model after the last chunk. Else summed
@@ -774,7 +804,7 @@ class Follower:
         if written is not None and written.complete and written.elements == held:
             d = written.total
         else:
-            d = state_contrib(self.tensors, self.shards)
+            d = state_contrib(self.tensors, self.shards, definition=definition)
         return allreduce_digest(d, self.group.group) if self.group.active else d
 
 

@@ -36,7 +36,7 @@ from nemo_dcr.delta import DEFAULT_CHUNK, DEFAULT_LEVEL, diff
 from nemo_dcr.delta.changes import OnChange
 from nemo_dcr.delta.stats import totals
 from nemo_dcr.errors import CommitConflict, DcrError, ManifestError, PublishError, SignatureError, VersionNotFound
-from nemo_dcr.state.digest import sum_of_all
+from nemo_dcr.state.digest import NAMED, sum_of_all
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
 from nemo_dcr.state.statedigest import ChangeDigest, StateDigest, state_contrib
@@ -44,6 +44,7 @@ from nemo_dcr.sync.follower import Spans
 from nemo_dcr.sync.group import Group
 from nemo_dcr.sync.speculate import NEXT_META, hint
 from nemo_dcr.sync.versions import (
+    DEFINITION_2,
     FORMAT,
     HEAD_KEY,
     NEWEST_IN_HEAD,
@@ -121,6 +122,11 @@ def object_checksum_for(name: str | None, format_version: int) -> str:
         raise ValueError(f"object_checksum='blake3' needs format_version {NEWEST_IN_HEAD} (its manifests are "
                          f"format {PARTS_BLAKE3}); with format_version {format_version}, receivers of an "
                          f"earlier release follow the store: 'sha256'")
+    if name != "blake3" and format_version >= DEFINITION_2:
+        # (manifest format 5 is format 4's, BLAKE3 parts included: the formats stay one line)
+        raise ValueError(f"format_version {format_version} names each part's blake3 (its manifests are format "
+                         f"{DEFINITION_2}, after format {PARTS_BLAKE3}'s); object_checksum={name!r} goes with "
+                         f"format_version {NEWEST_IN_HEAD}")
     return name
 
 
@@ -165,8 +171,9 @@ class Publisher:
         costs every receiver a request).
         ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
         ``format_version``: of every delta and keyframe part (``codec/versions.py``; 3, 2 or 1
-        while receivers older than format version 4, 3 or 2 still follow the store), and of the
-        manifests and HEAD (format 3 from delta version 3: HEAD carries the newest manifest).
+        while receivers older than format version 4, 3 or 2 still follow the store; 5: the state
+        digests under their definition 2, manifest format 5), and of the manifests and HEAD
+        (format 3 from delta version 3: HEAD carries the newest manifest).
         ``object_checksum``: the hash each part's receipt names, ``"blake3"`` (manifest format 4,
         ~2.5x faster for the publisher, relays and followers alike) or ``"sha256"`` (format 3;
         while receivers of an earlier release still follow the store: they refuse format 4 by
@@ -200,12 +207,14 @@ class Publisher:
             else int(delta_part_bytes)
         self.format_version = format_versions.version(format_version).number
         self.object_checksum = object_checksum_for(object_checksum, self.format_version)
+        #: the state digest definition of the manifests (and summed tensor digests) written
+        self.definition = format_versions.version(self.format_version).definition
         self.group = Group(group)
         self._base: dict | None = None        # the last published snapshot (this rank's tensors)
         self._shards: dict | None = None
         self._head: Head | None = None
         self._manifest: Manifest | None = None  # _head's manifest, as committed or restored here
-        self._digest: StateDigest | None = None  # this rank's partial digest of _base
+        self._digest: StateDigest | None = None  # this rank's partial digest of _base (of ``definition``)
         # rank 0: the publish id the last manifest committed here reserved for the version after
         # it (sync/speculate.py: followers read there beside HEAD); used by that version's first
         # attempt alone, so no key is ever written by two publishes
@@ -465,13 +474,14 @@ class Publisher:
         dense = sum(t.numel() * t.element_size() for t in snap.values())
         bar = Progress(dense * ((head is not None and self._base is not None) + kf), f"publish v{version}",
                        enabled=self.progress) if self.progress is not False else NullProgress(0, "")
-        # format 4: the tensor digests the parts' headers name are this rank's terms of the state
-        # digest (``"sdn"``), so it is their sum: O(tensors), with no sum of its own over the
-        # changes (a delta) or over the model (the first version)
-        summed = format_versions.version(self.format_version).tensor_digest == "sdn"
+        # format 4, 5: the tensor digests the parts' headers name are this rank's terms of the state
+        # digest (``"sdn"``, ``"sdb"``), so it is their sum: O(tensors), with no sum of its own over
+        # the changes (a delta) or over the model (the first version)
+        summed = format_versions.version(self.format_version).tensor_digest in NAMED
         try:
             if head is not None and self._base is not None:
-                change = None if summed else ChangeDigest()  # added, removed, reshaped and re-typed tensors included
+                # (added, removed, reshaped and re-typed tensors included)
+                change = None if summed else ChangeDigest(definition=self.definition)
                 on_change = change if keep is None else keep.also(change)
                 base, target = dev.views(snap) if dev else (self._base, snap)
                 for j, names in enumerate(groups):
@@ -488,7 +498,7 @@ class Publisher:
             else:
                 new_digest = None  # the first version's O(model) digest: after the encode, beside its uploads
             if kf:
-                # beside a delta, the tensors' (format 3, 4) digests are known from it: the delta
+                # beside a delta, the tensors' (format 3 to 5) digests are known from it: the delta
                 # summed them from the changes, and the keyframe's chunks are not summed again
                 known = dict(digests) if head is not None and self._base is not None else None
                 for j, names in enumerate(split_parts({}, snap, self.part_bytes)):
@@ -500,12 +510,12 @@ class Publisher:
                                        progress=bar, format_version=self.format_version, out=w,
                                        target_digests=known), digests)
             if new_digest is None and summed:
-                new_digest = _summed_state(snap, digests)
+                new_digest = _summed_state(snap, digests, self.definition)
             if new_digest is None:
                 # the last objects are still being made durable (fsync, CompleteMultipartUpload)
                 # on their threads: this pass over the model runs meanwhile
                 t = time.perf_counter()
-                new_digest = state_contrib(host, shards)
+                new_digest = state_contrib(host, shards, definition=self.definition)
                 spans.add("digest", f"version {version}", t)
         except BaseException:
             uploads.join(quiet=True)  # no upload left running past a failed publish
@@ -516,6 +526,9 @@ class Publisher:
         for k in ("parts", "keyframe_parts"):  # uploads finish in any order; the manifest lists parts in order
             out[k] = [p for _, p in sorted(out[k], key=lambda x: x[0])]
         out["digest"] = new_digest.hex()
+        if head is not None and self._base is not None:
+            assert self._digest is not None
+            out["base"] = self._digest.hex()  # (the base manifest's digest may be of another definition: _commit)
         return out, new_digest, digests
 
     def _finish(self, w: ObjectWriter, header: dict) -> dict:
@@ -529,24 +542,38 @@ class Publisher:
     def _manifest_format(self) -> int:
         """Format-3 deltas go with format-3 manifests: HEAD carries the manifest, so a follower
         has the part list with HEAD (a reader of format 2 refuses both); format 4 when the parts'
-        checksums are BLAKE3 (a reader of format 3 refuses it by its number)."""
+        checksums are BLAKE3 (a reader of format 3 refuses it by its number); format 5 with
+        format-5 deltas: its state digests are of definition 2 (a reader of format 4 refuses it)."""
         if self.format_version < NEWEST_IN_HEAD:
             return FORMAT
+        if self.definition == 2:
+            return DEFINITION_2
         return PARTS_BLAKE3 if self.object_checksum == "blake3" else NEWEST_IN_HEAD
 
     def _commit(self, results, head, tag, version, publish_id, step, meta=None) -> tuple[Manifest, Head]:
         """Rank 0: the manifest from every rank's receipt, then HEAD by compare-and-set."""
         try:
-            total = StateDigest.zero()
+            total = StateDigest.zero(self.definition)
             for r in results:
-                total = total + StateDigest.from_hex(r["digest"])
+                total = total + StateDigest.from_hex(r["digest"], self.definition)
             base = self._base_manifest(head, keyframe=all(r["keyframe_parts"] for r in results))
+            base_digest = base.target_digest if base else None
+            if base is not None and base.definition != self.definition:
+                # the first version of format 5 after format 4 (or back): its base_digest is the
+                # base state's under this manifest's definition, which every rank summed (_restore)
+                if not all("base" in r for r in results):
+                    raise PublishError(f"version {version}'s base, version {base.version}, has state digests of "
+                                       f"definition {base.definition}, and not every rank holds it to sum it again")
+                b = StateDigest.zero(self.definition)
+                for r in results:
+                    b = b + StateDigest.from_hex(r["base"], self.definition)
+                base_digest = b.hex()
             nxt = new_publish_id()
             m = Manifest(
                 version=version, publish_id=publish_id, target_digest=total.hex(),
                 base_version=head.version if base and head else None,
                 base_manifest=head.manifest if base and head else None,
-                base_digest=base.target_digest if base else None, base_sha256=base.sha256 if base else None,
+                base_digest=base_digest, base_sha256=base.sha256 if base else None,
                 parts=[Part(**p) for r in results for p in r["parts"]] if base else [],
                 keyframe_parts=[Part(**p) for r in results for p in r["keyframe_parts"]],
                 encoding={"encoding": self.encoding, "level": self.level, "chunk_elems": self.chunk_elems},
@@ -616,7 +643,10 @@ class Publisher:
         assert m is not None and m.version == head.version  # sync(version) holds it verified, or raised
         # alone, this rank's digest is the whole state's, which the sync checked against the
         # manifest: not summed again (an O(model) pass); in a group each rank sums its own part
-        self._digest = state_contrib(tensors, shards) if self.group.active else StateDigest.from_hex(m.target_digest)
+        # (under this publisher's definition: a store of format 4 published on in format 5 is summed once)
+        self._digest = StateDigest.from_hex(m.target_digest, m.definition) \
+            if not self.group.active and m.definition == self.definition \
+            else state_contrib(tensors, shards, definition=self.definition)
         if self._dev is not None:  # the rebuilt base goes where the device path keeps it
             self._dev.reset(tensors, like)
             tensors = self._dev.tensors
@@ -709,11 +739,11 @@ class _Changes:
             self.kept = []
 
 
-def _summed_state(snap: Mapping[str, torch.Tensor], digests: Mapping[str, str]) -> StateDigest:
-    """This rank's part of the state digest of ``snap`` from its tensors' ``"sdn"`` digests (the
-    parts' headers name one for every tensor the rank publishes): their sum, by the digest's
-    definition (docs/format.md, "Digests")."""
-    return sum_of_all(digests[name] for name in snap)
+def _summed_state(snap: Mapping[str, torch.Tensor], digests: Mapping[str, str], definition: int) -> StateDigest:
+    """This rank's part of the state digest of ``snap`` from its tensors' ``"sdn"`` (``"sdb"``)
+    digests (the parts' headers name one for every tensor the rank publishes): their sum, by the
+    digest's definition (docs/format.md, "Digests")."""
+    return sum_of_all((digests[name] for name in snap), definition)
 
 
 def target_digests(header: dict) -> dict:

@@ -21,7 +21,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -31,7 +31,7 @@ from nemo_dcr.stores.checksums import ALGOS as _CHECKSUMS
 if TYPE_CHECKING:
     from nemo_dcr.stores.base import Store
 
-__all__ = ["HEAD_KEY", "FORMAT", "NEWEST_IN_HEAD", "PARTS_BLAKE3", "CommitConflict", "VersionNotFound",
+__all__ = ["HEAD_KEY", "FORMAT", "NEWEST_IN_HEAD", "PARTS_BLAKE3", "DEFINITION_2", "CommitConflict", "VersionNotFound",
            "ManifestError", "Part", "Manifest", "Head",
            "new_publish_id", "version_dir", "read_head", "read_manifest", "walk", "manifest_at", "commit", "plans",
            "no_plan", "locate", "Found", "canonical_sha256", "is_manifest_key", "is_store_key", "head_manifest"]
@@ -42,7 +42,11 @@ HEAD_KEY = "HEAD"
 FORMAT = 2          # written; 2 = with checksums (see docs/design.md, "Integrity of manifests and HEAD")
 NEWEST_IN_HEAD = 3  # written with format-3 deltas: HEAD carries its manifest (one round trip to the parts)
 PARTS_BLAKE3 = 4    # format 3, each part's checksum BLAKE3 where it was SHA-256 (stores/checksums.py)
-_READABLE = (1, 2, 3, 4)  # 1: stores written before checksums, read unverified
+#: format 4, its state digests (``target_digest``, ``base_digest``) of the state digest's definition 2
+#: (written with format-5 deltas; a reader of format 4 refuses it by its number rather than
+#: report every version's digest as a wrong state)
+DEFINITION_2 = 5
+_READABLE = (1, 2, 3, 4, 5)  # 1: stores written before checksums, read unverified
 
 
 def _canonical(d: dict) -> bytes:
@@ -217,6 +221,11 @@ class Manifest:
         """The manifest's identity: sha256 of its canonical body, signature included (stored in
         it as ``checksum``, and recorded by HEAD and by the next version's ``base_sha256``)."""
         return canonical_sha256(self.fields())
+
+    @property
+    def definition(self) -> int:
+        """The definition (``statedigest.DEFINITIONS``) of the state digests it holds."""
+        return 2 if self.format >= DEFINITION_2 else 1
 
     @property
     def is_keyframe(self) -> bool:
@@ -467,7 +476,8 @@ class Found:
     ended: str | None = None
 
 
-def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetching: bool = False) -> Found:
+def locate(store: Store, digest: str | Callable[[int], str], head: Head | None = None, *,
+           worth_fetching: bool = False) -> Found:
     """The newest version on HEAD's chain whose state digest is ``digest``, read from HEAD down
     only as far as needed: a receiver at a recent version costs a manifest read or two, however
     long the history. A manifest that cannot be read (damaged, removed, or -- through a verifying
@@ -475,7 +485,18 @@ def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetchin
     instead of failing it: nothing below it can be reached by deltas through it anyway.
     ``worth_fetching``: also end it where the deltas from further down to the newest keyframe
     cost more bytes than that keyframe (a receiver there is better served by the keyframe, so
-    finding its version is not worth the reads)."""
+    finding its version is not worth the reads). ``digest``: the state digest's text, or a
+    function of the definition (``Manifest.definition``) giving the text under it, asked once
+    for each definition the walk meets: a chain whose publisher moved to format 5 holds both."""
+    texts: dict[int, str] = {}
+
+    def under(m: Manifest) -> str:
+        if isinstance(digest, str):
+            return digest
+        if m.definition not in texts:
+            texts[m.definition] = digest(m.definition)
+        return texts[m.definition]
+
     if head is None:
         head, _ = read_head(store)
     if head is None:
@@ -487,7 +508,7 @@ def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetchin
         found.read += 1
         m = head_manifest(store, head)
         while True:
-            if m.target_digest == digest:
+            if m.target_digest == under(m):
                 found.manifest = m
                 return found
             if m.base_manifest is None:
@@ -506,7 +527,8 @@ def locate(store: Store, digest: str, head: Head | None = None, *, worth_fetchin
             m = _base_of(store, m)
     except (VersionNotFound, ManifestError, SignatureError) as e:
         found.ended = f"{type(e).__name__}: {e}"
-        log.info("nemo-dcr: looking for the state %s, the walk down the chain ended: %s", digest, found.ended)
+        log.info("nemo-dcr: looking for the state %s, the walk down the chain ended: %s",
+                 digest if isinstance(digest, str) else " or ".join(texts.values()), found.ended)
         return found
 
 
@@ -556,10 +578,11 @@ def commit(store: Store, manifest: Manifest, expected_head: Head | None, tag, si
 
 
 def plans(store: Store, target: Manifest, current: int | None = None,
-          digest: str | None = None, known: Manifest | None = None,
+          digest: str | Callable[[int], str] | None = None, known: Manifest | None = None,
           refused: list | None = None) -> Iterator[list]:
     """Ways to take a receiver holding version ``current`` (state digest ``digest``, when
-    known; None: nothing) to ``target``, best first. Each is a list of ("delta" | "keyframe",
+    known, or a function of the definition giving its text under it as ``locate``'s; None:
+    nothing) to ``target``, best first. Each is a list of ("delta" | "keyframe",
     Manifest) steps, oldest first: the deltas from the receiver's own version, then each
     keyframe on the chain (newest first) with the deltas after it. The receiver's version
     counts only if its manifest on this chain has the receiver's digest: a store wiped and
@@ -582,7 +605,8 @@ def plans(store: Store, target: Manifest, current: int | None = None,
         j = len(walked) - 1
         if searching and current is not None and m.version <= current:  # searching implies a current
             searching = False
-            if m.version == current and (digest is None or m.target_digest == digest):
+            if m.version == current and (digest is None or m.target_digest == (
+                    digest if isinstance(digest, str) else digest(m.definition))):
                 yield [("delta", walked[i]) for i in range(j - 1, -1, -1)]
             for k in waiting:
                 yield from_keyframe(k)

@@ -1,5 +1,6 @@
 """Write the golden inputs and deltas in tests/data/golden/ (checked by tests/test_golden.py).
 
+    python tests/data/make_golden.py --version 5   # the deltas of format version 5 (golden_v5/)
     python tests/data/make_golden.py --version 4   # the deltas of format version 4 (golden_v4/)
     python tests/data/make_golden.py --version 3   # the deltas of format version 3 (golden_v3/)
     python tests/data/make_golden.py --version 2   # the deltas of format version 2 (golden_v2/)
@@ -36,7 +37,7 @@ from safetensors.torch import save_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 OUT = os.path.join(HERE, "golden")  # the inputs, and the deltas of format version 1
-VERSIONS = (1, 2, 3, 4)  # format versions with golden deltas
+VERSIONS = (1, 2, 3, 4, 5)  # format versions with golden deltas
 
 
 def deltas_dir(version: int) -> str:

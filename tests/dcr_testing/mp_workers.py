@@ -128,8 +128,10 @@ class FaultyStore:
 
 # ----------------------------------------------------------------------------- scenarios
 
-def _joint_publish_and_follow(rank, world, spec, res):
-    """Ranks 0-3 publish (trainer group), ranks 4-5 follow (receiver group), in lock step."""
+def _joint_publish_and_follow(rank, world, spec, res, formats=(4, 4, 4)):
+    """Ranks 0-3 publish (trainer group), ranks 4-5 follow (receiver group), in lock step; version
+    v in delta format ``formats[v]``, a new trainer group (restored from the store) where it
+    changes, as a restarted trainer would be."""
     import torch.distributed as dist
 
     from nemo_dcr.sync.follower import Follower
@@ -142,13 +144,15 @@ def _joint_publish_and_follow(rank, world, spec, res):
         layout = trainer_layout(rank)
         # the receivers shard W0 on another dim than the trainers: they hold part of every sent
         # chunk, which 'classes' chunks cannot be decoded from (docs/user-guide.md)
-        pub = Publisher(store, group=trainers, chunk_elems=CHUNK, encoding="portable")
+        pub = Publisher(store, group=trainers, chunk_elems=CHUNK, encoding="portable", format_version=formats[0])
     else:
         layout = receiver_layout(rank - 4)
         recv = {n: torch.zeros(s.shape, dtype=SHAPES[n][1]) for n, s in layout.items()}
         f = Follower(store, recv, layout, group=receivers)
-    for v in range(3):
+    for v, fv in enumerate(formats):
         if rank < 4:
+            if fv != pub.format_version:
+                pub = Publisher(store, group=trainers, chunk_elems=CHUNK, encoding="portable", format_version=fv)
             r = pub.publish(local_state(v, layout), layout, step=10 * v)
             res["versions"].append(r.version)
         dist.barrier()  # version v is committed
@@ -282,6 +286,7 @@ SCENARIOS = {
     "gather-widths": _gather_follow_widths,
     "restore": _restore_download_fails,
     "joint": _joint_publish_and_follow,
+    "joint-4-to-5": lambda *a: _joint_publish_and_follow(*a, formats=(4, 4, 5, 5)),
     "die": _die_mid_upload,
     "fresh": _fresh_group_publishes,
     "raise": _raise_mid_upload,
