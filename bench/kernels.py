@@ -42,6 +42,8 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   BLAKE2b-64 chunk digests); ``fast-v3``: version 3 (segments, tensor digests summed from the
   changes); ``fast-v4`` and ``fast-scatter``: version 4 (the default: version 3 with the tensor
   digests the state digest's terms, so the publisher sums no state digest of its own);
+  ``fast-v5``: version 5 (version 4 under the state digest's definition 2: the base check of
+  ``apply(verify=True)`` sums the base ~3x faster);
 * tensor digest of the shard per algorithm: SHA-256, BLAKE3 on 1 and 2 threads; chunk values
   digests (pre/post images) over the whole shard in chunks, as a keyframe's make them, on
   ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
@@ -56,11 +58,13 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   ``raw_write_writeback``: the same bytes written 8 MB at a time with each piece's writeback asked
   for, as the store's writer does); ``fast-v3`` and ``fast-v4`` (delta format 3 and 4) with their
   parts' checksums BLAKE3 (manifest format 4, the default) and ``fast-v3-sha256`` with SHA-256
-  (format 3); ``fast-v4-next``: a publisher's next version (1 % changed) as a keyframe, its delta
+  (format 3); ``fast-v5``: delta format 5 (definition 2, manifest format 5); ``fast-v4-next``: a
+  publisher's next version (1 % changed) as a keyframe, its delta
   part beside it, as ``keyframe_every`` makes them;
 * keyframe sync: a follower's first sync of that keyframe from the local directory into fresh
   tensors (delta format 4, the default), its parts checked with BLAKE3 (``v4``) and SHA-256
-  (``v4-sha256``; the rows were ``v3`` and ``v3-sha256`` while version 3 was the default).
+  (``v4-sha256``; the rows were ``v3`` and ``v3-sha256`` while version 3 was the default), and
+  in delta format 5 (``v5``: the keyframe's digests under definition 2).
 
 GPU figures: ``DEVICE_PATHS`` is the hook. Each entry is ``fn(base, target, rate, workers, reps)
 -> list of rows`` (the row fields of ``_row``: side, path, seconds, plus h2d/d2h bytes), run
@@ -218,6 +222,8 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     known3 = {e.name: e.target_digest for e in DeltaReader.open(first3).header.tensors}
     first4 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=4)
     known4 = {e.name: e.target_digest for e in DeltaReader.open(first4).header.tensors}
+    first5 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=5)
+    known5 = {e.name: e.target_digest for e in DeltaReader.open(first5).header.tensors}
     snap = torch.empty_like(target)
 
     # both as the publisher calls diff: the state digest's change summed from the changed elements
@@ -244,6 +250,10 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
         snap.copy_(target)
         return diff(b, {"shard": snap}, workers=workers, base_digests=known4, format_version=4)
 
+    def enc_fast_v5():  # format version 5: version 4 under the state digest's definition 2
+        snap.copy_(target)
+        return diff(b, {"shard": snap}, workers=workers, base_digests=known5, format_version=5)
+
     ranges = [(s, min(s + DEFAULT_CHUNK, n)) for s in range(0, n, DEFAULT_CHUNK)]
 
     def enc_codec():
@@ -265,6 +275,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     blob1 = enc_fast_v1()
     blob3 = enc_fast_v3()
     blob4 = enc_fast_v4()
+    blob5 = enc_fast_v5()
     held.copy_(base)
     if _entries(enc_scatter(None)) != _entries(blob4) \
             or not torch.equal(held.view(torch.int16), nb):
@@ -293,6 +304,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
             _row("encode", "fast-v1", _median(enc_fast_v1, reps), memcpy),
             _row("encode", "fast-v3", _median(enc_fast_v3, reps), memcpy),
             _row("encode", "fast-v4", _median(enc_fast_v4, reps), memcpy),
+            _row("encode", "fast-v5", _median(enc_fast_v5, reps), memcpy),
             _row("encode", "fast-scatter", _median(enc_scatter, reps, setup=lambda: held.copy_(base)), memcpy),
             _row("encode", "fast-scatter-many", _median(enc_scatter_many, reps, setup=lambda: held.copy_(base)),
                  memcpy),
@@ -314,6 +326,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
              "fast-v1": lambda _: apply(recv, blob1, workers=workers),
              "fast-v3": lambda _: apply(recv, blob3, workers=workers),
              "fast-v4": lambda _: apply(recv, blob4, workers=workers),
+             "fast-v5": lambda _: apply(recv, blob5, workers=workers),
              "follower": follower,
              "unverified": lambda _: apply(recv, blob, workers=workers, verify=False)}
     for name, fn in paths.items():
@@ -450,6 +463,7 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     rows.append(_row("keyframe", "fast-v1", _median(lambda _: publish(1), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v3", _median(lambda _: publish(3), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v4", _median(lambda _: publish(4), reps, clear), memcpy))
+    rows.append(_row("keyframe", "fast-v5", _median(lambda _: publish(5), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v3-sha256", _median(lambda _: publish(3, "sha256"), reps, clear), memcpy))
     target = {"shard": make_target(base, 0.01)}
 
@@ -464,18 +478,20 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     # part and its keyframe part, the tensor digests known from the delta
     rows.append(_row("keyframe", "fast-v4-next", _median(
         lambda p: p.publish(target, keyframe=True), reps, published), memcpy))
-    for checksum in ("blake3", "sha256"):
-        rows.append(_row("keyframe_sync", "v4" if checksum == "blake3" else "v4-sha256",
-                         keyframe_sync(state, checksum, workers, reps, os.path.join(tmp, f"sync-{checksum}")), memcpy))
+    for fv, checksum, name in ((4, "blake3", "v4"), (4, "sha256", "v4-sha256"), (5, "blake3", "v5")):
+        rows.append(_row("keyframe_sync", name,
+                         keyframe_sync(state, checksum, workers, reps, os.path.join(tmp, f"sync-{name}"), fv), memcpy))
     for r in rows:
         r["x_raw_write"] = r["seconds"] / t_raw
     return rows
 
 
-def keyframe_sync(state: dict, checksum: str, workers: int, reps: int, root: str) -> float:
+def keyframe_sync(state: dict, checksum: str, workers: int, reps: int, root: str, fv: int = 4) -> float:
     """A follower's first sync (a keyframe) from a local store, into fresh tensors, checked bit
-    for bit: the receiver's side of a keyframe; the store's parts checked with ``checksum``."""
-    Publisher(LocalStore(root), workers=workers, object_checksum=checksum).publish(state, keyframe=True)
+    for bit: the receiver's side of a keyframe; the store's parts checked with ``checksum``, in
+    delta format ``fv``."""
+    Publisher(LocalStore(root), workers=workers, object_checksum=checksum, format_version=fv).publish(
+        state, keyframe=True)
 
     def fresh():  # untimed: the receiver's memory, faulted in before the sync
         return {k: torch.zeros_like(v) for k, v in state.items()}
