@@ -222,3 +222,26 @@ def test_checkpoint_publish_and_pull_in_format_5(tmp_path):
     version, digest = verify_checkpoint(store, str(out))
     assert version == 1 and digest == state_contrib(state, definition=2).hex()
     assert json.loads(LocalStore(store).get(head.manifest))["format"] == 5
+
+
+def test_a_keyframe_after_a_move_that_could_not_rebuild_its_base_names_no_base_digest(tmp_path):
+    """A format-5 publisher that cannot rebuild the format-4 base (an object of it lost) publishes
+    the keyframe the error names: no rank holds the base to sum it under definition 2, and with no
+    delta into the version there is nothing to check it against, so the manifest names no base
+    digest (none of another definition); a follower takes the keyframe. Found by the chaos
+    campaign with publishers moving between formats (seed 56, run 18)."""
+    from nemo_dcr.errors import PublishError
+    state = _state(9)
+    store = LocalStore(tmp_path)
+    m0 = Publisher(store, format_version=4).publish(state).manifest
+    store.delete(m0.keyframe_parts[0].key)
+    _step(state, 60)
+    pub = Publisher(LocalStore(tmp_path), format_version=5)
+    with pytest.raises(PublishError, match="publish\\(keyframe=True\\)"):
+        pub.publish(state)
+    m = pub.publish(state, keyframe=True).manifest
+    assert (m.format, m.parts, m.base_version, m.base_digest) == (5, [], 0, None)
+    assert m.target_digest == state_contrib(state, definition=2).hex()
+    recv = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert [k for k, _ in Follower(LocalStore(tmp_path), recv).sync().steps] == ["keyframe"]
+    assert_state(recv, state)

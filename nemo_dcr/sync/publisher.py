@@ -560,14 +560,19 @@ class Publisher:
             base_digest = base.target_digest if base else None
             if base is not None and base.definition != self.definition:
                 # the first version of format 5 after format 4 (or back): its base_digest is the
-                # base state's under this manifest's definition, which every rank summed (_restore)
-                if not all("base" in r for r in results):
+                # base state's under this manifest's definition, which every rank summed (_restore);
+                # a keyframe with no delta into it (no rank holds the base: a publisher that could
+                # not rebuild it) names none, as no digest of another definition is written
+                if all("base" in r for r in results):
+                    b = StateDigest.zero(self.definition)
+                    for r in results:
+                        b = b + StateDigest.from_hex(r["base"], self.definition)
+                    base_digest = b.hex()
+                elif not any(r["parts"] for r in results):
+                    base_digest = None
+                else:
                     raise PublishError(f"version {version}'s base, version {base.version}, has state digests of "
                                        f"definition {base.definition}, and not every rank holds it to sum it again")
-                b = StateDigest.zero(self.definition)
-                for r in results:
-                    b = b + StateDigest.from_hex(r["base"], self.definition)
-                base_digest = b.hex()
             nxt = new_publish_id()
             m = Manifest(
                 version=version, publish_id=publish_id, target_digest=total.hex(),
