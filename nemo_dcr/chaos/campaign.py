@@ -355,22 +355,27 @@ class Campaign:
             self.base = truth.load_base(self.engine_ckpt)
 
     def batch(self, runs: int, seed: int | None = None, sabotage: str | None = None, sign: bool = False,
-              progress: str | None = None, force: tuple = ()) -> dict:
+              progress: str | None = None, force: tuple = (), formats: tuple = ()) -> dict:
         """``runs`` runs on this campaign's infrastructure, counted afresh -> their summary.
         Several batches (the CI subset, the signed subset and the self-test) share one start-up;
         a batch's runs depend only on its ``seed``, ``sign`` and the run index, as in a campaign
         of its own. ``sign``: the publisher signs (Ed25519, a namespace per run) and every
-        receiver trusts its public key. ``force``: fault kinds added to every run."""
+        receiver trusts its public key. ``force``: fault kinds added to every run. ``formats``:
+        delta format versions the publishers write, one drawn at each (re)start of theirs where
+        there are several (a store moving between formats mid-run, with its followers on it);
+        none: the writer's default, and no draw (a seed's runs stay what they were)."""
         t0 = time.monotonic()
         _check_options(sign, self.engine)
         if seed is not None:
             self.seed = seed
         self.sabotage, self.sign, self.totals, self.force = sabotage, sign, Totals(), tuple(force)
+        self.formats = tuple(formats)
 
         def summary():
             self.totals.seconds = time.monotonic() - t0
             return {"seed": self.seed, "fast": self.fast, "sabotage": sabotage, "signed": sign,
-                    "engine": self.engine, **self.totals.as_json()}
+                    "engine": self.engine, **({"formats": list(formats)} if formats else {}),
+                    **self.totals.as_json()}
         for i in range(runs):
             self.run(i)
             if progress:
@@ -564,10 +569,12 @@ class _Run:
     def _open_publishers(self):
         from nemo_dcr.sync.signing import private_key_pem
         key = private_key_pem(self.c.key).decode() if self.c.sign else None
+        formats = self.c.formats
+        fv = {} if not formats else {"format_version": self.rng.choice(formats) if len(formats) > 1 else formats[0]}
         for w in self.c.pubs:
             w.send({"op": "open", "seed": self.contents.seed, "store": self.pub_spec,
                     "keyframe_every": self.kf_every, "retain": self.retain, "signing_key": key,
-                    "namespace": self.namespace,
+                    "namespace": self.namespace, **fv,
                     **({} if self.c.engine is None else {"base": self.c.engine_ckpt,
                                                          "chunk_elems": ENGINE_CHUNK_ELEMS})})
         for w in self.c.pubs:
@@ -1055,13 +1062,15 @@ def _check_options(sign: bool, engine: str | None) -> None:
 
 def run_campaign(runs: int, seed: int = 0, fast: bool = False, sabotage: str | None = None, log=None,
                  progress: str | None = None, sign: bool = False, engine: str | None = None,
-                 force: tuple = ()) -> dict:
+                 force: tuple = (), formats: tuple = ()) -> dict:
     """``progress``: a file rewritten after every run with the summary so far (a long campaign
     stopped early still has its figures). ``engine="vllm"``: engine mode (a real vLLM engine is
-    the receiver). ``force``: fault kinds added to every run."""
+    the receiver). ``force``: fault kinds added to every run. ``formats``: the delta format
+    versions the publishers write (``Campaign.batch``)."""
     _check_options(sign, engine)  # before anything starts
     c = Campaign(seed=seed, fast=fast, log=log, engine=engine)
     try:
-        return c.batch(runs, seed=seed, sabotage=sabotage, sign=sign, progress=progress, force=force)
+        return c.batch(runs, seed=seed, sabotage=sabotage, sign=sign, progress=progress, force=force,
+                       formats=formats)
     finally:
         c.close()

@@ -96,7 +96,8 @@ def publisher_main(rank: int, port: int, conn, env: dict) -> None:
         state["layout"] = truth.shard_layout(rank, None if base is None else {n: t.shape for n, t in base.items()})
         state["contents"] = truth.Contents(cmd["seed"], base)
         state["pub"] = Publisher(open_store(cmd["store"], cache=True), keyframe_every=cmd["keyframe_every"],
-                                 retain=cmd["retain"], chunk_elems=cmd.get("chunk_elems", 256), signer=signer)
+                                 retain=cmd["retain"], chunk_elems=cmd.get("chunk_elems", 256), signer=signer,
+                                 **({"format_version": cmd["format_version"]} if "format_version" in cmd else {}))
         return {}
 
     def publish(cmd):

@@ -237,7 +237,7 @@ def _cmd_chaos(a):
     else:
         runs = a.runs if a.runs is not None else 3 if a.engine else 20
         out = run_campaign(runs, seed=a.seed, fast=a.fast, sabotage=a.sabotage, log=log, progress=a.progress,
-                           sign=a.sign, engine=a.engine, force=tuple(a.force))
+                           sign=a.sign, engine=a.engine, force=tuple(a.force), formats=tuple(a.format_version))
         bad = out["violations"] or out["not_converged"]
     if a.json:
         print(json.dumps(out, indent=2))
@@ -448,6 +448,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "faults. Slow: an engine start is ~20-60 s")
     ch.add_argument("--force", action="append", default=[], metavar="KIND",
                     help="add this fault kind to every run (repeatable)")
+    ch.add_argument("--format-version", type=int, choices=sorted(VERSIONS), action="append", default=[],
+                    help="delta format version the publishers write (repeatable: one drawn at each start of theirs, "
+                         "so the store moves between them mid-run; default: the writer's default)")
     ch.add_argument("--json", action="store_true", help="the whole summary as JSON on stdout")
     ch.add_argument("--progress", default=None, help="rewrite this file with the summary so far after every run")
     ch.add_argument("--versions", type=int, default=None,
