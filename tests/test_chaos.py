@@ -60,6 +60,16 @@ def test_signed_campaign_refuses_forged_versions_and_never_goes_back(campaign):
     assert out["went_back_on_stale_head"] == 0
 
 
+def test_campaign_with_publishers_moving_between_formats_4_and_5(campaign):
+    # a format drawn at each publisher (re)start: the store moves between state digest
+    # definitions mid-run, under the faults, with its followers and relays on it
+    out = campaign.batch(6, seed=56, formats=(4, 5), force=("pub_restart",))
+    assert out["silent_corruptions"] == 0, out["violations"]
+    assert out["violations"] == [] and out["aborted"] == []
+    assert out["not_converged"] == 0 and out["convergence_rate"] == 1.0
+    assert set(out["publisher_formats"]) == {4, 5} and out["format_moves"] > 0
+
+
 def test_campaign_detects_a_receiver_whose_bits_are_not_its_version(campaign):
     # an engine write that goes wrong after the follower verified (RolloutLoader's on_update
     # seam flips one bit): only the harness's own raw-bit comparison can catch it

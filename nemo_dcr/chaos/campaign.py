@@ -103,6 +103,8 @@ class Totals:
     proxy: Counter = field(default_factory=Counter)
     seconds: float = 0.0
     aborted: list = field(default_factory=list)           # runs the harness itself could not finish, and why
+    formats: Counter = field(default_factory=Counter)     # publisher (re)starts by the format version drawn
+    format_moves: int = 0                                 # (re)starts in another format than the last, in a run
 
     def as_json(self) -> dict:
         cs = sorted(self.convergence_s)
@@ -119,6 +121,8 @@ class Totals:
                 "convergence_rate": (self.converged + self.converged_after_keyframe) / self.runs if self.runs else None,
                 "convergence_s": {"p50": pct(0.5), "p95": pct(0.95), "max": cs[-1] if cs else None},
                 "publishes": dict(self.publishes), "proxy_injected": dict(self.proxy), "aborted": self.aborted,
+                **({"publisher_formats": dict(sorted(self.formats.items())), "format_moves": self.format_moves}
+                   if self.formats else {}),
                 "seconds": round(self.seconds, 1)}
 
 
@@ -500,6 +504,7 @@ class _Run:
     def __init__(self, c: Campaign, index, rng, backend, retain, kf_every):
         self.c, self.index, self.rng, self.backend = c, index, rng, backend
         self.retain, self.kf_every = retain, kf_every
+        self.format_version: int | None = None  # the publishers' last (re)start's, where drawn
         self.t = c.totals
         self.pub_spec, self.direct_spec, self.relay, self.own = c._specs(backend)
         self.contents = truth.Contents(truth.hash_seed(c.seed, index), c.base)
@@ -571,6 +576,10 @@ class _Run:
         key = private_key_pem(self.c.key).decode() if self.c.sign else None
         formats = self.c.formats
         fv = {} if not formats else {"format_version": self.rng.choice(formats) if len(formats) > 1 else formats[0]}
+        if fv:
+            self.t.formats[fv["format_version"]] += 1
+            last, self.format_version = self.format_version, fv["format_version"]
+            self.t.format_moves += last is not None and last != self.format_version
         for w in self.c.pubs:
             w.send({"op": "open", "seed": self.contents.seed, "store": self.pub_spec,
                     "keyframe_every": self.kf_every, "retain": self.retain, "signing_key": key,
