@@ -43,7 +43,8 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   changes); ``fast-v4`` and ``fast-scatter``: version 4 (the default: version 3 with the tensor
   digests the state digest's terms, so the publisher sums no state digest of its own);
   ``fast-v5``: version 5 (version 4 under the state digest's definition 2: the base check of
-  ``apply(verify=True)`` sums the base ~3x faster);
+  ``apply(verify=True)`` sums the base ~3x faster); ``follower-v5``: the follower's apply of it,
+  its state digest moved by the changes under definition 2;
 * tensor digest of the shard per algorithm: SHA-256, BLAKE3 on 1 and 2 threads; chunk values
   digests (pre/post images) over the whole shard in chunks, as a keyframe's make them, on
   ``--workers`` threads: BLAKE2b-64 (version 1) and BLAKE3-64 (version 2);
@@ -314,9 +315,11 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     fresh = lambda: recv["shard"].copy_(base)  # noqa: E731  each apply on a fresh base, untimed
     d_base, d_target = (statedigest.state_contrib(s, workers=workers) for s in (b, t))
 
-    def follower(_):
+    d_base2, d_target2 = (statedigest.state_contrib(s, workers=workers, definition=2) for s in (b, t))
+
+    def follower(_, blob=blob, d_base=d_base, d_target=d_target, definition=1):
         """The follower's check: per-chunk pre-images, then the state digest moved by the changes."""
-        change = ChangeDigest()
+        change = ChangeDigest(definition=definition)
         apply(recv, blob, workers=workers, verify=False, on_change=change)
         if d_base + change.total != d_target:
             raise AssertionError("the incremental state digest does not reach the target's")
@@ -328,6 +331,8 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
              "fast-v4": lambda _: apply(recv, blob4, workers=workers),
              "fast-v5": lambda _: apply(recv, blob5, workers=workers),
              "follower": follower,
+             # format 5's follower: its state digest moved by the changes under definition 2
+             "follower-v5": lambda _: follower(_, blob5, d_base2, d_target2, 2),
              "unverified": lambda _: apply(recv, blob, workers=workers, verify=False)}
     for name, fn in paths.items():
         s = _median(fn, reps, setup=fresh)
