@@ -126,7 +126,7 @@ def object_checksum_for(name: str | None, format_version: int) -> str:
         # (manifest format 5 is format 4's, BLAKE3 parts included: the formats stay one line)
         raise ValueError(f"format_version {format_version} names each part's blake3 (its manifests are format "
                          f"{DEFINITION_2}, after format {PARTS_BLAKE3}'s); object_checksum={name!r} goes with "
-                         f"format_version {NEWEST_IN_HEAD}")
+                         f"format_version {DEFINITION_2 - 1} or below (manifest format {NEWEST_IN_HEAD})")
     return name
 
 

@@ -486,16 +486,11 @@ def locate(store: Store, digest: str | Callable[[int], str], head: Head | None =
     ``worth_fetching``: also end it where the deltas from further down to the newest keyframe
     cost more bytes than that keyframe (a receiver there is better served by the keyframe, so
     finding its version is not worth the reads). ``digest``: the state digest's text, or a
-    function of the definition (``Manifest.definition``) giving the text under it, asked once
-    for each definition the walk meets: a chain whose publisher moved to format 5 holds both."""
-    texts: dict[int, str] = {}
-
+    function of the definition (``Manifest.definition``) giving the text under it, asked at each
+    manifest (it keeps what it sums: ``checkpoint.sync``'s): a chain whose publisher moved to
+    format 5 holds both."""
     def under(m: Manifest) -> str:
-        if isinstance(digest, str):
-            return digest
-        if m.definition not in texts:
-            texts[m.definition] = digest(m.definition)
-        return texts[m.definition]
+        return digest if isinstance(digest, str) else digest(m.definition)
 
     if head is None:
         head, _ = read_head(store)
@@ -528,7 +523,7 @@ def locate(store: Store, digest: str | Callable[[int], str], head: Head | None =
     except (VersionNotFound, ManifestError, SignatureError) as e:
         found.ended = f"{type(e).__name__}: {e}"
         log.info("nemo-dcr: looking for the state %s, the walk down the chain ended: %s",
-                 digest if isinstance(digest, str) else " or ".join(texts.values()), found.ended)
+                 digest if isinstance(digest, str) else "of the tensors given", found.ended)
         return found
 
 
