@@ -87,3 +87,10 @@ def test_engine_mode_without_the_vllm_venv_is_refused_before_anything_starts(mon
         Campaign(engine="vllm", workdir=str(tmp_path / "work"))
     assert not (tmp_path / "work").exists()
     assert kinds(sign=False, engine=True) == [f if f != "kill_follower" else "kill_engine" for f in kinds(sign=False)]
+
+
+def test_a_format_version_with_versions_is_refused_before_anything_starts(tmp_path, capsys):
+    # --versions is one run with one publisher start: there is nothing to draw a format at
+    from nemo_dcr.cli.main import main
+    assert main(["chaos", "--versions", "3", "--format-version", "5"]) == 1
+    assert "--format-version is not supported with --versions" in capsys.readouterr().err

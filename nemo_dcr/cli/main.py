@@ -222,6 +222,9 @@ def _cmd_chaos(a):
     from nemo_dcr.chaos.campaign import kinds, long_run, run_campaign
     if a.engine and a.versions:
         raise DcrError("chaos: --versions is not supported with --engine")
+    if a.versions and a.format_version:
+        raise DcrError("chaos: --format-version is not supported with --versions (it draws at each start of the "
+                       "publishers of a run)")
     unknown = [f for f in a.force if f not in kinds(a.sign, a.engine is not None)]
     if unknown:
         raise DcrError(f"chaos: --force {unknown}: not a fault kind of this campaign "
