@@ -199,7 +199,7 @@ def test_a_follower_at_a_format_4_version_pulls_format_5_versions_by_delta(tmp_p
     assert_state(other, state)
 
 
-def test_a_state_digest_of_another_definition_is_never_added(tmp_path):
+def test_a_state_digest_of_another_definition_is_never_added():
     a = StateDigest.from_hex(state_contrib({"x": torch.ones(3)}).hex(), 2)
     with pytest.raises(DcrError, match="definition 2 and one of definition 1"):
         _ = a + state_contrib({"x": torch.ones(3)})
