@@ -30,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_dcr.errors import DcrError
+from nemo_dcr.state.digest import DEFINITION
 
 
 @dataclass(frozen=True)
@@ -37,13 +38,17 @@ class Version:
     number: int
     tensor_digest: str  # the algorithm a writer of this version hashes tensors with (state/digest.py)
     values_digest: str  # the algorithm of every chunk's pre/post image digest
-    #: the state digest definition (``statedigest.DEFINITIONS``) of its summed tensor digests and
-    #: of the manifests published with it
-    definition: int = 1
+
+    @property
+    def definition(self) -> int:
+        """The state digest definition (``statedigest.DEFINITIONS``) of its summed tensor digests
+        and of the manifests published with it: its tensor digests' (``state.digest.DEFINITION``;
+        1 for a version whose tensor digests are hashes)."""
+        return DEFINITION.get(self.tensor_digest, 1)
 
 
 VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3"),
-            4: Version(4, "sdn", "blake3"), 5: Version(5, "sdb", "blake3", definition=2)}
+            4: Version(4, "sdn", "blake3"), 5: Version(5, "sdb", "blake3")}
 FORMAT_VERSION = 4  # what a writer writes unless asked for another
 #: the first version whose ``removed`` entries name the part of the tensor (``shape``, ``region``)
 #: their base digest is of, where the sender held a part (docs/format.md, "Tensor entry")

@@ -26,7 +26,7 @@ from nemo_dcr.codec.names import DEFAULT_CHUNK, DEFAULT_LEVEL  # re-exported by 
 from nemo_dcr.codec.versions import REGION_OF_REMOVED, Version, version
 from nemo_dcr.delta.changes import OnChange, report_gone, spec_of
 from nemo_dcr.errors import DcrError
-from nemo_dcr.state.digest import DEFINITION, SUMMED, Place, SumKey, algo_of, state_digest, tensor_digest
+from nemo_dcr.state.digest import SUMMED, Place, SumKey, algo_of, state_digest, tensor_digest
 from nemo_dcr.state.dtypes import dtype_name
 from nemo_dcr.state.flat import FlatAccess
 from nemo_dcr.state.index_map import IndexMap, ShardSpec
@@ -208,7 +208,7 @@ def _digests_ahead(names, base, target, shards, chunk_elems, workers, fv: Versio
     out = {}
     for job in in_jobs(ranges, lambda r: r[1][3].numel(), MANY_JOB):
         # each job's keys and checks made here, its sums in one C call on a worker
-        f = background(many_contrib([r for _, r in job], definition=DEFINITION[fv.tensor_digest]), workers)
+        f = background(many_contrib([r for _, r in job], definition=fv.definition), workers)
         for i, (name, _) in enumerate(job):
             out[name] = (f, i)
     return out
