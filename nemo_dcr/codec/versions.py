@@ -30,7 +30,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nemo_dcr.errors import DcrError
-from nemo_dcr.state.digest import DEFINITION
 
 
 @dataclass(frozen=True)
@@ -44,6 +43,7 @@ class Version:
         """The state digest definition (``statedigest.DEFINITIONS``) of its summed tensor digests
         and of the manifests published with it: its tensor digests' (``state.digest.DEFINITION``;
         1 for a version whose tensor digests are hashes)."""
+        from nemo_dcr.state.digest import DEFINITION  # (here: the CLI reads this module without torch)
         return DEFINITION.get(self.tensor_digest, 1)
 
 
