@@ -40,9 +40,9 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
 * ``reference`` and ``fast`` write and read format version 2 (BLAKE3 tensor digests); ``fast-v1``
   rows (encode and apply): the same fast paths in format version 1 (SHA-256 tensor digests,
   BLAKE2b-64 chunk digests); ``fast-v3``: version 3 (segments, tensor digests summed from the
-  changes); ``fast-v4`` and ``fast-scatter``: version 4 (the default: version 3 with the tensor
-  digests the state digest's terms, so the publisher sums no state digest of its own);
-  ``fast-v5``: version 5 (version 4 under the state digest's definition 2: the base check of
+  changes); ``fast-v4``: version 4 (version 3 with the tensor digests the state digest's terms,
+  so the publisher sums no state digest of its own); ``fast-v5`` and ``fast-scatter``: version 5,
+  the default (version 4 under the state digest's definition 2: the base check of
   ``apply(verify=True)`` sums the base ~3x faster); ``follower-v5``: the follower's apply of it,
   its state digest moved by the changes under definition 2;
 * tensor digest of the shard per algorithm: SHA-256, BLAKE3 on 1 and 2 threads; chunk values
@@ -58,14 +58,14 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   against writing (and fsyncing) the raw bytes of the shard there (``raw_write``;
   ``raw_write_writeback``: the same bytes written 8 MB at a time with each piece's writeback asked
   for, as the store's writer does); ``fast-v3`` and ``fast-v4`` (delta format 3 and 4) with their
-  parts' checksums BLAKE3 (manifest format 4, the default) and ``fast-v3-sha256`` with SHA-256
-  (format 3); ``fast-v5``: delta format 5 (definition 2, manifest format 5); ``fast-v4-next``: a
-  publisher's next version (1 % changed) as a keyframe, its delta
-  part beside it, as ``keyframe_every`` makes them;
+  parts' checksums BLAKE3 (manifest format 4) and ``fast-v3-sha256`` with SHA-256 (format 3);
+  ``fast-v5``: delta format 5 (the default: definition 2, manifest format 5); ``fast-v5-next``
+  (``fast-v4-next`` while version 4 was the default): a publisher's next version (1 % changed)
+  as a keyframe, its delta part beside it, as ``keyframe_every`` makes them;
 * keyframe sync: a follower's first sync of that keyframe from the local directory into fresh
-  tensors (delta format 4, the default), its parts checked with BLAKE3 (``v4``) and SHA-256
-  (``v4-sha256``; the rows were ``v3`` and ``v3-sha256`` while version 3 was the default), and
-  in delta format 5 (``v5``: the keyframe's digests under definition 2).
+  tensors (delta format 4), its parts checked with BLAKE3 (``v4``) and SHA-256 (``v4-sha256``;
+  the rows were ``v3`` and ``v3-sha256`` while version 3 was the default), and in delta format 5
+  (``v5``, the default: the keyframe's digests under definition 2).
 
 GPU figures: ``DEVICE_PATHS`` is the hook. Each entry is ``fn(base, target, rate, workers, reps)
 -> list of rows`` (the row fields of ``_row``: side, path, seconds, plus h2d/d2h bytes), run
@@ -214,7 +214,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     ob, nb = base.view(torch.int16), target.view(torch.int16)
     b, t = {"shard": base}, {"shard": target}
     # "reference" and "fast": format version 2 (BLAKE3 tensor digests); "fast-v3": version 3;
-    # "fast-v4" and "fast-scatter" (the publisher now): version 4, the default
+    # "fast-v4": version 4; "fast-v5" and "fast-scatter" (the publisher now): version 5, the default
     first = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=2)  # what published ``base``
     known = {e.name: e.target_digest for e in DeltaReader.open(first).header.tensors}
     first1 = diff({}, b, encoding="overwrite", level=1, workers=workers, format_version=1)
@@ -269,7 +269,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
 
     def enc_scatter(_):
         keep = _Changes({"shard": held}, {}, early=True)
-        out = diff({"shard": held}, t, workers=workers, base_digests=known4, on_change=keep.also(None))
+        out = diff({"shard": held}, t, workers=workers, base_digests=known5, on_change=keep.also(None))
         keep.commit(t)
         return out
 
@@ -278,7 +278,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     blob4 = enc_fast_v4()
     blob5 = enc_fast_v5()
     held.copy_(base)
-    if _entries(enc_scatter(None)) != _entries(blob4) \
+    if _entries(enc_scatter(None)) != _entries(blob5) \
             or not torch.equal(held.view(torch.int16), nb):
         raise AssertionError("the in-place encode differs, or its snapshot is not the target")
     # the same publisher's path with the shard cut into tensors of half a chunk each (views: the
@@ -287,7 +287,7 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     many = lambda x: {f"t{i:05d}": x[s:e] for i, (s, e) in enumerate(cut)}  # noqa: E731
     t_many = many(target)
     known_many = {e.name: e.target_digest for e in DeltaReader.open(
-        diff({}, many(base), encoding="overwrite", level=1, workers=workers, format_version=4)).header.tensors}
+        diff({}, many(base), encoding="overwrite", level=1, workers=workers, format_version=5)).header.tensors}
 
     def enc_scatter_many(_):
         mine = many(held)
@@ -475,13 +475,13 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     def published():  # untimed: a publisher with its first version out, the next one's step taken
         clear()
         k[0] += 1
-        p = Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers)
+        p = Publisher(LocalStore(os.path.join(tmp, f"s{k[0]}")), workers=workers, format_version=5)
         p.publish(state)
         return p
 
     # a keyframe every few versions (``keyframe_every``): the publisher's next version, its delta
     # part and its keyframe part, the tensor digests known from the delta
-    rows.append(_row("keyframe", "fast-v4-next", _median(
+    rows.append(_row("keyframe", "fast-v5-next", _median(
         lambda p: p.publish(target, keyframe=True), reps, published), memcpy))
     for fv, checksum, name in ((4, "blake3", "v4"), (4, "sha256", "v4-sha256"), (5, "blake3", "v5")):
         rows.append(_row("keyframe_sync", name,

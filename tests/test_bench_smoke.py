@@ -274,7 +274,7 @@ def test_kernels_bench_quick_json():
     for side, path in (("state_digest", "reference"), ("state_digest", "fast-def2"), ("keyframe", "raw_write"),
                        ("keyframe", "raw_write_writeback"), ("keyframe", "reference"),
                        ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"), ("keyframe", "fast-v4"),
-                       ("keyframe", "fast-v3-sha256"), ("keyframe", "fast-v4-next"), ("keyframe_sync", "v4"),
+                       ("keyframe", "fast-v3-sha256"), ("keyframe", "fast-v5-next"), ("keyframe_sync", "v4"),
                        ("keyframe_sync", "v4-sha256"),
                        ("tensor_digest", "sha256"),
                        ("tensor_digest", "blake3-1t"), ("tensor_digest", "blake3-2t"), ("values_digest", "blake2b"),

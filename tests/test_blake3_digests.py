@@ -130,9 +130,9 @@ def test_each_version_writes_its_digests(fv, tensor_prefix, values_algo):
     assert_state(recv, target)
 
 
-def test_the_default_format_version_is_4():
+def test_the_default_format_version_is_5():
     base, target = _states()
-    assert FORMAT_VERSION == 4 and DeltaReader.open(diff(base, target)).version == 4
+    assert FORMAT_VERSION == 5 and DeltaReader.open(diff(base, target)).version == 5
 
 
 def test_a_format_version_is_checked():
@@ -256,6 +256,8 @@ def test_the_lightning_callback_takes_a_format_version(tmp_path):
     pytest.importorskip("lightning")
     from nemo_dcr.integrations import DeltaPublishCallback
     assert DeltaPublishCallback(str(tmp_path), format_version=1).format_version == 1
-    assert DeltaPublishCallback(str(tmp_path)).format_version == FORMAT_VERSION == 4
+    assert DeltaPublishCallback(str(tmp_path)).format_version == FORMAT_VERSION == 5
+    # SHA-256 parts named alone: the newest version their receivers read (manifest format 3)
+    assert DeltaPublishCallback(str(tmp_path), object_checksum="sha256").format_version == 4
     with pytest.raises(DcrError, match="format version 7"):
         DeltaPublishCallback(str(tmp_path), format_version=7)

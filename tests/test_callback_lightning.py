@@ -286,10 +286,10 @@ def test_dtype_submodule_and_initial_version(tmp_path):
     assert_state(recv, final)
 
 
-@pytest.mark.parametrize("checksum, fmt, algo", [(None, 4, "blake3"), ("sha256", 3, "sha256")])
+@pytest.mark.parametrize("checksum, fmt, algo", [(None, 5, "blake3"), ("sha256", 3, "sha256")])
 def test_the_object_checksum_reaches_the_publisher(tmp_path, checksum, fmt, algo):
-    """``object_checksum="sha256"``: format-3 manifests, which receivers of the release before
-    format 4 read; the default, BLAKE3 (format 4)."""
+    """``object_checksum="sha256"``: format-3 manifests (delta version 4), which receivers of the
+    release before format 4 read; the default, BLAKE3 (format 5)."""
     store = LocalStore(tmp_path / "store")
     cb = DeltaPublishCallback(store, object_checksum=checksum, background=False)
     rec = Recorder()

@@ -692,8 +692,10 @@ def test_deltas_with_the_older_blake2b_digests_still_verify(monkeypatch):
     assert all(e["target_digest"].startswith("blake3:") for e in new_entries)
     new_entries = DeltaReader(diff(base, target, format_version=3)).raw_header["tensors"]
     assert all(e["target_digest"].startswith("sd:") for e in new_entries)
-    new_entries = DeltaReader(diff(base, target)).raw_header["tensors"]  # the default: version 4
+    new_entries = DeltaReader(diff(base, target, format_version=4)).raw_header["tensors"]
     assert all(e["target_digest"].startswith("sdn:") for e in new_entries)
+    new_entries = DeltaReader(diff(base, target)).raw_header["tensors"]  # the default: version 5
+    assert all(e["target_digest"].startswith("sdb:") for e in new_entries)
 
 
 @pytest.mark.parametrize("use_native", [False, True] if native.lib() is not None else [False])

@@ -209,8 +209,8 @@ def test_typed_header_is_what_the_writer_wrote():
 
 
 def test_container_constants_unchanged():
-    assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 4
-    assert sorted(VERSIONS) == [1, 2, 3, 4, 5]  # a reader still reads versions 1 to 4 (tests/test_golden.py)
+    assert MAGIC == b"NDCRDLT\x00" and END_MAGIC == b"\x00TLDRCDN" and FORMAT_VERSION == 5
+    assert sorted(VERSIONS) == [1, 2, 3, 4, 5]  # a reader still reads versions 1 to 5 (tests/test_golden.py)
     from nemo_dcr.codec.format import SEGMENT, TRAILER
     assert SEGMENT.format == "<IIII" and TRAILER.format == "<II8s"  # version 3 (docs/format.md)
 

@@ -158,7 +158,7 @@ def test_device_apply_locates_classes_changes_against_the_held_base(how):
     recv = {k: v.clone() for k, v in v0.items()}
     d = apply_delta_(recv, blob)  # the held base: every chunk located and applied
     assert_state(recv, {k: v.contiguous() for k, v in v1.items()})
-    assert state_contrib(v0) + d == state_contrib(v1)
+    assert state_contrib(v0, definition=d.definition) + d == state_contrib(v1, definition=d.definition)
     recv = {k: v.clone() for k, v in v0.items()}
     wb = recv["w"].view(torch.int16)
     same = torch.nonzero(v0["w"].view(torch.int16) == v1["w"].view(torch.int16)).squeeze(1)

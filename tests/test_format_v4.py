@@ -84,7 +84,7 @@ def test_the_tensor_digests_of_a_sharded_state_add_up_to_its_state_digest():
     target[0]["vec"][::3] = 0
     bases, targets = StateDigest.zero(), StateDigest.zero()
     for r in range(2):
-        reader = DeltaReader.open(diff(base[r], target[r], shards=specs[r]))
+        reader = DeltaReader.open(diff(base[r], target[r], shards=specs[r], format_version=4))
         assert reader.version == 4
         h = reader.header
         mine = StateDigest.zero()
@@ -190,7 +190,7 @@ def test_a_reader_of_versions_1_to_3_refuses_version_4_clearly():
     g = torch.Generator().manual_seed(5)
     base = {"w": torch.randn(1000, generator=g)}
     target = {"w": base["w"] + 1}
-    blob = diff(base, target)
+    blob = diff(base, target, format_version=4)
     with mock.patch.dict(fmt.VERSIONS, {k: v for k, v in fmt.VERSIONS.items() if k < 4}, clear=True):
         with pytest.raises(DeltaFormatError, match="format version 4 is not supported"):
             DeltaReader.open(blob)

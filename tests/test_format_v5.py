@@ -106,6 +106,29 @@ def test_format_5_goes_with_blake3_parts_refused_before_anything_is_written(tmp_
     assert not list(tmp_path.iterdir())
 
 
+def test_format_5_is_the_default_and_sha256_named_alone_writes_format_4(tmp_path):
+    """The default is version 5 (manifest format 5). ``object_checksum="sha256"`` keeps a store
+    readable by the release before manifest format 4, so named with no version it writes the
+    newest version that release reads (4: manifest format 3), not a default it would refuse."""
+    from nemo_dcr.sync.publisher import format_choice
+    assert format_choice(None, None) == {"format_version": 5, "object_checksum": "blake3"}
+    assert format_choice(None, "sha256") == {"format_version": 4, "object_checksum": "sha256"}
+    assert format_choice(3, "sha256") == {"format_version": 3, "object_checksum": "sha256"}
+    with pytest.raises(DcrError, match="format_version 5 names each part's blake3"):
+        format_choice(5, "sha256")
+    state = _state(4)
+    for checksum, version, manifest_format in ((None, 5, 5), ("blake3", 5, 5), ("sha256", 4, 3)):
+        store = LocalStore(tmp_path / f"s-{checksum}")
+        pub = Publisher(store, object_checksum=checksum)
+        assert pub.format_version == version
+        m = pub.publish(state).manifest
+        assert m.format == read_head(store)[0].format == manifest_format
+        assert {DeltaReader.open(store.get(p.key)).version for p in m.parts + m.keyframe_parts} == {version}
+        recv = {k: torch.zeros_like(v) for k, v in state.items()}
+        Follower(store, recv).sync()
+        assert_state(recv, state)
+
+
 def test_a_format_5_store_holds_definition_2_state_digests_and_followers_check_them(tmp_path):
     state = _state(3)
     pub = Publisher(LocalStore(tmp_path), format_version=5, chunk_elems=4096)

@@ -124,7 +124,7 @@ def test_head_and_base_links_name_the_very_manifest(tmp_path, fv):
 
 def test_format_1_stores_stay_readable_and_are_upgraded_by_the_next_publish(tmp_path):
     """Stores written before checksums: manifests with format 1 and no checksum, a HEAD without
-    digests. Read unverified; the next commit writes format 4 (the default) and seals HEAD."""
+    digests. Read unverified; the next commit writes format 5 (the default) and seals HEAD."""
     store = LocalStore(str(tmp_path / "s"))
     s = state(2)
     pub = Publisher(store, object_checksum="sha256")  # format-1 parts named their sha256
@@ -149,7 +149,7 @@ def test_format_1_stores_stay_readable_and_are_upgraded_by_the_next_publish(tmp_
     s["b"][3] -= 2
     Publisher(store).publish(s)  # a restarted trainer on the old store
     head = read_head(store)[0]
-    assert head.format == 4 and head.manifest_sha256 and head.keyframe_sha256 and head.newest_manifest is not None
+    assert head.format == 5 and head.manifest_sha256 and head.keyframe_sha256 and head.newest_manifest is not None
     assert f.sync().steps == [("delta", 2)]
     assert_state(recv, s)
 

@@ -1,5 +1,5 @@
-"""Each part's checksum in its manifest: SHA-256 (manifest formats 1-3) or BLAKE3 (format 4,
-the default with format-3 deltas; stores/checksums.py).
+"""Each part's checksum in its manifest: SHA-256 (manifest formats 1-3) or BLAKE3 (formats 4
+and 5, the default from format-3 deltas; stores/checksums.py).
 
 What must hold: the checksum a manifest names is that algorithm's hash of the object's bytes;
 exactly one is named, the one the manifest's format says; a reader of formats 1-3 refuses
@@ -41,7 +41,8 @@ def stepped(state: dict, seed: int) -> dict:
 
 
 @pytest.mark.parametrize("kwargs, fmt, algo", [
-    ({}, 4, "blake3"),                                          # the default
+    ({}, 5, "blake3"),                                          # the default
+    ({"format_version": 4}, 4, "blake3"),                       # while format-4 receivers follow
     ({"object_checksum": "sha256"}, 3, "sha256"),               # while format-3 receivers follow
     ({"format_version": 2}, 2, "sha256"),                       # format-2 receivers: their checksum
 ])
@@ -76,9 +77,9 @@ def test_an_unknown_or_unreadable_choice_is_refused_before_anything_is_written(t
 
 
 def two_versions(tmp_path):
-    """A default store (format 4) with versions 0 and 1 -> (store, version 1's manifest, v0)."""
+    """A format-4 store with versions 0 and 1 -> (store, version 1's manifest, v0)."""
     store = LocalStore(tmp_path / "s")
-    pub = Publisher(store, signer=None)
+    pub = Publisher(store, signer=None, format_version=4)
     v0 = model()
     pub.publish(v0)
     return store, pub.publish(stepped(v0, 1)).manifest, v0
@@ -166,8 +167,8 @@ def test_a_relay_keeps_a_part_whose_checksum_changed_with_the_store(tmp_path):
         assert_state(recv, v1)
 
         v2 = stepped(v1, 2)
-        m2 = Publisher(str(store_dir), signer=None).publish(v2).manifest  # restarted: format 4
-        assert m2.format == 4 and m2.parts[0].algo == "blake3"
+        m2 = Publisher(str(store_dir), signer=None).publish(v2).manifest  # restarted: format 5
+        assert m2.format == 5 and m2.parts[0].algo == "blake3"
         key = m2.parts[0].key
         want = LocalStore(store_dir).get(key)
         http = HttpStore(relay.url)
@@ -202,7 +203,7 @@ def test_the_cli_publishes_the_format_and_checksum_it_is_asked_for(tmp_path, cap
     store = LocalStore(root)
     for k, args, fmt, algo, version in [(0, ["--format-version", 2], 2, "sha256", 2),
                                         (1, ["--object-checksum", "sha256"], 3, "sha256", 4),
-                                        (2, [], 4, "blake3", 4)]:
+                                        (2, [], 5, "blake3", 5)]:
         r = run_cli(capsys, "publish", "--store", root, tmp_path / f"m{k}.safetensors", *args)
         assert r.returncode == 0, r.stderr
         m = read_manifest(store, read_head(store)[0].manifest)
@@ -212,7 +213,7 @@ def test_the_cli_publishes_the_format_and_checksum_it_is_asked_for(tmp_path, cap
         assert {DeltaReader.open(store.get(p.key)).version for p in parts} == {version}
     # `log` says which format (so which releases can follow) and checksum each version has
     log = json.loads(run_cli(capsys, "log", "--store", root, "--json").stdout)
-    assert [(r["version"], r["format"], r["checksum"]) for r in log] == [(2, 4, "blake3"), (1, 3, "sha256"),
+    assert [(r["version"], r["format"], r["checksum"]) for r in log] == [(2, 5, "blake3"), (1, 3, "sha256"),
                                                                          (0, 2, "sha256")]
     recv = zeros_like(states[0])
     f = Follower(store, recv)

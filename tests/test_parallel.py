@@ -161,6 +161,7 @@ def test_small_chunks_are_encoded_and_applied_on_the_calling_thread(monkeypatch)
     the same either way."""
     from nemo_dcr import apply
     from nemo_dcr.codec.chunk import LIGHT_DELTA
+    from nemo_dcr.codec.versions import FORMAT_VERSION, version
     from nemo_dcr.state.digest import Place, tensor_digest
     g = torch.Generator().manual_seed(5)
     sizes = {"s1": 3000, "s2": 5000, "t_big": LIGHT_DELTA + 4096}  # (name order: nothing out before s1, s2)
@@ -178,7 +179,8 @@ def test_small_chunks_are_encoded_and_applied_on_the_calling_thread(monkeypatch)
         return on_change
 
     # the base's digests known (the publisher's snapshot): none is hashed beside the chunks
-    known = {n: tensor_digest(v, "sdn", place=Place(n)) for n, v in base.items()}
+    algo = version(FORMAT_VERSION).tensor_digest  # the default version's
+    known = {n: tensor_digest(v, algo, place=Place(n)) for n, v in base.items()}
     enc: dict = {}
     blob = diff(base, target, workers=2, on_change=where(enc), base_digests=known)
     assert blob == diff(base, target, workers=1)

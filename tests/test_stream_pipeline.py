@@ -212,7 +212,7 @@ def test_two_parts_stream_or_check_all_first(tmp_path, stream, bad):
     object is repaired the next sync finishes the version."""
     store = LocalStore(tmp_path / "s")
     seq = states(2)
-    publish_all(store, seq[:1])
+    publish_all(store, seq[:1], format_version=4)  # state digests of definition 1, as _two_part_version's
     m = _two_part_version(store, seq[0], seq[1])
     good = store.get(m.parts[bad].key)
     _corrupt(store, m.parts[bad].key)

@@ -336,9 +336,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--workers", type=int, default=None, help="encoder threads (default: cores, at most 8)")
     d.add_argument("--format-version", type=int, choices=sorted(VERSIONS), default=FORMAT_VERSION,
                    help=f"delta format version (default {FORMAT_VERSION}: segments, tensor digests that add up to "
-                        "the state digest); 5 (the same under the state digest's definition 2), 3 (digests summed "
-                        "apart), 2 (BLAKE3 digests) or 1 (SHA-256 and BLAKE2b) for receivers older than version 4, 3 "
-                        "or 2")
+                        "the state digest under its definition 2); 4 (the same under definition 1), 3 (digests "
+                        "summed apart), 2 (BLAKE3 digests) or 1 (SHA-256 and BLAKE2b) for receivers older than "
+                        "version 5, 4, 3 or 2")
     d.set_defaults(func=_cmd_diff)
 
     ap = sub.add_parser("apply", help="apply DELTA to BASE and write the verified result to OUT atomically")
@@ -375,12 +375,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="as diff's (default auto: classes where it pays, else the smallest of all)")
     pb.add_argument("--level", type=int, default=DEFAULT_LEVEL, help=f"zstd level, 1..22 (default {DEFAULT_LEVEL})")
     pb.add_argument("--format-version", type=int, choices=sorted(VERSIONS), default=None,
-                    help=f"delta format version to write (default {FORMAT_VERSION}); 5: state digests under their "
-                         "definition 2 (manifest format 5); 3, 2 or 1 while receivers of an earlier release follow "
-                         "the store (docs/format.md, \"Versioning\")")
+                    help=f"delta format version to write (default {FORMAT_VERSION}: state digests under their "
+                         "definition 2, manifest format 5; 4 with --object-checksum sha256); 4, 3, 2 or 1 while "
+                         "receivers of an earlier release follow the store (docs/format.md, \"Versioning\")")
     pb.add_argument("--object-checksum", choices=list(OBJECT_CHECKSUMS), default=None,
                     help="each stored object's checksum in the manifest (default blake3 from format version 3, "
-                         "sha256 below it); sha256 keeps format 3 readable by the release before manifest format 4")
+                         "sha256 below it); sha256 (with format version 4 or below, 4 when none is named) keeps the "
+                         "store readable by the release before manifest format 4")
     _signing_args(pb, sign=True)
     pb.set_defaults(func=_cmd_publish)
 

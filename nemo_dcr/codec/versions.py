@@ -49,7 +49,7 @@ class Version:
 
 VERSIONS = {1: Version(1, "sha256", "blake2b"), 2: Version(2, "blake3", "blake3"), 3: Version(3, "sd", "blake3"),
             4: Version(4, "sdn", "blake3"), 5: Version(5, "sdb", "blake3")}
-FORMAT_VERSION = 4  # what a writer writes unless asked for another
+FORMAT_VERSION = 5  # what a writer writes unless asked for another
 #: the first version whose ``removed`` entries name the part of the tensor (``shape``, ``region``)
 #: their base digest is of, where the sender held a part (docs/format.md, "Tensor entry")
 REGION_OF_REMOVED = 4

@@ -68,12 +68,12 @@ class DeltaPublishCallback(LoopCallback, Callback):
         chunk_elems: elements per delta chunk.
         workers: threads for encoding (None: the library's default).
         slow_publish_s: publishes taking longer than this are reported at INFO level.
-        format_version: delta format version (4 by default; 5: the state digests under their
-            definition 2, cheaper to sum whole; 3, 2 or 1 while receivers older than version 4, 3
-            or 2 follow the store).
-        object_checksum: each part's checksum in its manifest: ``blake3`` (manifest format 4,
-            the default from format version 3) or ``sha256`` (format 3: while receivers of the
-            release before format 4 follow the store).
+        format_version: delta format version (5 by default: the state digests under their
+            definition 2, cheaper to sum whole; 4, 3, 2 or 1 while receivers older than version
+            5, 4, 3 or 2 follow the store).
+        object_checksum: each part's checksum in its manifest: ``blake3`` (manifest formats 4
+            and 5, the default from format version 3) or ``sha256`` (format 3: while receivers of
+            the release before format 4 follow the store; with no ``format_version``, version 4).
         device: ``auto`` (default): weights on a CUDA device are diffed there at each publish
             and only the change stream (and a digest per tensor) comes to the host; ``on``: that,
             or an error where it cannot run; ``off``: a host copy of the weights per publish.

@@ -41,9 +41,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from nemo_dcr.codec import versions as format_versions
 from nemo_dcr.codec.names import CHOICES, DEFAULT_LEVEL
-from nemo_dcr.codec.versions import FORMAT_VERSION
 from nemo_dcr.delta import DEFAULT_CHUNK
 from nemo_dcr.errors import DcrError, DeltaPublishError
 
@@ -108,7 +106,7 @@ class LoopCallback:
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, submodule: str | None = None, publish_initial: bool = False,
                  chunk_elems: int = DEFAULT_CHUNK, workers: int | None = None, slow_publish_s: float = 5.0,
-                 format_version: int = FORMAT_VERSION, object_checksum: str | None = None, device: str = "auto",
+                 format_version: int | None = None, object_checksum: str | None = None, device: str = "auto",
                  keep: str = "device"):
         self.loop = PublishLoop(store, every_n_steps=every_n_steps, keyframe_every=keyframe_every,
                                 encoding=encoding, level=level, retain=retain, on_skipped_step=on_skipped_step,
@@ -164,7 +162,7 @@ class PublishLoop:
                  level: int = DEFAULT_LEVEL, retain: int | None = None, on_skipped_step: str = "skip",
                  background: bool = True, max_pending: int = 2, snapshot_fn: Callable | None = None,
                  dtype: str | None = None, publish_initial: bool = False, chunk_elems: int = DEFAULT_CHUNK,
-                 workers: int | None = None, slow_publish_s: float = 5.0, format_version: int = FORMAT_VERSION,
+                 workers: int | None = None, slow_publish_s: float = 5.0, format_version: int | None = None,
                  object_checksum: str | None = None, device: str = "auto", keep: str = "device",
                  info: Report = _info, warn: Report = _warn):
         if int(every_n_steps) < 1:
@@ -178,9 +176,10 @@ class PublishLoop:
         if retain is not None and int(retain) < 0:
             raise ValueError(f"retain must be >= 0 or None, not {retain}")
         parse_dtype(dtype)  # fail at construction on a bad name
-        self.format_version = format_versions.version(format_version).number
-        from nemo_dcr.sync.publisher import object_checksum_for
-        object_checksum_for(object_checksum, self.format_version)  # a bad choice fails here, not at the first publish
+        from nemo_dcr.sync.publisher import resolve_format
+        # a bad choice fails here, not at the first publish; the checksum is kept as chosen (None:
+        # the publisher's default for the version)
+        self.format_version, _ = resolve_format(format_version, object_checksum)
         self.object_checksum = object_checksum
         self.store = store
         self.every_n_steps = int(every_n_steps)

@@ -130,14 +130,30 @@ def object_checksum_for(name: str | None, format_version: int) -> str:
     return name
 
 
+def default_format(object_checksum: str | None) -> int:
+    """The format version written when none is named: ``FORMAT_VERSION``, except with a
+    part checksum other than BLAKE3. That choice keeps the store readable by receivers of the
+    release before manifest format 4, so it gets the newest version whose manifests they
+    read (manifest format 3: delta version 4), not a default they would refuse by its number."""
+    if object_checksum is None or object_checksum == "blake3":
+        return FORMAT_VERSION
+    return min(FORMAT_VERSION, DEFINITION_2 - 1)
+
+
+def resolve_format(format_version: int | None, object_checksum: str | None) -> tuple[int, str]:
+    """The format version and part checksum a publisher writes for a choice by name (None:
+    the default, ``default_format``): ``DcrError`` for a version this build does not write,
+    ``ValueError`` for a checksum it does not go with, both before anything is written."""
+    fv = default_format(object_checksum) if format_version is None else format_versions.version(format_version).number
+    return fv, object_checksum_for(object_checksum, fv)
+
+
 def format_choice(format_version: int | None, object_checksum: str | None) -> dict:
     """``Publisher`` keyword arguments for a format version and part checksum chosen by name
-    (None: the default), checked before anything is read or written: ``DcrError`` for a version
-    this build does not write or a checksum it does not go with. The CLI and the checkpoint
-    publishers take the choice this way."""
-    fv = FORMAT_VERSION if format_version is None else format_versions.version(format_version).number
+    (``resolve_format``), every error a ``DcrError``. The CLI and the checkpoint publishers take
+    the choice this way."""
     try:
-        checksum = object_checksum_for(object_checksum, fv)
+        fv, checksum = resolve_format(format_version, object_checksum)
     except ValueError as e:
         raise DcrError(str(e)) from None
     return {"format_version": fv, "object_checksum": checksum}
@@ -149,7 +165,7 @@ class Publisher:
                  retain: int | None = None,
                  group: ProcessGroup | None = None, signer="env", device: str = "off", keep: str = "device",
                  part_bytes: int = DEFAULT_PART_BYTES, delta_part_bytes: int | None = None, max_uploads: int = 4,
-                 format_version: int = FORMAT_VERSION,
+                 format_version: int | None = None,
                  object_checksum: str | None = None,
                  trusted_keys=(), allow_unverified_chain: bool = False, progress: bool | None = False):
         """``keyframe_every``: also publish the full state every K versions (0: only the first).
@@ -170,14 +186,16 @@ class Publisher:
         default: a delta's bytes are a small share of the dense bytes it covers, and each object
         costs every receiver a request).
         ``max_uploads``: encoded parts uploading at once (their bytes are held until uploaded).
-        ``format_version``: of every delta and keyframe part (``codec/versions.py``; 3, 2 or 1
-        while receivers older than format version 4, 3 or 2 still follow the store; 5: the state
-        digests under their definition 2, manifest format 5), and of the manifests and HEAD
-        (format 3 from delta version 3: HEAD carries the newest manifest).
-        ``object_checksum``: the hash each part's receipt names, ``"blake3"`` (manifest format 4,
-        ~2.5x faster for the publisher, relays and followers alike) or ``"sha256"`` (format 3;
-        while receivers of an earlier release still follow the store: they refuse format 4 by
-        its number). None: ``"blake3"`` from ``format_version`` 3, ``"sha256"`` below it.
+        ``format_version``: of every delta and keyframe part (``codec/versions.py``; None: the
+        default, ``default_format``: 5, state digests under their definition 2 and manifest
+        format 5; 4, 3, 2 or 1 while receivers older than format version 5, 4, 3 or 2 still
+        follow the store), and of the manifests and HEAD (format 3 from delta version 3: HEAD
+        carries the newest manifest).
+        ``object_checksum``: the hash each part's receipt names, ``"blake3"`` (manifest format 4
+        and 5, ~2.5x faster for the publisher, relays and followers alike) or ``"sha256"``
+        (manifest format 3, delta versions 3 and 4; while receivers of an earlier release still
+        follow the store: they refuse format 4 by its number; with no ``format_version`` it
+        writes version 4). None: ``"blake3"`` from ``format_version`` 3, ``"sha256"`` below it.
 
         Signed chains: a store whose versions are signed takes only versions signed by a key
         that verifies its chain. Before anything is written, HEAD (and, on a restore, every
@@ -205,8 +223,7 @@ class Publisher:
         self.part_bytes, self.max_uploads = int(part_bytes), max(1, int(max_uploads))
         self.delta_part_bytes = DELTA_PART_SCALE * self.part_bytes if delta_part_bytes is None \
             else int(delta_part_bytes)
-        self.format_version = format_versions.version(format_version).number
-        self.object_checksum = object_checksum_for(object_checksum, self.format_version)
+        self.format_version, self.object_checksum = resolve_format(format_version, object_checksum)
         #: the state digest definition of the manifests (and summed tensor digests) written
         self.definition = format_versions.version(self.format_version).definition
         self.group = Group(group)

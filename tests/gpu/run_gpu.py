@@ -250,7 +250,7 @@ def e2e(keep: str):
                 _same_part(ref.store.get(pa.key), pub.store.get(pb.key))
             if v == 0:  # the device receiver starts where a keyframe load leaves it: version 0
                 recv = {k: t.to(DEV, copy=True).contiguous() for k, t in state.items()}
-                digest = StateDigest.from_hex(b.manifest.target_digest)
+                digest = StateDigest.from_hex(b.manifest.target_digest, b.manifest.definition)
                 continue
             for p in b.manifest.parts:  # host decode, device apply, O(changes) digest update
                 blob = pub.store.get(p.key)
