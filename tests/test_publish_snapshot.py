@@ -297,3 +297,55 @@ def test_a_publisher_on_a_store_takes_the_verified_digest_instead_of_summing_the
     recv = zeros_like(seq[0])
     Follower(store, recv).sync()
     assert_state(recv, seq[2])
+
+
+def test_a_first_keyframe_fills_the_snapshot_as_it_encodes(tmp_path, monkeypatch):
+    """A keyframe alone (a store's first version) is encoded from the caller's tensors, each
+    chunk copied into a fresh snapshot as it is encoded (``diff(copy_into=...)``), not copied
+    whole first: the snapshot is still private, holds every bit (NaN payloads, -0.0, a strided
+    view, integers, a 0-d and an empty tensor, tensors over several chunks and parts), and the
+    next delta is made against it."""
+    seq = _states(3, seed=4)
+    for s in seq:
+        s["scalar"], s["empty"] = torch.tensor(-0.0), torch.zeros(0, 5, dtype=torch.float16)
+    copies = []
+    real = publisher_mod.snapshot
+    monkeypatch.setattr(publisher_mod, "snapshot", lambda t: copies.append(1) or real(t))
+    store = LocalStore(tmp_path / "s")
+    pub = Publisher(store, chunk_elems=512, part_bytes=4096, workers=2)
+    live = {k: v.clone() for k, v in seq[0].items()}
+    r = pub.publish(live)
+    assert copies == [] and len(r.manifest.keyframe_parts) > 1
+    snap = pub.published[0]
+    assert not {t.data_ptr() for t in snap.values() if t.numel()} & {t.data_ptr() for t in live.values() if t.numel()}
+    assert_state(snap, seq[0])
+    for k in live:  # the caller's tensors are the caller's
+        live[k].zero_()
+    assert_state(pub.published[0], seq[0])
+    recv = zeros_like(seq[0])
+    fol = Follower(store, recv)
+    for s in seq[1:]:
+        for k in live:
+            live[k].copy_(s[k])
+        assert pub.publish(live).manifest.parts  # a delta against the snapshot
+        assert fol.sync().steps[-1][0] == "delta"
+        assert_state(recv, s)
+        assert_state(pub.published[0], s)
+
+
+def test_diff_copy_into_gets_every_chunk_and_changes_no_byte(monkeypatch):
+    import time
+
+    from nemo_dcr import diff
+    from nemo_dcr.errors import DcrError
+    monkeypatch.setattr(time, "time", lambda: 1700000000.0)  # the header's "created": the same bytes
+    s = _states(1, seed=5)[0]
+    s["scalar"] = torch.tensor(float("nan"))
+    want = diff({}, s, chunk_elems=700, encoding="overwrite", workers=2)
+    into = {k: torch.empty(v.shape, dtype=v.dtype) for k, v in s.items()}
+    assert diff({}, s, chunk_elems=700, encoding="overwrite", workers=2, copy_into=into) == want
+    assert_state(into, s)
+    with pytest.raises(DcrError, match="copy_into needs a contiguous CPU tensor"):
+        diff({}, s, copy_into={"b": torch.empty(s["b"].shape, dtype=torch.float64)})
+    with pytest.raises(DcrError, match="copy_into needs a contiguous CPU tensor"):
+        diff({}, s, copy_into={"w": torch.empty(s["w"].shape[::-1], dtype=s["w"].dtype).t()})

@@ -47,7 +47,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
          out: BinaryIO | None = None, progress: bool | Progress | None = None,
          on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None,
          chunker: Chunker | None = None, format_version: int = FORMAT_VERSION,
-         target_digests: Mapping[str, str] | None = None):
+         target_digests: Mapping[str, str] | None = None, copy_into: Mapping[str, torch.Tensor] | None = None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -75,6 +75,11 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     ``target_digests``: name -> the tensor digest of ``target[name]``, computed elsewhere (the
     trainer's device capture hashes on the device when it captures, ``device/capture.py``): that
     target is then not hashed, and may be a meta tensor where ``chunker`` also finds its chunks.
+    ``copy_into``: name -> a contiguous CPU tensor of the target's dtype and shape, into which
+    each chunk of the target is copied as it is encoded, while its bits are in cache (the
+    publisher's snapshot of a first keyframe: no pass over the model of its own before the
+    encode, and the fresh snapshot's pages are faulted in on the workers); ``DcrError`` where a
+    tensor's chunks did not cover it.
     """
     fv = version(format_version)
     if fv.values_digest != version(FORMAT_VERSION).values_digest:
@@ -106,7 +111,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         owned = bar
     with owned:
         for entry in _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_elems, workers,
-                             bar, on_change, known, chunker, fv, known_targets):
+                             bar, on_change, known, chunker, fv, known_targets, copy_into or {}):
             entries.append(entry)
             name = entry["name"]
             if "base_digest" in entry:
@@ -138,7 +143,7 @@ def _algo(digest: str) -> str | None:
 
 
 def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_elems, workers, bar, on_change,
-            known, chunker, fv: Version, known_targets):
+            known, chunker, fv: Version, known_targets, copy_into):
     """The tensors' entries, in name order, their chunks encoded in one stream over the workers:
     the workers go on to the next tensors' chunks while the last ones of a tensor are written.
     Each tensor a map of its own waited at its end for its last chunk, so a tensor of one chunk
@@ -154,7 +159,7 @@ def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_
         for name in names:
             t = _Tensor(name, base, target, shards.get(name), base_shards.get(name), encoding, level, chunk_elems,
                         workers, on_change, known.get(name), chunker, fv, known_targets.get(name), w.segmented,
-                        ahead.get(name))
+                        ahead.get(name), copy_into.get(name))
             hashing.extend(t.hashing)
             if not t.items:
                 yield t, None
@@ -235,7 +240,8 @@ class _Tensor:
 
     def __init__(self, name, base, target, spec, base_spec, encoding, level, chunk_elems, workers,
                  on_change: OnChange | None, known_base: str | None, chunker: Chunker | None, fv: Version,
-                 known_target: str | None, segmented: bool, ahead: tuple | None = None):
+                 known_target: str | None, segmented: bool, ahead: tuple | None = None,
+                 copy_to: torch.Tensor | None = None):
         self.name = name
         self.hashing: list = []
         self.items: list = []
@@ -270,6 +276,13 @@ class _Tensor:
         self.nf = FlatAccess(new)
         self.of = FlatAccess(old) if old is not None else None
         n = self.nf.numel
+        self.copy_to: torch.Tensor | None = None  # copy_into's flat bits for this tensor
+        self.copied: list = []  # elements copied, a count per chunk (list.append: from any worker)
+        if copy_to is not None:
+            if copy_to.dtype != new.dtype or copy_to.shape != new.shape or copy_to.device.type != "cpu" \
+                    or not copy_to.is_contiguous():
+                raise DcrError(f"{name}: copy_into needs a contiguous CPU tensor of {new.dtype} {tuple(new.shape)}")
+            self.copy_to = FlatAccess(copy_to).read(0, n)
         ranges = [(s, min(s + chunk_elems, n)) for s in range(0, n, chunk_elems)]
         # format 3's to 5's tensor digests are sums over elements ("sd", "sdn", "sdb": state/digest.py):
         # the target's is the base's plus the chunks' changes, O(changes); a tensor sent whole sums
@@ -327,11 +340,17 @@ class _Tensor:
         part = None
         if isinstance(r, EncodedChunk):  # found by the chunker
             c, s, e = r, r.start, r.start + r.n
+            if self.copy_to is not None:
+                self.copy_to[s:e].copy_(self.nf.read(s, e))
+                self.copied.append(e - s)
         else:
             s, e = r
             # .cpu(): the encoder's kernels read host memory; a tensor on a device is brought
             # over one chunk at a time (the device path, nemo_dcr/device, avoids even that)
             nb = self.nf.read(s, e).cpu()
+            if self.copy_to is not None:
+                self.copy_to[s:e].copy_(nb)
+                self.copied.append(e - s)
             c = encode_chunk(self.of.read(s, e).cpu() if self.of is not None else None, nb, s, self.encoding,
                              self.level, keep_changes=keep, is_float=new.dtype.is_floating_point,
                              dtype=new.dtype, values_algo=fv.values_digest)
@@ -387,6 +406,9 @@ class _Tensor:
             return self.gone
         for f in self.hashing:
             f.result()
+        if self.copy_to is not None and sum(self.copied) != self.nf.numel:
+            raise DcrError(f"{self.name}: {sum(self.copied)} of its {self.nf.numel} elements were copied into "
+                           "copy_into")
         d = self.digests
         if self.summed and not self.reuse:
             assert self.sum_key is not None  # made with summed
