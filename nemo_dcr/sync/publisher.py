@@ -298,12 +298,7 @@ class Publisher:
         # (during the diff already where the format lets it: _Changes; undone if the publish fails)
         keep = _Changes(self._base, self._shards or {}, early=self.format_version >= SEGMENTED) \
             if not dev and self._base is not None and self._continues(tensors, shards, head) else None
-        # a keyframe alone (nothing to restore, no delta part): its encode reads the caller's
-        # tensors and copies each chunk into a fresh snapshot while the chunk is in cache, rather
-        # than a pass over the model into fresh memory before the encode (44 of ~210 ms for 64M BF16)
-        source = {k: v.detach() for k, v in tensors.items()} \
-            if kf and head is None and not dev and keep is None and all(
-                v.device.type == "cpu" for v in tensors.values()) else None
+        source = self._keyframe_source(tensors) if kf and head is None and not dev and keep is None else None
 
         def upload():
             # the device path keeps its own snapshot and diffs the live tensors against it
@@ -358,6 +353,16 @@ class Publisher:
                   f"retention after version {version}", src=0)
         return PublishResult(manifest, manifest.delta_bytes(), manifest.keyframe_bytes(), manifest.changed,
                              manifest.elements, time.perf_counter() - t0, spans)
+
+    @staticmethod
+    def _keyframe_source(tensors: Mapping[str, torch.Tensor]) -> dict | None:
+        """For a keyframe alone (nothing to restore, no delta part), the caller's tensors, which
+        its encode reads, copying each chunk into a fresh snapshot while the chunk is in cache,
+        rather than a pass over the model into fresh memory before the encode (44 of ~210 ms for
+        64M BF16); None (a copy first) where a tensor is not in host memory."""
+        if not all(v.device.type == "cpu" for v in tensors.values()):
+            return None
+        return {k: v.detach() for k, v in tensors.items()}
 
     def _undo(self, keep: _Changes) -> None:
         """A failed publish: the snapshot goes back to the last published state, or, should
