@@ -57,7 +57,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     new_bits)`` sees every changed element, from worker threads (it must be thread-safe):
     ``old_bits`` None for a tensor sent whole, ``new_bits`` None for the elements of a tensor
     that is removed or replaced by one of another dtype or shape (``delta/changes.py``). In
-    formats 3 and 4 (segmented) a chunk's base elements are read only before its changes are reported,
+    formats 3 to 5 (segmented) a chunk's base elements are read only before its changes are reported,
     so ``on_change`` may write them into ``base`` (the publisher's snapshot does); versions 1 and
     2 may still be hashing the base beside the chunks.
     ``base_digests``: name -> the tensor digest of ``base[name]`` as a previous ``diff`` wrote it
@@ -67,10 +67,11 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     tensor in delta (same dtype and shape) found elsewhere, the same ``EncodedChunk``s the
     reference would make (the device path, ``nemo_dcr/device/trainer.py``), or None to let the
     reference encode that tensor.
-    ``format_version``: the delta's format version (``codec/versions.py``): 4 (default) in
+    ``format_version``: the delta's format version (``codec/versions.py``): 5 (default) in
     segments, its tensor digests summed from the changes, each the tensor's share of the state
-    digest; 3 the same with digests keyed apart from it; 2 digests with BLAKE3; 1 with SHA-256
-    and BLAKE2b-64, for receivers older than version 2. A known base digest of another algorithm
+    digest under its definition 2; 4 the same under definition 1; 3 with digests keyed apart
+    from it; 2 digests with BLAKE3; 1 with SHA-256 and BLAKE2b-64, for receivers older than
+    version 2. A known base digest of another algorithm
     than the version's is not reused (the base is hashed).
     ``target_digests``: name -> the tensor digest of ``target[name]``, computed elsewhere (the
     trainer's device capture hashes on the device when it captures, ``device/capture.py``): that
