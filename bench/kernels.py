@@ -59,7 +59,10 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   ``raw_write_writeback``: the same bytes written 8 MB at a time with each piece's writeback asked
   for, as the store's writer does); ``fast-v3`` and ``fast-v4`` (delta format 3 and 4) with their
   parts' checksums BLAKE3 (manifest format 4) and ``fast-v3-sha256`` with SHA-256 (format 3);
-  ``fast-v5``: delta format 5 (the default: definition 2, manifest format 5); ``fast-v5-next``
+  ``fast-v5``: delta format 5 (the default: definition 2, manifest format 5);
+  ``fast-v5-alternated`` and ``fast-v5-copy-first``: the same, alternated rep by rep with the
+  publisher's snapshot copied whole before the encode (the path before the encode filled it as
+  it went, ``diff(copy_into=...)``); ``fast-v5-next``
   (``fast-v4-next`` while version 4 was the default): a publisher's next version (1 % changed)
   as a keyframe, its delta part beside it, as ``keyframe_every`` makes them;
 * keyframe sync: a follower's first sync of that keyframe from the local directory into fresh
@@ -75,6 +78,7 @@ is present, and the rows land in the same table with their ratio to the same mem
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -469,6 +473,31 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     rows.append(_row("keyframe", "fast-v3", _median(lambda _: publish(3), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v4", _median(lambda _: publish(4), reps, clear), memcpy))
     rows.append(_row("keyframe", "fast-v5", _median(lambda _: publish(5), reps, clear), memcpy))
+    # the same with the snapshot copied whole before the encode (the path before the encode
+    # filled it, diff(copy_into=...)), alternated with ``fast-v5`` rep by rep: their difference
+    # is that change alone
+    first, copied = [], []
+
+    def alternate():
+        clear()
+        t = time.perf_counter()
+        publish(5)
+        first.append(time.perf_counter() - t)
+        clear()
+        real = Publisher.__dict__["_keyframe_source"]  # (the staticmethod itself, put back as it was)
+        Publisher._keyframe_source = staticmethod(lambda tensors: None)  # type: ignore[method-assign]
+        try:
+            t = time.perf_counter()
+            publish(5)
+            copied.append(time.perf_counter() - t)
+        finally:
+            Publisher._keyframe_source = real  # type: ignore[method-assign]
+
+    for _ in range(max(3 * reps, 9)):  # (a 5-8 % difference: three pairs did not resolve it)
+        gc.collect()
+        alternate()
+    rows.append(_row("keyframe", "fast-v5-alternated", statistics.median(first), memcpy))
+    rows.append(_row("keyframe", "fast-v5-copy-first", statistics.median(copied), memcpy))
     rows.append(_row("keyframe", "fast-v3-sha256", _median(lambda _: publish(3, "sha256"), reps, clear), memcpy))
     target = {"shard": make_target(base, 0.01)}
 

@@ -274,12 +274,15 @@ def test_kernels_bench_quick_json():
     for side, path in (("state_digest", "reference"), ("state_digest", "fast-def2"), ("keyframe", "raw_write"),
                        ("keyframe", "raw_write_writeback"), ("keyframe", "reference"),
                        ("keyframe", "fast"), ("keyframe", "fast-v1"), ("keyframe", "fast-v3"), ("keyframe", "fast-v4"),
-                       ("keyframe", "fast-v3-sha256"), ("keyframe", "fast-v5-next"), ("keyframe_sync", "v4"),
+                       ("keyframe", "fast-v3-sha256"), ("keyframe", "fast-v5-next"), ("keyframe", "fast-v5-alternated"),
+                       ("keyframe", "fast-v5-copy-first"), ("keyframe_sync", "v4"),
                        ("keyframe_sync", "v4-sha256"),
                        ("tensor_digest", "sha256"),
                        ("tensor_digest", "blake3-1t"), ("tensor_digest", "blake3-2t"), ("values_digest", "blake2b"),
                        ("values_digest", "blake3")):
         assert (None, side, path) in rows
+    from nemo_dcr.sync.publisher import Publisher
+    assert isinstance(Publisher.__dict__["_keyframe_source"], staticmethod)  # the A/B's switch put back
     for row in r["rows"]:
         # every ratio is to the median of the memcpy samples: one at the start and one beside each row
         assert row["seconds"] > 0 and row["memcpy_seconds"] in r["memcpy_samples"]
