@@ -478,12 +478,14 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
     # is that change alone
     first, copied = [], []
 
-    def alternate():
+    def alternate():  # (each timed publish after clear() and a collection, as _median's)
         clear()
+        gc.collect()
         t = time.perf_counter()
         publish(5)
         first.append(time.perf_counter() - t)
         clear()
+        gc.collect()
         real = Publisher.__dict__["_keyframe_source"]  # (the staticmethod itself, put back as it was)
         Publisher._keyframe_source = staticmethod(lambda tensors: None)  # type: ignore[method-assign]
         try:
@@ -493,8 +495,7 @@ def keyframe_rows(base: torch.Tensor, workers: int, reps: int, memcpy: Memcpy | 
         finally:
             Publisher._keyframe_source = real  # type: ignore[method-assign]
 
-    for _ in range(max(3 * reps, 9)):  # (a 5-8 % difference: three pairs did not resolve it)
-        gc.collect()
+    for _ in range(max(3 * reps, 9)):  # (a 4-8 % difference: three pairs did not resolve it)
         alternate()
     rows.append(_row("keyframe", "fast-v5-alternated", statistics.median(first), memcpy))
     rows.append(_row("keyframe", "fast-v5-copy-first", statistics.median(copied), memcpy))
