@@ -112,7 +112,8 @@ def snapshot(tensors: Mapping[str, torch.Tensor]) -> dict:
 
 def _empty_like(tensors: Mapping[str, torch.Tensor]) -> dict:
     """Contiguous CPU tensors for a snapshot filled later (``diff(copy_into=...)``): allocated,
-    not yet touched."""
+    not yet touched. Not ``util.memory.host_empty_like``: that keeps the source's strides (the
+    fill is by flat ranges) and asks for huge pages, which cost more for a buffer made once."""
     return {k: torch.empty(v.shape, dtype=v.dtype) for k, v in tensors.items()}
 
 
