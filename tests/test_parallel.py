@@ -252,21 +252,38 @@ def test_ordered_ahead_hands_an_error_out_in_its_turn_and_leaves_nothing_running
     assert not closer.is_alive() and running == []
 
 
-def test_diff_hashes_the_bases_of_one_range_tensors_side_by_side(monkeypatch):
-    """A version-3 delta's base digests of tensors summed in one range run beside each other
-    and the chunks (two of them wait for each other at a barrier, which the calling thread,
-    hashing one tensor after another, never reached), and the delta is the same bytes."""
+def test_diff_hashes_a_one_range_tensors_base_beside_the_chunk_before_it(monkeypatch):
+    """A delta's base digest of a tensor summed in one range runs on a worker while the chunk of
+    the tensor before it is still being encoded (the two wait for each other at a barrier, which
+    the calling thread, hashing one tensor after another, never reached), and the delta is the
+    same bytes.
+
+    The pair is a's chunk and b's digest, not b's and c's digests: the calling thread waits for
+    b's digest when b's entry begins, and whether it had prepared c (and queued c's digest)
+    before a finished chunk of b got it there is a race, which left b's digest at its barrier
+    alone once. Every chunk goes to the workers (``_light`` off), so a's chunk is out while the
+    stream prepares b."""
     diff_mod = sys.modules["nemo_dcr.delta.diff"]
     base, target, alone = _three_tensors(monkeypatch, 4, 7)
-    met, real = threading.Barrier(2, timeout=30), diff_mod.tensor_digest
+    met, real_digest, real_encode = threading.Barrier(2, timeout=30), diff_mod.tensor_digest, diff_mod.encode_chunk
+    where = []
 
     def digest(t, *a, **k):
-        if t is base["b"] or t is base["c"]:
-            met.wait()  # BrokenBarrierError after 30 s if c's base is not hashed while b's is
-        return real(t, *a, **k)
+        if t is base["b"]:
+            where.append(threading.current_thread().name)
+            met.wait()  # BrokenBarrierError after 30 s if b's base is not hashed while a's chunk is out
+        return real_digest(t, *a, **k)
+
+    def encode(old, new, *a, **k):
+        if new.data_ptr() == target["a"].data_ptr():
+            met.wait()
+        return real_encode(old, new, *a, **k)
 
     monkeypatch.setattr(diff_mod, "tensor_digest", digest)
+    monkeypatch.setattr(diff_mod, "encode_chunk", encode)
+    monkeypatch.setattr(diff_mod, "_light", lambda item: False)
     assert diff(base, target, workers=2, chunk_elems=4096) == alone
+    assert len(where) == 1 and where[0].startswith("nemo-dcr")  # on a worker, not the calling thread
 
 
 def _standing_threads() -> set:
