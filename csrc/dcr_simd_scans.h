@@ -84,18 +84,22 @@ TGT static inline __attribute__((always_inline)) void F(count_classes)(const uin
 /* A segment's classes (nb blocks from os) into cb, and meanwhile the base bits after it (`ahead`
  * bytes of them, at most a segment's) asked for, two cache lines a block, so that they arrive
  * while this segment is counted: a scan is otherwise a burst of DRAM reads, then L1-only work
- * with no read in flight. Into every cache level: the decoder's non-temporal prefetches (into L1
- * alone, then nowhere) were evicted by the segment's own work and read from DRAM again: a delta
- * sync spent 39-40 ms of CPU with them against 31-32, and a publisher's diff, whose rank pass
- * had none, ~5 % more (45M BF16 at 1 %, Intel Xeon; docs/results.md, format 4, second turn). */
+ * with no read in flight. Into the L2 cache, not L1: the decoder's non-temporal prefetches (into
+ * L1 alone, then nowhere) were evicted by the segment's own work and read from DRAM again: a
+ * delta sync spent 39-40 ms of CPU with them against 31-32 into every level, and a publisher's
+ * diff, whose rank pass had none, ~5 % more (45M BF16 at 1 %, Intel Xeon; docs/results.md,
+ * format 4, second turn). Into L2 alone a delta sync then spent 5-7 % less CPU than into every
+ * level (the same at 3 %; Zen 4, three alternated builds, docs/results.md, "A scan's
+ * prefetches into L2"): two workers on one core's two hyperthreads share its L1, which a
+ * segment ahead each (8 KiB) beside their own segments and buffers overfills. */
 TGT static inline __attribute__((always_inline)) void F(segment_classes)(const uint16_t *os, int nb, int64_t ahead,
                                                                           const CTX_T *ctx, uint8_t *cb) {
     const char *nxt = (const char *)(os + DSEG);
     const int pf = ahead > 0 ? (int)(ahead < DSEG * 2 ? ahead : DSEG * 2) : 0;
     for (int b = 0; b < nb; b++) {
         if (128 * b < pf) {
-            __builtin_prefetch(nxt + 128 * b, 0, 3);
-            __builtin_prefetch(nxt + 128 * b + 64, 0, 3);
+            __builtin_prefetch(nxt + 128 * b, 0, 2);
+            __builtin_prefetch(nxt + 128 * b + 64, 0, 2);
         }
         STB(cb + 64 * b, CLASSES(ctx, os + 64 * b));
     }
