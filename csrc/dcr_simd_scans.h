@@ -288,9 +288,11 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
  * per-element table update was a dependency chain. Both leave the scalar loops' results. */
 
 /* Both ask for the run's bits a segment (DSEG elements) ahead of the block they read, two cache
- * lines a block into every level, as the scans do (segment_classes): the count pass of a TP=2
- * group's rows (bench/ranks.py's model) 13.3-14.5 -> 11.2-11.9 ms a version, by
- * -DDCR_NO_RUN_PREFETCH builds alternated (docs/results.md, format 4, third turn). */
+ * lines a block into every level: the count pass of a TP=2 group's rows (bench/ranks.py's
+ * model) 13.3-14.5 -> 11.2-11.9 ms a version, by -DDCR_NO_RUN_PREFETCH builds alternated
+ * (docs/results.md, format 4, third turn). Not into L2 alone, as the scans' (segment_classes):
+ * there a TP=2 group's delta sync did not move beyond its noise (three alternated builds, "A
+ * scan's prefetches into L2"), so they stay as measured. */
 #ifndef DCR_NO_RUN_PREFETCH
 #define DCR_RUN_AHEAD(p, i, n) do { if ((i) + DSEG + 64 <= (n)) { __builtin_prefetch((p) + (i) + DSEG, 0, 3); \
                                     __builtin_prefetch((p) + (i) + DSEG + 32, 0, 3); } } while (0)
