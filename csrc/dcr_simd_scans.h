@@ -90,8 +90,8 @@ TGT static inline __attribute__((always_inline)) void F(count_classes)(const uin
  * diff, whose rank pass had none, ~5 % more (45M BF16 at 1 %, Intel Xeon; docs/results.md,
  * format 4, second turn). Into L2 alone a delta sync then spent 5-7 % less CPU than into every
  * level (the same at 3 %; Zen 4, three alternated builds, docs/results.md, "A scan's
- * prefetches into L2"): two workers on one core's two hyperthreads share its L1, which a
- * segment ahead each (8 KiB) beside their own segments and buffers overfills. */
+ * prefetches into L2"). The reason is not measured; L1 is 32 KiB there, and a segment ahead
+ * (8 KiB) shares it with the segment being counted, its class buffer and the outputs. */
 TGT static inline __attribute__((always_inline)) void F(segment_classes)(const uint16_t *os, int nb, int64_t ahead,
                                                                           const CTX_T *ctx, uint8_t *cb) {
     const char *nxt = (const char *)(os + DSEG);
