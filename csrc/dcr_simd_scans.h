@@ -88,10 +88,10 @@ TGT static inline __attribute__((always_inline)) void F(count_classes)(const uin
  * L1 alone, then nowhere) were evicted by the segment's own work and read from DRAM again: a
  * delta sync spent 39-40 ms of CPU with them against 31-32 into every level, and a publisher's
  * diff, whose rank pass had none, ~5 % more (45M BF16 at 1 %, Intel Xeon; docs/results.md,
- * format 4, second turn). Into L2 alone a delta sync then spent 5-7 % less CPU than into every
- * level (the same at 3 %; Zen 4, three alternated builds, docs/results.md, "A scan's
- * prefetches into L2"). The reason is not measured; L1 is 32 KiB there, and a segment ahead
- * (8 KiB) shares it with the segment being counted, its class buffer and the outputs. */
+ * format 4, second turn). Into L2 alone a delta sync then spent 4-12 % less CPU than into every
+ * level (45M BF16 at 1 % and 3 %; Zen 4, four alternated pairs of builds, docs/results.md, "A
+ * scan's prefetches into L2"). The reason is not measured; L1 is 32 KiB there, and a segment
+ * ahead (8 KiB) shares it with the segment being counted, its class buffer and the outputs. */
 TGT static inline __attribute__((always_inline)) void F(segment_classes)(const uint16_t *os, int nb, int64_t ahead,
                                                                           const CTX_T *ctx, uint8_t *cb) {
     const char *nxt = (const char *)(os + DSEG);
@@ -291,8 +291,8 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
  * lines a block into every level: the count pass of a TP=2 group's rows (bench/ranks.py's
  * model) 13.3-14.5 -> 11.2-11.9 ms a version, by -DDCR_NO_RUN_PREFETCH builds alternated
  * (docs/results.md, format 4, third turn). Not into L2 alone, as the scans' (segment_classes):
- * there a TP=2 group's delta sync did not move beyond its noise (three alternated builds, "A
- * scan's prefetches into L2"), so they stay as measured. */
+ * there a TP=2 group's delta sync did not move beyond its noise (three alternated pairs of
+ * builds, "A scan's prefetches into L2"), so they stay as measured. */
 #ifndef DCR_NO_RUN_PREFETCH
 #define DCR_RUN_AHEAD(p, i, n) do { if ((i) + DSEG + 64 <= (n)) { __builtin_prefetch((p) + (i) + DSEG, 0, 3); \
                                     __builtin_prefetch((p) + (i) + DSEG + 32, 0, 3); } } while (0)
