@@ -22,6 +22,7 @@ Nothing here talks to anything but these namespaces and loopback.
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import json
 import math
@@ -131,27 +132,49 @@ def child_env(extra: dict | None = None) -> dict:
 
 class Proc:
     """A child process that prints one line starting with ``ready_prefix`` once it serves; the
-    rest of that line is kept as ``self.ready``. Stopped with SIGTERM, then SIGKILL."""
+    rest of that line is kept as ``self.ready``. Stopped with SIGTERM, then SIGKILL.
+
+    Its output is read by a thread from the start, line by line (``readline``): a child that
+    goes on logging after its ready line (a relay's warnings) would otherwise fill the pipe and
+    block on its next write, mid-measurement. The last lines stay in ``tail`` for errors."""
 
     def __init__(self, cmd: list, ready_prefix: str, env: dict | None = None, stdin=None):
         self.ready_prefix = ready_prefix
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=stdin,
                                      text=True, env=child_env(env))
         self.ready = None
+        self.tail: collections.deque = collections.deque(maxlen=200)
+        self._lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._pump, daemon=True).start()
         _LIVE.add(self)
 
+    def _pump(self) -> None:
+        for line in self.proc.stdout:
+            self.tail.append(line)
+            self._lines.put(line)
+        self._lines.put("")  # end of output, as readline's
+
+    def readline(self, timeout: float | None = None) -> str:
+        """The child's next output line; "" once its output ended (or after ``timeout`` s)."""
+        try:
+            line = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            return ""
+        if not line:
+            self._lines.put("")  # (every later call sees the end too)
+        return line
+
     def wait_ready(self, timeout: float = 180.0) -> str:
-        deadline, lines = time.monotonic() + timeout, []
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            line = self.readline(left)
             if not line:
                 break
-            lines.append(line)
             if line.startswith(self.ready_prefix):
                 self.ready = line[len(self.ready_prefix):].strip()
                 return self.ready
         self.stop()
-        raise RuntimeError(f"{self.ready_prefix!r} never came: " + "".join(lines)[-2000:])
+        raise RuntimeError(f"{self.ready_prefix!r} never came within {timeout:g} s: " + "".join(self.tail)[-2000:])
 
     def stop(self) -> None:
         _LIVE.discard(self)
@@ -572,7 +595,7 @@ class Receivers:
             p.proc.stdin.write(u + "\n")
             p.proc.stdin.flush()
         for p in procs:
-            line = p.proc.stdout.readline()
+            line = p.readline()
             if line.strip() != "prepared":
                 raise RuntimeError(f"a receiver could not open its store: {line}")
         go = time.time()
@@ -581,8 +604,8 @@ class Receivers:
             p.proc.stdin.flush()
         outs = []
         for p in procs:
-            line = p.proc.stdout.readline()
-            o = json.loads(line) if line.startswith("{") else {"error": line + p.proc.stdout.read()[-2000:]}
+            line = p.readline()
+            o = json.loads(line) if line.startswith("{") else {"error": "".join(p.tail)[-2000:]}
             if "error" in o or o["version"] != 1:
                 raise RuntimeError(f"a receiver did not reach version 1: {o}")
             outs.append(o)

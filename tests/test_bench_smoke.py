@@ -4,6 +4,8 @@ import io
 import json
 import math
 import statistics
+import subprocess
+import sys
 
 import pytest
 
@@ -250,6 +252,34 @@ def test_relay_tree_shape():
     m_tree = ne.pipeline_model(1e9, 0.03, bytes_per_elem=0.05, link_bps=1e9, rtt=0.001, achieved=1.0,
                                receiver_s_per_elem=0.0, workers=1, receivers=8, fanout=2)
     assert math.isclose(m_store["wire"], 8 * 0.05e9 * 8 / 1e9) and math.isclose(m_tree["wire"], 0.05e9 * 8 / 1e9)
+def test_bench_child_logging_past_its_ready_line_does_not_block_on_its_pipe():
+    """A relay logs on after its ready line; the bench's ``Proc`` reads its output all along, so
+    the child finishes a 1 MB log (~16 pipes' worth) while nobody asks for a line, and the lines
+    come back in order."""
+    ne = bench.load("netenv")
+    script = ("import sys\nprint('up: at here', flush=True)\n"
+              "for i in range(20000): print(f'{i:06d}', 'x' * 40)\nprint('done', flush=True)\n")
+    p = ne.Proc([sys.executable, "-c", script], "up:")
+    try:
+        assert p.wait_ready(60) == "at here"
+        assert p.proc.wait(60) == 0  # (before: blocked on its ~64 KB pipe, never exited)
+        lines = [p.readline(10) for _ in range(20001)]
+        assert [x[:6] for x in lines[:-1]] == [f"{i:06d}" for i in range(20000)]
+        assert lines[-1] == "done\n" and p.readline(10) == "" and p.readline(10) == ""
+        assert p.tail[-1] == "done\n" and len(p.tail) == 200
+    finally:
+        p.stop()
+
+
+def test_bench_child_that_never_says_ready_fails_with_its_output():
+    ne = bench.load("netenv")
+    p = ne.Proc([sys.executable, "-c", "print('starting', flush=True); import sys; sys.stdin.read()"], "up:",
+                stdin=subprocess.PIPE)
+    with pytest.raises(RuntimeError, match=r"never came within 2 s: starting"):
+        p.wait_ready(2)
+    assert p.proc.poll() is not None  # stopped, not left behind
+
+
 def test_kernels_bench_quick_json():
     """bench/kernels.py --quick --json: every row of issue #12's table is there, measured, with its
     ratio to the same memcpy; every encode and apply was checked bit for bit inside the run."""
