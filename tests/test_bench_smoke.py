@@ -378,18 +378,28 @@ def test_added_round_trip_holds_each_exchange_back_and_keeps_the_bytes():
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Echo)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     ne = bench.load("netenv")
-    region = ne.Region("proxy", rtt=0.05)
-    try:
-        url = region.reach(f"http://127.0.0.1:{srv.server_address[1]}/x")
-        assert url != f"http://127.0.0.1:{srv.server_address[1]}/x" and "+50 ms" in region.kind
+
+    def through(url: str) -> None:
+        assert url != f"http://127.0.0.1:{srv.server_address[1]}/x"
         t = time.perf_counter()
         got = urllib.request.urlopen(urllib.request.Request(url, data=body, method="POST"), timeout=30).read()
         took = time.perf_counter() - t
         assert got == body[::-1]
         assert took >= 0.05  # at least the added round trip (the request and its answer each held back)
+
+    region = ne.Region("proxy", rtt=0.05)  # the in-process proxy (with the rate limiter's buckets)
+    # and the proxy process a Region behind tc uses (there the added round trip alone)
+    child = ne.delaying_proxy("127.0.0.1", srv.server_address[1], 0.025)
+    try:
+        through(region.reach(f"http://127.0.0.1:{srv.server_address[1]}/x"))
+        assert "+50 ms" in region.kind
+        assert child.proc.poll() is None and child.ready.isdigit()
+        through(f"http://127.0.0.1:{child.ready}/x")
     finally:
         region.close()
+        child.stop()
         srv.shutdown()
+    assert child.proc.poll() is not None
 
 
 def test_kernels_wide_steps_are_the_several_ulp_regime():
