@@ -149,10 +149,14 @@ class Proc:
         _LIVE.add(self)
 
     def _pump(self) -> None:
-        for line in self.proc.stdout:
-            self.tail.append(line)
-            self._lines.put(line)
-        self._lines.put("")  # end of output, as readline's
+        try:
+            for line in self.proc.stdout:
+                self.tail.append(line)
+                self._lines.put(line)
+        except (OSError, ValueError) as e:  # (undecodable output, a pipe closed under us)
+            self.tail.append(f"[output unreadable: {e}]\n")
+        finally:
+            self._lines.put("")  # end of output, as readline's
 
     def readline(self, timeout: float | None = None) -> str:
         """The child's next output line; "" once its output ended (or after ``timeout`` s)."""

@@ -252,6 +252,8 @@ def test_relay_tree_shape():
     m_tree = ne.pipeline_model(1e9, 0.03, bytes_per_elem=0.05, link_bps=1e9, rtt=0.001, achieved=1.0,
                                receiver_s_per_elem=0.0, workers=1, receivers=8, fanout=2)
     assert math.isclose(m_store["wire"], 8 * 0.05e9 * 8 / 1e9) and math.isclose(m_tree["wire"], 0.05e9 * 8 / 1e9)
+
+
 def test_bench_child_logging_past_its_ready_line_does_not_block_on_its_pipe():
     """A relay logs on after its ready line; the bench's ``Proc`` reads its output all along, so
     the child finishes a 1 MB log (~16 pipes' worth) while nobody asks for a line, and the lines

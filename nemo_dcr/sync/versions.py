@@ -109,8 +109,8 @@ def _sealed(d: dict, fmt: int, what: str) -> dict:
 def _shallow(obj) -> dict:
     """``obj``'s fields by name, the values themselves: every caller serialises the result
     (canonical JSON, ``to_bytes``) and changes no nested value. ``dataclasses.asdict`` deep-copied
-    each part and dict on the way, three manifest identities a sync: a tenth of a small delta
-    sync's CPU (docs/results.md, "A manifest's identity without a deep copy")."""
+    each part and dict on the way: ``Manifest.sha256`` took 50.8 us with it, 14.6 without, and a
+    delta sync makes three (docs/results.md, "a manifest's identity without a deep copy")."""
     return {f.name: getattr(obj, f.name) for f in fields(obj)}
 
 
