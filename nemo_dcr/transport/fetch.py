@@ -157,9 +157,12 @@ class Fetcher:
                 for b in chunks:
                     out.write(b)
                     out.flush()  # readers read through the page cache what is flushed
-                    h.update(b)
                     n += len(b)
+                    # the readers are told before the bytes are hashed: the hash is wanted only at
+                    # the end, and between the bytes and a child it delayed every piece (a part's
+                    # piece of ~0.5 MB by ~0.08 ms with BLAKE3, ~0.3 ms with SHA-256 on this VM)
                     loop.call_soon_threadsafe(lambda n=n: f.update(written=n))
+                    h.update(b)
         finally:
             close = getattr(chunks, "close", None)  # a generator holds a connection or file;
             if close is not None:                   # Store.get_stream's default is a plain iterator
