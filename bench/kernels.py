@@ -24,7 +24,8 @@ Timed (median of ``--reps``), per change rate, each result checked bit for bit:
   * ``fast`` -- the snapshot copied, then ``diff`` with the base's known digest (its private
     snapshot was hashed when it was published);
   * ``fast-scatter`` -- the publisher now: ``diff`` of the target in place against the snapshot,
-    whose changes are then scattered into the snapshot (``_Changes``: O(changes), no copy);
+    whose changes its encoder writes into the snapshot as it reads them (``write_base``,
+    ``_Changes``: O(changes), no copy; before, ``_Changes`` scattered each chunk's after it);
   * ``fast-scatter-many`` -- the same, the shard cut into tensors of half a chunk each (views of
     it), as a model's tensors and a trainer rank's shards of them mostly are: their chunks share
     the workers as one tensor's do;
@@ -273,7 +274,8 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
 
     def enc_scatter(_):
         keep = _Changes({"shard": held}, {}, early=True)
-        out = diff({"shard": held}, t, workers=workers, base_digests=known5, on_change=keep.also(None))
+        out = diff({"shard": held}, t, workers=workers, base_digests=known5, on_change=keep.also(None),
+                   write_base=keep.wants)
         keep.commit(t)
         return out
 
@@ -296,7 +298,8 @@ def encode_apply(base: torch.Tensor, target: torch.Tensor, rate: float, workers:
     def enc_scatter_many(_):
         mine = many(held)
         keep = _Changes(mine, {}, early=True)
-        out = diff(mine, t_many, workers=workers, base_digests=known_many, on_change=keep.also(None))
+        out = diff(mine, t_many, workers=workers, base_digests=known_many, on_change=keep.also(None),
+                   write_base=keep.wants)
         keep.commit(t_many)
         return out
 

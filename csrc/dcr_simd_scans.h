@@ -115,9 +115,10 @@ TGT static inline __attribute__((always_inline)) void F(segment_classes)(const u
  * each change of the segment gets its rank without a branch: the members of its class before its
  * segment, before its block, and before it in its block. Placing the changes while walking the
  * blocks (a "does this block hold the next change" test per block, with ~0.6 changes per block at
- * 1 %) mispredicted about once per block and cost more than the counting. */
+ * 1 %) mispredicted about once per block and cost more than the counting. wb (o itself, or
+ * NULL): each change's new bits (nv) written there once its segment's classes are made. */
 TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx,
-                       const uint8_t *cls, int64_t k, uint64_t *rank) {
+                       const uint8_t *cls, int64_t k, uint64_t *rank, uint16_t *wb, const uint16_t *nv) {
     int slot[256], act[MAXA], A = 0;
     for (int c = 0; c < 256; c++) slot[c] = -1;
     for (int64_t j = 0; j < k; j++) {
@@ -146,13 +147,17 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
             const int p = (int)(cidx[j] - i), b = p >> 6, s = slot[cls[j]];
             const uint64_t e = EQ(LDB(cb + 64 * b), vact[s]);
             rank[j] = before[s] + (uint64_t)cum[s][b] + (uint64_t)__builtin_popcountll(e & ((1ULL << (p & 63)) - 1));
+            if (wb) wb[cidx[j]] = nv[j];  /* its segment's classes are in cb: its base bits are read */
         }
         for (int a = 0; a < A; a++) before[a] += tot[a];
         i = end;
     }
     for (; i < n && j < k; i++) {  /* the tail, scalar */
         int s = slot[class_of(o[i], 0x7FFF, mant, lo, hi)];
-        if (cidx[j] == i) rank[j++] = before[s];
+        if (cidx[j] == i) {
+            if (wb) wb[i] = nv[j];
+            rank[j++] = before[s];
+        }
         if (s >= 0) before[s]++;
     }
     return 0;

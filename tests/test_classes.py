@@ -467,6 +467,63 @@ def test_decode_into_the_base_writes_the_changes_or_nothing(dtype):
     assert torch.equal(b, short)
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_an_encode_that_writes_its_base_leaves_the_target_there_and_the_same_bytes(dtype):
+    """``write_base`` (``diff(write_base=...)``: the publisher's snapshot brought to the target by
+    the encoder's rank pass): on the vector passes and the scalar one, and without the kernel, the
+    base ends equal to the target, its version counter moved as a scatter_ would, with the bytes
+    and changes of an encode that writes nothing; chunk tails, segment ends, more active classes
+    than the vector pass takes, and a chunk without a change (nothing written)."""
+    lib = native.lib()
+    mant = classes.MANTISSA[dtype]
+    w = torch.empty(0, dtype=dtype).element_size()
+    g = torch.Generator().manual_seed(21)
+    cases = [_pair(dtype, n, p, seed=n) for n, p in [(1, 1.0), (65, 0.2), (3 * 4096 + 77, 0.02), (5000, 1.0)]]
+    wild = torch.randint(-(1 << 8 * w - 1), 1 << 8 * w - 1, (20000,), generator=g).to(INT_VIEW[w])
+    cases.append((wild, wild ^ (torch.rand(20000, generator=g) < 0.3).to(INT_VIEW[w])))  # ~all classes
+    cases.append((cases[2][0], cases[2][0].clone()))
+    routes = [(True, simd) for simd in ((1, 2, 3, 0) if lib is not None else ())] + [(False, None)]
+    try:
+        for old, new in cases:
+            want = classes.encode(old, new, mant, with_changes=True, use_native=False)
+            for use, simd in routes:
+                if simd is not None:
+                    lib.dcr_set_simd(simd)
+                b = old.clone()
+                seen = b._version
+                got = classes.encode(b, new, mant, with_changes=True, write_base=True, use_native=use)
+                assert got[:4] == want[:4] and all(torch.equal(x, y) for x, y in zip(got[4:], want[4:]))
+                assert torch.equal(b, new)
+                assert (b._version > seen) == bool(got[0])
+    finally:
+        if lib is not None:
+            lib.dcr_set_simd(1)
+    with pytest.raises(DcrError, match="contiguous"):
+        old, new = cases[2]
+        classes.encode(old.clone()[::2], new[::2], mant, write_base=True)
+
+
+def test_a_chunk_encode_that_fails_after_writing_its_base_writes_it_back(monkeypatch):
+    """``encode_chunk(write_base=True)``: the base is written as the changes are found; when the
+    codings after that fail, the base is as it was (``classes`` and the others alike)."""
+    from nemo_dcr.codec import chunk
+    old, new = _pair(torch.bfloat16, 3000, 0.05, seed=5)
+
+    def broken(*a, **k):
+        raise RuntimeError("injected: coding failed")
+    monkeypatch.setattr(chunk, "encode_changes", broken)
+    for encoding in ("auto", "portable"):
+        b = old.clone()
+        with pytest.raises(RuntimeError, match="injected"):
+            chunk.encode_chunk(b, new, 0, encoding, dtype=torch.bfloat16, write_base=True)
+        assert torch.equal(b, old)
+    monkeypatch.undo()
+    for encoding in ("auto", "portable", "xor"):
+        b = old.clone()
+        c = chunk.encode_chunk(b, new, 0, encoding, dtype=torch.bfloat16, write_base=True, keep_changes=True)
+        assert torch.equal(b, new) and c.changes is not None
+
+
 def test_positions_come_back_with_the_chunks_start_added():
     """``offset`` (a chunk's start in its tensor) is added to the positions a decode returns, by
     the kernel on each scan and by the reference; the bits it writes into the base go to the

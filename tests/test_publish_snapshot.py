@@ -349,3 +349,55 @@ def test_diff_copy_into_gets_every_chunk_and_changes_no_byte(monkeypatch):
         diff({}, s, copy_into={"b": torch.empty(s["b"].shape, dtype=torch.float64)})
     with pytest.raises(DcrError, match="copy_into needs a contiguous CPU tensor"):
         diff({}, s, copy_into={"w": torch.empty(s["w"].shape[::-1], dtype=s["w"].dtype).t()})
+
+
+def test_diff_write_base_writes_each_chunk_before_its_report_or_writes_it_back(monkeypatch):
+    """``diff(write_base=...)``: a chunk asked yes is in the base before its ``on_change`` report
+    (a contiguous tensor by the encoder's pass, a strided one after it), with the bytes of a diff
+    that writes nothing; asked no, nothing is written; a chunk whose report raises is written
+    back, so the base holds exactly the chunks reported; version 2 refuses it."""
+    import time
+
+    from nemo_dcr import diff
+    from nemo_dcr.errors import DcrError
+    from nemo_dcr.state.flat import FlatAccess
+    monkeypatch.setattr(time, "time", lambda: 1700000000.0)  # the header's "created": the same bytes
+    seq = _sparse(2, seed=7)
+    seq[0]["s"], seq[1]["s"] = (v.t()[::2] for v in (seq[0]["b"], seq[1]["b"]))  # a strided tensor too
+    old, new = seq
+    plain = diff({k: v.clone() for k, v in old.items()}, new, chunk_elems=256, workers=2)
+
+    def run(answer, fail_at=None):
+        base = {k: v.clone() for k, v in old.items()}
+        base["s"] = old["b"].clone().t()[::2]  # strided, its own memory: written through the view
+        reported = {k: torch.zeros(v.numel(), dtype=torch.bool) for k, v in base.items()}
+        calls = []
+
+        def on_change(name, dtype, shape, gidx, o, n):
+            calls.append(name)
+            if answer:  # in the base already
+                assert torch.equal(FlatAccess(base[name]).gather(gidx), n)
+            if fail_at is not None and len(calls) == fail_at:
+                raise RuntimeError("injected: report failed")
+            reported[name][gidx] = True
+        out = None
+        try:
+            out = diff(base, new, chunk_elems=256, workers=2, on_change=on_change, write_base=lambda: answer)
+        except RuntimeError:
+            assert fail_at is not None
+        return out, base, reported, calls
+
+    out, base, _, calls = run(True)
+    assert out == plain and len(calls) > 4
+    assert_state(base, new)
+    out, base, _, _ = run(False)
+    assert out == plain
+    assert_state(base, old)
+    _, base, reported, calls = run(True, fail_at=3)
+    assert len(calls) >= 3
+    for k in ("w", "b", "s"):
+        want = torch.where(reported[k], FlatAccess(new[k]).read(0, new[k].numel()),
+                           FlatAccess(old[k]).read(0, old[k].numel()))
+        assert torch.equal(FlatAccess(base[k]).read(0, base[k].numel()), want), k
+    with pytest.raises(DcrError, match="write_base needs a segmented delta"):
+        diff(old, new, format_version=2, write_base=lambda: True)

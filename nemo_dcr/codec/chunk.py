@@ -229,9 +229,13 @@ class EncodedChunk:
 
 def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encoding: str = AUTO,
                  level: int = 3, keep_changes: bool = False, is_float: bool = True,
-                 dtype: torch.dtype | None = None, values_algo: str = VALUES_ALGO) -> EncodedChunk | None:
+                 dtype: torch.dtype | None = None, values_algo: str = VALUES_ALGO,
+                 write_base: bool = False) -> EncodedChunk | None:
     """old/new: 1-D integer views of the chunk. ``old=None`` means "no base": every element
-    is sent, overwrite. Returns None when nothing changed.
+    is sent, overwrite. Returns None when nothing changed. ``write_base``: ``old`` (a contiguous
+    view of the caller's base) is brought to ``new`` by the changes as they are found (the
+    ``classes`` kernel's pass writes them while they are in cache); the codings after it read
+    the changes alone, not ``old``. On an error ``old`` is as it was.
 
     ``auto`` (the default): where the dtype allows it, ``classes`` first; if that costs more than
     ``CLASSES_ENOUGH`` bytes per change, xor, add and overwrite too, and the smallest wins.
@@ -244,7 +248,7 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
     if use_classes:
         assert old is not None and dtype is not None  # plan_encoding tries classes only with both
         k, rows, pbytes, vbytes, idx, prev, newv = classes.encode(old, new, classes.MANTISSA[dtype],
-                                                                 with_changes=True)
+                                                                 with_changes=True, write_base=write_base)
         if k == 0:
             return None
         cls_try = (k, rows, pbytes, vbytes)
@@ -257,8 +261,16 @@ def encode_chunk(old: torch.Tensor | None, new: torch.Tensor, start: int, encodi
         idx = torch.nonzero(x).squeeze(1)
         if idx.numel() == 0:
             return None
-        newv, prev = new[idx], old[idx]
-    return encode_changes(idx, prev, newv, n, start, encoding, level, keep_changes, is_float, cls_try, values_algo)
+        newv, prev = new[idx], old[idx]  # (copies: old may be written below)
+        if write_base:
+            old.scatter_(0, idx, newv)
+    try:
+        return encode_changes(idx, prev, newv, n, start, encoding, level, keep_changes, is_float, cls_try,
+                              values_algo)
+    except BaseException:
+        if write_base and old is not None and prev is not None:
+            old.scatter_(0, idx, prev)  # nothing stays written
+        raise
 
 
 def plan_encoding(encoding: str, has_base: bool, dtype: torch.dtype | None) -> tuple[str, bool]:

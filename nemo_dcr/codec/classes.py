@@ -714,25 +714,35 @@ def _encode_out() -> _EncodeOut:
 
 
 def encode(old: torch.Tensor, new: torch.Tensor, mant: int, use_native: bool | None = None,
-           with_changes: bool = False):
+           with_changes: bool = False, write_base: bool = False):
     """As ``encode_reference``, with the C kernel when it is available. ``with_changes``: the
     changes come back too, as three more items: their positions (increasing), old and new bits
-    (the kernel gathers them while its scan has them in cache)."""
+    (the kernel gathers them while its scan has them in cache). ``write_base``: ``old`` (contiguous,
+    the caller's memory) ends equal to ``new``: the kernel writes each change's new bits into it
+    once it has read them, while they are in cache; on an error nothing is written."""
+    if write_base and not old.is_contiguous():
+        raise DcrError("classes encode: write_base needs a contiguous base (a copy would be written)")
     lib = native.lib() if use_native is not False else None
     if lib is None:
         if use_native:
             raise DcrError(f"C kernels unavailable: {native.build_error}")
         out = encode_reference(old, new, mant)
-        if not with_changes:
+        if not with_changes and not write_base:
             return out
         idx = torch.nonzero(old != new).squeeze(1)
-        return out + (idx, old[idx], new[idx])
+        changes = (idx, old[idx], new[idx])
+        if write_base and idx.numel():
+            old.scatter_(0, idx, changes[2])
+        return out + changes if with_changes else out
     old, new = old.contiguous(), new.contiguous()
     w = new.element_size()
     o = _encode_out()
-    k = lib.dcr_cls_encode(_ptr(old), _ptr(new), new.numel(), w, mant, o.table_addr, *o.refs)
+    k = lib.dcr_cls_encode_wb(_ptr(old), _ptr(new), new.numel(), w, mant, o.table_addr, *o.refs,
+                              _ptr(old) if write_base else None)
     if k < 0:
         raise DcrError(f"classes encode failed in the C kernel: {_ERRORS.get(k, k)}")
+    if write_base and k:  # written behind torch's back: its version counter says so, as decode's
+        torch.autograd.graph.increment_version(old)
     try:
         plen, vlen = o.plen.value, o.vlen.value
         pos = ctypes.string_at(o.pp, plen) if plen else b""

@@ -93,6 +93,8 @@ def _declare(lib) -> None:
     i64, p = ctypes.c_int64, ctypes.c_void_p
     lib.dcr_cls_encode.restype = i64
     lib.dcr_cls_encode.argtypes = [p, p, i64, ctypes.c_int, ctypes.c_int, p, p, p, p, p, p, p, p, p]
+    lib.dcr_cls_encode_wb.restype = i64
+    lib.dcr_cls_encode_wb.argtypes = [p, p, i64, ctypes.c_int, ctypes.c_int, p, p, p, p, p, p, p, p, p, p]
     lib.dcr_cls_encode_ranked.restype = i64
     lib.dcr_cls_encode_ranked.argtypes = [p, p, p, p, i64, ctypes.c_int, ctypes.c_int, p, p, p, p, p, p]
     lib.dcr_cls_decode.restype = ctypes.c_int

@@ -20,7 +20,7 @@ import torch
 
 from nemo_dcr import __version__
 from nemo_dcr.codec.chunk import AUTO, CHOICES, LIGHT_DENSE, EncodedChunk, encode_chunk, light
-from nemo_dcr.codec.format import FORMAT_VERSION, DeltaWriter
+from nemo_dcr.codec.format import FORMAT_VERSION, SEGMENTED, DeltaWriter
 from nemo_dcr.codec.header import MAX_CHUNK_ELEMS
 from nemo_dcr.codec.names import DEFAULT_CHUNK, DEFAULT_LEVEL  # re-exported by nemo_dcr.delta
 from nemo_dcr.codec.versions import REGION_OF_REMOVED, Version, version
@@ -47,7 +47,8 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
          out: BinaryIO | None = None, progress: bool | Progress | None = None,
          on_change: OnChange | None = None, base_digests: Mapping[str, str] | None = None,
          chunker: Chunker | None = None, format_version: int = FORMAT_VERSION,
-         target_digests: Mapping[str, str] | None = None, copy_into: Mapping[str, torch.Tensor] | None = None):
+         target_digests: Mapping[str, str] | None = None, copy_into: Mapping[str, torch.Tensor] | None = None,
+         write_base: Callable[[], bool] | None = None):
     """Encode ``target`` as a delta against ``base``.
 
     Returns the delta bytes, or, when ``out`` (a writable binary file) is given, streams the
@@ -81,6 +82,12 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
     publisher's snapshot of a first keyframe: no pass over the model of its own before the
     encode, and the fresh snapshot's pages are faulted in on the workers); ``DcrError`` where a
     tensor's chunks did not cover it.
+    ``write_base``: asked on the worker before each chunk of a tensor in delta is encoded (formats
+    3 to 5); where it says yes, the chunk's changes are written into ``base`` before the chunk's
+    ``on_change`` report, by the encoder's pass as it reads them where the base is contiguous host
+    memory (the publisher's snapshot brought to the target while the chunk is in cache; a scatter
+    afterwards found it out of cache), else after the encode. A chunk written whose report does not
+    return (an error) is written back first.
     """
     fv = version(format_version)
     if fv.values_digest != version(FORMAT_VERSION).values_digest:
@@ -89,6 +96,9 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         raise DcrError(f"encoding must be one of {', '.join(CHOICES)}, not {encoding!r}")
     if not 1 <= chunk_elems <= MAX_CHUNK_ELEMS:
         raise DcrError(f"chunk_elems must be in [1, {MAX_CHUNK_ELEMS}], not {chunk_elems}")
+    if write_base is not None and fv.number < SEGMENTED:
+        # (versions 1 and 2 may hash the base beside its chunks: a write would reach the hash)
+        raise DcrError(f"write_base needs a segmented delta (format 3 or later), not format {fv.number}")
     shards = shards or {}
     base_shards = shards if base_shards is None else base_shards
     buf = io.BytesIO()
@@ -112,7 +122,7 @@ def diff(base: Mapping[str, torch.Tensor], target: Mapping[str, torch.Tensor], *
         owned = bar
     with owned:
         for entry in _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_elems, workers,
-                             bar, on_change, known, chunker, fv, known_targets, copy_into or {}):
+                             bar, on_change, known, chunker, fv, known_targets, copy_into or {}, write_base):
             entries.append(entry)
             name = entry["name"]
             if "base_digest" in entry:
@@ -144,7 +154,7 @@ def _algo(digest: str) -> str | None:
 
 
 def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_elems, workers, bar, on_change,
-            known, chunker, fv: Version, known_targets, copy_into):
+            known, chunker, fv: Version, known_targets, copy_into, write_base):
     """The tensors' entries, in name order, their chunks encoded in one stream over the workers:
     the workers go on to the next tensors' chunks while the last ones of a tensor are written.
     Each tensor a map of its own waited at its end for its last chunk, so a tensor of one chunk
@@ -160,7 +170,7 @@ def _stream(names, base, target, shards, base_shards, w, encoding, level, chunk_
         for name in names:
             t = _Tensor(name, base, target, shards.get(name), base_shards.get(name), encoding, level, chunk_elems,
                         workers, on_change, known.get(name), chunker, fv, known_targets.get(name), w.segmented,
-                        ahead.get(name), copy_into.get(name))
+                        ahead.get(name), copy_into.get(name), write_base)
             hashing.extend(t.hashing)
             if not t.items:
                 yield t, None
@@ -242,7 +252,7 @@ class _Tensor:
     def __init__(self, name, base, target, spec, base_spec, encoding, level, chunk_elems, workers,
                  on_change: OnChange | None, known_base: str | None, chunker: Chunker | None, fv: Version,
                  known_target: str | None, segmented: bool, ahead: tuple | None = None,
-                 copy_to: torch.Tensor | None = None):
+                 copy_to: torch.Tensor | None = None, write_base: Callable[[], bool] | None = None):
         self.name = name
         self.hashing: list = []
         self.items: list = []
@@ -272,10 +282,13 @@ class _Tensor:
             report_gone(name, old, base_spec, on_change)
             old = None
         self.new, self.old, self.spec, self.fv, self.on_change = new, old, spec, fv, on_change
+        self.write_base = write_base if old is not None else None
         self.encoding, self.level = encoding, level
         self.kind = "delta" if old is not None else "full"
         self.nf = FlatAccess(new)
         self.of = FlatAccess(old) if old is not None else None
+        # write_base's writes by the encoder's own pass: a chunk read from the base is the base's memory
+        self.in_place = self.of is not None and self.of.contiguous and old.is_cpu
         n = self.nf.numel
         self.copy_to: torch.Tensor | None = None  # copy_into's flat bits for this tensor
         self.copied: list = []  # elements copied, a count per chunk (list.append: from any worker)
@@ -292,7 +305,8 @@ class _Tensor:
         self.place = Place(name, spec)
         self.summed = summed = fv.tensor_digest in SUMMED
         self.sum_key = SumKey(fv.tensor_digest, new.dtype, new.shape, self.place) if summed else None
-        self.keep = keep = on_change is not None or (summed and old is not None)
+        # (a chunk written into the base by write_base carries its changes: a written-back one needs them)
+        self.keep = keep = on_change is not None or (summed and old is not None) or self.write_base is not None
         found = None if chunker is None or old is None else chunker(name, old, new, chunk_elems, encoding, level,
                                                                      keep)
         self.region_map = IndexMap(spec) if on_change is not None else None
@@ -339,6 +353,11 @@ class _Tensor:
         new, fv, keep = self.new, self.fv, self.keep
         c: EncodedChunk | None
         part = None
+        write = self.write_base is not None and self.write_base()
+        if write and self.early is not None:
+            # the base's digest, summed beside the chunks, reads every base element: none is
+            # written before that sum is done (it was queued before this tensor's chunks)
+            self.early.result()
         if isinstance(r, EncodedChunk):  # found by the chunker
             c, s, e = r, r.start, r.start + r.n
             if self.copy_to is not None:
@@ -354,14 +373,18 @@ class _Tensor:
                 self.copied.append(e - s)
             c = encode_chunk(self.of.read(s, e).cpu() if self.of is not None else None, nb, s, self.encoding,
                              self.level, keep_changes=keep, is_float=new.dtype.is_floating_point,
-                             dtype=new.dtype, values_algo=fv.values_digest)
+                             dtype=new.dtype, values_algo=fv.values_digest, write_base=write and self.in_place)
             if self.summed and self.old is None and not self.reuse and self.ahead is None:
                 assert self.sum_key is not None  # made with summed
                 part = self.sum_key.range(nb, s)
-        if c is not None and keep:
-            # keep_changes=True (and the chunker is told the same): every chunk carries its changes
-            assert c.changes is not None
-            idx, oldv, newv = c.changes
+        if c is None or not keep:
+            return c, (e - s) * new.element_size(), part
+        # keep_changes=True (and the chunker is told the same): every chunk carries its changes
+        assert c.changes is not None
+        idx, oldv, newv = c.changes
+        if write and (self.in_place is False or isinstance(r, EncodedChunk)):
+            self._write(idx + s, newv)  # not by the encoder's pass: here, before the report
+        try:
             gidx = None
             if self.early is not None and self.on_change is not None:
                 # the base's digest, summed beside the chunks, reads every base element, and
@@ -379,8 +402,19 @@ class _Tensor:
                 assert self.sum_key is not None  # made with summed
                 self.target_sum.add_change(*self.sum_key.at((idx + s).cpu(), None if gidx is None else gidx.cpu()),
                                            oldv.cpu(), newv.cpu())
-            c.changes = None
+        except BaseException:
+            if write:
+                self._write(idx + s, oldv)  # written, and maybe not reported: written back
+            raise
+        c.changes = None
         return c, (e - s) * new.element_size(), part
+
+    def _write(self, idx: torch.Tensor, bits: torch.Tensor) -> None:
+        """``bits`` into the base tensor at its flat positions ``idx`` (write_base's writes the
+        encoder's pass did not make)."""
+        assert self.of is not None and self.old is not None
+        dev = self.old.device
+        self.of.scatter(idx.to(dev), bits.to(dev))
 
     def begin(self, w) -> None:
         if self.gone is not None:

@@ -529,7 +529,9 @@ class Publisher:
                                        chunk_elems=self.chunk_elems, workers=self.workers, meta={**meta, "part": j},
                                        on_change=on_change, progress=bar, base_digests=self._tensor_digests,
                                        chunker=dev.chunker if dev else None, format_version=self.format_version,
-                                       target_digests=dev.target_digests(snap) if dev else None, out=w), digests)
+                                       target_digests=dev.target_digests(snap) if dev else None, out=w,
+                                       write_base=keep.wants if keep is not None and keep.early else None),
+                                   digests)
                 assert self._digest is not None  # set together with _base
                 new_digest = None if change is None else self._digest + change.total
             else:
@@ -703,9 +705,9 @@ class _Changes:
 
     Where the diff reads each base chunk only before it reports the chunk's changes (format 3:
     the base's tensor digests are summed before the chunks, ``delta/diff.py``; ``early``), each
-    chunk's changes go into the snapshot at once, on the worker thread that found them, while
-    the chunk is still in the CPU's caches; their old bits are kept, and ``undo`` (a failed
-    publish) writes them back. Otherwise the new bits are kept and
+    chunk's changes go into the snapshot at once: the diff writes them (its ``write_base``:
+    ``wants``) as its encoder reads them, before it reports them. Their old bits are kept, and
+    ``undo`` (a failed publish) writes them back. Otherwise the new bits are kept and
     written at ``commit``. Either way a failed publish leaves the snapshot the base of the next
     delta. Past ``MAX_SHARE`` of the snapshot's elements (a version that changed most of them:
     the changes would take more memory than the copy) what was written is undone, the changes
@@ -716,7 +718,8 @@ class _Changes:
 
     def __init__(self, base: Mapping[str, torch.Tensor], shards: Mapping[str, ShardSpec], early: bool):
         """``base``: the snapshot, the diff's base, sharded as ``shards``; ``early``: the diff
-        reads no base chunk after reporting its changes, so they go into ``base`` at once."""
+        reads no base chunk after reporting its changes, so they go into ``base`` at once: the
+        diff is given ``write_base=self.wants`` and writes them (a segmented delta's)."""
         self.limit = int(sum(t.numel() for t in base.values()) * self.MAX_SHARE)
         self.kept: list = []   # (name, local index, bits): the old bits when early, else the new
         self.count = 0
@@ -725,6 +728,12 @@ class _Changes:
         self._shards = shards
         self.early = early
         self._lock = threading.Lock()
+
+    def wants(self) -> bool:
+        """The diff's ``write_base``: write a chunk's changes into the snapshot? (Not once it is
+        to be copied whole.) An answer read while another chunk's report turns that on is made
+        good by that chunk's own report (``__call__``)."""
+        return not self.whole
 
     def also(self, then: OnChange | None) -> OnChange:
         """An ``on_change`` that keeps the changes and tells ``then`` of them (if not None)."""
@@ -743,16 +752,17 @@ class _Changes:
                  new: torch.Tensor | None) -> None:
         with self._lock:
             self.count += int(global_idx.numel())
-            if self.whole:
-                return
-            if new is None or old is None or self.count > self.limit:
+            if self.whole or new is None or old is None or self.count > self.limit:
                 # (None: a removed, added or re-typed tensor; a publisher that continues has none)
-                self._undo()
-                self.whole = True
+                if not self.whole:
+                    self._undo()
+                    self.whole = True
+                if self.early and new is not None and old is not None:
+                    # the diff wrote this chunk if it asked before the switch, else its old
+                    # bits are there already: either way they are written back
+                    FlatAccess(self._base[name]).scatter(self._local(name, global_idx), old)
                 return
             local = self._local(name, global_idx)
-            if self.early:
-                FlatAccess(self._base[name]).scatter(local, new)
             # kept in int32 where the tensor allows (10 -> 6 bytes per change held), and the
             # diff's gathered copies of the bits (not views)
             self.kept.append((name, local.to(torch.int32) if self._base[name].numel() < 1 << 31 else local,
