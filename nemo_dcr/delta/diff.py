@@ -382,7 +382,7 @@ class _Tensor:
         # keep_changes=True (and the chunker is told the same): every chunk carries its changes
         assert c.changes is not None
         idx, oldv, newv = c.changes
-        if write and (self.in_place is False or isinstance(r, EncodedChunk)):
+        if write and (not self.in_place or isinstance(r, EncodedChunk)):
             self._write(idx + s, newv)  # not by the encoder's pass: here, before the report
         try:
             gidx = None
