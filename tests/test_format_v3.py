@@ -202,6 +202,37 @@ def test_a_keyframes_segments_gather_more_than_a_deltas(monkeypatch):
         assert_state(recv, state)
 
 
+def test_a_tensor_ends_in_the_segment_its_last_chunk_fills(monkeypatch):
+    """A segment that a chunk fills is closed at its tensor's next chunk or at its end, whichever
+    comes first: a tensor whose last chunk fills it ends in it, and a tensor that goes on past it
+    continues in the next segment with that next chunk. Before, it was closed at once, and every
+    such tensor left a piece without chunks in the next segment, for its target digest alone,
+    which a receiver parsed, planned and started as a piece of its own (half the pieces of a 1 %
+    delta of one-chunk tensors)."""
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 64)  # each chunk fills a segment
+    g = torch.Generator().manual_seed(12)
+    base = {f"t{i}": torch.randn(4096, generator=g).bfloat16() for i in range(6)}
+    base["long"] = torch.randn(4 * 4096, generator=g).bfloat16()  # four chunks: it goes on past three segments
+    base["same"] = torch.randn(100, generator=g).bfloat16()       # unchanged: an entry without chunks
+    target = {k: v.clone() for k, v in base.items()}
+    for k, v in target.items():
+        if k != "same":
+            v[torch.randperm(v.numel(), generator=g)[:300]] += 1
+    blob = diff(base, target, format_version=5, chunk_elems=4096)
+    pieces = [(p["name"], len(p["chunks"]), p["last"]) for index in _segments(blob) for p in index.get("tensors", [])]
+    assert [q for q in pieces if q[0] != "same" and not q[1]] == []  # no piece without a chunk but the unchanged one's
+    assert [q for q in pieces if q[0] == "long"] == [("long", 1, False)] * 3 + [("long", 1, True)]
+    assert all(q == (f"t{i}", 1, True) for i, q in enumerate(q for q in pieces if q[0].startswith("t")))
+    recv = {k: v.clone() for k, v in base.items()}
+    apply(recv, blob)
+    assert_state(recv, target)
+    from nemo_dcr.delta import apply_stream
+    held = {k: v.clone() for k, v in base.items()}  # and as it arrives: a segment at a time
+    report = apply_stream(held, fmt.SegmentStream(memoryview(blob)).ready(len(blob)))
+    assert report.chunks_applied == 10
+    assert_state(held, target)
+
+
 def test_a_segment_full_of_pieces_ends_with_whole_tensors():
     """A segment closed by its piece count (many small tensors: SEGMENT_PIECES) ends after a
     tensor's last piece; before, that tensor's chunks were written again as a piece of the next

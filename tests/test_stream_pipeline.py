@@ -538,14 +538,16 @@ def test_a_delta_is_split_by_its_own_part_size(tmp_path):
     assert predicted(ms[1], MAX_NAMES) == [p.key for p in ms[2].parts]
 
 
-def _two_versions(tmp_path, seed: int, tensors: int, changed: int):
+def _two_versions(tmp_path, seed: int, tensors: int, changed: int, every: int = 1):
     """A store holding version 0 (``tensors`` BF16 tensors of 1024 elements) and version 1
-    (``changed`` elements of each moved) -> (store, v0, v1, version 1's manifest)."""
+    (``changed`` elements moved in every ``every``-th tensor, the others as they were) ->
+    (store, v0, v1, version 1's manifest)."""
     g = torch.Generator().manual_seed(seed)
     v0 = {f"t{i}": torch.randn(1024, generator=g).bfloat16() for i in range(tensors)}
     v1 = {k: v.clone() for k, v in v0.items()}
-    for v in v1.values():
-        v[torch.randperm(1024, generator=g)[:changed]] += 1
+    for i, v in enumerate(v1.values()):
+        if i % every == 0:
+            v[torch.randperm(1024, generator=g)[:changed]] += 1
     store = LocalStore(tmp_path / "s")
     pub = Publisher(store, signer=None)
     pub.publish(v0)
@@ -562,18 +564,21 @@ def _no_light_chunks(monkeypatch) -> None:
 
 
 def test_workers_go_on_to_later_chunks_while_one_is_held(tmp_path, monkeypatch):
-    """A streamed object whose chunks cross its segments' ends lists each tensor again in the next
-    segment with no chunk of its own. Those entries go through the ordered stream too, and at
-    ordered_map's window of two items a worker they left no chunk queued: with the first chunk
-    held, the other worker wrote one more and then waited for it. The window is wider: the held
-    chunk is let go only once four later ones are written (a GATE's wait, not a timing)."""
+    """A streamed object lists a tensor that did not change as an entry with no chunk of its own
+    (its target digest alone), between the chunks of the others. Those entries go through the
+    ordered stream too, and at ordered_map's window of two items a worker they left no chunk
+    queued: with the first chunk held, the other worker wrote one more and then waited for it.
+    The window is wider: the held chunk is let go only once four later ones are written (a
+    GATE's wait, not a timing). (Such entries came from every chunk that filled a segment, the
+    end of its tensor written in the next one; now only from tensors without a chunk.)"""
     import importlib
     apply_mod = importlib.import_module("nemo_dcr.delta.apply")
-    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 64)  # each chunk's bytes cross a segment's end
+    monkeypatch.setattr(fmt, "SEGMENT_BYTES", 64)  # a segment for each chunk
     _no_light_chunks(monkeypatch)
-    store, v0, v1, m = _two_versions(tmp_path, seed=9, tensors=8, changed=200)
+    store, v0, v1, m = _two_versions(tmp_path, seed=9, tensors=16, changed=200, every=2)
     segs = list(fmt.SegmentStream(memoryview(store.get(m.parts[0].key))).ready(m.parts[0].size))
-    assert any(not e.chunks for r in segs for e in r.header.tensors)  # entries continued, no chunk here
+    entries = [e for r in segs for e in r.header.tensors]
+    assert sum(1 for e in entries if e.chunks) >= 8 and any(not e.chunks for e in entries)
 
     real = apply_mod._apply_chunk
     first, later, lock = threading.Event(), threading.Event(), threading.Lock()

@@ -107,6 +107,7 @@ class DeltaWriter:
         self._pieces: list[dict] = []    # ... and its index
         self._tensor: dict | None = None  # the tensor being written: its fields
         self._chunks: list[dict] = []     # ... and its chunks in the open segment
+        self._full = False                # the open segment has its payloads: closed at the next chunk or tensor end
 
     # -- version 3 segments ---------------------------------------------------------------
     def _write_segment(self, index: dict, payload: list | tuple = ()) -> None:
@@ -126,7 +127,7 @@ class DeltaWriter:
             self._chunks = []
         if self._pieces:
             self._write_segment({"tensors": self._pieces}, self._payload)
-        self._pieces, self._payload, self._payload_len = [], [], 0
+        self._pieces, self._payload, self._payload_len, self._full = [], [], 0, False
 
     def open(self, fields: dict) -> None:
         """The header's fields known before the first tensor (version 3 writes them first)."""
@@ -143,12 +144,19 @@ class DeltaWriter:
         object in versions 1 and 2, of its segment's payloads in version 3)."""
         if not self.segmented:
             return c.header(self.add_payload(c.pos_bytes, c.val_bytes))
+        if self._full:  # the tensor goes on past a full segment: it closes with the piece so far
+            self._flush()
         h = c.header(self._payload_len)
         self._payload += (c.pos_bytes, c.val_bytes)
         self._payload_len += len(c.pos_bytes) + len(c.val_bytes)
         self._chunks.append(h)
-        if self._payload_len >= SEGMENT_BYTES * (KEYFRAME_SEGMENT_SCALE if self.keyframe else 1):
-            self._flush()
+        # full: closed at the tensor's next chunk or at its end, whichever comes first, so that a
+        # tensor whose last chunk fills the segment ends in it. Closed at once, every such tensor
+        # (a delta's tensor of one 4Mi-element chunk, the usual case) left a piece without chunks
+        # in the next segment, for its target digest alone, which a receiver parsed, planned and
+        # started as a piece of its own: half a 1 % delta's pieces (docs/results.md, "A tensor's
+        # end in the segment of its last chunk")
+        self._full = self._payload_len >= SEGMENT_BYTES * (KEYFRAME_SEGMENT_SCALE if self.keyframe else 1)
         return h
 
     def end_tensor(self, entry: dict) -> None:
@@ -157,7 +165,7 @@ class DeltaWriter:
         if self.segmented:
             piece = {k: v for k, v in entry.items() if k != "chunks"}
             self._pieces.append({**piece, "chunks": chunks, "last": True})
-            if len(self._pieces) >= SEGMENT_PIECES:
+            if self._full or len(self._pieces) >= SEGMENT_PIECES:
                 self._flush()
 
     def add_payload(self, *parts: bytes) -> int:

@@ -582,9 +582,10 @@ def _run_segments(segments: Iterable, report: ApplyReport, workers: int | None, 
         reader, r, c = item
         return r, c, (None if c is None else _apply_chunk(reader, r.t, c, journal, on_change, decoded))
 
-    # a window of 8 items per worker (ordered_map's default is 2): in a segmented object every
-    # other item is an entry continued from the segment before, with no chunk of its own (its
-    # chunk's bytes crossed the segment's end). At 2 the window held one chunk per worker and none
+    # a window of 8 items per worker (ordered_map's default is 2): entries without a chunk of
+    # their own go through it too (a tensor that did not change; from writers before 2026-12-07
+    # also the end of each tensor whose last chunk filled a segment, written in the next one:
+    # every other item of a 1 % delta). At 2 the window held one chunk per worker and none
     # queued, so between chunks each worker waited for the ordered results to move on (a 45M BF16
     # delta's local sync: 17.6 ms against 19.0, medians; docs/results.md, seventeenth turn)
     # workers None: ``stream_workers`` (one more than the cores, up to 8 cores): a worker that
