@@ -99,53 +99,86 @@ static int choose_k_gen(const uint64_t *vals, int64_t count) {
 }
 
 /* ------------------------------------------------------------------ bit reader */
-typedef struct { const uint8_t *p, *end; uint64_t acc; int nbits; int64_t used; int err; } reader;
+/* A stream read least significant bit first, through a window: its next `have` bits in `v`
+ * (zeros above them), loaded as one unaligned 8-byte load at the position's byte, shifted by its
+ * bit (57..64 bits; within 8 bytes of the end the bytes are put together one by one, never read
+ * past it). A code is taken from the window while it holds the whole code: the chain from one
+ * code to the next is count trailing zeros, add, shift (the codes here average 2-3 bits, so a
+ * window lasts ~20 of them). The reader before topped a 64-bit accumulator up after every
+ * code, by a load whose address waited on the code before: the streams' decode of a 4Mi-element
+ * BF16 chunk at 1-5 % took 6.9-7.2 ns a change, now 4.2-4.3 (docs/results.md, issue 25, "the
+ * streams' decode through a window"). `end`: the position just past the window; the position is
+ * end - have. */
+typedef struct { const uint8_t *p; int64_t len, fast, end; uint64_t v; int have, err; } reader;
+/* An 8-byte load is the stream's next bytes in bit order on a little-endian host only; elsewhere
+ * (and built with -DDCR_READ_BYTEWISE, which the tests use to check that path here) every window
+ * is put together byte by byte. */
+#if defined(__BYTE_ORDER__) && __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__ && !defined(DCR_READ_BYTEWISE)
+#define R_LOADS 1
+#else
+#define R_LOADS 0
+#endif
 
-static void r_init(reader *r, const uint8_t *p, int64_t len) { r->p = p; r->end = p + len; r->acc = 0; r->nbits = 0; r->used = 0; r->err = 0; }
-/* Tops the accumulator up to 56..63 bits (never 64: shifts by nbits stay defined). Eight bytes
- * or more ahead: one unaligned load, of which the whole bytes that fit are taken, without a
- * branch on nbits (taking none when full); the bits above nbits are then the next bytes of the
- * stream at their own places, so the next load ORs the same bits there (readers mask to nbits).
- * Near the end, byte by byte, never past it. */
-static inline void r_fill(reader *r) {
-    if (__builtin_expect(r->end - r->p >= 8, 1)) {
-        uint64_t v; memcpy(&v, r->p, 8);
-        r->acc |= v << r->nbits;
-        int take = (63 - r->nbits) >> 3;
-        r->p += take; r->nbits += 8 * take;
-        return;
-    }
-    while (r->nbits <= 55 && r->p < r->end) { r->acc |= (uint64_t)(*r->p++) << r->nbits; r->nbits += 8; }
+static void r_init(reader *r, const uint8_t *p, int64_t len) {
+    r->p = p; r->len = len; r->end = 0; r->v = 0; r->have = 0; r->err = 0;
+    r->fast = R_LOADS ? 8 * (len - 8) : -1;  /* up to this position 8 bytes can be loaded at its byte */
 }
+static inline int64_t r_pos(const reader *r) { return r->end - r->have; }
+/* The window loaded afresh at the position. */
+static inline void r_load(reader *r) {
+    const int64_t pos = r_pos(r);
+    const int sh = (int)(pos & 7);
+    uint64_t v;
+    if (__builtin_expect(pos <= r->fast, 1)) {
+        memcpy(&v, r->p + (pos >> 3), 8);
+        r->have = 64 - sh;
+    } else {
+        int n = 0;
+        v = 0;
+        for (int64_t i = pos >> 3; i < r->len && n < 64; i++, n += 8) v |= (uint64_t)r->p[i] << n;
+        r->have = n - sh;  /* (the position never passes the end: at most 8 bytes remain here) */
+    }
+    r->v = v >> sh;
+    r->end = pos + r->have;
+}
+static inline void r_skip(reader *r, int len) { r->v >>= len; r->have -= len; }  /* len <= have, < 64 */
 static inline uint64_t r_get(reader *r, int len) { /* len <= 56 */
     if (!len) return 0;
-    r_fill(r);
-    if (r->nbits < len) { r->err = 1; return 0; }
-    uint64_t v = r->acc & ((1ULL << len) - 1); r->acc >>= len; r->nbits -= len; r->used += len; return v;
+    if (r->have < len) {
+        r_load(r);
+        if (r->have < len) { r->err = 1; return 0; }
+    }
+    const uint64_t v = r->v & ((1ULL << len) - 1);
+    r_skip(r, len);
+    return v;
 }
 static inline uint64_t r_rice(reader *r, int k) {
-    r_fill(r);
-    uint64_t low = r->acc & ((1ULL << r->nbits) - 1);  /* nbits < 64 */
-    if (__builtin_expect((low & ((1ULL << QMAX) - 1)) != 0, 1)) {
-        int q = __builtin_ctzll(low), len = q + 1 + k;
-        if (__builtin_expect(len <= r->nbits, 1)) {  /* the whole code is in the accumulator */
-            uint64_t v = (r->acc >> (q + 1)) & ((1ULL << k) - 1);
-            r->acc >>= len; r->nbits -= len; r->used += len;
-            return ((uint64_t)q << k) | v;
+    uint64_t v = r->v;
+    if (__builtin_expect((v & ((1ULL << QMAX) - 1)) != 0, 1)) {
+        /* the unary part ends within the window (zeros above it): q + 1 <= have */
+        const int q = __builtin_ctzll(v), len = q + 1 + k;
+        if (__builtin_expect(len <= r->have, 1)) {  /* the whole code is in the window */
+            r_skip(r, len);
+            return ((uint64_t)q << k) | ((v >> (q + 1)) & ((1ULL << k) - 1));
         }
-        r->acc >>= q + 1; r->nbits -= q + 1; r->used += q + 1;
+    }
+    r_load(r);
+    v = r->v;
+    if (__builtin_expect((v & ((1ULL << QMAX) - 1)) != 0, 1)) {
+        const int q = __builtin_ctzll(v);
+        r_skip(r, q + 1);
         return ((uint64_t)q << k) | r_get(r, k);
     }
-    if (r->nbits < QMAX) { r->err = 1; return 0; }
-    r_get(r, QMAX);
+    if (r->have < QMAX) { r->err = 1; return 0; }
+    r_skip(r, QMAX);
     return r_get(r, ESC_BITS);
 }
 /* every bit read, the stream ends in that byte, padding bits are zero */
 static int r_done(reader *r, int64_t len) {
     if (r->err) return E_STREAM;
-    if ((r->used + 7) / 8 != len) return E_TRAILING;
-    r_fill(r);
-    return (r->acc & ((1ULL << r->nbits) - 1)) ? E_TRAILING : 0;  /* nbits < 64 */
+    if ((r_pos(r) + 7) / 8 != len) return E_TRAILING;
+    r_load(r);
+    return r->v ? E_TRAILING : 0;  /* (what is left: the last byte's padding) */
 }
 
 /* ------------------------------------------------------------------ monotone order */
@@ -717,10 +750,14 @@ static int decode_streams(int64_t n, int w, int mant, const int64_t *table, int6
     if (!ng) return E_NOMEM;
     reader pr, vr; r_init(&pr, pos, plen); r_init(&vr, val, vlen);
     if (k <= 8 * vlen) {  /* the k sign bits open the (byte-aligned) stream: read them in place */
-        for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)((val[j >> 3] >> (j & 7)) & 1);
-        r_init(&vr, val + (k >> 3), vlen - (k >> 3));
-        vr.used = 8 * (k >> 3);
-        r_get(&vr, (int)(k & 7));
+        /* eight a byte: the byte in each of eight lanes, each lane's own bit kept, made 0 or 1 */
+        for (int64_t b = 0; R_LOADS && b < k >> 3; b++) {  /* (lanes in memory order: little-endian) */
+            uint64_t x = ((uint64_t)val[b] * 0x0101010101010101ULL) & 0x8040201008040201ULL;
+            x = ((x + 0x7F7F7F7F7F7F7F7FULL) >> 7) & 0x0101010101010101ULL;
+            memcpy(ng + 8 * b, &x, 8);
+        }
+        for (int64_t j = R_LOADS ? k & ~(int64_t)7 : 0; j < k; j++) ng[j] = (uint8_t)((val[j >> 3] >> (j & 7)) & 1);
+        vr.end = k;  /* the window empty at bit k: the value codes follow the signs */
     } else {
         for (int64_t j = 0; j < k; j++) ng[j] = (uint8_t)r_get(&vr, 1);
     }
@@ -757,7 +794,8 @@ static int decode_streams(int64_t n, int w, int mant, const int64_t *table, int6
             } else if (s < vsteps) {
                 const int64_t j = bi[s - bc];
                 uint64_t m = r_rice(&vr, ke) + 2;
-                if (m > sign || (!ng[a + j] && m == sign)) { bad_v = 1; vsteps = 0; continue; }
+                /* (bitwise, not || and &&: the compiler branched on the sign, as random as the values) */
+                if (__builtin_expect((m > sign) | ((ng[a + j] == 0) & (m == sign)), 0)) { bad_v = 1; vsteps = 0; continue; }
                 mg[a + j] = m;
             }
         }

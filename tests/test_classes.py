@@ -203,6 +203,29 @@ def test_malformed_streams_are_refused_the_same_way():
             assert torch.equal(old, before)
 
 
+@needs_native
+def test_the_bytewise_bit_reader_decodes_the_same(tmp_path):
+    """The kernel's bit reader takes each window in one 8-byte load on a little-endian host and
+    byte by byte elsewhere (and near a stream's end). A build that reads every window byte by
+    byte (``-DDCR_READ_BYTEWISE``, the path a big-endian host takes) decodes and refuses as the
+    reference does: round trips of every dtype, escape codes, malformed streams."""
+    import os
+    import subprocess
+    from pathlib import Path
+    here = Path(__file__).resolve().parent
+    code = ("import test_classes as t; from nemo_dcr.codec import native; "
+            "[t.test_native_equals_reference_and_round_trips(d, n, p) for d in t.DTYPES "
+            "for n, p in ((1, 1.0), (7, 0.5), (20000, 0.03), (4096, 1.0))]; "
+            "t.test_escape_codes_for_outlying_gaps(); t.test_malformed_streams_are_refused_the_same_way(); "
+            "print(native.origin)")
+    env = {**os.environ, "NEMO_DCR_NATIVE_CFLAGS": "-DDCR_READ_BYTEWISE", "NEMO_DCR_CACHE": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(here), str(here.parent)])}
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
+                       cwd=here.parent)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["variant", "build"], r.stdout
+
+
 # ----------------------------------------------------------------------------- through diff/apply
 
 def _model(seed=0, p=0.02):
