@@ -205,7 +205,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
     int16_t cum[4][DSEG / 64 + 1] __attribute__((aligned(64)));
     uint64_t marks[DSEG / 64];                      /* the segment's changes */
     uint32_t pre[DSEG / 64];                        /* changes before each block */
-    uint16_t sp[DSEG], sv[DSEG];                    /* the segment's changes: place, new bits */
+    uint16_t sp[DSEG], sd[DSEG];                    /* the segment's changes: place, difference */
     int64_t out = 0, i = 0;
 #define DCR_DROP(x) do { L--; cls[x] = cls[L]; vact[x] = vact[L]; before[x] = before[L]; next[x] = next[L]; endc[x] = endc[L]; } while (0)
     while (i + 64 <= n && L) {
@@ -234,7 +234,7 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
                     int p = 64 * b + NTH(EQ(LDB(cb + 64 * b), a), r - cu[b]);
                     marks[b] |= 1ULL << (p & 63);
                     sp[ns] = (uint16_t)p;
-                    sv[ns++] = (uint16_t)unkey((key_of(os[p], mask, sign) + dv[j]) & mask, mask, sign);
+                    sd[ns++] = (uint16_t)dv[j];  /* (the difference mod 2^16: its new bits come in the pass below) */
                     j++;
                 }
                 next[x] = j;
@@ -246,13 +246,15 @@ TGT static int64_t F(scan_decode)(const uint16_t *o, int64_t n, int mant, int lo
             if (next[x] == endc[x]) { DCR_DROP(x); x--; }
         uint32_t c = 0;
         for (int b = 0; b < nb; b++) { pre[b] = c; c += (uint32_t)__builtin_popcountll(marks[b]); }
-        for (int q = 0; q < ns; q++) {  /* each change to its place in position order */
+        for (int q = 0; q < ns; q++) {  /* each change to its place in position order, its new bits */
+            /* (made here, not as the change is placed: its base bits are read once, for both) */
             int p = sp[q], b = p >> 6;
             int64_t at = out + pre[b] + __builtin_popcountll(marks[b] & ((1ULL << (p & 63)) - 1));
+            const uint16_t u = os[p], nv = (uint16_t)unkey((key_of(u, mask, sign) + sd[q]) & mask, mask, sign);
             idx_out[at] = i + p;
-            new_out[at] = sv[q];
-            if (old_out) old_out[at] = os[p];
-            if (wb) wb[i + p] = sv[q];
+            new_out[at] = nv;
+            if (old_out) old_out[at] = u;
+            if (wb) wb[i + p] = nv;
         }
         out += ns;
         i += 64 * (int64_t)nb;
