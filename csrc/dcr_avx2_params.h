@@ -12,3 +12,5 @@
 #define BLOCK_OF(cum, r) block_of_avx2(cum, r)
 #define STB(p, cb) st_avx2(p, cb)
 #define NEQ(o, nw) neq_avx2(o, nw)
+#define CLAMPB(x, cb) clamp_avx2(x, cb)
+#define WBLK(d, s, m) wblk_avx2(d, s, m)

@@ -216,19 +216,24 @@ static int found_init(found_t *f, int w) {
 }
 static void found_free(found_t *f) { free(f->idx); free(f->ov); free(f->nv); f->idx = NULL; f->ov = f->nv = NULL; }
 
+/* room for at least `need` changes in all; nonzero when out of memory (f unchanged then) */
+static int found_grow(found_t *f, int64_t need) {
+    if (need <= f->cap) return 0;
+    int64_t nc2 = f->cap * 2 > need ? f->cap * 2 : need;
+    int64_t *a = (int64_t *)realloc(f->idx, (size_t)nc2 * 8);
+    if (a) f->idx = a;
+    uint8_t *o = (uint8_t *)realloc(f->ov, (size_t)nc2 * (size_t)f->w);
+    if (o) f->ov = o;
+    uint8_t *v = (uint8_t *)realloc(f->nv, (size_t)nc2 * (size_t)f->w);
+    if (v) f->nv = v;
+    if (!a || !o || !v) return 1;
+    f->cap = nc2;
+    return 0;
+}
+
 /* append change i (old bits uo, new bits un); nonzero when out of memory */
 static inline int push_change(found_t *f, int64_t i, uint64_t uo, uint64_t un) {
-    if (__builtin_expect(f->k == f->cap, 0)) {
-        int64_t nc2 = f->cap * 2;
-        int64_t *a = (int64_t *)realloc(f->idx, (size_t)nc2 * 8);
-        if (a) f->idx = a;
-        uint8_t *o = (uint8_t *)realloc(f->ov, (size_t)nc2 * (size_t)f->w);
-        if (o) f->ov = o;
-        uint8_t *v = (uint8_t *)realloc(f->nv, (size_t)nc2 * (size_t)f->w);
-        if (v) f->nv = v;
-        if (!a || !o || !v) return 1;
-        f->cap = nc2;
-    }
+    if (__builtin_expect(f->k == f->cap, 0) && found_grow(f, f->k + 1)) return 1;
     f->idx[f->k] = i;
     store_u(f->ov, f->k, f->w, uo);
     store_u(f->nv, f->k, f->w, un);
@@ -372,6 +377,14 @@ static inline int block_of_avx512(const int16_t *cum, uint32_t r) {
     return __builtin_popcountll((uint64_t)_mm512_cmple_epi16_mask(_mm512_loadu_si512((const void *)cum), v))
          + __builtin_popcountll((uint64_t)_mm512_cmple_epi16_mask(_mm512_loadu_si512((const void *)(cum + 32)), v));
 }
+__attribute__((target("avx512f,avx512bw")))
+static inline __m512i clamp_avx512(const ctx512 *x, __m512i b) { return _mm512_max_epu8(_mm512_min_epu8(b, x->vhi), x->vlo); }
+/* a block's changes (mask m) copied from s into d by two masked stores: the others untouched */
+__attribute__((target("avx512f,avx512bw")))
+static inline void wblk_avx512(uint16_t *d, const uint16_t *s, uint64_t m) {
+    _mm512_mask_storeu_epi16((void *)d, (__mmask32)m, _mm512_loadu_si512((const void *)s));
+    _mm512_mask_storeu_epi16((void *)(d + 32), (__mmask32)(m >> 32), _mm512_loadu_si512((const void *)(s + 32)));
+}
 #define SFX _avx512
 #define TGT __attribute__((target("avx512f,avx512bw,bmi2,popcnt")))
 #define CTX_T ctx512
@@ -385,6 +398,8 @@ static inline int block_of_avx512(const int16_t *cum, uint32_t r) {
 #define BLOCK_OF(cum, r) block_of_avx512(cum, r)
 #define STB(p, cb) _mm512_store_si512((void *)(p), cb)
 #define NEQ(o, nw) neq_avx512(o, nw)
+#define CLAMPB(x, cb) clamp_avx512(x, cb)
+#define WBLK(d, s, m) wblk_avx512(d, s, m)
 #define NTH(e, at) __builtin_ctzll(_pdep_u64(1ULL << (at), e))
 #include "dcr_simd_scans.h"  /* which undefines the parameters above */
 
@@ -427,6 +442,18 @@ static inline uint32_t eq32_avx2(const uint16_t *o, const uint16_t *nw) {
 __attribute__((target("avx2")))
 static inline uint64_t neq_avx2(const uint16_t *o, const uint16_t *nw) {
     return ~((uint64_t)eq32_avx2(o, nw) | ((uint64_t)eq32_avx2(o + 32, nw + 32) << 32));
+}
+__attribute__((target("avx2")))
+static inline blk256 clamp_avx2(const ctx256 *x, blk256 b) {
+    blk256 r = {_mm256_max_epu8(_mm256_min_epu8(b.a, x->vhi), x->vlo), _mm256_max_epu8(_mm256_min_epu8(b.b, x->vhi), x->vlo)};
+    return r;
+}
+/* a block with changes (m) copied whole from s into d (its other elements are equal in both);
+ * a block without is not written (its lines stay clean) */
+__attribute__((target("avx2")))
+static inline void wblk_avx2(uint16_t *d, const uint16_t *s, uint64_t m) {
+    if (m) for (int q = 0; q < 4; q++)
+        _mm256_storeu_si256((__m256i *)(d + 16 * q), _mm256_loadu_si256((const __m256i *)(s + 16 * q)));
 }
 __attribute__((target("avx2")))
 static inline blk256 ld_avx2(const uint8_t *p) {
@@ -644,10 +671,17 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
                              new_out, NULL);
 }
 
+/* the changes pass A wrote into wb (those of whole blocks: ca is not NULL) put back to their
+ * old bits, f.k of them: on an error, or before the scalar pass B reads the base */
+static void undo_wb(void *wb, const found_t *f, const uint8_t *ca) {
+    if (wb && ca) for (int64_t j = 0; j < f->k; j++) store_u(wb, f->idx[j], f->w, load_u(f->ov, j, f->w));
+}
+
 /* dcr_cls_encode, and with wb (oldp itself, or NULL) each change's new bits written into the base
- * by pass B, once its element is read, while its segment is in L1: the publisher's snapshot brought
- * to the target in the same pass (a scatter afterwards found the chunk out of L2: ~1-2 ms of a 64M
- * BF16 encode at 1 %). On an error nothing stays written. */
+ * once its element is read, while its block is in L1 (by pass A where it runs vector code, else by
+ * pass B): the publisher's snapshot brought to the target in the same pass (a scatter afterwards
+ * found the chunk out of L2: ~1-2 ms of a 64M BF16 encode at 1 %). On an error nothing stays
+ * written. */
 int64_t dcr_cls_encode_wb(const void *oldp, const void *newp, int64_t n, int w, int mant,
                           int64_t *table, int64_t *ntab, uint8_t **pos_out, int64_t *plen,
                           uint8_t **val_out, int64_t *vlen, int64_t **idx_out, void **old_out, void **new_out,
@@ -664,22 +698,30 @@ int64_t dcr_cls_encode_wb(const void *oldp, const void *newp, int64_t n, int w, 
 #ifdef DCR_X86
     simd = w == 2 ? simd_isa() : 0;
 #endif
-    /* pass A: the changes */
+    /* pass A: the changes (and, by the vector passes, the classes of the whole blocks into ca,
+     * and the changes of those blocks written into wb) */
     int64_t got;
+    void *ca_mem = NULL;
+    uint8_t *ca = NULL;
 #ifdef DCR_X86
-    if (simd == 2) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, &f);
-    else if (simd == 1) got = find_changes_avx2((const uint16_t *)oldp, (const uint16_t *)newp, n, &f);
+    if (simd) {
+        ca_mem = malloc((size_t)n + 64);
+        if (!ca_mem) { found_free(&f); return E_NOMEM; }
+        ca = (uint8_t *)(((uintptr_t)ca_mem + 63) & ~(uintptr_t)63);
+    }
+    if (simd == 2) got = find_changes_avx512((const uint16_t *)oldp, (const uint16_t *)newp, n, mant, &f, ca, (uint16_t *)wb);
+    else if (simd == 1) got = find_changes_avx2((const uint16_t *)oldp, (const uint16_t *)newp, n, mant, &f, ca, (uint16_t *)wb);
     else
 #endif
     got = w == 2 ? find_changes(oldp, newp, n, 2, &f)
         : w == 4 ? find_changes(oldp, newp, n, 4, &f)
         : find_changes(oldp, newp, n, 1, &f);
-    if (got < 0) { found_free(&f); return E_NOMEM; }
+    if (got < 0) { undo_wb(wb, &f, ca); free(ca_mem); found_free(&f); return E_NOMEM; }
     const int64_t k = got;
     const int64_t *cidx = f.idx;
     uint64_t *rank = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
     uint8_t *ex = (uint8_t *)malloc((size_t)(k ? k : 1));  /* each change's exponent */
-    if (!rank || !ex) { free(rank); free(ex); found_free(&f); return E_NOMEM; }
+    if (!rank || !ex) { free(rank); free(ex); undo_wb(wb, &f, ca); free(ca_mem); found_free(&f); return E_NOMEM; }
     /* the class range: exponents with fewer than max(4, k/256) changes at either end are merged
      * into the nearest one with more (fewer classes to count, almost no bytes lost) */
     int lo = 0, hi = 0;
@@ -699,16 +741,18 @@ int64_t dcr_cls_encode_wb(const void *oldp, const void *newp, int64_t n, int w, 
     /* pass B: ranks within the classes */
     int rb = -2;
 #ifdef DCR_X86
-    if (simd == 2) rb = rank_avx512((const uint16_t *)oldp, n, mant, lo, hi, cidx, ex, k, rank,
+    if (simd == 2) rb = rank_avx512((const uint16_t *)oldp, ca, n, mant, lo, hi, cidx, ex, k, rank,
                                     (uint16_t *)wb, (const uint16_t *)f.nv);
-    else if (simd == 1) rb = rank_avx2((const uint16_t *)oldp, n, mant, lo, hi, cidx, ex, k, rank,
+    else if (simd == 1) rb = rank_avx2((const uint16_t *)oldp, ca, n, mant, lo, hi, cidx, ex, k, rank,
                                        (uint16_t *)wb, (const uint16_t *)f.nv);
 #endif
     if (rb == -2) {  /* (the vector passes refuse before they read or write anything) */
+        undo_wb(wb, &f, ca);  /* the scalar pass reads the base's old bits: pass A's writes undone */
         if (w == 2) rank_scalar(oldp, n, 2, mant, lo, hi, cidx, k, rank, wb, f.nv);
         else if (w == 4) rank_scalar(oldp, n, 4, mant, lo, hi, cidx, k, rank, wb, f.nv);
         else rank_scalar(oldp, n, 1, mant, lo, hi, cidx, k, rank, wb, f.nv);
     }
+    free(ca_mem);
     int e = encode_placed(k, nc, w, ex, rank, f.ov, f.nv, table, ntab, pos_out, plen, val_out, vlen);
     free(rank); free(ex);
     if (e < 0) {

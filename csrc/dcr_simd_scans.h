@@ -22,26 +22,60 @@
 #define DCR_CAT2(a, b) a##b
 #define DCR_CAT(a, b) DCR_CAT2(a, b)
 #define F(name) DCR_CAT(name, SFX)
+#ifndef DSEG_FIND
+#define DSEG_FIND 4096  /* how often find_changes sets its slots */
+#endif
 
 #ifndef DCR_SELECT_ONLY
-/* pass A of the encoder: the changes (found_t: positions, old and new bits) */
-TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_t n, found_t *f) {
-    for (int64_t i = 0; i < n; i += 64) {
-        uint64_t m;
-        if (i + 64 <= n) {
-            m = NEQ(o + i, nw + i);
-        } else {
-            m = 0;
-            for (int64_t j = i; j < n; j++) if (o[j] != nw[j]) m |= 1ULL << (j - i);
+/* pass A of the encoder: the changes (found_t: positions, old and new bits), and each whole
+ * block's classes before its changes, unclamped, into ca (n bytes, 64-aligned): pass B counts
+ * them there instead of reading the base a second time from memory (a third of the encode's
+ * reads). wb (o itself, or NULL): a block's changes then written into it (WBLK), the block in L1.
+ * The elements after the last whole block are left to pass B, which reads them in the base.
+ * Its state is kept in locals: stores through f's arrays may alias f itself, and push_change
+ * reloaded f's fields for every change. A block's first `slots` changes are written to fixed
+ * places without a branch on how many it has (a slot past them gets a scratch copy of the
+ * block's last element, overwritten later; 64 places are always free): a loop per block ended
+ * on a different count each time, a misprediction for about every other block at 1 %. `slots`
+ * follows the changes a block of the last segment held (2, 4 or 8, so that a block rarely has
+ * more; those take the loop). */
+#define DCR_SLOT(s) do { const int64_t at = i + __builtin_ctzll(m | (1ULL << 63)); \
+                         ix[k + (s)] = at; ov[k + (s)] = o[at]; nv[k + (s)] = nw[at]; m &= m - 1; } while (0)
+TGT static int64_t F(find_changes)(const uint16_t *o, const uint16_t *nw, int64_t n, int mant, found_t *f,
+                                   uint8_t *ca, uint16_t *wb) {
+    int64_t k = f->k, i = 0, seg = 0;
+    int64_t *ix = f->idx;
+    uint16_t *ov = (uint16_t *)f->ov, *nv = (uint16_t *)f->nv;
+    const CTX_T all = CTX(mant, 0, 255);  /* (no clamp: the class range is not known yet) */
+    int slots = 2;
+    for (; i + 64 <= n; i += 64) {
+        if (__builtin_expect(f->cap - k < 64, 0)) {
+            if (found_grow(f, k + 64)) { f->k = k; return -1; }
+            ix = f->idx; ov = (uint16_t *)f->ov; nv = (uint16_t *)f->nv;
         }
-        while (m) {
-            const int64_t at = i + __builtin_ctzll(m);
-            if (push_change(f, at, o[at], nw[at])) return -1;
-            m &= m - 1;
+        STB(ca + i, CLASSES(&all, o + i));
+        uint64_t m = NEQ(o + i, nw + i);
+        const uint64_t changed = m;
+        const int c = __builtin_popcountll(m);
+        DCR_SLOT(0); DCR_SLOT(1);
+        if (slots > 2) { DCR_SLOT(2); DCR_SLOT(3); }
+        if (slots > 4) { DCR_SLOT(4); DCR_SLOT(5); DCR_SLOT(6); DCR_SLOT(7); }
+        if (__builtin_expect(c > slots, 0))
+            for (int s = slots; m; s++) DCR_SLOT(s);
+        if (wb) WBLK(wb + i, nw + i, changed);  /* (after the slots: they read the old bits there) */
+        k += c;
+        if (((i + 64) & (DSEG_FIND - 1)) == 0) {  /* a segment's changes a block: the next's slots */
+            const int64_t per = (k - seg) * 64;  /* x DSEG_FIND / 64 */
+            slots = per < DSEG_FIND ? 2 : per < 5 * DSEG_FIND / 2 ? 4 : 8;
+            seg = k;
         }
     }
+    f->k = k;
+    for (; i < n; i++)
+        if (o[i] != nw[i] && push_change(f, i, o[i], nw[i])) return -1;
     return f->k;
 }
+#undef DCR_SLOT
 #endif
 
 #ifndef DSEG
@@ -117,8 +151,9 @@ TGT static inline __attribute__((always_inline)) void F(segment_classes)(const u
  * blocks (a "does this block hold the next change" test per block, with ~0.6 changes per block at
  * 1 %) mispredicted about once per block and cost more than the counting. wb (o itself, or
  * NULL): each change's new bits (nv) written there once its segment's classes are made. */
-TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, const int64_t *cidx,
-                       const uint8_t *cls, int64_t k, uint64_t *rank, uint16_t *wb, const uint16_t *nv) {
+TGT static int F(rank)(const uint16_t *o, const uint8_t *ca, int64_t n, int mant, int lo, int hi,
+                       const int64_t *cidx, const uint8_t *cls, int64_t k, uint64_t *rank, uint16_t *wb,
+                       const uint16_t *nv) {
     int slot[256], act[MAXA], A = 0;
     for (int c = 0; c < 256; c++) slot[c] = -1;
     for (int64_t j = 0; j < k; j++) {
@@ -136,7 +171,11 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
     while (i + 64 <= n && j < k) {
         const int nb = (int)((n - i) / 64 < DSEG / 64 ? (n - i) / 64 : DSEG / 64);  /* whole blocks */
         const uint16_t *os = o + i;
-        F(segment_classes)(os, nb, (n - i - DSEG) * 2, &ctx, cb);
+        if (ca) {  /* pass A's classes, clamped */
+            for (int b = 0; b < nb; b++) STB(cb + 64 * b, CLAMPB(&ctx, LDB(ca + i + 64 * b)));
+        } else {
+            F(segment_classes)(os, nb, (n - i - DSEG) * 2, &ctx, cb);
+        }
         for (int a0 = 0; a0 < A; ) {
             const int g = DCR_GROUP(A - a0);
             F(count_classes)(cb, nb, vact + a0, g, cum + a0, tot + a0);
@@ -147,7 +186,7 @@ TGT static int F(rank)(const uint16_t *o, int64_t n, int mant, int lo, int hi, c
             const int p = (int)(cidx[j] - i), b = p >> 6, s = slot[cls[j]];
             const uint64_t e = EQ(LDB(cb + 64 * b), vact[s]);
             rank[j] = before[s] + (uint64_t)cum[s][b] + (uint64_t)__builtin_popcountll(e & ((1ULL << (p & 63)) - 1));
-            if (wb) wb[cidx[j]] = nv[j];  /* its segment's classes are in cb: its base bits are read */
+            if (wb && !ca) wb[cidx[j]] = nv[j];  /* its segment's classes are in cb: its base bits are read */
         }
         for (int a = 0; a < A; a++) before[a] += tot[a];
         i = end;
@@ -386,3 +425,5 @@ TGT static int64_t F(run_select)(const uint16_t *p, int64_t n, int mant, int lo,
 #undef LDB
 #undef STB
 #undef BLOCK_OF
+#undef CLAMPB
+#undef WBLK

@@ -526,6 +526,59 @@ def test_an_encode_that_writes_its_base_leaves_the_target_there_and_the_same_byt
         classes.encode(old.clone()[::2], new[::2], mant, write_base=True)
 
 
+def _blocks_with(old: torch.Tensor, start: int, count: int, per_block: int, g) -> None:
+    """In ``count`` blocks of 64 from ``start``: exactly ``per_block`` elements changed each, at
+    random places; some in the lowest mantissa bit (their class kept), some in the exponent."""
+    for b in range(count):
+        at = start + 64 * b + torch.randperm(64, generator=g)[:per_block]
+        flip = torch.where(torch.rand(per_block, generator=g) < 0.8, 1, 1 << 8)
+        old[at] ^= flip.to(old.dtype)
+
+
+@needs_native
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_the_change_finder_takes_any_mix_of_sparse_and_dense_blocks(dtype):
+    """The vector change finder writes a block's first 2, 4 or 8 changes to fixed places (as many
+    as a block of the segment before held) and loops for the rest: segments of 4096 elements that
+    are sparse, then dense, all changed, unchanged, then blocks with exactly one more change than
+    each setting writes (3 after a sparse segment, 9 after a dense one, 5 after a middling one),
+    and a tail that is not a whole block. Encoded by every scan and by the reference, with and
+    without the base written (the finder writes a block's changes into it), and a chunk whose one
+    class has an escaped gap on every scan (the Rice parameters' costs, vector and scalar)."""
+    lib = native.lib()
+    mant = classes.MANTISSA[dtype]
+    g = torch.Generator().manual_seed(31)
+    seg = 4096
+    old, _ = _pair(dtype, 9 * seg + 77, 0.0, seed=8)
+    new = old.clone()
+    new[:seg][torch.rand(seg, generator=g) < 0.005] ^= 1            # 0: sparse (2 places next)
+    _blocks_with(new, 1 * seg, 64, 3, g)                            # 1: 3 a block, looped (8 next)
+    _blocks_with(new, 2 * seg, 64, 9, g)                            # 2: 9 a block, looped (8 next)
+    new[3 * seg:4 * seg] ^= 1                                       # 3: every element
+    _blocks_with(new, 5 * seg, 64, 3, g)                            # 4 unchanged (2 next); 5: 3, looped
+    for b in range(64):                                             # 6: 1 or 2 a block (4 next)
+        _blocks_with(new, 6 * seg + 64 * b, 1, 1 + b % 2, g)
+    _blocks_with(new, 7 * seg, 64, 5, g)                            # 7: 5 a block, looped
+    new[-77:][torch.rand(77, generator=g) < 0.3] ^= 1                # the tail
+    one = torch.full((300000,), 0x3C00, dtype=torch.int16)  # one class, an escaped gap
+    bumped = one.clone()
+    bumped[:200] += 1
+    bumped[-1] += 1
+    try:
+        for a, b in [(old, new), (one, bumped)]:
+            want = classes.encode(a, b, mant, with_changes=True, use_native=False)
+            assert want[0] == int((a != b).sum())
+            for simd in (1, 2, 3, 0):
+                lib.dcr_set_simd(simd)
+                for write_base in (False, True):
+                    held = a.clone()
+                    got = classes.encode(held, b, mant, with_changes=True, write_base=write_base)
+                    assert got[:4] == want[:4] and all(torch.equal(x, y) for x, y in zip(got[4:], want[4:]))
+                    assert torch.equal(held, b if write_base else a)
+    finally:
+        lib.dcr_set_simd(1)
+
+
 def test_a_chunk_encode_that_fails_after_writing_its_base_writes_it_back(monkeypatch):
     """``encode_chunk(write_base=True)``: the base is written as the changes are found; when the
     codings after that fail, the base is as it was (``classes`` and the others alike)."""
