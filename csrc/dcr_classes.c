@@ -72,7 +72,41 @@ static inline void w_rice(writer *w, uint64_t v, int k) {
     } else { w_put_r(w, 0, QMAX); w_put_r(w, v, ESC_BITS); }
 }
 
+/* count Rice codes of parameter k (vals) written with the writer's state in locals: a store
+ * through its byte buffer may alias the writer itself, and the loop of w_rice calls reloaded
+ * and stored it for every code. Room for a batch's longest codes is made once per batch. */
+#define W_BATCH 1024
+static void w_rice_run(writer *w, const uint64_t *vals, int64_t count, int k) {
+    const uint64_t km = (1ULL << k) - 1;  /* k <= 31 */
+    int64_t i = 0;
+    while (i < count) {
+        const int64_t e = count - i < W_BATCH ? count : i + W_BATCH;
+        if (!w_room(w, (e - i) * 10 + 16)) return;  /* a code is at most 80 bits */
+        uint8_t *buf = w->buf;
+        int64_t len = w->len;
+        uint64_t acc = w->acc;
+        int nbits = w->nbits;
+        for (; i < e; i++) {
+            const uint64_t v = vals[i], q = v >> k;
+            if (__builtin_expect(q < QMAX && q + 1 + (uint64_t)k <= 56, 1)) {
+                acc |= ((1ULL << q) | ((v & km) << (q + 1))) << nbits;
+                nbits += (int)q + 1 + k;  /* < 64 */
+                memcpy(buf + len, &acc, 8);
+                const int nb = nbits >> 3;
+                len += nb; nbits &= 7;
+                acc >>= 8 * nb;  /* nb <= 7 */
+            } else {  /* a long code: w_rice (room made above) */
+                w->len = len; w->acc = acc; w->nbits = nbits;
+                w_rice(w, v, k);
+                len = w->len; acc = w->acc; nbits = w->nbits;
+            }
+        }
+        w->len = len; w->acc = acc; w->nbits = nbits;
+    }
+}
+
 static uint64_t rice_cost(uint64_t v, int k) { uint64_t q = v >> k; return q < QMAX ? q + 1 + (uint64_t)k : QMAX + ESC_BITS; }
+static void rice_costs(const uint64_t *vals, int64_t count, const int ks[4], uint64_t c[4]);
 
 static int bitlength(uint64_t m) { int b = 0; while (m) { b++; m >>= 1; } return b; }
 
@@ -83,12 +117,8 @@ static int choose_k_gen(const uint64_t *vals, int64_t count) {
     uint64_t s = 0; for (int64_t i = 0; i < count; i++) s += vals[i];
     const int k0 = bitlength(s / (uint64_t)count);
     int ks[4]; for (int d = 0; d < 4; d++) { int k = k0 - 2 + d; ks[d] = k < 0 ? 0 : (k > 31 ? 31 : k); }
-    uint64_t c0 = 0, c1 = 0, c2 = 0, c3 = 0;
-    for (int64_t i = 0; i < count; i++) {
-        uint64_t v = vals[i];
-        c0 += rice_cost(v, ks[0]); c1 += rice_cost(v, ks[1]); c2 += rice_cost(v, ks[2]); c3 += rice_cost(v, ks[3]);
-    }
-    const uint64_t c[4] = {c0, c1, c2, c3};
+    uint64_t c[4];
+    rice_costs(vals, count, ks, c);
     int best = -1; uint64_t bestc = 0;
     for (int d = 0; d < 4; d++) {
         int k = k0 - 2 + d;
@@ -556,6 +586,49 @@ int dcr_simd_pdep(void) {
 #endif
 }
 
+/* c[d]: the bits of vals[0..count-1] as Rice codes of parameter ks[d] (0 <= ks[d] <= 31), the
+ * four summed in one pass; with AVX2 four values at a time (a code's cost is its quotient, or a
+ * constant past QMAX, plus 1 + k: one shift, compare and blend a value and parameter). The values
+ * are below 2^63 (rank gaps and magnitudes): the signed compare holds. */
+#ifdef DCR_X86
+__attribute__((target("avx2")))
+static void rice_costs_avx2(const uint64_t *vals, int64_t count, const int ks[4], uint64_t c[4]) {
+    __m256i acc[4], alt[4];
+    __m128i sh[4];
+    const __m256i lim = _mm256_set1_epi64x(QMAX - 1);
+    for (int d = 0; d < 4; d++) {
+        acc[d] = _mm256_setzero_si256();
+        alt[d] = _mm256_set1_epi64x(QMAX + ESC_BITS - 1 - ks[d]);  /* + 1 + k: an escape's bits */
+        sh[d] = _mm_cvtsi32_si128(ks[d]);
+    }
+    int64_t i = 0;
+    for (; i + 4 <= count; i += 4) {
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(vals + i));
+        for (int d = 0; d < 4; d++) {
+            const __m256i q = _mm256_srl_epi64(v, sh[d]);
+            acc[d] = _mm256_add_epi64(acc[d], _mm256_blendv_epi8(q, alt[d], _mm256_cmpgt_epi64(q, lim)));
+        }
+    }
+    for (int d = 0; d < 4; d++) {
+        uint64_t t[4];
+        _mm256_storeu_si256((__m256i *)t, acc[d]);
+        c[d] = t[0] + t[1] + t[2] + t[3] + (uint64_t)i * (uint64_t)(1 + ks[d]);
+        for (int64_t j = i; j < count; j++) c[d] += rice_cost(vals[j], ks[d]);
+    }
+}
+#endif
+static void rice_costs(const uint64_t *vals, int64_t count, const int ks[4], uint64_t c[4]) {
+#ifdef DCR_X86
+    if (simd_isa() >= 1) { rice_costs_avx2(vals, count, ks, c); return; }
+#endif
+    uint64_t c0 = 0, c1 = 0, c2 = 0, c3 = 0;
+    for (int64_t i = 0; i < count; i++) {
+        uint64_t v = vals[i];
+        c0 += rice_cost(v, ks[0]); c1 += rice_cost(v, ks[1]); c2 += rice_cost(v, ks[2]); c3 += rice_cost(v, ks[3]);
+    }
+    c[0] = c0; c[1] = c1; c[2] = c2; c[3] = c3;
+}
+
 /* ------------------------------------------------------------------ encode, once placed */
 /* The coding of k changes once each is placed: ex[j] its class (< nc), rank[j] its rank among
  * the chunk's elements of that class, oldv[j]/newv[j] its old and new bits (w bytes each);
@@ -606,7 +679,7 @@ static int encode_placed(int64_t k, int nc, int w, const uint8_t *ex, const uint
         if (!kc) continue;
         int64_t *row = table + TAB * rows++;
         int kp = choose_k_gen(gap + a, kc);
-        for (int64_t j = 0; j < kc; j++) w_rice(&pw, gap[a + j], kp);
+        w_rice_run(&pw, gap + a, kc, kp);
         int64_t bc = 0, last = -1;
         for (int64_t j = 0; j < kc; j++) {  /* branch-free: which magnitudes are >= 2 is random */
             const int big = mag[a + j] >= 2;
@@ -617,11 +690,11 @@ static int encode_placed(int64_t k, int nc, int w, const uint8_t *ex, const uint
         int kb = 0, ke = 0;
         if (bc) {
             kb = choose_k_gen(tmp, bc);
-            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], kb);
+            w_rice_run(&vw, tmp, bc, kb);
             int64_t b = 0;
             for (int64_t j = 0; j < kc; j++) { tmp[b] = mag[a + j] - 2; b += mag[a + j] >= 2; }
             ke = choose_k_gen(tmp, bc);
-            for (int64_t j = 0; j < bc; j++) w_rice(&vw, tmp[j], ke);
+            w_rice_run(&vw, tmp, bc, ke);
         }
         row[0] = c; row[1] = kc; row[2] = kp; row[3] = bc; row[4] = kb; row[5] = ke;
     }
