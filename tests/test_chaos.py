@@ -94,3 +94,23 @@ def test_a_format_version_with_versions_is_refused_before_anything_starts(tmp_pa
     from nemo_dcr.cli.main import main
     assert main(["chaos", "--versions", "3", "--format-version", "5"]) == 1
     assert "--format-version is not supported with --versions" in capsys.readouterr().err
+
+
+def test_a_disk_made_read_only_first_refuses_the_filler_without_raising(tmp_path):
+    """A step that draws both a read-only and a full-disk fault for one disk: the filler cannot
+    be written (EROFS), the fault is reported as not made, and the disk comes back writable."""
+    from nemo_dcr.chaos.campaign import _Disk
+    d = _Disk(str(tmp_path / "disk"), 4)
+    if not d.mounted:
+        pytest.skip(f"no tmpfs here: {d.why}")
+    try:
+        assert d.readonly(True)
+        assert d.fill() is False
+        assert d.readonly(False)
+        d.unfill()  # (as the campaign lifts a step's disk faults: writable first)
+        assert d.fill() is True
+        d.unfill()
+        with open(tmp_path / "disk" / "after", "wb") as f:
+            f.write(b"x")
+    finally:
+        d.close()

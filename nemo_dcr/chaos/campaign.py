@@ -251,9 +251,15 @@ class _Disk:
         self.why = r.stderr.strip()
 
     def fill(self) -> bool:
+        """Take every free byte; False where that could not be done. A disk this step already
+        made read-only (the step drew both faults) cannot take the filler: the harness aborted
+        such a run with EROFS before (docs/reliability.md)."""
         st = os.statvfs(self.path)
         free = st.f_bavail * st.f_frsize
-        fd = os.open(os.path.join(self.path, ".filler"), os.O_CREAT | os.O_WRONLY, 0o600)
+        try:
+            fd = os.open(os.path.join(self.path, ".filler"), os.O_CREAT | os.O_WRONLY, 0o600)
+        except OSError:
+            return False
         try:
             os.posix_fallocate(fd, 0, free)
         except OSError:
@@ -633,7 +639,7 @@ class _Run:
                     continue
                 ok = disk.fill() if f.startswith("disk_full") else disk.readonly(True)
                 if not ok:
-                    self.t.skipped[f"{f}: could not be made (busy)"] += 1
+                    self.t.skipped[f"{f}: could not be made (busy, or read-only already)"] += 1
                 self.disk_faults.append(disk)
             elif f == "s3_restart_empty":
                 c.s3.restart_empty()
