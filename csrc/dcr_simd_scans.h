@@ -144,13 +144,15 @@ TGT static inline __attribute__((always_inline)) void F(segment_classes)(const u
  * classes have changes (use the scalar pass).
  *
  * Segment by segment (DSEG elements, whole blocks), as the decoder's scan: the segment's classes
- * are computed once into a byte buffer (L1-resident), each active class's members counted block
+ * (clamped from pass A's, ca; or, where ca is NULL, computed from the base bits) go into a byte
+ * buffer (L1-resident), each active class's members counted block
  * by block, four classes a pass (count_classes; cum: members in the blocks before each), and then
  * each change of the segment gets its rank without a branch: the members of its class before its
  * segment, before its block, and before it in its block. Placing the changes while walking the
  * blocks (a "does this block hold the next change" test per block, with ~0.6 changes per block at
  * 1 %) mispredicted about once per block and cost more than the counting. wb (o itself, or
- * NULL): each change's new bits (nv) written there once its segment's classes are made. */
+ * NULL): each change's new bits (nv) written there once its segment's classes are made, where
+ * pass A has not (ca NULL; and the elements after the last whole block, in the tail loop). */
 TGT static int F(rank)(const uint16_t *o, const uint8_t *ca, int64_t n, int mant, int lo, int hi,
                        const int64_t *cidx, const uint8_t *cls, int64_t k, uint64_t *rank, uint16_t *wb,
                        const uint16_t *nv) {
