@@ -47,61 +47,44 @@ static inline int w_room(writer *w, int64_t bytes) {
     }
     return 1;
 }
-/* len <= 56, and w_room for (len + 7) / 8 bytes done */
+/* v < 2^len (the callers mask), len <= 56, and w_room for (len + 7) / 8 bytes done */
 static inline void w_put_r(writer *w, uint64_t v, int len) {
-    if (len < 64) v &= (len ? ((1ULL << len) - 1) : 0);
     w->acc |= v << w->nbits; w->nbits += len;  /* nbits <= 7 before: < 64 after */
     memcpy(w->buf + w->len, &w->acc, 8);
     int nb = w->nbits >> 3;
     w->len += nb; w->nbits &= 7;
-    w->acc = nb ? w->acc >> (8 * nb) : w->acc;  /* nb <= 7: a defined shift */
+    w->acc >>= 8 * nb;  /* nb <= 7: a defined shift */
 }
 static void w_put(writer *w, uint64_t v, int len) { /* len <= 56 */
     if (w_room(w, 8)) w_put_r(w, v, len);
 }
 static void w_finish(writer *w) { if (w->nbits) w_put(w, 0, 8 - w->nbits); }
 
-static inline void w_rice(writer *w, uint64_t v, int k) {
-    if (!w_room(w, 16)) return;  /* a code is at most QMAX + ESC_BITS = 80 bits */
+/* a Rice code, w_room for 16 bytes done (a code is at most QMAX + ESC_BITS = 80 bits) */
+static inline void w_rice_r(writer *w, uint64_t v, int k) {
     uint64_t q = v >> k;
     if (q < QMAX) {
         int len = (int)q + 1 + k;
         if (len <= 56) { w_put_r(w, (1ULL << q) | ((v & ((1ULL << k) - 1)) << (q + 1)), len); return; }
         w_put_r(w, 1ULL << q, (int)q + 1);
-        if (k) w_put_r(w, v, k);
-    } else { w_put_r(w, 0, QMAX); w_put_r(w, v, ESC_BITS); }
+        w_put_r(w, v & ((1ULL << k) - 1), k);
+    } else { w_put_r(w, 0, QMAX); w_put_r(w, v & ((1ULL << ESC_BITS) - 1), ESC_BITS); }
 }
+static inline void w_rice(writer *w, uint64_t v, int k) { if (w_room(w, 16)) w_rice_r(w, v, k); }
 
-/* count Rice codes of parameter k (vals) written with the writer's state in locals: a store
- * through its byte buffer may alias the writer itself, and the loop of w_rice calls reloaded
- * and stored it for every code. Room for a batch's longest codes is made once per batch. */
+/* count Rice codes of parameter k (vals), written through a local copy of the writer, with room
+ * for a batch's longest codes made once: a store through the buffer of a writer reached by a
+ * pointer may alias the writer itself, and a loop of w_rice(w, ...) reloaded and stored its
+ * fields for every code; a local's fields stay in registers (nothing stored through its buffer
+ * can reach it). */
 #define W_BATCH 1024
 static void w_rice_run(writer *w, const uint64_t *vals, int64_t count, int k) {
-    const uint64_t km = (1ULL << k) - 1;  /* k <= 31 */
-    int64_t i = 0;
-    while (i < count) {
+    for (int64_t i = 0; i < count; ) {
         const int64_t e = count - i < W_BATCH ? count : i + W_BATCH;
-        if (!w_room(w, (e - i) * 10 + 16)) return;  /* a code is at most 80 bits */
-        uint8_t *buf = w->buf;
-        int64_t len = w->len;
-        uint64_t acc = w->acc;
-        int nbits = w->nbits;
-        for (; i < e; i++) {
-            const uint64_t v = vals[i], q = v >> k;
-            if (__builtin_expect(q < QMAX && q + 1 + (uint64_t)k <= 56, 1)) {
-                acc |= ((1ULL << q) | ((v & km) << (q + 1))) << nbits;
-                nbits += (int)q + 1 + k;  /* < 64 */
-                memcpy(buf + len, &acc, 8);
-                const int nb = nbits >> 3;
-                len += nb; nbits &= 7;
-                acc >>= 8 * nb;  /* nb <= 7 */
-            } else {  /* a long code: w_rice (room made above) */
-                w->len = len; w->acc = acc; w->nbits = nbits;
-                w_rice(w, v, k);
-                len = w->len; acc = w->acc; nbits = w->nbits;
-            }
-        }
-        w->len = len; w->acc = acc; w->nbits = nbits;
+        if (!w_room(w, (e - i) * 10 + 16)) return;
+        writer l = *w;
+        for (; i < e; i++) w_rice_r(&l, vals[i], k);
+        *w = l;
     }
 }
 
