@@ -727,10 +727,11 @@ int64_t dcr_cls_encode(const void *oldp, const void *newp, int64_t n, int w, int
                              new_out, NULL);
 }
 
-/* the changes pass A wrote into wb (those of whole blocks: ca is not NULL) put back to their
- * old bits, f.k of them: on an error, or before the scalar pass B reads the base */
-static void undo_wb(void *wb, const found_t *f, const uint8_t *ca) {
-    if (wb && ca) for (int64_t j = 0; j < f->k; j++) store_u(wb, f->idx[j], f->w, load_u(f->ov, j, f->w));
+/* the f.k changes found put back to their old bits in wb (NULL: nothing was written): on an
+ * error, or before the scalar pass B reads the base. A change not written yet gets the bits it
+ * has. */
+static void undo_wb(void *wb, const found_t *f) {
+    if (wb) for (int64_t j = 0; j < f->k; j++) store_u(wb, f->idx[j], f->w, load_u(f->ov, j, f->w));
 }
 
 /* dcr_cls_encode, and with wb (oldp itself, or NULL) each change's new bits written into the base
@@ -772,12 +773,12 @@ int64_t dcr_cls_encode_wb(const void *oldp, const void *newp, int64_t n, int w, 
     got = w == 2 ? find_changes(oldp, newp, n, 2, &f)
         : w == 4 ? find_changes(oldp, newp, n, 4, &f)
         : find_changes(oldp, newp, n, 1, &f);
-    if (got < 0) { undo_wb(wb, &f, ca); free(ca_mem); found_free(&f); return E_NOMEM; }
+    if (got < 0) { if (ca) undo_wb(wb, &f); free(ca_mem); found_free(&f); return E_NOMEM; }
     const int64_t k = got;
     const int64_t *cidx = f.idx;
     uint64_t *rank = (uint64_t *)malloc((size_t)(k ? k : 1) * 8);
     uint8_t *ex = (uint8_t *)malloc((size_t)(k ? k : 1));  /* each change's exponent */
-    if (!rank || !ex) { free(rank); free(ex); undo_wb(wb, &f, ca); free(ca_mem); found_free(&f); return E_NOMEM; }
+    if (!rank || !ex) { free(rank); free(ex); if (ca) undo_wb(wb, &f); free(ca_mem); found_free(&f); return E_NOMEM; }
     /* the class range: exponents with fewer than max(4, k/256) changes at either end are merged
      * into the nearest one with more (fewer classes to count, almost no bytes lost) */
     int lo = 0, hi = 0;
@@ -803,7 +804,7 @@ int64_t dcr_cls_encode_wb(const void *oldp, const void *newp, int64_t n, int w, 
                                        (uint16_t *)wb, (const uint16_t *)f.nv);
 #endif
     if (rb == -2) {  /* (the vector passes refuse before they read or write anything) */
-        undo_wb(wb, &f, ca);  /* the scalar pass reads the base's old bits: pass A's writes undone */
+        if (ca) undo_wb(wb, &f);  /* the scalar pass reads the base's old bits: pass A's writes undone */
         if (w == 2) rank_scalar(oldp, n, 2, mant, lo, hi, cidx, k, rank, wb, f.nv);
         else if (w == 4) rank_scalar(oldp, n, 4, mant, lo, hi, cidx, k, rank, wb, f.nv);
         else rank_scalar(oldp, n, 1, mant, lo, hi, cidx, k, rank, wb, f.nv);
@@ -812,7 +813,7 @@ int64_t dcr_cls_encode_wb(const void *oldp, const void *newp, int64_t n, int w, 
     int e = encode_placed(k, nc, w, ex, rank, f.ov, f.nv, table, ntab, pos_out, plen, val_out, vlen);
     free(rank); free(ex);
     if (e < 0) {
-        if (wb) for (int64_t j = 0; j < k; j++) store_u(wb, cidx[j], w, load_u(f.ov, j, w));  /* undone */
+        undo_wb(wb, &f);
         found_free(&f);
         return e;
     }
